@@ -17,7 +17,7 @@ class LocalLLMError(Exception):
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
-        text = self.message.rstrip(".")
+        text = self.message.rstrip(". ")
         if self.hint:
-            text += f": {self.hint}" if not self.message.endswith(":") else f" {self.hint}"
+            text += "; " + self.hint
         return " ".join(text.split())  # one line, whatever the parts held
