@@ -1,0 +1,60 @@
+"""Build a Transformer on the ``meta`` device and fill it from a stream of named tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from localllm.errors import LocalLLMError
+from runtime.config import ModelConfig
+from runtime.model import Transformer
+
+
+def empty_model(config: ModelConfig) -> Transformer:
+    """The model's structure with no storage: parameters live on ``meta`` until assigned."""
+    with torch.device("meta"):
+        return Transformer(config)
+
+
+def load_weights(
+    model: Transformer,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device,
+    dtype: torch.dtype,
+    source: str,
+) -> Transformer:
+    """Assign each (name, tensor) to ``model`` in ``dtype`` on ``device``, checking names and shapes.
+
+    Floating tensors are converted as they stream in, so at most one source tensor is held beside
+    the converted model. Other entries of the model's state dict (quantized buffers) keep their dtype.
+    """
+    expected = model.state_dict()
+    tied = model.config.tie_embeddings
+    state: dict[str, torch.Tensor] = {}
+    for name, t in tensors:
+        if name not in expected:
+            raise LocalLLMError(f"{source}: unexpected tensor '{name}'", "the checkpoint does not match its config")
+        want = expected[name]
+        if tuple(t.shape) != tuple(want.shape):
+            raise LocalLLMError(
+                f"{source}: tensor '{name}' has shape {tuple(t.shape)}, the config implies {tuple(want.shape)}",
+                "the checkpoint does not match its config",
+            )
+        target = dtype if want.dtype.is_floating_point and t.dtype.is_floating_point else want.dtype
+        state[name] = t.to(device=device, dtype=target)
+    if tied:
+        if "output.weight" in state:
+            # Some tied checkpoints still store lm_head: keep one tensor.
+            del state["output.weight"]
+        state["output.weight"] = state.get("embed.weight")  # type: ignore[assignment]
+    missing = sorted(k for k in expected if state.get(k) is None)
+    if missing:
+        raise LocalLLMError(
+            f"{source}: missing tensor(s) {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}",
+            "the checkpoint is incomplete; download it again",
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.tie_weights()
+    return model.eval().requires_grad_(False)

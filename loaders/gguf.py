@@ -1,0 +1,104 @@
+"""GGUF files (llama.cpp's format), read with the ``gguf`` package."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from localllm.errors import LocalLLMError
+from loaders.gguf_meta import read_metadata
+from runtime.config import ModelConfig
+
+_LAYER_MAP = {
+    "attn_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "mlp_norm.weight",
+    "attn_q.weight": "attn.q.weight",
+    "attn_k.weight": "attn.k.weight",
+    "attn_v.weight": "attn.v.weight",
+    "attn_q.bias": "attn.q.bias",
+    "attn_k.bias": "attn.k.bias",
+    "attn_v.bias": "attn.v.bias",
+    "attn_output.weight": "attn.o.weight",
+    "ffn_gate.weight": "mlp.gate.weight",
+    "ffn_up.weight": "mlp.up.weight",
+    "ffn_down.weight": "mlp.down.weight",
+}
+_TOP_MAP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def map_gguf_name(name: str) -> str | None:
+    """Our parameter name for a GGUF tensor name; None for tensors we do not use (rope_freqs...)."""
+    if name in _TOP_MAP:
+        return _TOP_MAP[name]
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _LAYER_MAP:
+        return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    if name == "rope_freqs.weight":
+        return None
+    raise LocalLLMError(f"unexpected tensor '{name}' in the GGUF file", "is this a Llama, Mistral or Qwen2 model?")
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rope pairs) back to HF's half-split layout.
+
+    The converter maps rows (head, 2, hd/2) -> (head, hd/2, 2); rows are whole, so this works on
+    float weights, biases and quantized block rows alike.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFCheckpoint:
+    """A ``.gguf`` file: metadata, tokenizer and tensors."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        if not path.is_file():
+            raise LocalLLMError(f"GGUF file not found: {path}", "check the path")
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except (ValueError, OSError, IndexError) as e:
+            raise LocalLLMError(f"cannot read {path.name} as GGUF: {e}", "is the file complete? download it again") from e
+        self.metadata: dict[str, Any] = read_metadata(self.reader)
+        names = {t.name for t in self.reader.tensors}
+        self.config = ModelConfig.from_gguf(self.metadata, tie_embeddings="output.weight" not in names)
+        # llama.cpp permutes q/k only for its "llama" rope layout (Llama, Mistral); Qwen2 is left as is.
+        self._permuted = self.config.arch in ("llama", "mistral")
+
+    def tensor_types(self) -> dict[str, str]:
+        """GGUF tensor name -> its quantization type name (F32, Q4_1, Q8_0...)."""
+        return {t.name: t.tensor_type.name for t in self.reader.tensors}
+
+    def raw_tensors(self) -> Iterator[tuple[str, gguf.ReaderTensor]]:
+        """(our name, reader tensor) pairs, for importers that keep the quantized blocks."""
+        for t in self.reader.tensors:
+            ours = map_gguf_name(t.name)
+            if ours is not None:
+                yield ours, t
+
+    def fix_rows(self, ours: str, rows: np.ndarray) -> np.ndarray:
+        """Undo the converter's q/k permutation on an array whose first axis is output rows."""
+        if not self._permuted:
+            return rows
+        if ours.endswith(("attn.q.weight", "attn.q.bias")):
+            return unpermute_rows(rows, self.config.n_heads)
+        if ours.endswith(("attn.k.weight", "attn.k.bias")):
+            return unpermute_rows(rows, self.config.n_kv_heads)  # type: ignore[arg-type]
+        return rows
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(our name, float32 tensor) pairs, dequantized one at a time."""
+        for ours, t in self.raw_tensors():
+            w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32
+            # F32 tensors come back as read-only views of the mapped file: copy them.
+            yield ours, torch.tensor(self.fix_rows(ours, w))
+
+    def describe(self) -> str:
+        return str(self.path)

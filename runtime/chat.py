@@ -1,0 +1,146 @@
+"""Chat templates: messages -> prompt text -> token ids, rendered the way transformers does.
+
+Templates come from model repos and GGUF files, so they are untrusted code: they run in jinja2's
+immutable sandbox, with the same environment and helpers as transformers' ``apply_chat_template``
+so that a template renders here exactly as it does there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from runtime.tokenizer import Tokenizer
+
+#: The fallback for a model that ships no chat template: ChatML
+#: (``<|im_start|>role\ncontent<|im_end|>\n`` per message, then ``<|im_start|>assistant\n``).
+#: It is what most small instruct models of the Qwen/SmolLM lineage were trained on; for a model
+#: that was not, it is at least a plain, readable transcript.
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accept ``{% generation %}...{% endgeneration %}`` (used by transformers to mark assistant text)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    # jinja's own tojson escapes HTML characters; templates expect plain json.dumps.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise LocalLLMError(
+            f"the model's chat template is not valid jinja (line {exc.lineno}: {exc.message})",
+            "pass a working template, or use the plain prompt mode",
+        ) from exc
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    **extra: Any,
+) -> str:
+    """Render ``messages`` (``{"role": ..., "content": ...}`` dicts) with a chat template.
+
+    ``extra`` goes to the template as further variables (e.g. ``enable_thinking``).
+    """
+    for message in messages:
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise LocalLLMError(
+                f"a chat message must be a mapping with a 'role', got {message!r}",
+                'write messages as {"role": "user", "content": "..."}',
+            )
+    compiled = _compile(template)
+    try:
+        return compiled.render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token or "",
+            eos_token=eos_token or "",
+            tools=tools,
+            **extra,
+        )
+    except jinja2.TemplateError as exc:
+        raise LocalLLMError(
+            f"the model's chat template rejected the conversation: {exc}",
+            "check the roles and their order (some templates allow no system message, or need user/assistant "
+            "to alternate)",
+        ) from exc
+    except (TypeError, KeyError, AttributeError, ValueError) as exc:
+        raise LocalLLMError(f"the model's chat template failed on this conversation: {exc}",
+                            "check that every message has the fields the template reads") from exc
+
+
+def encode_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    template: str | None = None,
+    **extra: Any,
+) -> list[int]:
+    """Token ids of a conversation rendered with ``template`` if given, else the model's template,
+    else :data:`DEFAULT_TEMPLATE`.
+
+    Many templates write the BOS string themselves; then the tokenizer must not add another one.
+    BOS is added only when the model wants one and the rendered text does not already start with it
+    (llama.cpp does the same).
+    """
+    text = render_chat(
+        template or tokenizer.chat_template or DEFAULT_TEMPLATE,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        **extra,
+    )
+    bos = tokenizer.bos_token
+    return tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))

@@ -1,0 +1,160 @@
+"""Prefill, cached decode and the token loop, with the timing of each phase."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from localllm.errors import LocalLLMError
+from runtime.model import Transformer
+from runtime.sampling import SamplingParams, make_generator, sample
+
+
+@torch.inference_mode()
+def prefill(model: Transformer, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Run the prompt tokens (B, T) in one forward from position ``start``, filling the cache.
+
+    Returns the logits of the last position (B, vocab).
+    """
+    T = tokens.shape[1]
+    input_pos = torch.arange(start, start + T, device=tokens.device)
+    return model(tokens, input_pos, start)[:, -1]
+
+
+@torch.inference_mode()
+def decode_one_token(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+    """One token (B, 1) at position ``pos`` (also given as the (1,) tensor ``input_pos``) -> logits (B, vocab)."""
+    return model(token, input_pos, pos)[:, -1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class GenerationStats:
+    """Figures of one generation, as Ollama reports them (durations in seconds)."""
+
+    prompt_tokens: int = 0  # tokens actually run through prefill (a reused cached prefix is not counted)
+    cached_tokens: int = 0  # prompt tokens whose keys/values were reused from the previous turn
+    prompt_s: float = 0.0
+    generated_tokens: int = 0
+    decode_s: float = 0.0  # from the first generated token to the last
+    stop_reason: str = ""  # "eos", "max_tokens", "context", "stop_string"
+    token_latencies_s: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token: the prefill (the first token is sampled from its logits)."""
+        return self.prompt_s
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_s if self.prompt_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        steps = self.generated_tokens - 1  # the first token comes from prefill
+        return steps / self.decode_s if self.decode_s and steps > 0 else 0.0
+
+
+class Generator:
+    """Runs a model token by token over a preallocated KV cache of ``ctx`` positions.
+
+    Keeps the tokens whose keys/values are in the cache, so that a follow-up prompt sharing a
+    prefix with the previous one (a chat's history) only prefills what is new.
+    """
+
+    def __init__(self, model: Transformer, ctx: int) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.device = model.device
+        if model.max_seq != ctx:
+            model.setup_caches(ctx)
+        self.cached: list[int] = []  # token ids whose K/V sit in the cache at positions 0..len-1
+        self.stats = GenerationStats()
+
+    def reset(self) -> None:
+        self.cached = []
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> Iterator[int]:
+        """Yield generated token ids one at a time (a stop id ends generation and is not yielded).
+
+        ``self.stats`` holds the figures of the current/last call; ``stop_reason`` says why it ended.
+        """
+        if not prompt:
+            raise LocalLLMError("the prompt is empty", "give some text to continue")
+        if len(prompt) >= self.ctx:
+            raise LocalLLMError(
+                f"the prompt is {len(prompt)} tokens, the context holds {self.ctx}",
+                f"use a shorter prompt or a larger context (--ctx {len(prompt) + 256} or more)",
+            )
+        stats = self.stats = GenerationStats()
+        reuse = _common_prefix(self.cached, prompt)
+        if reuse == len(prompt):
+            reuse -= 1  # at least one token must run to give the next logits
+        stats.cached_tokens = reuse
+        dev = self.device
+        gen = make_generator(params.seed, dev)
+        stop = frozenset(stop_ids)
+        recent = list(prompt[-params.repeat_last_n :]) if params.repeat_penalty != 1.0 else None
+
+        t0 = time.perf_counter()
+        new = torch.tensor([list(prompt[reuse:])], device=dev, dtype=torch.long)
+        logits = prefill(self.model, new, reuse)
+        self.cached = list(prompt)
+        stats.prompt_tokens = new.shape[1]
+        pos = len(prompt)
+        input_pos = torch.empty(1, device=dev, dtype=torch.long)
+        limit = max_tokens if max_tokens is not None else self.ctx
+        first = True
+        while True:
+            recent_t = None
+            if recent is not None:
+                recent_t = torch.tensor([recent[-params.repeat_last_n :]], device=dev, dtype=torch.long)
+            token = sample(logits, params, recent_t, gen)  # (1,)
+            tok = int(token.item())  # the one value that crosses to the host each step
+            now = time.perf_counter()
+            if first:
+                stats.prompt_s = now - t0
+                t_first = now
+                first = False
+            else:
+                stats.token_latencies_s.append(now - t_last)
+                stats.decode_s = now - t_first
+            t_last = now
+            if tok in stop:
+                stats.stop_reason = "eos"
+                return
+            stats.generated_tokens += 1
+            yield tok
+            if recent is not None:
+                recent.append(tok)
+            if stats.generated_tokens >= limit:
+                stats.stop_reason = "max_tokens"
+                return
+            if pos >= self.ctx:
+                stats.stop_reason = "context"
+                return
+            input_pos.fill_(pos)
+            logits = decode_one_token(self.model, token.view(1, 1), input_pos, pos)
+            self.cached.append(tok)
+            pos += 1
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -1,0 +1,226 @@
+"""The Llama-family transformer (Llama, Mistral, Qwen2).
+
+Parameter names (the checkpoint loaders map to these)::
+
+    embed.weight
+    layers.{i}.attn_norm.weight
+    layers.{i}.attn.{q,k,v}.weight  (+ .bias when config.attention_bias)
+    layers.{i}.attn.o.weight
+    layers.{i}.mlp_norm.weight
+    layers.{i}.mlp.{gate,up,down}.weight
+    norm.weight
+    output.weight                   (the same tensor as embed.weight when tied)
+
+No device or dtype is hard-wired: build on ``meta``, ``load_state_dict(assign=True)``, then
+:meth:`Transformer.setup_caches` on the device the weights live on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.cache import KVCache
+from runtime.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype (as the reference implementations do).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) in fp32, with llama3 or linear scaling applied."""
+    hd = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    s = config.rope_scaling
+    if s is None:
+        return inv.float()
+    if s["rope_type"] == "linear":
+        return (inv / float(s["factor"])).float()
+    # llama3: leave high frequencies, divide low ones by `factor`, blend in between.
+    factor = float(s["factor"])
+    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    old_ctx = float(s.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    out = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(mid, blended, out).float()
+
+
+def rope_tables(config: ModelConfig, max_seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (max_seq, head_dim) in fp32, in the half-split (rotate_half) layout."""
+    inv = rope_inv_freq(config).to(device)
+    t = torch.arange(max_seq, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)  # (S, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (S, hd)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, hd); cos/sin (T, hd) already in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q = nn.Linear(config.dim, config.q_dim, bias=bias)
+        self.k = nn.Linear(config.dim, config.kv_dim, bias=bias)
+        self.v = nn.Linear(config.dim, config.kv_dim, bias=bias)
+        self.o = nn.Linear(config.q_dim, config.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, D)
+        cos: torch.Tensor,  # (T, hd)
+        sin: torch.Tensor,  # (T, hd)
+        input_pos: torch.Tensor | None,  # (T,) positions, None = no cache
+        kv_len: int,  # keys to attend to: positions [0, kv_len)
+        mask: torch.Tensor | None,  # (T, kv_len) bool, or None for "causal from 0" / "all"
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        if self.kv_cache is not None and input_pos is not None:
+            k_all, v_all = self.kv_cache.update(input_pos, k, v)
+            k, v = k_all[:, :, :kv_len], v_all[:, :, :kv_len]  # (B, KV, kv_len, hd)
+        gqa = self.n_heads != self.n_kv_heads
+        if T == 1 and mask is None:
+            # One query sees every cached key: fold the query heads of each kv group into the
+            # "sequence" axis so GQA needs neither expanded keys nor a mask.
+            g = self.n_heads // self.n_kv_heads
+            qg = q.view(B, self.n_kv_heads, g, self.head_dim)  # (B, KV, G, hd)
+            y = F.scaled_dot_product_attention(qg, k, v).view(B, self.n_heads, 1, self.head_dim)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+            )  # (B, H, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.o(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.up = nn.Linear(config.dim, config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, input_pos, kv_len, mask):  # type: ignore[no-untyped-def]
+        h = x + self.attn(self.attn_norm(x), cos, sin, input_pos, kv_len, mask)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.max_seq = 0
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype (that of the norms, which are never quantized)."""
+        return self.norm.weight.dtype
+
+    def tie_weights(self) -> None:
+        """Make the output head share the embedding's tensor (no copy)."""
+        self.output.weight = self.embed.weight
+
+    def setup_caches(self, max_seq: int, batch: int = 1, cache_dtype: torch.dtype | None = None) -> None:
+        """Allocate the KV caches and RoPE tables for ``max_seq`` positions on the model's device."""
+        c = self.config
+        device, dtype = self.device, cache_dtype or self.dtype
+        self.max_seq = max_seq
+        for layer in self.layers:
+            layer.attn.kv_cache = KVCache(batch, c.n_kv_heads, max_seq, c.head_dim, dtype, device)
+        cos, sin = rope_tables(c, max_seq, device)
+        self.rope_cos, self.rope_sin = cos.to(self.dtype), sin.to(self.dtype)
+
+    def drop_caches(self) -> None:
+        for layer in self.layers:
+            layer.attn.kv_cache = None
+        self.max_seq = 0
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+        """Logits (B, T, vocab) for ``tokens`` (B, T).
+
+        With caches set up, ``input_pos`` (T,) are the positions of the tokens (``start`` ..
+        ``start + T - 1``, ``start`` given as an int so no device sync is needed to know it) and the
+        new keys/values are written to the cache. Without ``input_pos`` the tokens are one whole
+        sequence from position 0 and no cache is read or written.
+        """
+        B, T = tokens.shape
+        if input_pos is None:
+            start = 0
+            if self.rope_cos is None or self.rope_cos.shape[0] < T:
+                cos, sin = rope_tables(self.config, T, tokens.device)
+                cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+            else:
+                cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # type: ignore[index]
+        else:
+            cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # type: ignore[index]
+        kv_len = start + T
+        mask = self._mask(start, T, kv_len, tokens.device)
+        x = self.embed(tokens)  # (B, T, D)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, kv_len, mask)
+        return self.output(self.norm(x))
+
+    def _mask(self, start: int, T: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
+        """None when SDPA needs no explicit mask; else a (T, kv_len) bool mask (True = attend)."""
+        window = self.config.sliding_window
+        windowed = window is not None and kv_len > window
+        if not windowed and (start == 0 or T == 1):
+            return None  # plain causal from position 0, or one query that sees everything
+        q_pos = torch.arange(start, start + T, device=device)[:, None]
+        k_pos = torch.arange(kv_len, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if windowed:
+            mask &= k_pos > q_pos - window
+        return mask

