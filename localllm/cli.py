@@ -1,0 +1,58 @@
+"""The ``localllm`` command: a click group; each command lives in ``localllm/commands/``.
+
+Generated text goes to stdout; progress, warnings and statistics to stderr. A
+:class:`~localllm.errors.LocalLLMError` becomes one line ``Error: ...`` and exit code 1
+(set ``LOCALLLM_DEBUG=1`` for the traceback).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from localllm import __version__
+from localllm.errors import LocalLLMError
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0")
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):  # type: ignore[no-untyped-def]
+        try:
+            return super().invoke(ctx)
+        except LocalLLMError as e:
+            if debug_enabled():
+                raise
+            raise click.ClickException(e.one_line()) from None
+        except MemoryError:
+            if debug_enabled():
+                raise
+            raise click.ClickException(
+                "out of memory; try a smaller scheme (--quant int4) or a shorter context (--ctx)"
+            ) from None
+        except KeyboardInterrupt:
+            click.echo("", err=True)
+            ctx.exit(130)
+        except BrokenPipeError:
+            # stdout was closed by the reader (e.g. `| head`): not an error of ours.
+            sys.stderr.close()
+            ctx.exit(0)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="localllm")
+def main() -> None:
+    """Run quantized LLMs locally, on a consumer GPU or the CPU."""
+
+
+def _register() -> None:
+    from localllm.commands import run
+
+    main.add_command(run.run)
+
+
+_register()

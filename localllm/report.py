@@ -1,0 +1,33 @@
+"""Human-readable figures for the terminal (stderr)."""
+
+from __future__ import annotations
+
+import click
+
+from runtime.generate import GenerationStats
+
+
+def human_duration(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f}µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f}ms"
+    return f"{seconds:.3f}s"
+
+
+def print_stats(stats: GenerationStats, load_s: float | None = None) -> None:
+    """Ollama's ``--verbose`` block: load duration, prompt eval and eval counts, durations and rates."""
+    rows = []
+    if load_s is not None:
+        rows.append(("load duration", human_duration(load_s)))
+    rows += [
+        ("prompt eval count", f"{stats.prompt_tokens} token(s)"
+         + (f" (+{stats.cached_tokens} cached)" if stats.cached_tokens else "")),
+        ("prompt eval duration", human_duration(stats.prompt_s)),
+        ("prompt eval rate", f"{stats.prompt_tps:.2f} tokens/s"),
+        ("eval count", f"{stats.generated_tokens} token(s)"),
+        ("eval duration", human_duration(stats.decode_s)),
+        ("eval rate", f"{stats.decode_tps:.2f} tokens/s"),
+    ]
+    for name, value in rows:
+        click.echo(f"{name + ':':<22}{value}", err=True)
