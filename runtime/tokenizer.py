@@ -310,6 +310,11 @@ def _sentencepiece_bpe(tokens: list[str], types: list[int], meta: dict[str, Any]
 
     GGUF files of this kind usually carry scores, not merges: the merges are rebuilt from them, best
     merged-token score first (llama.cpp merges the best-scoring pair first, which is the same order).
+
+    The space prefix follows transformers (Metaspace, ``prepend_scheme="first"``): one ``▁`` before the
+    text unless it already starts with a space, none after special tokens.  llama.cpp instead prefixes
+    a space to every text fragment after a special token, as HF's legacy Llama tokenizer did; a GGUF
+    does not say which one its model was trained with.
     """
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
