@@ -108,6 +108,19 @@ def run(
     _after(engine, verbose, lm.load_s)
 
 
+def _ask(prompt: str = ">>> ") -> str:
+    """One line from the user. The prompt goes to stderr unless stdout is the terminal too, so a
+    redirected stdout holds only the model's replies."""
+    if sys.stdout.isatty():
+        return input(prompt)  # readline editing and history
+    sys.stderr.write(prompt)
+    sys.stderr.flush()
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.rstrip("\n")
+
+
 def _after(engine, verbose: bool, load_s: float | None) -> None:  # type: ignore[no-untyped-def]
     if engine.stats.stop_reason == "context":
         click.echo(f"\nstopped: the context of {engine.ctx} tokens is full; use --ctx to allow more", err=True)
@@ -122,7 +135,7 @@ def _chat(engine, params, system, max_tokens, stop, verbose, load_s) -> None:  #
     history_start = len(messages)
     while True:
         try:
-            line = input(">>> ")
+            line = _ask()
         except (EOFError, KeyboardInterrupt):
             click.echo("", err=True)
             return

@@ -1,0 +1,3 @@
+from localllm.cli import main
+
+main()
