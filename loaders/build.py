@@ -26,11 +26,13 @@ def load_weights(
 ) -> Transformer:
     """Assign each (name, tensor) to ``model`` in ``dtype`` on ``device``, checking names and shapes.
 
-    Floating tensors are converted as they stream in, so at most one source tensor is held beside
-    the converted model. Other entries of the model's state dict (quantized buffers) keep their dtype.
+    Parameters (embedding, norms, float linears, biases) are converted to ``dtype`` as they stream
+    in, so at most one source tensor is held beside the converted model; buffers (the quantized
+    weights' codes and scales) keep the dtype their module declares.
     """
     expected = model.state_dict()
-    tied = model.config.tie_embeddings
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied = model.config.tie_embeddings and isinstance(model.output, torch.nn.Linear)
     state: dict[str, torch.Tensor] = {}
     for name, t in tensors:
         if name not in expected:
@@ -41,7 +43,7 @@ def load_weights(
                 f"{source}: tensor '{name}' has shape {tuple(t.shape)}, the config implies {tuple(want.shape)}",
                 "the checkpoint does not match its config",
             )
-        target = dtype if want.dtype.is_floating_point and t.dtype.is_floating_point else want.dtype
+        target = dtype if name in params else want.dtype
         state[name] = t.to(device=device, dtype=target)
     if tied:
         if "output.weight" in state:

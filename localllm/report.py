@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from localllm.format import human_size
 from runtime.generate import GenerationStats
 
 
@@ -31,3 +32,14 @@ def print_stats(stats: GenerationStats, load_s: float | None = None) -> None:
     ]
     for name, value in rows:
         click.echo(f"{name + ':':<22}{value}", err=True)
+
+
+def describe_model(lm, ctx: int) -> None:  # type: ignore[no-untyped-def]
+    """What runs: source, device, weight scheme, kernels, weight and KV cache bytes (stderr)."""
+    act = str(lm.dtype).removeprefix("torch.")
+    kernels = ", ".join(f"{name} x{n}" for name, n in sorted(lm.kernels.items())) or "torch (float)"
+    kv = lm.config.kv_cache_bytes(ctx, lm.model.layers[0].attn.kv_cache.k.element_size())
+    click.echo(f"model:   {lm.source}", err=True)
+    click.echo(f"device:  {lm.device}, activations {act}", err=True)
+    click.echo(f"weights: {lm.scheme_label}, {human_size(lm.weight_bytes)} in memory; kernels: {kernels}", err=True)
+    click.echo(f"kv cache: {human_size(kv)} for {ctx} tokens", err=True)

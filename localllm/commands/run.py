@@ -9,7 +9,7 @@ import click
 
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL
-from localllm.report import human_duration, print_stats
+from localllm.report import describe_model, print_stats
 from runtime.sampling import SamplingParams
 
 
@@ -51,6 +51,14 @@ def _read_prompt(prompt: str | None) -> str | None:
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
 @click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on CUDA, fp32 on CPU), fp32, fp16, bf16.")
+@click.option("--quant", "-q", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4", "nf4"]),
+              help="Weight scheme; quantized at load when the model is stored in another. "
+                   "Default: the model's own (int4 for Q4 GGUF files).")
+@click.option("--group-size", type=int, help="Quantization group size (int4: 32/64/128/256; int8: per channel).")
+@click.option("--quant-head", is_flag=True, help="Quantize the output head too (default: 16-bit).")
+@click.option("--kernel", type=click.Choice(["int4-tinygemm-cpu", "int4-tinygemm-cuda", "int8-weight-only",
+                                             "nf4-bitsandbytes", "reference"]),
+              help="Force a matmul kernel (default: the fastest that works here).")
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
 @click.option("--verbose", "-v", is_flag=True, help="Timing statistics to stderr, as Ollama prints them.")
 def run(
@@ -68,6 +76,10 @@ def run(
     stop: tuple[str, ...],
     device: str,
     dtype: str,
+    quant: str | None,
+    group_size: int | None,
+    quant_head: bool,
+    kernel: str | None,
     raw: bool,
     verbose: bool,
 ) -> None:
@@ -83,7 +95,8 @@ def run(
     if max_tokens is not None and max_tokens < 1:
         raise LocalLLMError(f"--max-tokens {max_tokens} is not positive", "give 1 or more, or leave it out")
     text = _read_prompt(prompt)
-    lm = load_model(model, device=device, dtype=dtype)
+    lm = load_model(model, device=device, dtype=dtype, quant=quant, group_size=group_size,
+                    quantize_head=quant_head, kernel=kernel)
     ctx = ctx or min(lm.config.max_seq_len, 4096)
     if ctx < 2:
         raise LocalLLMError(f"--ctx {ctx} is too small", "give at least a few hundred tokens")
@@ -92,8 +105,7 @@ def run(
                    err=True)
     engine = Engine(lm.model, lm.tokenizer, ctx)
     if verbose:
-        click.echo(f"model: {lm.source} on {lm.device} ({str(lm.dtype).removeprefix('torch.')}), "
-                   f"loaded in {human_duration(lm.load_s)}", err=True)
+        describe_model(lm, ctx)
 
     if text is None:
         _chat(engine, params, system, max_tokens, stop, verbose, lm.load_s)

@@ -1,0 +1,139 @@
+"""localllm's own artifact: a store entry holding a converted (usually quantized) model.
+
+    models/<name>/<scheme>/
+        manifest.json         written by loaders.store (sizes, sha256, source, config, quant)
+        model.safetensors     our parameter names; quantized modules as canonical tensors
+        tokenizer.json, tokenizer_config.json
+
+The manifest says what the tensors are (``quant``: scheme and the list of quantized modules): a
+loader never guesses a format from a file name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from localllm.errors import LocalLLMError
+from loaders import store as store_mod
+from loaders.safetensors_stream import iter_safetensors
+from quant.convert import quantize_stream
+from quant.formats import QuantScheme, dequantize
+from runtime.config import ModelConfig
+from runtime.tokenizer import Tokenizer
+
+WEIGHTS = "model.safetensors"
+_VERIFIED = ".verified.json"  # sizes and mtimes of files whose sha256 was checked
+
+
+def quant_manifest(scheme: QuantScheme | None, quantized: Iterable[str]) -> dict[str, Any]:
+    return {"scheme": scheme.to_dict() if scheme else None, "modules": sorted(quantized)}
+
+
+def write_artifact(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]], tokenizer: Tokenizer,
+                   config: ModelConfig) -> None:
+    """Write the weights and tokenizer into ``folder`` (a store's temporary folder).
+
+    The output tensors are gathered in memory (the size of the output model), then saved: the source
+    tensors stream through one at a time. A tied float head is not written twice.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for name, t in tensors:
+        if config.tie_embeddings and name == "output.weight":
+            continue
+        state[name] = t.detach().to("cpu").contiguous()
+    save_file(state, str(folder / WEIGHTS), metadata={"format": "pt", "producer": "localllm"})
+    tokenizer.save(folder)
+
+
+class ArtifactCheckpoint:
+    """A stored model: config and quant format from its manifest, tensors from model.safetensors."""
+
+    def __init__(self, stored: store_mod.StoredModel) -> None:
+        self.stored = stored
+        self.folder = stored.path
+        m = stored.manifest
+        try:
+            self.config = ModelConfig.from_dict(m["config"])
+            q = m["quant"]
+            self.scheme = QuantScheme.from_dict(q["scheme"]) if q["scheme"] else None
+            self.quantized = set(q["modules"])
+        except (KeyError, TypeError) as e:
+            raise LocalLLMError(
+                f"model '{stored.ref}' has an incomplete manifest (no {e})",
+                f"run `localllm rm {stored.ref}` and pull it again",
+            ) from e
+        _verify_once(stored)
+
+    def default_scheme(self) -> QuantScheme | None:
+        if self.scheme is None and self.stored.manifest.get("dtype"):
+            from quant.formats import parse_scheme
+
+            return parse_scheme(self.stored.manifest["dtype"])  # a float entry: its stored dtype
+        return self.scheme
+
+    def _raw(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_safetensors(self.folder / WEIGHTS)
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Float tensors (quantized modules dequantized one at a time), for a conversion to another scheme."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in self._raw():
+            module, _, leaf = key.rpartition(".")
+            if module not in self.quantized or leaf == "bias":
+                yield key, t
+                continue
+            parts = pending.setdefault(module, {})
+            parts[leaf] = t
+            if len(parts) == len(_canonical_names(self.scheme)):  # type: ignore[arg-type]
+                yield f"{module}.weight", dequantize(pending.pop(module), self.scheme)  # type: ignore[arg-type]
+
+    def iter_canonical(self, scheme: QuantScheme, quantized: set[str], tied_head: bool
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+        if scheme == self.scheme and quantized == self.quantized:
+            return self._raw()  # stored as asked: no re-quantization
+        return quantize_stream(self.iter_tensors(), scheme, quantized, tied_head)
+
+    def describe(self) -> str:
+        return self.stored.ref
+
+
+def _canonical_names(scheme: QuantScheme) -> tuple[str, ...]:
+    from quant.formats import canonical_shapes
+
+    return tuple(canonical_shapes(scheme, 2, 64))
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _verify_once(stored: store_mod.StoredModel) -> None:
+    """Check every file against the manifest's sha256 the first time an entry is loaded; later loads
+    only compare sizes and modification times with what was verified (hashing gigabytes on every
+    start would cost seconds)."""
+    stamp = stored.path / _VERIFIED
+    files = stored.manifest["files"]
+    try:
+        current = {rel: _stat_key(stored.path / rel) for rel in files}
+    except OSError:
+        current = None
+    try:
+        if current is not None and json.loads(stamp.read_text()) == current:
+            return
+    except (OSError, json.JSONDecodeError):
+        pass
+    store_mod.verify(stored)  # raises a LocalLLMError naming the bad file and the fix
+    try:
+        tmp = stamp.with_suffix(".tmp")
+        tmp.write_text(json.dumps(current))
+        os.replace(tmp, stamp)
+    except OSError:
+        pass  # a read-only store still loads; it just hashes again next time

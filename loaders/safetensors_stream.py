@@ -1,0 +1,77 @@
+"""Read a safetensors file one tensor at a time with plain reads, not a memory map.
+
+``safetensors.safe_open`` maps the whole file: every tensor read stays resident as mapped file
+pages until the file is closed, so the process's RSS grows to the file's size while streaming it.
+Reading each tensor into its own buffer keeps the footprint at one tensor, which is what makes
+quantizing a checkpoint memory-bounded. The format is an 8-byte little-endian header length, a JSON
+header ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from localllm.errors import LocalLLMError
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """The JSON header (without ``__metadata__``) and the offset where tensor data begins."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _damaged(path, "shorter than a header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise _damaged(path, "header longer than the file")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise _damaged(path, f"unreadable header ({e})") from e
+    header.pop("__metadata__", None)
+    start = 8 + n
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        if info["dtype"] not in _DTYPES:
+            raise LocalLLMError(f"{path.name}: tensor '{name}' has unsupported dtype {info['dtype']}")
+        if start + end > size:
+            raise _damaged(path, f"truncated: tensor '{name}' ends past the end of the file")
+        numel = 1
+        for d in info["shape"]:
+            numel *= d
+        if end - begin != numel * torch.empty(0, dtype=_DTYPES[info["dtype"]]).element_size():
+            raise _damaged(path, f"tensor '{name}' has {end - begin} bytes for shape {info['shape']}")
+    return header, start
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs in file order; each tensor is a fresh CPU buffer."""
+    header, start = read_header(path)
+    with open(path, "rb", buffering=0) as f:
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = info["data_offsets"]
+            t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            f.seek(start + begin)
+            view = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+            got = 0
+            while got < end - begin:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise _damaged(path, f"truncated while reading '{name}'")
+                got += n
+            yield name, t
+
+
+def _damaged(path: Path, why: str) -> LocalLLMError:
+    return LocalLLMError(f"{path} is damaged: {why}", "download or pull the model again")

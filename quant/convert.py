@@ -1,0 +1,43 @@
+"""Streaming conversion of named float tensors into a scheme's canonical tensors.
+
+One tensor is in flight at a time, so quantizing a checkpoint needs memory for the output plus the
+largest single tensor, never the whole float model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from quant.formats import QuantScheme, quantize
+
+
+def quantize_stream(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    scheme: QuantScheme,
+    quantized: set[str],
+    tied_head: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` with the weight of each module in ``quantized`` replaced by its
+    canonical tensors (``{module}.qweight``, ``.scales``...). Other tensors pass through.
+
+    ``tied_head``: the model ties its output head to the embedding but the head is quantized, so the
+    head's tensors are made from ``embed.weight`` (which itself passes through unchanged).
+    """
+    head_done = False
+    for name, t in tensors:
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module in quantized:
+            if module == "output":
+                if head_done:
+                    continue  # a tied checkpoint that also stores lm_head: one copy is enough
+                head_done = True
+            for k, v in quantize(t, scheme).items():
+                yield f"{module}.{k}", v
+            continue
+        yield name, t
+        if tied_head and name == "embed.weight" and "output" in quantized and not head_done:
+            head_done = True
+            for k, v in quantize(t, scheme).items():
+                yield f"output.{k}", v

@@ -1,0 +1,190 @@
+"""Weight formats: the schemes, their canonical tensors, and a pure-torch quantize / dequantize reference.
+
+Canonical layouts (what artifacts store; kernels repack at load time):
+
+* ``int4``  ``qweight`` uint8 (out, in/2), two 4-bit codes a byte, low nibble first (column 2j in
+  the low nibble, 2j+1 in the high one); ``scales`` and ``offsets`` fp16 (out, in/group); meaning
+  ``w = q * scale + offset`` with q in 0..15. Symmetric int4 is the same grid with
+  ``offset = -8 * scale``.
+* ``int8``  ``qweight`` int8 (out, in); ``scales`` fp16 (out,) per channel, or (out, in/group);
+  ``w = q * scale`` with q in -127..127.
+* ``nf4``   bitsandbytes' 4-bit NormalFloat: ``qweight`` uint8 (out, in/2) as bitsandbytes packs it
+  (high nibble first), ``absmax`` fp32 (out, in/blocksize); ``w = NF4[q] * absmax``.
+* ``fp32`` / ``fp16`` / ``bf16``: plain ``weight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from localllm.errors import LocalLLMError
+
+FLOAT_SCHEMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+QUANT_SCHEMES = ("int8", "int4", "nf4")
+ALL_SCHEMES = (*FLOAT_SCHEMES, *QUANT_SCHEMES)
+DEFAULT_GROUP = {"int4": 32, "int8": None, "nf4": 64}
+INT4_GROUPS = (32, 64, 128, 256)
+
+# bitsandbytes' NF4 code book (the quantiles of a unit normal, scaled to [-1, 1]).
+NF4_CODE = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230731010437, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+])
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A weight format: its name and parameters (recorded in the artifact's manifest)."""
+
+    name: str
+    group_size: int | None = None  # int4: group; int8: None = per output channel; nf4: blocksize
+    symmetric: bool = False  # int4 only
+
+    @property
+    def is_float(self) -> bool:
+        return self.name in FLOAT_SCHEMES
+
+    @property
+    def bits(self) -> int:
+        return {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4, "nf4": 4}[self.name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "QuantScheme":
+        return parse_scheme(d["name"], d.get("group_size"), d.get("symmetric", False))
+
+    def label(self) -> str:
+        if self.name == "int4":
+            return f"int4 (group {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'})"
+        if self.name == "int8":
+            return f"int8 ({'per channel' if self.group_size is None else f'group {self.group_size}'})"
+        if self.name == "nf4":
+            return f"nf4 (block {self.group_size})"
+        return self.name
+
+    def check_layer(self, name: str, in_features: int) -> None:
+        """Raise when this scheme cannot hold a layer of width ``in_features``."""
+        g = self.group_size
+        if g and in_features % g:
+            fits = [x for x in (32, 64, 128, 256) if in_features % x == 0]
+            raise LocalLLMError(
+                f"group size {g} does not divide the input width {in_features} of {name}",
+                f"use --group-size {fits[-1] if fits else 'with a divisor of the width'}"
+                + (f" (fits: {', '.join(map(str, fits))})" if fits else ""),
+            )
+
+
+def parse_scheme(name: str, group_size: int | None = None, symmetric: bool = False) -> QuantScheme:
+    """Validate a scheme name and its group size (None = the scheme's default)."""
+    if name not in ALL_SCHEMES:
+        raise LocalLLMError(f"unknown quantization scheme '{name}'", f"use one of {', '.join(ALL_SCHEMES)}")
+    if name in FLOAT_SCHEMES:
+        return QuantScheme(name)
+    group = group_size if group_size is not None else DEFAULT_GROUP[name]
+    if name == "int4" and group not in INT4_GROUPS:
+        raise LocalLLMError(f"int4 group size {group} is not supported", f"use one of {', '.join(map(str, INT4_GROUPS))}")
+    if name == "int8" and group is not None and (group <= 0 or group % 16):
+        raise LocalLLMError(f"int8 group size {group} is not supported", "leave it out (per channel) or use 32, 64, 128")
+    if name == "nf4" and group not in (32, 64, 128, 256):
+        raise LocalLLMError(f"nf4 block size {group} is not supported", "use 64 (the default), 32, 128 or 256")
+    return QuantScheme(name, group, symmetric if name == "int4" else False)
+
+
+# ----------------------------------------------------------------------------- int4 packing
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Codes (out, in) in 0..15 -> uint8 (out, in/2), low nibble first."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (out, in/2) -> codes uint8 (out, in), the inverse of :func:`pack_int4`."""
+    lo, hi = packed & 0x0F, packed >> 4
+    return torch.stack([lo, hi], dim=-1).view(packed.shape[0], -1)
+
+
+# ----------------------------------------------------------------------------- quantize
+def quantize(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
+    """Round-to-nearest quantization of one weight (out, in) to the scheme's canonical tensors."""
+    if scheme.is_float:
+        return {"weight": w.to(FLOAT_SCHEMES[scheme.name])}
+    w = w.float()
+    out, inp = w.shape
+    scheme.check_layer("a weight", inp)
+    if scheme.name == "int4":
+        g = scheme.group_size
+        wg = w.view(out, inp // g, g)  # type: ignore[operator]
+        if scheme.symmetric:
+            scale = (wg.abs().amax(-1) / 7.5).clamp(min=1e-10)  # codes -8..7 around 8: -7.5..7.5 covers absmax
+            scale = scale.half().float()
+            offset = -8 * scale
+        else:
+            lo, hi = wg.amin(-1), wg.amax(-1)
+            scale = ((hi - lo) / 15).clamp(min=1e-10).half().float()
+            offset = lo.half().float()
+        q = ((wg - offset[..., None]) / scale[..., None]).round().clamp(0, 15).view(out, inp)
+        return {"qweight": pack_int4(q), "scales": scale.half(), "offsets": offset.half()}
+    if scheme.name == "int8":
+        g = scheme.group_size
+        if g is None:
+            scale = (w.abs().amax(-1) / 127).clamp(min=1e-10).half().float()  # (out,)
+            q = (w / scale[:, None]).round().clamp(-127, 127)
+        else:
+            wg = w.view(out, inp // g, g)
+            scale = (wg.abs().amax(-1) / 127).clamp(min=1e-10).half().float()  # (out, in/g)
+            q = (wg / scale[..., None]).round().clamp(-127, 127).view(out, inp)
+        return {"qweight": q.to(torch.int8), "scales": scale.half()}
+    if scheme.name == "nf4":
+        import bitsandbytes.functional as bnbf
+
+        packed, state = bnbf.quantize_4bit(w, blocksize=scheme.group_size, quant_type="nf4")
+        return {"qweight": packed.view(out, inp // 2), "absmax": state.absmax.float().view(out, -1)}
+    raise LocalLLMError(f"unknown quantization scheme '{scheme.name}'")
+
+
+def dequantize(t: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The reference: canonical tensors -> weight (out, in) in ``dtype``."""
+    if scheme.is_float:
+        return t["weight"].to(dtype)
+    if scheme.name == "int4":
+        q = unpack_int4(t["qweight"]).float()  # (out, in)
+        out, inp = q.shape
+        g = scheme.group_size
+        w = q.view(out, inp // g, g) * t["scales"].float()[..., None] + t["offsets"].float()[..., None]  # type: ignore[operator]
+        return w.view(out, inp).to(dtype)
+    if scheme.name == "int8":
+        q = t["qweight"].float()
+        s = t["scales"].float()
+        if s.dim() == 1:
+            return (q * s[:, None]).to(dtype)
+        out, inp = q.shape
+        return (q.view(out, s.shape[1], -1) * s[..., None]).view(out, inp).to(dtype)
+    if scheme.name == "nf4":
+        packed = t["qweight"]
+        out = packed.shape[0]
+        codes = torch.stack([packed >> 4, packed & 0x0F], dim=-1).view(out, -1).long()  # high nibble first
+        vals = NF4_CODE.to(packed.device)[codes]  # (out, in)
+        absmax = t["absmax"].float()
+        return (vals.view(out, absmax.shape[1], -1) * absmax[..., None]).view(out, -1).to(dtype)
+    raise LocalLLMError(f"unknown quantization scheme '{scheme.name}'")
+
+
+def canonical_shapes(scheme: QuantScheme, out: int, inp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Names, shapes and dtypes of the canonical tensors of an (out, in) weight."""
+    g = scheme.group_size
+    if scheme.is_float:
+        return {"weight": ((out, inp), FLOAT_SCHEMES[scheme.name])}
+    if scheme.name == "int4":
+        return {"qweight": ((out, inp // 2), torch.uint8), "scales": ((out, inp // g), torch.float16),  # type: ignore[operator]
+                "offsets": ((out, inp // g), torch.float16)}  # type: ignore[operator]
+    if scheme.name == "int8":
+        return {"qweight": ((out, inp), torch.int8),
+                "scales": (((out,) if g is None else (out, inp // g)), torch.float16)}
+    return {"qweight": ((out, inp // 2), torch.uint8), "absmax": ((out, inp // g), torch.float32)}  # type: ignore[operator]

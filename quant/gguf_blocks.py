@@ -1,0 +1,67 @@
+"""GGUF's 32-wide Q4_0, Q4_1 and Q8_0 blocks as canonical int4/int8 tensors, exactly (no re-rounding).
+
+ggml block layouts (little-endian, one block = 32 consecutive weights of a row):
+
+* Q4_0: fp16 ``d``, 16 bytes of codes;           ``w = (q - 8) * d``
+* Q4_1: fp16 ``d``, fp16 ``m``, 16 bytes of codes; ``w = q * d + m``
+* Q8_0: fp16 ``d``, 32 int8 codes;                ``w = q * d``
+
+In the 4-bit blocks byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from quant.formats import QuantScheme, pack_int4
+
+BLOCK = 32
+#: GGUF type name -> (canonical scheme name, symmetric) it imports into without loss at group 32.
+EXACT = {"Q4_0": ("int4", True), "Q4_1": ("int4", False), "Q8_0": ("int8", True)}
+
+
+def exact_import(type_name: str, scheme: QuantScheme) -> bool:
+    """Whether a tensor of this GGUF type holds exactly in ``scheme`` (same grid, group 32)."""
+    if type_name not in EXACT or scheme.group_size != BLOCK:
+        return False
+    target, symmetric = EXACT[type_name]
+    if target != scheme.name:
+        return False
+    # Q4_0 is symmetric, so it also fits the asymmetric grid; Q4_1 fits only the asymmetric one.
+    return scheme.name != "int4" or symmetric or not scheme.symmetric
+
+
+def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
+    rows = data.shape[0]
+    return np.ascontiguousarray(data).reshape(rows, -1, block_bytes)  # (out, in/32, bytes)
+
+
+def _codes4(qs: np.ndarray) -> np.ndarray:
+    """(out, nb, 16) bytes -> (out, nb*32) codes in weight order."""
+    lo, hi = qs & 0x0F, qs >> 4
+    return np.concatenate([lo, hi], axis=-1).reshape(qs.shape[0], -1)
+
+
+def to_canonical(type_name: str, data: np.ndarray) -> dict[str, torch.Tensor]:
+    """Canonical tensors of one GGUF tensor's raw blocks ``data`` (out, bytes per row) uint8."""
+    if type_name == "Q4_1":
+        b = _blocks(data, 20)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0]
+        m = b[..., 2:4].copy().view(np.float16)[..., 0]
+        codes = _codes4(b[..., 4:20])
+        return {"qweight": pack_int4(torch.from_numpy(codes)), "scales": torch.from_numpy(d.copy()),
+                "offsets": torch.from_numpy(m.copy())}
+    if type_name == "Q4_0":
+        b = _blocks(data, 18)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0]
+        codes = _codes4(b[..., 2:18])
+        scales = torch.from_numpy(d.copy())
+        # -8 * d is exact in fp16 (a power-of-two multiple) unless |d| is near fp16's maximum.
+        return {"qweight": pack_int4(torch.from_numpy(codes)), "scales": scales, "offsets": -8 * scales}
+    if type_name == "Q8_0":
+        b = _blocks(data, 34)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0]
+        q = b[..., 2:34].copy().view(np.int8).reshape(b.shape[0], -1)
+        return {"qweight": torch.from_numpy(q), "scales": torch.from_numpy(d.copy())}
+    raise ValueError(f"no exact import for GGUF type {type_name}")

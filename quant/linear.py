@@ -1,0 +1,113 @@
+"""``QuantLinear``: a linear layer holding quantized weights, and the module walk that swaps it in."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from quant import kernels
+from quant.formats import QuantScheme, canonical_shapes
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with W kept in a quantized format.
+
+    Built with the scheme's canonical buffers (see :mod:`quant.formats`), usually on ``meta`` so a
+    checkpoint can assign them without allocation. :meth:`prepare` then picks the kernel for the
+    device and activation dtype and replaces the canonical buffers by the kernel's layout.
+    """
+
+    def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        for name, (shape, dtype) in canonical_shapes(scheme, out_features, in_features).items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.kernel: type[kernels.Kernel] | None = None
+        self.act_dtype = torch.bfloat16
+
+    def canonical(self) -> dict[str, torch.Tensor]:
+        """The canonical tensors (valid until :meth:`prepare` drops them for a kernel layout)."""
+        names = canonical_shapes(self.scheme, self.out_features, self.in_features)
+        return {n: getattr(self, n) for n in names}
+
+    def prepare(self, act_dtype: torch.dtype, kernel: str | None = None) -> str:
+        """Choose the kernel for this device/dtype (or the one named), repack, and return its name."""
+        device = self.qweight.device
+        self.act_dtype = act_dtype
+        if kernel is not None:
+            choices = [kernels.BY_NAME[kernel]]
+        else:
+            choices = kernels.candidates(self, device, act_dtype)
+        for k in choices:
+            tensors = k.prepare(self)
+            if k is kernels.Reference or kernels.agrees_with_reference(self, k, tensors):
+                break
+            warnings.warn(f"kernel {k.name} disagrees with the reference on a {self.out_features}x{self.in_features} "
+                          f"layer; using the next choice")
+        else:
+            k, tensors = kernels.Reference, kernels.Reference.prepare(self)
+        canonical = set(self.canonical()) if self.kernel is None else set()
+        for name in canonical - set(tensors):
+            delattr(self, name)  # the kernel's layout replaces it: never hold both
+        for name, t in tensors.items():
+            if name in self._buffers:
+                self._buffers[name] = t
+            else:
+                self.register_buffer(name, t)
+        self.kernel = k
+        return k.name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            raise RuntimeError("QuantLinear used before prepare()")
+        shape = x.shape
+        y = self.kernel.matmul(self, x.reshape(-1, shape[-1]).to(self.act_dtype))
+        y = y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        kernel = self.kernel.name if self.kernel else "unprepared"
+        return f"in={self.in_features}, out={self.out_features}, {self.scheme.label()}, kernel={kernel}"
+
+
+def default_filter(name: str, module: nn.Module) -> bool:
+    """Quantize every linear layer of the blocks; leave the output head (and the embedding) in 16-bit."""
+    return isinstance(module, nn.Linear) and name.startswith("layers.")
+
+
+def swap_linears(
+    model: nn.Module,
+    scheme: QuantScheme,
+    keep: Callable[[str, nn.Module], bool] = default_filter,
+) -> list[str]:
+    """Replace each ``nn.Linear`` for which ``keep(name, module)`` holds by a :class:`QuantLinear`.
+
+    Works on a model on ``meta`` (nothing is allocated). Returns the names of swapped layers.
+    """
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if not keep(name, module):
+            continue
+        scheme.check_layer(name, module.in_features)
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        with torch.device("meta"):
+            q = QuantLinear(module.in_features, module.out_features, scheme, bias=module.bias is not None)
+        setattr(parent, child, q)
+        swapped.append(name)
+    return swapped
+
+
+def prepare_model(model: nn.Module, act_dtype: torch.dtype, kernel: str | None = None) -> Counter[str]:
+    """Prepare every QuantLinear; returns how many layers use each kernel (for ``--verbose``)."""
+    used: Counter[str] = Counter()
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            used[module.prepare(act_dtype, kernel)] += 1
+    return used
+
