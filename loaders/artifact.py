@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from localllm.errors import LocalLLMError
 from loaders import store as store_mod
-from loaders.safetensors_stream import iter_safetensors
+from loaders.safetensors_stream import iter_safetensors, write_safetensors
 from quant.convert import quantize_stream
 from quant.formats import QuantScheme, dequantize
 from runtime.config import ModelConfig
@@ -36,19 +35,11 @@ def quant_manifest(scheme: QuantScheme | None, quantized: Iterable[str]) -> dict
     return {"scheme": scheme.to_dict() if scheme else None, "modules": sorted(quantized)}
 
 
-def write_artifact(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]], tokenizer: Tokenizer,
-                   config: ModelConfig) -> None:
-    """Write the weights and tokenizer into ``folder`` (a store's temporary folder).
-
-    The output tensors are gathered in memory (the size of the output model), then saved: the source
-    tensors stream through one at a time. A tied float head is not written twice.
-    """
-    state: dict[str, torch.Tensor] = {}
-    for name, t in tensors:
-        if config.tie_embeddings and name == "output.weight":
-            continue
-        state[name] = t.detach().to("cpu").contiguous()
-    save_file(state, str(folder / WEIGHTS), metadata={"format": "pt", "producer": "localllm"})
+def write_artifact(folder: Path, layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                   tensors: Iterable[tuple[str, torch.Tensor]], tokenizer: Tokenizer) -> None:
+    """Write the weights (streamed one tensor at a time into ``layout``) and the tokenizer into
+    ``folder`` (a store's temporary folder)."""
+    write_safetensors(folder / WEIGHTS, layout, tensors, metadata={"format": "pt", "producer": "localllm"})
     tokenizer.save(folder)
 
 

@@ -12,21 +12,25 @@ from loaders.artifact import quant_manifest, write_artifact
 from loaders.load import Checkpoint, load_tokenizer, model_tensors
 from loaders.store import Store, StoredModel
 from quant.formats import FLOAT_SCHEMES, QuantScheme
+from runtime.model import Transformer
 
 
-def _storage_dtypes(tensors: Iterator[tuple[str, torch.Tensor]], quantized: set[str], float_dtype: torch.dtype | None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Float parameters in the dtype they are stored in: the scheme's for float schemes; for quantized
-    schemes the unquantized ones (embedding, norms, head) in 16-bit, bf16 kept as bf16."""
+def storage_layout(model: Transformer, float_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor an artifact of ``model`` (built on meta) holds.
+
+    Parameters (embedding, norms, float linears, biases) are stored in ``float_dtype``; quantized
+    modules' buffers in their format's dtypes. A tied head is stored once, as the embedding.
+    """
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    layout = {n: (tuple(t.shape), float_dtype if n in params else t.dtype) for n, t in model.state_dict().items()}
+    if model.config.tie_embeddings and isinstance(model.output, torch.nn.Linear):
+        del layout["output.weight"]
+    return layout
+
+
+def _skip_tied_head(tensors: Iterator[tuple[str, torch.Tensor]], layout: dict) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in tensors:
-        module = name.rpartition(".")[0]
-        if module in quantized and not name.endswith(".bias"):
-            yield name, t  # canonical tensors: dtypes fixed by the format
-        elif float_dtype is not None:
-            yield name, t.to(float_dtype)
-        elif t.dtype in (torch.float32, torch.float64):
-            yield name, t.to(torch.float16)
-        else:
+        if name in layout:
             yield name, t
 
 
@@ -45,8 +49,10 @@ def convert_to_store(
     (nothing is left behind if this fails or is interrupted).
     """
     t0 = time.perf_counter()
-    _, tensors, quantized = model_tensors(ckpt, None if scheme.is_float else scheme, quantize_head)
-    float_dtype = FLOAT_SCHEMES.get(scheme.name)
+    model, tensors, quantized = model_tensors(ckpt, None if scheme.is_float else scheme, quantize_head)
+    # Unquantized parameters of a quantized model are stored in bf16, the dtype quantized models run
+    # in: loading then rounds nothing (fp16 storage would round twice on the way to bf16).
+    layout = storage_layout(model, FLOAT_SCHEMES.get(scheme.name, torch.bfloat16))
     manifest = {
         "source": source,
         "config": ckpt.config.to_dict(),
@@ -54,7 +60,7 @@ def convert_to_store(
         "dtype": scheme.name if scheme.is_float else None,
     }
     with store.write(name, scheme.name, manifest) as tmp:
-        write_artifact(tmp, _storage_dtypes(tensors, quantized, float_dtype), load_tokenizer(ckpt), ckpt.config)
+        write_artifact(tmp, layout, _skip_tied_head(tensors, layout), load_tokenizer(ckpt))
     entry = store.get(name, scheme.name)
     assert entry is not None  # just published under the lock
     return entry, time.perf_counter() - t0

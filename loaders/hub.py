@@ -11,8 +11,10 @@ Facts about the client this module relies on (huggingface_hub 2.4, read from its
   ``endpoint`` / ``cache_dir`` / ``local_files_only`` explicitly, so a variable set after import still counts.
 * Resume: ``http_get`` retries a dropped transfer in the same call (5 tries without progress, 1 s
   apart) with ``Range: bytes=N-``, N being what it has received in whole ``DOWNLOAD_CHUNK_SIZE``
-  (10 MB) chunks.  A failed call deletes its partial file (the temporary name is unique per
-  download), so the *next* call starts the file from zero: there is no resume across calls.
+  (10 MB) chunks.  But ``hf_hub_download`` writes to a temporary file named uniquely per call and
+  deletes it when the call fails (no option or variable keeps it), so with the client alone the
+  *next* pull starts a file from zero.  Hence :func:`_fetch_resumable`, which keeps LFS files'
+  partial bytes across pulls (see there) and leaves the rest of the pull to the client.
 * The client never checks the content of a blob against its ETag (only the size), hence
   :func:`_verify_files` here.
 * HTTP errors become ``RepositoryNotFoundError`` (404, or 401 on a repo URL), ``GatedRepoError``,
@@ -34,9 +36,18 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx2
-from huggingface_hub import HfApi, constants, get_cached_repo_tree, scan_cache_dir, snapshot_download
+from huggingface_hub import (
+    HfApi,
+    constants,
+    get_cached_repo_tree,
+    get_hf_file_metadata,
+    hf_hub_url,
+    scan_cache_dir,
+    snapshot_download,
+)
 from huggingface_hub.errors import (
     CachedRepoTreeNotFoundError,
     GatedRepoError,
@@ -50,6 +61,9 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
     RevisionResolutionError,
 )
+from huggingface_hub.file_download import http_get, repo_folder_name
+from huggingface_hub.utils import WeakFileLock, build_hf_headers, is_tqdm_disabled
+from huggingface_hub.utils import logging as hf_logging
 from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 
 from localllm.errors import LocalLLMError
@@ -193,7 +207,7 @@ def download(
 
 
 def _from_hub(repo_id: str, revision: str | None, endpoint: str, token: str | None, progress: bool) -> Snapshot:
-    cache_dir = hub_cache_dir()
+    cache_dir = hub_cache_dir().resolve()
     api = HfApi(endpoint=endpoint, token=token)
     # One revision lookup, pinned for everything after: a branch that moves meanwhile cannot mix commits.
     # resolve_revision also records refs/<branch> in the cache, which offline use needs later.
@@ -201,18 +215,91 @@ def _from_hub(repo_id: str, revision: str | None, endpoint: str, token: str | No
     info = api.model_info(repo_id, revision=resolved.resolved, files_metadata=True)
     siblings = {s.rfilename: s for s in info.siblings or []}
     names = select_files(repo_id, siblings)
-    folder = snapshot_download(
-        repo_id,
-        revision=resolved,
-        cache_dir=cache_dir,
-        endpoint=endpoint,
-        token=token,
-        allow_patterns=[glob.escape(n) for n in names],
-        tqdm_class=_ProgressBar if progress else _NoProgressBar,
-    )
+    storage = cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
+    # The cache names a blob after the file's ETag: the LFS sha256, or the git blob id of a small file.
+    blobs = {n: storage / "blobs" / (siblings[n].lfs.sha256 if siblings[n].lfs else siblings[n].blob_id or "")
+             for n in names}
+    missing = [n for n in names if not blobs[n].is_file()]
+    large = [n for n in missing if siblings[n].lfs is not None]
+    todo = sum(siblings[n].size or 0 for n in missing)
+    done = sum(min(_size(_partial(blobs[n])), siblings[n].size or 0) for n in large)
+    with _pull_progress(progress, todo, done) as bar_class:
+        # One file after another: Ctrl-C stops at once (worker threads would finish their files first).
+        checked = {n for n in large if _fetch_resumable(repo_id, n, resolved.resolved, siblings[n], endpoint,
+                                                        token, storage, bar_class)}
+        # Links the blobs just fetched into the snapshot, fetches the small files, records the tree.
+        folder = snapshot_download(
+            repo_id,
+            revision=resolved,
+            cache_dir=cache_dir,
+            endpoint=endpoint,
+            token=token,
+            allow_patterns=[glob.escape(n) for n in names],
+            tqdm_class=bar_class,
+        )
     path = Path(folder)
-    _verify_files(path, names, siblings)
+    _verify_files(path, [n for n in names if n not in checked], siblings)
     return Snapshot(repo_id, revision or constants.DEFAULT_REVISION, resolved.resolved, path, names)
+
+
+def _fetch_resumable(
+    repo_id: str, name: str, commit: str, sibling: Any, endpoint: str, token: str | None, storage: Path,
+    bar_class: type[hf_tqdm],
+) -> bool:
+    """Download one LFS file into the cache's blob folder so that an interrupted pull resumes on the next one.
+
+    The bytes go to ``blobs/<etag>.incomplete``, the name the HF cache has long used for partial blobs,
+    and stay there whatever stops the transfer (a dropped connection, Ctrl-C, a killed process); the
+    next pull asks for the rest with ``Range: bytes=N-``.  Naming it after the ETag (the sha256 of
+    the content) means the kept bytes can only ever be resumed against the same file.  The transfer
+    is the client's own ``http_get`` (its retries, headers, progress), under the client's lock for
+    that blob, so two pulls of one file take turns instead of appending to one partial file.  Only a
+    complete file with the right sha256 becomes the blob; ``snapshot_download`` then links it into
+    the snapshot as for any blob already in the cache.  Wrong bytes (also those kept from a previous
+    pull) are deleted, so the next pull starts over.
+
+    Every LFS file goes this way, also those the Hub stores with Xet: the client's Xet path writes to
+    a temporary file it deletes on failure too.  Plain HTTP from the Hub's CDN is one stream instead
+    of Xet's parallel ones, which is what being resumable costs.
+
+    Returns whether it checked the file's hash (False: another pull put the blob there meanwhile).
+    """
+    url = hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint)
+    meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)  # what the client names the blob after
+    headers = build_hf_headers(token=token)
+    if urlsplit(meta.location).netloc != urlsplit(url).netloc:
+        headers.pop("authorization", None)  # a signed CDN URL: like the client, never send the token there
+    size = meta.size if meta.size is not None else sibling.lfs.size
+    blob = storage / "blobs" / meta.etag
+    partial = _partial(blob)
+    lock = storage.parent / ".locks" / storage.name / f"{meta.etag}.lock"  # the client's lock for this blob
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with WeakFileLock(lock):
+        if blob.exists():  # another pull finished it while this one waited
+            return False
+        if _size(partial) > size:  # longer than the file: not a prefix of it
+            partial.unlink()
+        with open(partial, "ab") as f:
+            http_get(meta.location, f, resume_size=f.tell(), headers=headers, expected_size=size,
+                     displayed_filename=name, tqdm_class=bar_class)
+        actual = file_sha256(partial)
+        if actual != sibling.lfs.sha256:
+            partial.unlink()
+            raise _corrupted(name, actual, sibling.lfs.sha256)
+        os.replace(partial, blob)
+    return True
+
+
+def _partial(blob: Path) -> Path:
+    return blob.with_name(blob.name + ".incomplete")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _from_cache(repo_id: str, revision: str | None) -> Snapshot:
@@ -272,11 +359,15 @@ def _verify_files(folder: Path, names: list[str], siblings: dict[str, Any]) -> N
             continue
         if actual != expected:
             _evict(path)
-            raise LocalLLMError(
-                f"downloaded {name} is corrupted (hash {actual[:12]}..., the Hub lists {expected[:12]}...); "
-                "the bad copy was deleted from the cache",
-                "run the pull again; if it keeps failing, a proxy or disk is altering the data",
-            )
+            raise _corrupted(name, actual, expected)
+
+
+def _corrupted(name: str, actual: str, expected: str) -> LocalLLMError:
+    return LocalLLMError(
+        f"downloaded {name} is corrupted (hash {actual[:12]}..., the Hub lists {expected[:12]}...); "
+        "the bad copy was deleted from the cache",
+        "run the pull again; if it keeps failing, a proxy or disk is altering the data",
+    )
 
 
 def _evict(path: Path) -> None:
@@ -330,6 +421,7 @@ class _ProgressBar(hf_tqdm):
     no rate, plus a second "transfer" bar that repeats the first; this shows one byte bar, in
     tqdm's usual format (``12.3M/45.6M [00:01<00:02, 10.2MB/s]``).  The client still decides
     whether bars show at all (not on a non-terminal stderr, nor with ``HF_HUB_DISABLE_PROGRESS_BARS``).
+    A pull draws its one byte bar with it through :func:`_pull_progress`.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -350,6 +442,43 @@ class _NoProgressBar(hf_tqdm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["disable"] = True
         super().__init__(*args, **kwargs)
+
+
+@contextmanager
+def _pull_progress(progress: bool, total: int, initial: int) -> Iterator[type[hf_tqdm]]:
+    """The bar class for one pull: one byte bar for all it fetches, plus the client's "Fetching N files".
+
+    Large files are fetched here (:func:`_fetch_resumable`) and small ones by ``snapshot_download``;
+    so that they add up on one bar, every byte bar either makes (``http_get``'s, the snapshot's) is
+    hidden and passes its updates on to one bar drawn here.  ``total`` is what the pull will fetch,
+    ``initial`` what partial files already hold (so the rate counts only new bytes).
+    """
+    if not progress:
+        yield _NoProgressBar
+        return
+    disable = True if total == 0 else is_tqdm_disabled(hf_logging.get_verbosity())
+    shared = _ProgressBar(total=total, initial=initial, unit="B", unit_scale=True, disable=disable,
+                          name="huggingface_hub.snapshot_download")
+
+    class _Feeder(_ProgressBar):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            byte_bar = kwargs.get("unit") == "B"
+            # The snapshot's "transfer" bar repeats the other one: feeding both would count bytes twice.
+            self._into = shared if byte_bar and not str(kwargs.get("name", "")).endswith(".transfer") else None
+            if byte_bar:
+                kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            if self._into is not None:
+                self._into.update(n)
+            return super().update(n)
+
+    try:
+        yield _Feeder
+        shared.set_description("Downloaded")
+    finally:
+        shared.close()
 
 
 # --------------------------------------------------------------------------- errors
@@ -481,5 +610,5 @@ def _network_error(error: BaseException, repo_id: str, endpoint: str) -> LocalLL
         )
     return LocalLLMError(
         f"the download of '{repo_id}' was interrupted (connection lost: {error})",
-        "run the pull again (the interrupted file starts over)",
+        "run the pull again (it resumes where it stopped)",
     )

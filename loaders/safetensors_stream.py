@@ -10,8 +10,9 @@ header ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data.
 from __future__ import annotations
 
 import json
+import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -75,3 +76,52 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _damaged(path: Path, why: str) -> LocalLLMError:
     return LocalLLMError(f"{path} is damaged: {why}", "download or pull the model again")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    for name, d in _DTYPES.items():
+        if d == dtype:
+            return name
+    raise ValueError(f"no safetensors dtype for {dtype}")
+
+
+def write_safetensors(path: Path, layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                      tensors: Iterable[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file whose tensors arrive one at a time, in any order.
+
+    The header is written first from ``layout`` (name -> shape, dtype), so no tensor has to wait in
+    memory for the others: peak memory is one tensor, whatever the file's size. Every name in the
+    layout must arrive exactly once with its shape; the tensor is converted to the layout's dtype.
+    """
+    header: dict[str, object] = {"__metadata__": dict(metadata or {})}
+    offset = 0
+    for name in sorted(layout):
+        shape, dtype = layout[name]
+        nbytes = torch.empty(0, dtype=dtype).element_size()
+        for d in shape:
+            nbytes *= d
+        header[name] = {"dtype": _dtype_name(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data that follows starts 8-byte aligned
+    start = 8 + len(blob)
+    written: set[str] = set()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        f.truncate(start + offset)
+        for name, t in tensors:
+            if name not in layout or name in written:
+                raise ValueError(f"tensor '{name}' is {'repeated' if name in written else 'not in the layout'}")
+            shape, dtype = layout[name]
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"tensor '{name}' has shape {tuple(t.shape)}, the layout says {tuple(shape)}")
+            data = t.detach().to(device="cpu", dtype=dtype).contiguous()
+            f.seek(start + header[name]["data_offsets"][0])  # type: ignore[index]
+            if data.numel():
+                f.write(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
+            written.add(name)
+        f.flush()
+        os.fsync(f.fileno())
+    missing = sorted(set(layout) - written)
+    if missing:
+        raise ValueError(f"tensors never written: {', '.join(missing[:3])}")

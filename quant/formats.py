@@ -129,17 +129,17 @@ def quantize(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
             lo, hi = wg.amin(-1), wg.amax(-1)
             scale = ((hi - lo) / 15).clamp(min=1e-10).half().float()
             offset = lo.half().float()
-        q = ((wg - offset[..., None]) / scale[..., None]).round().clamp(0, 15).view(out, inp)
+        q = (wg - offset[..., None]).div_(scale[..., None]).round_().clamp_(0, 15).view(out, inp)  # in place: one temporary
         return {"qweight": pack_int4(q), "scales": scale.half(), "offsets": offset.half()}
     if scheme.name == "int8":
         g = scheme.group_size
         if g is None:
             scale = (w.abs().amax(-1) / 127).clamp(min=1e-10).half().float()  # (out,)
-            q = (w / scale[:, None]).round().clamp(-127, 127)
+            q = (w / scale[:, None]).round_().clamp_(-127, 127)
         else:
             wg = w.view(out, inp // g, g)
             scale = (wg.abs().amax(-1) / 127).clamp(min=1e-10).half().float()  # (out, in/g)
-            q = (wg / scale[..., None]).round().clamp(-127, 127).view(out, inp)
+            q = (wg / scale[..., None]).round_().clamp_(-127, 127).view(out, inp)
         return {"qweight": q.to(torch.int8), "scales": scale.half()}
     if scheme.name == "nf4":
         import bitsandbytes.functional as bnbf

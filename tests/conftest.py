@@ -14,7 +14,7 @@ from localllm.paths import default_model_gguf
 TINY = dict(
     vocab_size=384,
     hidden_size=64,
-    intermediate_size=160,
+    intermediate_size=192,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -48,10 +48,15 @@ def make_hf_model(arch: str, **overrides):
 
 def save_hf_folder(model, folder: Path) -> Path:
     """save_pretrained as safetensors, plus a tiny byte-level tokenizer.json so the folder is complete."""
+    model.save_pretrained(folder, safe_serialization=True)
+    write_tiny_tokenizer(folder, model.config.vocab_size)
+    return folder
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer with no merges (259 ids): enough to encode any text."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
-    model.save_pretrained(folder, safe_serialization=True)
-    vocab_size = model.config.vocab_size
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for ch in sorted(alphabet):
@@ -64,7 +69,6 @@ def save_hf_folder(model, folder: Path) -> Path:
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
     )
-    return folder
 
 
 @pytest.fixture(scope="session")

@@ -116,12 +116,14 @@ class Fault:
     ``drop_at``: send the file only up to this absolute byte offset, then cut the connection (a request
     that starts at or after it is cut before any byte). ``drop_times``: how many responses to cut
     (None: all of them). ``corrupt_times``: how many responses carry wrong bytes of the right length
-    (None: all of them; 0: none).
+    (None: all of them; 0: none). ``rate``: send at most this many bytes a second (a slow link, so
+    that a test can kill a client mid-download).
     """
 
     drop_at: int | None = None
     drop_times: int | None = 1
     corrupt_times: int | None = 0
+    rate: float | None = None
 
     def take_drop(self) -> bool:
         if self.drop_at is None or self.drop_times == 0:
@@ -434,14 +436,27 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_body(self, fault: Fault | None, data: bytes, start: int, stop: int) -> None:
         payload = data[start:stop]
-        if fault is not None and fault.take_corrupt():
+        if fault is None:
+            self.wfile.write(payload)
+            return
+        if fault.take_corrupt():
             payload = _flip_bytes(payload)
-        if fault is not None and fault.drop_at is not None and fault.drop_at < stop and fault.take_drop():
-            self.wfile.write(payload[: max(0, fault.drop_at - start)])
+        cut = fault.drop_at is not None and fault.drop_at < stop and fault.take_drop()
+        if cut:
+            payload = payload[: max(0, fault.drop_at - start)]  # type: ignore[operator]
+        step = 16 * 1024
+        try:
+            for i in range(0, len(payload), step):
+                self.wfile.write(payload[i : i + step])
+                if fault.rate:
+                    self.wfile.flush()
+                    time.sleep(step / fault.rate)
+        except (BrokenPipeError, ConnectionResetError):  # the client went away (killed)
+            self.close_connection = True
+            return
+        if cut:
             self.wfile.flush()
             self._cut()
-            return
-        self.wfile.write(payload)
 
     def _cut(self) -> None:
         """Drop the connection mid-body, the way a network failure does."""

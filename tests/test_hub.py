@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import io
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,6 +79,10 @@ def _blobs(tmp_path: Path) -> list[Path]:
     return [p for p in (tmp_path / "hf" / "hub").rglob("blobs/*") if p.is_file()]
 
 
+def _partials(tmp_path: Path) -> list[Path]:
+    return list((tmp_path / "hf" / "hub").rglob("blobs/*.incomplete"))
+
+
 # --------------------------------------------------------------------------- happy paths
 def test_download_fetches_only_runtime_files_byte_identical(
     hub: HubServer, files: dict[str, bytes], tmp_path: Path
@@ -131,7 +139,7 @@ def test_dropped_connection_is_resumed_with_a_range_request(hub: HubServer, file
     assert gets[1].range_start is not None and 0 < gets[1].range_start <= half
 
 
-def test_persistent_drop_fails_clearly_and_next_pull_starts_over(
+def test_persistent_drop_fails_clearly_and_next_pull_resumes(
     hub: HubServer, files: dict[str, bytes], tmp_path: Path
 ) -> None:
     hub.add_repo(REPO, files)
@@ -143,14 +151,96 @@ def test_persistent_drop_fails_clearly_and_next_pull_starts_over(
     assert "\n" not in str(err.value) and "pull again" in str(err.value)
     ranges = [r.range_start for r in hub.file_gets("model.safetensors")]
     assert ranges[0] is None and all(r is not None and r > 0 for r in ranges[1:])  # it kept resuming in-call
-    # huggingface_hub 2.x deletes the partial file of a failed call (its name is unique per call) ...
-    assert not [p for p in _blobs(tmp_path) if p.stat().st_size > 1_000_000]
+    [partial] = _partials(tmp_path)  # the bytes received are kept for the next pull
+    kept = partial.stat().st_size
+    assert 0 < kept <= half and partial.read_bytes() == files["model.safetensors"][:kept]
 
     hub.clear_faults()
     hub.requests.clear()
     _assert_identical(download(REPO, progress=False), files)
-    # ... so the next call downloads the file from byte 0: there is no resume across calls.
+    assert [r.range_start for r in hub.file_gets("model.safetensors")] == [kept]  # only the rest was asked for
+    assert _partials(tmp_path) == []
+
+
+_PULL = (
+    "import sys; from huggingface_hub import constants; "
+    "constants.DOWNLOAD_CHUNK_SIZE = 64 * 1024; "  # as in the `hub` fixture: bytes reach the disk early
+    "from loaders.hub import download; download(sys.argv[1], progress=False)"
+)
+
+
+def _pull_in_subprocess(ref: str) -> subprocess.Popen:
+    """``download(ref)`` in another process (the environment points it at the test server)."""
+    return subprocess.Popen([sys.executable, "-c", _PULL, ref], cwd=Path(__file__).parents[1],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_for_partial(tmp_path: Path, proc: subprocess.Popen, at_least: int) -> Path:
+    """The partial file of the pull in ``proc``, once it holds ``at_least`` bytes."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the pull ended before the test could interrupt it"
+        partials = _partials(tmp_path)
+        if partials and partials[0].stat().st_size >= at_least:
+            return partials[0]
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError("the pull made no progress")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["killed", "ctrl-c"])
+def test_interrupted_pull_resumes_on_the_next_pull(
+    hub: HubServer, files: dict[str, bytes], tmp_path: Path, sig: signal.Signals
+) -> None:
+    hub.add_repo(REPO, files)
+    size = len(files["model.safetensors"])
+    hub.fault(REPO, "model.safetensors", rate=size / 2)  # two seconds for the file: the signal lands mid-way
+
+    proc = _pull_in_subprocess(REPO)
+    partial = _wait_for_partial(tmp_path, proc, size // 4)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=30) != 0
+    kept = partial.stat().st_size
+    assert size // 4 <= kept < size and partial.read_bytes() == files["model.safetensors"][:kept]
+
+    hub.clear_faults()
+    hub.requests.clear()
+    _assert_identical(download(REPO, progress=False), files)
+    assert [r.range_start for r in hub.file_gets("model.safetensors")] == [kept]
+    assert _partials(tmp_path) == []
+
+
+def test_concurrent_pulls_of_a_file_take_turns(hub: HubServer, files: dict[str, bytes], tmp_path: Path) -> None:
+    hub.add_repo(REPO, files)
+    size = len(files["model.safetensors"])
+    hub.fault(REPO, "model.safetensors", rate=size / 2)
+
+    proc = _pull_in_subprocess(REPO)
+    _wait_for_partial(tmp_path, proc, 1)  # the other pull holds the file's lock
+    snap = download(REPO, progress=False)  # waits for it, then uses its blob
+
+    assert proc.wait(timeout=30) == 0
+    _assert_identical(snap, files)
+    assert [r.range_start for r in hub.file_gets("model.safetensors")] == [None]  # downloaded once
+
+
+def test_wrong_bytes_in_a_kept_partial_are_deleted(hub: HubServer, files: dict[str, bytes], tmp_path: Path) -> None:
+    hub.add_repo(REPO, files)
+    weights = files["model.safetensors"]
+    sha = hub.repos[REPO].commits[hub.repos[REPO].refs["main"]]["model.safetensors"].sha256
+    blobs = tmp_path / "hf" / "hub" / "models--org--tiny-llama" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / f"{sha}.incomplete").write_bytes(b"\0" * 1000)  # e.g. left by a crash of the machine
+
+    with pytest.raises(LocalLLMError, match="model.safetensors is corrupted.*run the pull again"):
+        download(REPO, progress=False)
+    assert [r.range_start for r in hub.file_gets("model.safetensors")] == [1000]
+    assert _partials(tmp_path) == [] and not (blobs / sha).exists()
+
+    hub.requests.clear()
+    _assert_identical(download(REPO, progress=False), files)
     assert [r.range_start for r in hub.file_gets("model.safetensors")] == [None]
+    assert (blobs / sha).read_bytes() == weights
 
 
 def test_wrong_bytes_are_detected_and_evicted(hub: HubServer, files: dict[str, bytes], tmp_path: Path) -> None:

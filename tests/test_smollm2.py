@@ -16,7 +16,7 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def lm(smollm2_path):
-    return load_model(str(smollm2_path), device="cpu", dtype="fp32")
+    return load_model(str(smollm2_path), device="cpu", quant="fp32")
 
 
 @pytest.fixture

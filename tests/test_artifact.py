@@ -1,0 +1,130 @@
+"""Quantized artifacts in the store: written streaming, loaded without re-quantizing, damage detected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from loaders.artifact import WEIGHTS
+from loaders.convert import convert_to_store
+from loaders.load import load_model, open_checkpoint
+from loaders.safetensors_stream import read_header
+from loaders.store import Store
+from quant.formats import parse_scheme
+
+IDS = torch.tensor([[1, 4093, 198, 6004, 28, 2, 1, 520, 2000, 300]])
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store(tmp_path / "store")
+
+
+def stored_tiny(store, tiny_folder, scheme="int4", group=32):
+    _, folder = tiny_folder("llama")
+    entry, _ = convert_to_store(open_checkpoint(str(folder)), parse_scheme(scheme, group), "tiny", store,
+                                {"path": str(folder)})
+    return entry, folder
+
+
+@pytest.mark.parametrize("scheme,group", [("int4", 32), ("int8", None), ("nf4", 64), ("bf16", None)])
+def test_stored_model_equals_quantizing_at_load(store, tiny_folder, scheme, group):
+    entry, folder = stored_tiny(store, tiny_folder, scheme, group)
+    manifest = entry.manifest
+    assert manifest["config"]["n_layers"] == 2
+    if scheme == "bf16":
+        assert manifest["quant"]["scheme"] is None and manifest["dtype"] == "bf16"
+    else:
+        assert manifest["quant"]["scheme"]["name"] == scheme and len(manifest["quant"]["modules"]) == 14
+    stored = load_model(f"tiny:{scheme}", store=store)
+    direct = load_model(str(folder), quant=scheme, group_size=group)
+    ids = IDS % 384
+    assert torch.equal(stored.model(ids), direct.model(ids))
+    assert stored.kernels == direct.kernels
+
+
+@pytest.mark.slow
+def test_gguf_int4_entry_is_the_file_s_blocks(store, smollm2_path):
+    entry, _ = convert_to_store(open_checkpoint(str(smollm2_path)), parse_scheme("int4", 32), "smol", store, {})
+    header, _ = read_header(entry.path / WEIGHTS)
+    assert header["layers.0.attn.q.qweight"]["dtype"] == "U8" and header["layers.0.attn.q.qweight"]["shape"] == [576, 288]
+    assert "output.weight" not in header  # tied: stored once
+    stored = load_model("smol:int4", store=store)
+    direct = load_model(str(smollm2_path))  # a Q4_1 file runs as int4 group 32 by default
+    assert direct.scheme == stored.scheme == parse_scheme("int4", 32)
+    with torch.no_grad():
+        assert torch.equal(stored.model(IDS), direct.model(IDS))
+
+
+def test_loading_does_not_requantize(store, tiny_folder, monkeypatch):
+    stored_tiny(store, tiny_folder)
+    import quant.convert
+
+    def boom(*a, **k):
+        raise AssertionError("quantized again")
+
+    monkeypatch.setattr(quant.convert, "quantize", boom)
+    load_model("tiny:int4", store=store)
+
+
+def test_first_load_verifies_then_trusts_the_stamp(store, tiny_folder, monkeypatch):
+    entry, _ = stored_tiny(store, tiny_folder)
+    load_model("tiny:int4", store=store)
+    assert (entry.path / ".verified.json").is_file()
+    import loaders.store as store_mod
+
+    calls = []
+    monkeypatch.setattr(store_mod, "verify", lambda e: calls.append(e))
+    load_model("tiny:int4", store=store)
+    assert calls == []
+
+
+def test_flipped_byte_is_caught_at_load(store, tiny_folder):
+    entry, _ = stored_tiny(store, tiny_folder)
+    path = entry.path / WEIGHTS
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(LocalLLMError, match=r"tiny:int4' is corrupted: model.safetensors does not match its sha256"):
+        load_model("tiny:int4", store=store)
+
+
+def test_truncated_file_is_caught(store, tiny_folder):
+    entry, _ = stored_tiny(store, tiny_folder)
+    path = entry.path / WEIGHTS
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(LocalLLMError, match="corrupted.*bytes instead of"):
+        load_model("tiny:int4", store=store)
+
+
+def test_wrong_shapes_are_caught(store, tiny_folder):
+    """A manifest whose config does not match the tensors (hashes intact): a clear error, no crash."""
+    entry, _ = stored_tiny(store, tiny_folder)
+    manifest_path = entry.path / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["config"]["intermediate_size"] = 256
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(LocalLLMError, match="has shape .* the config implies"):
+        load_model("tiny:int4", store=store)
+
+
+def test_failed_conversion_leaves_nothing(store, tiny_folder, monkeypatch):
+    import loaders.convert as conv
+
+    def broken(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conv, "write_artifact", broken)
+    with pytest.raises(KeyboardInterrupt):
+        stored_tiny(store, tiny_folder)
+    assert store.list() == []
+    assert not [p for p in store.models.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_unknown_stored_name_suggests(store, tiny_folder):
+    stored_tiny(store, tiny_folder)
+    with pytest.raises(LocalLLMError, match="did you mean 'tiny"):
+        load_model("tinny", store=store)
