@@ -15,7 +15,7 @@ import torch
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL, default_model_gguf
 from loaders.artifact import ArtifactCheckpoint
-from loaders.build import empty_model, load_weights
+from loaders.build import empty_model, fuse_projections, load_weights
 from loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from loaders.gguf import GGUFCheckpoint
 from loaders.store import MANIFEST, Store, _load as _load_entry
@@ -162,6 +162,7 @@ def load_model(
     quantize_head: bool = False,
     kernel: str | None = None,
     store: Store | None = None,
+    fuse: bool = True,
 ) -> LoadedModel:
     """Load ``ref`` (see :func:`open_checkpoint`) onto ``device``.
 
@@ -184,6 +185,8 @@ def load_model(
     tokenizer = load_tokenizer(ckpt)
     model, tensors, _ = model_tensors(ckpt, scheme, quantize_head)
     model = load_weights(model, tensors, dev, act, ckpt.describe())
+    if fuse:
+        fuse_projections(model)
     used = prepare_model(model, act, kernel)
     return LoadedModel(model, tokenizer, ckpt.config, ckpt.describe(), dev, act, time.perf_counter() - t0,
                        scheme, used)

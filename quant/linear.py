@@ -75,6 +75,33 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, {self.scheme.label()}, kernel={kernel}"
 
 
+def concat_linears(modules: list[nn.Module]) -> nn.Module:
+    """One layer computing ``cat([m(x) for m in modules], -1)``: their weights stacked along the output.
+
+    Works on float ``nn.Linear`` and on unprepared ``QuantLinear`` of one scheme (the canonical
+    formats keep each output row's codes and scales on that row, so rows stack as they are).
+    """
+    first = modules[0]
+    out = sum(m.out_features for m in modules)
+    biases = [m.bias for m in modules if m.bias is not None]
+    if isinstance(first, QuantLinear):
+        if first.kernel is not None or any(not isinstance(m, QuantLinear) or m.scheme != first.scheme for m in modules):
+            raise ValueError("only unprepared QuantLinear layers of one scheme can be concatenated")
+        with torch.device("meta"):
+            fused = QuantLinear(first.in_features, out, first.scheme, bias=bool(biases))
+        for name in first.canonical():
+            setattr(fused, name, torch.cat([getattr(m, name) for m in modules], dim=0))
+    else:
+        with torch.device("meta"):
+            fused = nn.Linear(first.in_features, out, bias=bool(biases))
+        fused.weight = nn.Parameter(torch.cat([m.weight for m in modules], dim=0), requires_grad=False)
+    if biases:  # a layer without bias contributes zeros
+        ref = biases[0]
+        fused.bias = nn.Parameter(torch.cat([m.bias if m.bias is not None else ref.new_zeros(m.out_features)
+                                             for m in modules]), requires_grad=False)
+    return fused
+
+
 def default_filter(name: str, module: nn.Module) -> bool:
     """Quantize every linear layer of the blocks; leave the output head (and the embedding) in 16-bit."""
     return isinstance(module, nn.Linear) and name.startswith("layers.")

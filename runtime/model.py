@@ -88,6 +88,9 @@ class Attention(nn.Module):
         self.k = nn.Linear(config.dim, config.kv_dim, bias=bias)
         self.v = nn.Linear(config.dim, config.kv_dim, bias=bias)
         self.o = nn.Linear(config.q_dim, config.dim, bias=False)
+        #: q, k and v as one matmul, set by loaders.build.fuse_projections (then q, k, v are removed).
+        self.qkv: nn.Module | None = None
+        self.q_dim, self.kv_dim = config.q_dim, config.kv_dim
         self.kv_cache: KVCache | None = None
 
     def forward(
@@ -100,11 +103,17 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # (T, kv_len) bool, or None for "causal from 0" / "all"
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, KV, T, hd)
-        v = self.v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.qkv is not None:
+            qkv = self.qkv(x)  # (B, T, (H + 2 KV) hd)
+            # q and k are adjacent: rotate them in one go.
+            qk = apply_rope(qkv[..., : (H + KV) * hd].view(B, T, H + KV, hd).transpose(1, 2), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]  # (B, H, T, hd), (B, KV, T, hd)
+            v = qkv[..., (H + KV) * hd :].view(B, T, KV, hd).transpose(1, 2)
+        else:
+            q = apply_rope(self.q(x).view(B, T, H, hd).transpose(1, 2), cos, sin)  # (B, H, T, hd)
+            k = apply_rope(self.k(x).view(B, T, KV, hd).transpose(1, 2), cos, sin)  # (B, KV, T, hd)
+            v = self.v(x).view(B, T, KV, hd).transpose(1, 2)
         if self.kv_cache is not None and input_pos is not None:
             k_all, v_all = self.kv_cache.update(input_pos, k, v)
             k, v = k_all[:, :, :kv_len], v_all[:, :, :kv_len]  # (B, KV, kv_len, hd)
@@ -113,7 +122,7 @@ class Attention(nn.Module):
             # One query sees every cached key: fold the query heads of each kv group into the
             # "sequence" axis so GQA needs neither expanded keys nor a mask.
             g = self.n_heads // self.n_kv_heads
-            qg = q.view(B, self.n_kv_heads, g, self.head_dim)  # (B, KV, G, hd)
+            qg = q.reshape(B, self.n_kv_heads, g, self.head_dim)  # (B, KV, G, hd)
             y = F.scaled_dot_product_attention(qg, k, v).view(B, self.n_heads, 1, self.head_dim)
         else:
             y = F.scaled_dot_product_attention(
@@ -129,8 +138,13 @@ class MLP(nn.Module):
         self.gate = nn.Linear(config.dim, config.intermediate_size, bias=False)
         self.up = nn.Linear(config.dim, config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        #: gate and up as one matmul, set by loaders.build.fuse_projections.
+        self.gate_up: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 

@@ -105,3 +105,19 @@ def test_bf16_close_to_fp32(tiny_folder):
     half = ours_from(folder, torch.bfloat16)(ids).float()
     assert (half.argmax(-1) == full.argmax(-1)).float().mean() > 0.9
     assert (half - full).abs().max() < 0.1 * full.abs().max()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_projections_change_nothing(tiny_folder, arch):
+    """q/k/v and gate/up merged into single matmuls (qwen2: with biases) give the same logits."""
+    from loaders.build import fuse_projections
+
+    _, folder = tiny_folder(arch)
+    plain, fused = ours_from(folder), fuse_projections(ours_from(folder))
+    assert fused.layers[0].attn.qkv is not None and not hasattr(fused.layers[0].attn, "q")
+    ids = tokens(16, seed=7)
+    torch.testing.assert_close(fused(ids), plain(ids), atol=1e-5, rtol=1e-5)
+    fused.setup_caches(32)
+    prefill(fused, ids[:, :10])
+    logits = decode_one_token(fused, ids[:, 10:11], torch.tensor([10]), 10)
+    torch.testing.assert_close(logits, plain(ids[:, :11])[:, -1], atol=1e-5, rtol=1e-5)
