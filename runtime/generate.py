@@ -24,10 +24,18 @@ def prefill(model: Transformer, tokens: torch.Tensor, start: int = 0) -> torch.T
     return model(tokens, input_pos, start)[:, -1]
 
 
+def forward_one_token(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+    """One token (B, 1) at position ``pos`` (also given as the (1,) tensor ``input_pos``) -> logits (B, vocab).
+
+    Undecorated, so that ``torch.compile`` can trace it; callers run it under inference mode.
+    """
+    return model(token, input_pos, pos)[:, -1]
+
+
 @torch.inference_mode()
 def decode_one_token(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
-    """One token (B, 1) at position ``pos`` (also given as the (1,) tensor ``input_pos``) -> logits (B, vocab)."""
-    return model(token, input_pos, pos)[:, -1]
+    """One cached decode step (see :func:`forward_one_token`)."""
+    return forward_one_token(model, token, input_pos, pos)
 
 
 def _sync(device: torch.device) -> None:
@@ -69,12 +77,18 @@ class Generator:
     prefix with the previous one (a chat's history) only prefills what is new.
     """
 
-    def __init__(self, model: Transformer, ctx: int) -> None:
+    def __init__(self, model: Transformer, ctx: int, compile: bool = False) -> None:
         self.model = model
         self.ctx = ctx
         self.device = model.device
         if model.max_seq != ctx:
             model.setup_caches(ctx)
+        self._decode = decode_one_token
+        if compile:
+            from localllm.paths import home
+            from runtime.compile import compiled_decode
+
+            self._decode = compiled_decode(forward_one_token, self.device, home() / "inductor")
         self.cached: list[int] = []  # token ids whose K/V sit in the cache at positions 0..len-1
         self.stats = GenerationStats()
 
@@ -147,7 +161,7 @@ class Generator:
                 stats.stop_reason = "context"
                 return
             input_pos.fill_(pos)
-            logits = decode_one_token(self.model, token.view(1, 1), input_pos, pos)
+            logits = self._decode(self.model, token.view(1, 1), input_pos, pos)
             self.cached.append(tok)
             pos += 1
 

@@ -1,0 +1,74 @@
+"""``torch.compile`` of the one-token decode step, with an eager fallback.
+
+At batch 1 a decode step of a small model is mostly per-op overhead (hundreds of tiny elementwise
+ops around the matmuls); inductor fuses them into a few generated kernels. Compilation costs tens of
+seconds the first time and is cached on disk (inductor's FX graph cache) for later processes.
+Prefill stays eager: it is a few large matmuls, already compute bound.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from runtime.model import Transformer
+
+DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def compile_unavailable_reason(device: torch.device) -> str | None:
+    """Why compilation cannot work here, or None."""
+    if not hasattr(torch, "compile"):
+        return "this torch has no torch.compile"
+    try:
+        import torch._dynamo as dynamo
+
+        if not dynamo.is_dynamo_supported():
+            return "torch.compile does not support this Python"
+    except ImportError:
+        return "torch._dynamo is missing"
+    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        return "no C++ compiler (g++) for inductor's CPU code"
+    return None
+
+
+def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None = None) -> DecodeFn:
+    """``base`` compiled with inductor and run under inference mode; eager ``base`` (with a warning
+    saying why) when compilation is unavailable or fails.
+
+    The returned function compiles lazily on its first call; a failure then also falls back to eager.
+    """
+    reason = compile_unavailable_reason(device)
+    if reason:
+        warnings.warn(f"running eagerly: {reason}")
+        return torch.inference_mode()(base)
+    if cache_dir is not None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+    import torch._inductor.config as inductor_config
+
+    # Round every intermediate to its dtype as eager does (inductor otherwise keeps fused bf16 math
+    # in fp32): compiled decode then gives the eager path's logits bit for bit, so greedy output
+    # does not depend on whether the step was compiled.
+    inductor_config.emulate_precision_casts = True
+    # Positions grow every step: compile for symbolic lengths once rather than once per length.
+    compiled = torch.compile(base, dynamic=True, fullgraph=False)
+    state = {"fn": compiled}
+
+    def step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+        try:
+            with torch.inference_mode():
+                return state["fn"](model, token, input_pos, pos)
+        except Exception as e:  # noqa: BLE001 - any compiler failure must degrade to eager, not crash
+            if state["fn"] is base:
+                raise
+            warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); running eagerly")
+            state["fn"] = base
+            with torch.inference_mode():
+                return base(model, token, input_pos, pos)
+
+    return step

@@ -1,0 +1,57 @@
+"""The compiled decode step gives the eager path's tokens exactly, and falls back to eager when it cannot compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import runtime.compile as rc
+from loaders.load import load_model
+from runtime.generate import Generator, forward_one_token
+from runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+PROMPTS = ["The history of bridges begins", "def fibonacci(n):", "Paris is the capital of"]
+
+needs_compiler = pytest.mark.skipif(rc.compile_unavailable_reason(torch.device("cpu")) is not None,
+                                    reason="torch.compile unavailable here")
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_compiled_int4_decode_is_token_identical_on_smollm2(smollm2_path):
+    lm = load_model(str(smollm2_path), quant="int4")
+    eager = Generator(lm.model, 256)
+    compiled = Generator(lm.model, 256, compile=True)
+    for text in PROMPTS:
+        ids = lm.tokenizer.encode(text)
+        want = list(eager.generate(ids, GREEDY, max_tokens=64))
+        eager.reset()
+        got = list(compiled.generate(ids, GREEDY, max_tokens=64))
+        compiled.reset()
+        assert len(want) == 64 and got == want
+
+
+def test_compile_failure_falls_back_to_eager(tiny_folder, monkeypatch):
+    _, folder = tiny_folder("llama")
+    lm = load_model(str(folder), quant="fp32")
+
+    def broken_compile(fn, **kwargs):
+        def run(*a, **k):
+            raise RuntimeError("inductor exploded")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    ids = [5, 6, 7, 8]
+    want = list(Generator(lm.model, 64).generate(ids, GREEDY, max_tokens=10))
+    with pytest.warns(UserWarning, match="torch.compile failed .*inductor exploded.*running eagerly"):
+        got = list(Generator(lm.model, 64, compile=True).generate(ids, GREEDY, max_tokens=10))
+    assert got == want
+
+
+def test_unavailable_compiler_is_said(monkeypatch):
+    monkeypatch.setattr(rc.shutil, "which", lambda name: None)
+    assert "C++ compiler" in rc.compile_unavailable_reason(torch.device("cpu"))
+    with pytest.warns(UserWarning, match="running eagerly: no C\\+\\+ compiler"):
+        step = rc.compiled_decode(forward_one_token, torch.device("cpu"))
+    assert step is not forward_one_token
