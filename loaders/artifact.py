@@ -22,7 +22,7 @@ import torch
 from localllm.errors import LocalLLMError
 from loaders import store as store_mod
 from loaders.safetensors_stream import iter_safetensors, write_safetensors
-from quant.convert import quantize_stream
+from quant.convert import Plan, quantize_stream
 from quant.formats import QuantScheme, dequantize
 from runtime.config import ModelConfig
 from runtime.tokenizer import Tokenizer
@@ -31,8 +31,20 @@ WEIGHTS = "model.safetensors"
 _VERIFIED = ".verified.json"  # sizes and mtimes of files whose sha256 was checked
 
 
-def quant_manifest(scheme: QuantScheme | None, quantized: Iterable[str]) -> dict[str, Any]:
-    return {"scheme": scheme.to_dict() if scheme else None, "modules": sorted(quantized)}
+def quant_manifest(scheme: QuantScheme | None, plan: Plan) -> dict[str, Any]:
+    """The manifest's ``quant`` entry: the main scheme, the quantized modules, and the modules whose
+    scheme differs from the main one (the output head, when it is quantized differently)."""
+    return {
+        "scheme": scheme.to_dict() if scheme else None,
+        "modules": sorted(plan),
+        "overrides": {m: s.to_dict() for m, s in sorted(plan.items()) if s != scheme},
+    }
+
+
+def plan_from_manifest(q: dict[str, Any]) -> Plan:
+    main = QuantScheme.from_dict(q["scheme"]) if q["scheme"] else None
+    overrides = {m: QuantScheme.from_dict(d) for m, d in q.get("overrides", {}).items()}
+    return {m: overrides.get(m, main) for m in q["modules"]}  # type: ignore[misc]
 
 
 def write_artifact(folder: Path, layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -54,7 +66,7 @@ class ArtifactCheckpoint:
             self.config = ModelConfig.from_dict(m["config"])
             q = m["quant"]
             self.scheme = QuantScheme.from_dict(q["scheme"]) if q["scheme"] else None
-            self.quantized = set(q["modules"])
+            self.plan = plan_from_manifest(q)
         except (KeyError, TypeError) as e:
             raise LocalLLMError(
                 f"model '{stored.ref}' has an incomplete manifest (no {e})",
@@ -77,19 +89,19 @@ class ArtifactCheckpoint:
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in self._raw():
             module, _, leaf = key.rpartition(".")
-            if module not in self.quantized or leaf == "bias":
+            if module not in self.plan or leaf == "bias":
                 yield key, t
                 continue
+            scheme = self.plan[module]
             parts = pending.setdefault(module, {})
             parts[leaf] = t
-            if len(parts) == len(_canonical_names(self.scheme)):  # type: ignore[arg-type]
-                yield f"{module}.weight", dequantize(pending.pop(module), self.scheme)  # type: ignore[arg-type]
+            if len(parts) == len(_canonical_names(scheme)):
+                yield f"{module}.weight", dequantize(pending.pop(module), scheme)
 
-    def iter_canonical(self, scheme: QuantScheme, quantized: set[str], tied_head: bool
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
-        if scheme == self.scheme and quantized == self.quantized:
+    def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        if plan == self.plan:
             return self._raw()  # stored as asked: no re-quantization
-        return quantize_stream(self.iter_tensors(), scheme, quantized, tied_head)
+        return quantize_stream(self.iter_tensors(), plan, tied_head)
 
     def describe(self) -> str:
         return self.stored.ref

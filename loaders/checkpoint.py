@@ -11,7 +11,7 @@ import torch
 
 from localllm.errors import LocalLLMError
 from loaders.safetensors_stream import iter_safetensors
-from quant.convert import quantize_stream
+from quant.convert import Plan, quantize_stream
 from quant.formats import QuantScheme
 from runtime.config import ModelConfig
 
@@ -118,10 +118,9 @@ class HFCheckpoint:
         """Float checkpoints run as they are unless a scheme is asked for."""
         return None
 
-    def iter_canonical(self, scheme: QuantScheme, quantized: set[str], tied_head: bool
-                       ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors with the ``quantized`` modules quantized on the fly, one tensor at a time."""
-        return quantize_stream(self.iter_tensors(), scheme, quantized, tied_head)
+    def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors with the modules in ``plan`` quantized on the fly, one tensor at a time."""
+        return quantize_stream(self.iter_tensors(), plan, tied_head)
 
     def describe(self) -> str:
         return str(self.folder)

@@ -40,7 +40,7 @@ def convert_to_store(
     name: str,
     store: Store,
     source: dict[str, Any],
-    quantize_head: bool = False,
+    quantize_head: bool | str | None = None,
 ) -> tuple[StoredModel, float]:
     """Write ``ckpt`` in ``scheme`` as store entry ``name:scheme``; returns it and the seconds taken.
 
@@ -49,14 +49,14 @@ def convert_to_store(
     (nothing is left behind if this fails or is interrupted).
     """
     t0 = time.perf_counter()
-    model, tensors, quantized = model_tensors(ckpt, None if scheme.is_float else scheme, quantize_head)
+    model, tensors, plan = model_tensors(ckpt, None if scheme.is_float else scheme, quantize_head)
     # Unquantized parameters of a quantized model are stored in bf16, the dtype quantized models run
     # in: loading then rounds nothing (fp16 storage would round twice on the way to bf16).
     layout = storage_layout(model, FLOAT_SCHEMES.get(scheme.name, torch.bfloat16))
     manifest = {
         "source": source,
         "config": ckpt.config.to_dict(),
-        "quant": quant_manifest(None if scheme.is_float else scheme, quantized),
+        "quant": quant_manifest(None if scheme.is_float else scheme, plan),
         "dtype": scheme.name if scheme.is_float else None,
     }
     with store.write(name, scheme.name, manifest) as tmp:

@@ -14,7 +14,7 @@ import torch
 
 from localllm.errors import LocalLLMError
 from loaders.gguf_meta import read_metadata
-from quant.convert import quantize_stream
+from quant.convert import Plan, quantize_stream
 from quant.formats import QuantScheme, parse_scheme
 from quant.gguf_blocks import exact_import, to_canonical
 from runtime.config import ModelConfig
@@ -117,16 +117,14 @@ class GGUFCheckpoint:
             return parse_scheme("int8")
         return parse_scheme("int4", 32, symmetric=main == "Q4_0")
 
-    def iter_canonical(
-        self, scheme: QuantScheme, quantized: set[str], tied_head: bool
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors for a model whose ``quantized`` modules hold ``scheme``: Q4_0/Q4_1/Q8_0 blocks that
-        fit the scheme's grid are imported exactly; every other tensor is dequantized (and quantized
-        by :func:`quant.convert.quantize_stream` when its module is in ``quantized``)."""
+    def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors for a model whose modules hold the schemes of ``plan``: Q4_0/Q4_1/Q8_0 blocks that
+        fit their module's grid are imported exactly; every other tensor is dequantized (and quantized
+        by :func:`quant.convert.quantize_stream` when its module is in ``plan``)."""
         exact: list[tuple[str, gguf.ReaderTensor]] = []
         for ours, t in self.raw_tensors():
             module = ours.rpartition(".")[0]
-            if module in quantized and ours.endswith(".weight") and exact_import(t.tensor_type.name, scheme):
+            if module in plan and ours.endswith(".weight") and exact_import(t.tensor_type.name, plan[module]):
                 exact.append((ours, t))
 
         def floats() -> Iterator[tuple[str, torch.Tensor]]:
@@ -140,7 +138,7 @@ class GGUFCheckpoint:
             module = ours.rpartition(".")[0]
             for k, v in to_canonical(t.tensor_type.name, t.data).items():
                 yield f"{module}.{k}", torch.from_numpy(self.fix_rows(ours, v.numpy()).copy())
-        yield from quantize_stream(floats(), scheme, quantized, tied_head)
+        yield from quantize_stream(floats(), plan, tied_head)
 
     def describe(self) -> str:
         return str(self.path)

@@ -20,7 +20,8 @@ from loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from loaders.gguf import GGUFCheckpoint
 from loaders.store import MANIFEST, Store, _load as _load_entry
 from quant.formats import QuantScheme, parse_scheme
-from quant.linear import default_filter, prepare_model, swap_linears
+from quant.convert import Plan
+from quant.linear import make_plan, prepare_model, share_tied_embedding, swap_linears
 from runtime.config import ModelConfig
 from runtime.model import Transformer
 from runtime.tokenizer import Tokenizer
@@ -105,18 +106,31 @@ def choose_scheme(ckpt: Checkpoint, quant: str | None, group_size: int | None) -
     return parse_scheme(quant, group_size)
 
 
-def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: bool = False
-                  ) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], set[str]]:
+def head_scheme(scheme: QuantScheme | None, quantize_head: bool | str) -> QuantScheme | None:
+    """The output head's scheme: None (16-bit) unless asked; True = the blocks' scheme; a name = that
+    scheme (``int8`` keeps the head, the most sensitive layer, at 8 bits beside int4 blocks)."""
+    if not quantize_head or scheme is None:
+        return None
+    return scheme if quantize_head is True else parse_scheme(str(quantize_head))
+
+
+def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: bool | str | None = None
+                  ) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], Plan]:
     """The empty (meta) model for ``ckpt`` in ``scheme``, the stream of tensors that fills it, and the
-    names of the quantized modules. Shared by loading and by writing artifacts."""
+    plan (quantized module -> scheme). ``quantize_head`` None means the checkpoint's own choice (a
+    stored model's head as stored; 16-bit otherwise). Shared by loading and by writing artifacts."""
     model = empty_model(ckpt.config)
     if scheme is None or scheme.is_float:
-        return model, ckpt.iter_tensors(), set()
-    keep = (lambda n, m: default_filter(n, m) or (n == "output" and isinstance(m, torch.nn.Linear))) \
-        if quantize_head else default_filter
-    quantized = set(swap_linears(model, scheme, keep))
-    tied_head = ckpt.config.tie_embeddings and "output" in quantized
-    return model, ckpt.iter_canonical(scheme, quantized, tied_head), quantized
+        return model, ckpt.iter_tensors(), {}
+    if quantize_head is None:
+        own = ckpt.plan.get("output") if isinstance(ckpt, ArtifactCheckpoint) and ckpt.scheme == scheme else None
+        head = own
+    else:
+        head = head_scheme(scheme, quantize_head)
+    plan = make_plan(model, scheme, head)
+    swap_linears(model, plan)
+    tied_head = ckpt.config.tie_embeddings and "output" in plan
+    return model, ckpt.iter_canonical(plan, tied_head), plan
 
 
 @dataclass
@@ -159,7 +173,7 @@ def load_model(
     dtype: str = "auto",
     quant: str | None = None,
     group_size: int | None = None,
-    quantize_head: bool = False,
+    quantize_head: bool | str | None = None,
     kernel: str | None = None,
     store: Store | None = None,
     fuse: bool = True,
@@ -188,6 +202,7 @@ def load_model(
     if fuse:
         fuse_projections(model)
     used = prepare_model(model, act, kernel)
+    share_tied_embedding(model)
     return LoadedModel(model, tokenizer, ckpt.config, ckpt.describe(), dev, act, time.perf_counter() - t0,
                        scheme, used)
 

@@ -12,15 +12,17 @@ import torch
 
 from quant.formats import QuantScheme, quantize
 
+#: module name -> the scheme its weight is stored in (modules not named stay float).
+Plan = dict[str, QuantScheme]
+
 
 def quantize_stream(
     tensors: Iterable[tuple[str, torch.Tensor]],
-    scheme: QuantScheme,
-    quantized: set[str],
+    plan: Plan,
     tied_head: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` with the weight of each module in ``quantized`` replaced by its
-    canonical tensors (``{module}.qweight``, ``.scales``...). Other tensors pass through.
+    """Yield ``(name, tensor)`` with the weight of each module in ``plan`` replaced by its canonical
+    tensors in the module's scheme (``{module}.qweight``, ``.scales``...). Other tensors pass through.
 
     ``tied_head``: the model ties its output head to the embedding but the head is quantized, so the
     head's tensors are made from ``embed.weight`` (which itself passes through unchanged).
@@ -28,16 +30,16 @@ def quantize_stream(
     head_done = False
     for name, t in tensors:
         module, _, leaf = name.rpartition(".")
-        if leaf == "weight" and module in quantized:
+        if leaf == "weight" and module in plan:
             if module == "output":
                 if head_done:
                     continue  # a tied checkpoint that also stores lm_head: one copy is enough
                 head_done = True
-            for k, v in quantize(t, scheme).items():
+            for k, v in quantize(t, plan[module]).items():
                 yield f"{module}.{k}", v
             continue
         yield name, t
-        if tied_head and name == "embed.weight" and "output" in quantized and not head_done:
+        if tied_head and name == "embed.weight" and "output" in plan and not head_done:
             head_done = True
-            for k, v in quantize(t, scheme).items():
+            for k, v in quantize(t, plan["output"]).items():
                 yield f"output.{k}", v

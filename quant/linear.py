@@ -107,19 +107,29 @@ def default_filter(name: str, module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and name.startswith("layers.")
 
 
-def swap_linears(
-    model: nn.Module,
-    scheme: QuantScheme,
-    keep: Callable[[str, nn.Module], bool] = default_filter,
-) -> list[str]:
-    """Replace each ``nn.Linear`` for which ``keep(name, module)`` holds by a :class:`QuantLinear`.
+def make_plan(model: nn.Module, scheme: QuantScheme, head: QuantScheme | None = None,
+              keep: Callable[[str, nn.Module], bool] = default_filter) -> dict[str, QuantScheme]:
+    """Which linear layers get which scheme: ``scheme`` for those ``keep`` selects (the blocks'),
+    ``head`` for the output head (None: the head stays float)."""
+    plan = {name: scheme for name, m in model.named_modules() if keep(name, m)}
+    if head is not None and isinstance(getattr(model, "output", None), nn.Linear):
+        plan["output"] = head
+    return plan
+
+
+def swap_linears(model: nn.Module, plan: dict[str, QuantScheme] | QuantScheme) -> list[str]:
+    """Replace each ``nn.Linear`` named in ``plan`` by a :class:`QuantLinear` of its scheme (a bare
+    scheme means :func:`make_plan`'s default: every block linear, head left float).
 
     Works on a model on ``meta`` (nothing is allocated). Returns the names of swapped layers.
     """
+    if isinstance(plan, QuantScheme):
+        plan = make_plan(model, plan)
     swapped = []
     for name, module in list(model.named_modules()):
-        if not keep(name, module):
+        if name not in plan or not isinstance(module, nn.Linear):
             continue
+        scheme = plan[name]
         scheme.check_layer(name, module.in_features)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -138,3 +148,32 @@ def prepare_model(model: nn.Module, act_dtype: torch.dtype, kernel: str | None =
             used[module.prepare(act_dtype, kernel)] += 1
     return used
 
+
+
+class TiedInt8Embedding(nn.Module):
+    """The token embedding read from an int8 per-row output head, for models that tie the two.
+
+    The head's int8 rows with their per-row scales are the embedding table quantized per row, so a
+    tied model keeps one 8-bit table instead of a 16-bit embedding beside an 8-bit head.
+    """
+
+    def __init__(self, head: QuantLinear) -> None:
+        super().__init__()
+        self._head = [head]  # a plain list: not a submodule, so its tensors are not listed twice
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        head = self._head[0]
+        scales = head.kscales if hasattr(head, "kscales") else head.scales
+        rows = head.qweight[tokens].to(head.act_dtype)  # (B, T, D)
+        return rows * scales[tokens].to(head.act_dtype).unsqueeze(-1)
+
+
+def share_tied_embedding(model: nn.Module) -> bool:
+    """Replace a tied model's 16-bit embedding by :class:`TiedInt8Embedding` when its head is int8
+    per row (the table is then stored once). Returns whether it did."""
+    head = getattr(model, "output", None)
+    tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
+    if not (tied and isinstance(head, QuantLinear) and head.scheme.name == "int8" and head.scheme.group_size is None):
+        return False
+    model.embed = TiedInt8Embedding(head)
+    return True

@@ -128,3 +128,15 @@ def test_unknown_stored_name_suggests(store, tiny_folder):
     stored_tiny(store, tiny_folder)
     with pytest.raises(LocalLLMError, match="did you mean 'tiny"):
         load_model("tinny", store=store)
+
+
+def test_int8_head_is_recorded_and_reloaded(store, tiny_folder):
+    _, folder = tiny_folder("llama")
+    entry, _ = convert_to_store(open_checkpoint(str(folder)), parse_scheme("int4", 32), "tiny", store, {},
+                                quantize_head="int8")
+    assert entry.manifest["quant"]["overrides"]["output"]["name"] == "int8"
+    stored = load_model("tiny:int4", store=store)
+    direct = load_model(str(folder), quant="int4", quantize_head="int8")
+    assert stored.kernels == direct.kernels and stored.kernels["int8-weight-only"] == 1
+    ids = IDS % 384
+    assert torch.equal(stored.model(ids), direct.model(ids))

@@ -32,6 +32,7 @@ def qualities(smollm2_path):
         "bf16": load_model(str(smollm2_path), quant="bf16").model,
         "int8": load_model(str(smollm2_path), quant="int8").model,
         "int4": load_model(str(smollm2_path), quant="int4").model,  # the file's own Q4_1 grid, exact
+        "int4+h8": load_model(str(smollm2_path), quant="int4", quantize_head="int8").model,
         "int4-g64": load_model(str(smollm2_path), quant="int4", group_size=64).model,  # re-rounded
         "nf4": load_model(str(smollm2_path), quant="nf4").model,
     }
@@ -54,6 +55,11 @@ def test_int8_is_nearly_lossless(qualities):
 def test_int4_from_the_gguf_blocks_keeps_the_file_quality(qualities):
     q = qualities["int4"]
     assert q.ppl_ratio <= 1.002 and q.kld < 0.01 and q.top1 > 0.95
+
+
+def test_int8_head_and_embedding_cost_little(qualities):
+    q = qualities["int4+h8"]
+    assert q.ppl_ratio <= 1.01 and q.kld < 0.01
 
 
 def test_re_rounding_a_4_bit_grid_costs_quality(qualities):
@@ -93,8 +99,12 @@ def test_int4_weight_bytes_against_fp16_on_7b_shapes():
 def test_loaded_int4_smollm2_weight_bytes(smollm2_path):
     int4 = load_model(str(smollm2_path), quant="int4").weight_bytes
     bf16 = load_model(str(smollm2_path), quant="bf16").weight_bytes
-    # A 49152 x 576 tied embedding (21% of SmolLM2's weights) stays 16-bit, so 0.46x here.
+    # A 49152 x 576 tied embedding (21% of SmolLM2's weights) stays 16-bit, so 0.46x here ...
     assert int4 <= 0.47 * bf16
+    # ... and 0.36x when the tied head+embedding is one int8 table.
+    head8 = load_model(str(smollm2_path), quant="int4", quantize_head="int8")
+    assert type(head8.model.embed).__name__ == "TiedInt8Embedding"
+    assert head8.weight_bytes <= 0.36 * bf16
     linears = sum(b.numel() * b.element_size() for n, b in load_model(str(smollm2_path), quant="int4").model
                   .named_buffers() if n.startswith("layers.") and "kv_cache" not in n)
     assert linears <= 0.3125 * 2 * 30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536) + 1
