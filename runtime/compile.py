@@ -37,6 +37,10 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+def _static_step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    return model(token, input_pos, static=True)[:, -1]
+
+
 def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None = None) -> DecodeFn:
     """``base`` compiled with inductor and run under inference mode; eager ``base`` (with a warning
     saying why) when compilation is unavailable or fails.
@@ -55,8 +59,17 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
     # in fp32): compiled decode then gives the eager path's logits bit for bit, so greedy output
     # does not depend on whether the step was compiled.
     inductor_config.emulate_precision_casts = True
-    # Positions grow every step: compile for symbolic lengths once rather than once per length.
-    compiled = torch.compile(base, dynamic=True, fullgraph=False)
+    if device.type == "cuda":
+        # CUDA graphs replay one recorded launch sequence per shape: attend over the whole cache
+        # with a mask (static shapes; the position only as a tensor) so one graph serves every step.
+        graph = torch.compile(_static_step, mode="reduce-overhead", dynamic=False, fullgraph=True)
+
+        def compiled(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's output may be overwritten
+            return graph(model, token, input_pos)
+    else:
+        # Positions grow every step: compile for symbolic lengths once rather than once per length.
+        compiled = torch.compile(base, dynamic=True, fullgraph=False)
     state = {"fn": compiled}
 
     def step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:

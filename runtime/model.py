@@ -118,12 +118,12 @@ class Attention(nn.Module):
             k_all, v_all = self.kv_cache.update(input_pos, k, v)
             k, v = k_all[:, :, :kv_len], v_all[:, :, :kv_len]  # (B, KV, kv_len, hd)
         gqa = self.n_heads != self.n_kv_heads
-        if T == 1 and mask is None:
-            # One query sees every cached key: fold the query heads of each kv group into the
-            # "sequence" axis so GQA needs neither expanded keys nor a mask.
+        if T == 1:
+            # One query: fold the query heads of each kv group into the "sequence" axis so GQA
+            # needs no expanded keys; a (1, kv_len) mask, if any, applies to every folded row.
             g = self.n_heads // self.n_kv_heads
             qg = q.reshape(B, self.n_kv_heads, g, self.head_dim)  # (B, KV, G, hd)
-            y = F.scaled_dot_product_attention(qg, k, v).view(B, self.n_heads, 1, self.head_dim)
+            y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(B, self.n_heads, 1, self.head_dim)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
@@ -201,14 +201,22 @@ class Transformer(nn.Module):
             layer.attn.kv_cache = None
         self.max_seq = 0
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None, start: int = 0, static: bool = False
+    ) -> torch.Tensor:
         """Logits (B, T, vocab) for ``tokens`` (B, T).
 
         With caches set up, ``input_pos`` (T,) are the positions of the tokens (``start`` ..
         ``start + T - 1``, ``start`` given as an int so no device sync is needed to know it) and the
         new keys/values are written to the cache. Without ``input_pos`` the tokens are one whole
         sequence from position 0 and no cache is read or written.
+
+        ``static``: attend over the whole cache with a mask built from ``input_pos`` alone, so every
+        decode step has the same shapes whatever the position (what CUDA graphs need; ``start`` is
+        then ignored). Otherwise only the filled prefix of the cache is read, which is cheaper.
         """
+        if static and input_pos is not None:
+            return self._forward_static(tokens, input_pos)
         B, T = tokens.shape
         if input_pos is None:
             start = 0
@@ -224,6 +232,18 @@ class Transformer(nn.Module):
         x = self.embed(tokens)  # (B, T, D)
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, kv_len, mask)
+        return self.output(self.norm(x))
+
+    def _forward_static(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # type: ignore[index]
+        k_pos = torch.arange(self.max_seq, device=tokens.device)[None, :]
+        q_pos = input_pos[:, None]
+        mask = k_pos <= q_pos  # (T, max_seq)
+        if self.config.sliding_window is not None:
+            mask &= k_pos > q_pos - self.config.sliding_window
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, self.max_seq, mask)
         return self.output(self.norm(x))
 
     def _mask(self, start: int, T: int, kv_len: int, device: torch.device) -> torch.Tensor | None:

@@ -121,3 +121,18 @@ def test_fused_projections_change_nothing(tiny_folder, arch):
     prefill(fused, ids[:, :10])
     logits = decode_one_token(fused, ids[:, 10:11], torch.tensor([10]), 10)
     torch.testing.assert_close(logits, plain(ids[:, :11])[:, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_static_whole_cache_decode_matches(tiny_folder, arch):
+    """The fixed-shape decode (whole cache + mask, for CUDA graphs) gives the prefix-slicing result."""
+    _, folder = tiny_folder(arch)
+    model = ours_from(folder)
+    ids = tokens(20, seed=8)
+    full = model(ids)
+    model.setup_caches(48)
+    prefill(model, ids[:, :12])
+    for pos in range(12, 20):
+        with torch.no_grad():
+            logits = model(ids[:, pos : pos + 1], torch.tensor([pos]), static=True)[:, -1]
+        torch.testing.assert_close(logits, full[:, pos], atol=1e-5, rtol=1e-5)
