@@ -50,9 +50,11 @@ def main() -> None:
 
 
 def _register() -> None:
-    from localllm.commands import run
+    from localllm.commands import run, store
 
     main.add_command(run.run)
+    for command in (store.pull, store.list_models, store.show, store.rm):
+        main.add_command(command)
 
 
 _register()

@@ -83,11 +83,13 @@ def run(
     raw: bool,
     verbose: bool,
 ) -> None:
-    """Run MODEL (a model folder, a .gguf file, or 'smollm2') on PROMPT.
+    """Run MODEL (a stored NAME[:SCHEME], a model folder, a .gguf file, 'smollm2', or a Hub ORG/NAME, pulled
+    first if not stored) on PROMPT.
 
     With no PROMPT and a terminal on stdin, starts an interactive chat (Ctrl-D to quit).
     """
     from loaders.load import load_model
+    from localllm.commands.store import pull_if_missing
     from runtime.engine import Engine
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -95,6 +97,7 @@ def run(
     if max_tokens is not None and max_tokens < 1:
         raise LocalLLMError(f"--max-tokens {max_tokens} is not positive", "give 1 or more, or leave it out")
     text = _read_prompt(prompt)
+    model = pull_if_missing(model, quant, group_size)  # a Hub repo id not stored yet is pulled first
     lm = load_model(model, device=device, dtype=dtype, quant=quant, group_size=group_size,
                     quantize_head=quant_head, kernel=kernel)
     ctx = ctx or min(lm.config.max_seq_len, 4096)
