@@ -189,9 +189,11 @@ def load_model(
     ckpt = open_checkpoint(ref, store)
     scheme = choose_scheme(ckpt, quant, group_size)
     if scheme is not None and scheme.is_float:
-        if dtype not in ("auto", scheme.name):
+        if quant is not None and dtype not in ("auto", scheme.name):
             raise LocalLLMError(f"--quant {scheme.name} and --dtype {dtype} disagree", "give one of them")
-        dtype, scheme = scheme.name, None
+        if dtype == "auto":  # a float checkpoint's own dtype, unless --dtype says otherwise
+            dtype = scheme.name
+        scheme = None
     act = resolve_dtype(dtype, dev, quantized=scheme is not None)
     if scheme is not None and dev.type == "cpu" and act != torch.bfloat16 and scheme.name in ("int4", "int8"):
         warnings.warn(f"{scheme.name} weights with {str(act).removeprefix('torch.')} activations run on the slow "

@@ -25,10 +25,10 @@ from runtime.tokenizer import Tokenizer
 class Engine:
     """A model, its tokenizer and a KV cache of ``ctx`` positions, kept across calls."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int) -> None:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, compile: bool = False) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.generator = Generator(model, ctx)
+        self.generator = Generator(model, ctx, compile=compile)
         # Stop on the tokenizer's end tokens and the model config's (generation_config.json's).
         self.stop_ids = list(dict.fromkeys([*tokenizer.eos_ids, *model.config.eos_token_ids]))
 

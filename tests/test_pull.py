@@ -431,7 +431,7 @@ def test_pull_again_force_name_and_conflicts(tiny_repo: str, home: Path) -> None
     assert again.exit_code == 0 and "'tiny-llama:int4' is already stored" in again.stderr
     assert "quantizing" not in again.stderr
     assert "quantizing" in in_process("pull", tiny_repo, "--force").stderr
-    assert "replacing 'tiny-llama:int4'" in in_process("pull", tiny_repo, "--quant-head").stderr
+    assert "replacing 'tiny-llama:int4'" in in_process("pull", tiny_repo, "--quant-head", "int8").stderr
 
     clash = in_process("pull", "other/tiny-llama")
     assert clash.exit_code == 1 and "already stored from org/tiny-llama@main" in clash.stderr

@@ -55,10 +55,14 @@ def _read_prompt(prompt: str | None) -> str | None:
               help="Weight scheme; quantized at load when the model is stored in another. "
                    "Default: the model's own (int4 for Q4 GGUF files).")
 @click.option("--group-size", type=int, help="Quantization group size (int4: 32/64/128/256; int8: per channel).")
-@click.option("--quant-head", is_flag=True, help="Quantize the output head too (default: 16-bit).")
+@click.option("--quant-head", type=click.Choice(["int8", "int4", "nf4"]),
+              help="Quantize the output head too, in this scheme (default: 16-bit; int8 also shares a tied "
+                   "embedding table).")
 @click.option("--kernel", type=click.Choice(["int4-tinygemm-cpu", "int4-tinygemm-cuda", "int8-weight-only",
                                              "nf4-bitsandbytes", "reference"]),
               help="Force a matmul kernel (default: the fastest that works here).")
+@click.option("--compile", "compile_", is_flag=True,
+              help="torch.compile the decode step: faster tokens after a one-time compilation (cached on disk).")
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
 @click.option("--verbose", "-v", is_flag=True, help="Timing statistics to stderr, as Ollama prints them.")
 def run(
@@ -78,8 +82,9 @@ def run(
     dtype: str,
     quant: str | None,
     group_size: int | None,
-    quant_head: bool,
+    quant_head: str | None,
     kernel: str | None,
+    compile_: bool,
     raw: bool,
     verbose: bool,
 ) -> None:
@@ -106,7 +111,7 @@ def run(
     if ctx > lm.config.max_seq_len:
         click.echo(f"warning: --ctx {ctx} is beyond the {lm.config.max_seq_len} tokens the model was trained on",
                    err=True)
-    engine = Engine(lm.model, lm.tokenizer, ctx)
+    engine = Engine(lm.model, lm.tokenizer, ctx, compile=compile_)
     if verbose:
         describe_model(lm, ctx)
 

@@ -65,7 +65,7 @@ class PullSource:
 class PullOptions:
     quant: str = DEFAULT_PULL_SCHEME
     group_size: int | None = None
-    quant_head: bool = False
+    quant_head: str | None = None
     name: str | None = None
     prune: bool = False
     force: bool = False
@@ -147,7 +147,8 @@ def pull_model(source: PullSource, options: PullOptions, store: Store | None = N
         if kept is not None:
             return kept
         click.echo(f"quantizing to {scheme.label()}...", err=True)
-        entry, quant_s = convert_to_store(fetched.ckpt, scheme, name, store, fetched.source, options.quant_head)
+        entry, quant_s = convert_to_store(fetched.ckpt, scheme, name, store, fetched.source,
+                                          options.quant_head or False)
     freed = _prune(fetched) if options.prune else None
     _summary(entry, fetched, quant_s, freed)
     return entry
@@ -166,7 +167,9 @@ def _already_stored(store: Store, name: str, source: PullSource, options: PullOp
         )
     stored_scheme = (existing.manifest.get("quant") or {}).get("scheme") or {}
     same_group = options.group_size is None or stored_scheme.get("group_size") == options.group_size
-    same_head = ("output" in (existing.manifest.get("quant") or {}).get("modules", [])) == options.quant_head
+    quant = existing.manifest.get("quant") or {}
+    head = (quant.get("overrides") or {}).get("output") or (quant.get("scheme") if "output" in quant.get("modules", []) else None)
+    same_head = (head or {}).get("name") == options.quant_head
     if not (same_group and same_head):
         click.echo(f"replacing '{existing.ref}' (stored with other quantization settings)", err=True)
         return None
@@ -323,13 +326,15 @@ def _summary(entry: StoredModel, fetched: Fetched, quant_s: float, freed: int | 
 @click.option("--quant", "-q", default=DEFAULT_PULL_SCHEME, show_default=True, metavar="|".join(PULL_SCHEMES),
               help="Weight scheme to store.")
 @click.option("--group-size", type=int, help="Group size (int4: 32/64/128/256, default 32; a Q4 GGUF keeps its own).")
-@click.option("--quant-head", is_flag=True, help="Quantize the output head too (default: 16-bit).")
+@click.option("--quant-head", type=click.Choice(["int8", "int4", "nf4"]),
+              help="Quantize the output head too, in this scheme (default: 16-bit; int8 also shares a tied "
+                   "embedding table).")
 @click.option("--name", help="Store name (default: the repo's or file's base name, lower case).")
 @click.option("--revision", help="Branch, tag or commit of a Hub repo (same as REPO@REV).")
 @click.option("--gguf", "gguf_file", metavar="FILE", help="Import this GGUF file of the Hub repo instead of its safetensors.")
 @click.option("--prune", is_flag=True, help="Delete the downloaded float weights from the HF cache afterwards.")
 @click.option("--force", "-f", is_flag=True, help="Pull and convert again even if already stored.")
-def pull(source: str, quant: str, group_size: int | None, quant_head: bool, name: str | None, revision: str | None,
+def pull(source: str, quant: str, group_size: int | None, quant_head: str | None, name: str | None, revision: str | None,
          gguf_file: str | None, prune: bool, force: bool) -> None:
     """Download SOURCE, quantize it and store it.
 
