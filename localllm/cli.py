@@ -50,9 +50,10 @@ def main() -> None:
 
 
 def _register() -> None:
-    from localllm.commands import run, store
+    from localllm.commands import bench, run, store
 
     main.add_command(run.run)
+    main.add_command(bench.bench)
     for command in (store.pull, store.list_models, store.show, store.rm):
         main.add_command(command)
 

@@ -1,0 +1,57 @@
+"""``localllm bench MODEL``: memory, speed and quality of weight schemes, side by side in one run."""
+
+from __future__ import annotations
+
+import click
+
+from localllm.paths import DEFAULT_MODEL
+
+
+@click.command()
+@click.argument("model", default=DEFAULT_MODEL, required=False)
+@click.option("--quant", "-q", metavar="SCHEMES",
+              help="Comma-separated schemes among fp32, fp16, bf16, int8, int4, nf4. "
+                   "Default: fp32,bf16,int8,int4,nf4 on the CPU, fp16,bf16,int8,int4,nf4 on CUDA.")
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
+@click.option("--prompt-tokens", type=int, default=512, show_default=True,
+              help="Prompt length, cut from the evaluation text.")
+@click.option("--gen-tokens", type=int, default=128, show_default=True,
+              help="Tokens generated per run (greedy, end-of-sequence ignored).")
+@click.option("--ctx", type=int, help="KV cache length. Default: prompt + generated tokens.")
+@click.option("--runs", type=int, default=5, show_default=True, help="Timed runs per scheme, after one warm-up.")
+@click.option("--threads", type=int, help="torch CPU threads (default: torch's).")
+@click.option("--json", "json_path", metavar="FILE", help="Write every figure as JSON ('-': to stdout).")
+@click.option("--plot", "plot_path", metavar="FILE.png", help="Write bar charts (needs pip install localllm[plot]).")
+@click.option("--text", "text_path", metavar="FILE",
+              help="Your own text for the prompt and the quality figures (default: the built-in eval text).")
+@click.option("--no-cache", "kv_compare", is_flag=True,
+              help="Also time decode with and without the KV cache (first scheme only).")
+@click.option("--no-quality", is_flag=True, help="Skip perplexity / KL divergence / top-1 agreement.")
+def bench(
+    model: str,
+    quant: str | None,
+    device: str,
+    prompt_tokens: int,
+    gen_tokens: int,
+    ctx: int | None,
+    runs: int,
+    threads: int | None,
+    json_path: str | None,
+    plot_path: str | None,
+    text_path: str | None,
+    kv_compare: bool,
+    no_quality: bool,
+) -> None:
+    """Benchmark MODEL (a model folder, a .gguf file, a stored NAME or 'smollm2') in each weight scheme:
+    weight bytes, load time, peak memory, KV cache size, TTFT, prefill and decode speed, decode bandwidth
+    against the machine's measured bandwidth, and quality against the highest-precision scheme.
+
+    The table goes to stdout; progress, machine and method notes to stderr.
+    """
+    from localllm import bench as b
+
+    if plot_path is not None:
+        b.require_matplotlib()
+    result = b.bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
+                                kv_compare, not no_quality)
+    b.report(result, json_path, plot_path)

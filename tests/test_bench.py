@@ -1,0 +1,298 @@
+"""``localllm bench`` and scripts/bench_gpu.py: every figure present, a stable JSON schema, the table,
+the PNG, consistent figures, and one-line refusals of bad input. No test asserts a time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from localllm import bench
+from localllm.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMES = ["fp32", "bf16", "int8", "int4", "nf4"]
+
+TOP_KEYS = {"schema", "model", "device", "settings", "machine", "bandwidth", "schemes", "quality",
+            "kv_cache_comparison", "notes"}
+SETTINGS_KEYS = {"schemes", "baseline", "prompt_tokens", "gen_tokens", "ctx", "runs", "warmup_runs", "threads",
+                 "text", "text_tokens", "quality", "kv_compare"}
+MACHINE_KEYS = {"cpu_model", "cpu_count", "threads", "gpu_name", "gpu_capability", "gpu_memory_bytes",
+                "torch_version", "localllm_version", "python_version", "platform", "load_average"}
+BANDWIDTH_KEYS = {"method", "tensor_bytes", "repeats", "read_bytes_per_s", "copy_bytes_per_s", "bytes_per_s"}
+SCHEME_KEYS = {"label", "activation_dtype", "kernels", "weight_bytes", "read_bytes_per_token", "load_s", "memory",
+               "kv_cache", "ttft_s", "prefill_tps", "decode_tps", "inter_token_s", "runs", "roofline", "quality",
+               "ratios"}
+MEMORY_KEYS = {"method", "peak_bytes", "peak_reserved_bytes", "after_load_bytes"}
+KV_KEYS = {"bytes_per_token", "ctx", "ctx_bytes", "max_seq_len", "max_seq_len_bytes"}
+SPREAD_KEYS = {"median", "min", "max"}
+RUN_KEYS = {"ttft_s", "prefill_tps", "decode_s", "decode_tps", "inter_token_s"}
+ROOFLINE_KEYS = {"decode_bytes_per_s", "fraction", "ceiling_tps"}
+RATIO_KEYS = {"weight_bytes", "peak_bytes", "ttft_s", "prefill_tps", "decode_tps", "decode_bytes_per_s"}
+QUALITY_KEYS = {"tokens", "perplexity", "ref_perplexity", "ppl_ratio", "kld", "top1"}
+QUALITY_SUMMARY_KEYS = {"reference", "window", "tokens", "skipped"}
+KV_COMPARE_KEYS = {"scheme", "prompt_tokens", "steps"}
+KV_STEP_KEYS = {"step", "seq_len", "no_cache_s", "cache_s", "speedup"}
+
+
+def invoke(*args: str):  # type: ignore[no-untyped-def]
+    return CliRunner().invoke(main, ["bench", *args], env={"LOCALLLM_DEBUG": ""})
+
+
+def assert_one_line_error(result, *needles: str) -> None:  # type: ignore[no-untyped-def]
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert result.stdout == ""
+
+
+def assert_schema(result: dict, quality: bool, kv: bool) -> None:
+    """The JSON's key set, level by level: a change here is a schema change (bump bench.SCHEMA)."""
+    assert set(result) == TOP_KEYS and result["schema"] == bench.SCHEMA
+    assert set(result["settings"]) == SETTINGS_KEYS
+    assert set(result["machine"]) == MACHINE_KEYS
+    assert set(result["bandwidth"]) == BANDWIDTH_KEYS
+    assert set(result["quality"]) == QUALITY_SUMMARY_KEYS
+    assert list(result["schemes"]) == result["settings"]["schemes"]
+    for f in result["schemes"].values():
+        assert set(f) == SCHEME_KEYS
+        assert set(f["memory"]) == MEMORY_KEYS and set(f["kv_cache"]) == KV_KEYS
+        for key in ("ttft_s", "prefill_tps", "decode_tps", "inter_token_s"):
+            assert set(f[key]) == SPREAD_KEYS
+        assert len(f["runs"]) == result["settings"]["runs"] and all(set(r) == RUN_KEYS for r in f["runs"])
+        assert set(f["roofline"]) == ROOFLINE_KEYS and set(f["ratios"]) == RATIO_KEYS
+        assert (set(f["quality"]) == QUALITY_KEYS) if quality else f["quality"] is None
+    kvc = result["kv_cache_comparison"]
+    if kv:
+        assert set(kvc) == KV_COMPARE_KEYS and all(set(r) == KV_STEP_KEYS for r in kvc["steps"])
+    else:
+        assert kvc is None
+
+
+def assert_consistent(result: dict) -> None:
+    """Positive figures, medians inside their min-max, the roofline arithmetic, the baseline's ratios."""
+    S = result["schemes"]
+    assert result["bandwidth"]["bytes_per_s"] > 0
+    for f in S.values():
+        assert f["weight_bytes"] > 0 and 0 < f["read_bytes_per_token"] <= f["weight_bytes"] and f["load_s"] > 0
+        assert f["memory"]["peak_bytes"] >= 0 and f["kv_cache"]["bytes_per_token"] > 0
+        assert f["kv_cache"]["ctx_bytes"] == f["kv_cache"]["bytes_per_token"] * result["settings"]["ctx"]
+        for key in ("ttft_s", "prefill_tps", "decode_tps", "inter_token_s"):
+            s = f[key]
+            assert 0 < s["min"] <= s["median"] <= s["max"]
+        roof = f["roofline"]
+        assert roof["decode_bytes_per_s"] == pytest.approx(f["read_bytes_per_token"] * f["decode_tps"]["median"])
+        assert roof["fraction"] == pytest.approx(roof["decode_bytes_per_s"] / result["bandwidth"]["bytes_per_s"])
+    base = S[result["settings"]["baseline"]]
+    assert all(v == pytest.approx(1.0) for v in base["ratios"].values() if v is not None)
+    if base["quality"] is not None:
+        assert base["quality"]["ppl_ratio"] == pytest.approx(1.0) and base["quality"]["kld"] == 0
+        assert base["quality"]["top1"] == 1.0
+        for f in S.values():
+            q = f["quality"]
+            assert q["perplexity"] > 1 and q["kld"] >= 0 and 0 <= q["top1"] <= 1
+            assert q["tokens"] == result["quality"]["tokens"] > 0
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path)  # decodes, or raises
+    assert image.shape[0] >= 400 and image.shape[1] >= 600 and image.shape[2] in (3, 4)
+    assert image.std() > 0  # not a blank canvas
+
+
+def assert_table(stdout: str, schemes: list[str], quality: bool) -> None:
+    lines = stdout.splitlines()
+    assert lines[0].startswith("# ")
+    header = next(line for line in lines if not line.startswith("#"))
+    assert header.split() == schemes
+    for label in ("weights", "peak memory", "KV cache / token", "TTFT ms", "prefill tok/s", "decode tok/s",
+                  "inter-token ms", "decode bandwidth", "roofline tok/s"):
+        assert any(line.startswith(label) or line.lstrip().startswith(label) for line in lines), label
+    assert any(line.startswith("perplexity") for line in lines) == quality
+    assert "run 1/" not in stdout and "note:" not in stdout  # progress and notes go to stderr
+
+
+# ------------------------------------------------------------------------------ tiny model, fast
+@pytest.fixture(scope="module")
+def tiny_run(tiny_folder, tmp_path_factory):
+    """One bench of the tiny model in every scheme, through the CLI, with JSON, PNG and --no-cache."""
+    _, folder = tiny_folder("llama")
+    out = tmp_path_factory.mktemp("bench")
+    text = out / "text.txt"
+    text.write_text(bench.EVAL_TEXT.read_text()[:1500])  # byte-level tokenizer: ~1.5k tokens, quick quality
+    result = invoke(str(folder), "--quant", ",".join(SCHEMES), "--device", "cpu", "--prompt-tokens", "32",
+                    "--gen-tokens", "8", "--runs", "2", "--threads", "2", "--text", str(text), "--no-cache",
+                    "--json", str(out / "bench.json"), "--plot", str(out / "bench.png"))
+    assert result.exit_code == 0, result.output
+    return result, json.loads((out / "bench.json").read_text()), out
+
+
+def test_tiny_bench_returns_every_field(tiny_run):
+    _, data, _ = tiny_run
+    assert_schema(data, quality=True, kv=True)
+    assert data["settings"]["schemes"] == SCHEMES and data["settings"]["baseline"] == "fp32"
+    assert data["settings"]["prompt_tokens"] == 32 and data["settings"]["ctx"] == 40
+    assert data["settings"]["threads"] == 2 and data["machine"]["threads"] == 2
+    assert data["machine"]["torch_version"] == torch.__version__ and data["machine"]["cpu_model"]
+    assert data["device"] == "cpu" and "VmRSS" in data["schemes"]["fp32"]["memory"]["method"]
+
+
+def test_tiny_figures_are_positive_and_consistent(tiny_run):
+    _, data, _ = tiny_run
+    assert_consistent(data)
+    w = {name: f["weight_bytes"] for name, f in data["schemes"].items()}
+    assert w["int4"] < w["int8"] < w["bf16"] < w["fp32"] and w["nf4"] < w["int8"]
+    assert data["schemes"]["bf16"]["kv_cache"]["bytes_per_token"] * 2 == data["schemes"]["fp32"]["kv_cache"]["bytes_per_token"]
+    assert data["schemes"]["int4"]["kernels"] and not data["schemes"]["fp32"]["kernels"]
+
+
+def test_tiny_no_cache_comparison(tiny_run):
+    _, data, _ = tiny_run
+    kv = data["kv_cache_comparison"]
+    assert kv["scheme"] == "fp32" and [r["step"] for r in kv["steps"]] == list(bench.KV_REPORT_STEPS)
+    assert all(r["seq_len"] == kv["prompt_tokens"] + r["step"] and r["cache_s"] > 0 and r["no_cache_s"] > 0
+               for r in kv["steps"])
+
+
+def test_tiny_table_on_stdout_the_rest_on_stderr(tiny_run):
+    result, _, _ = tiny_run
+    assert_table(result.stdout, SCHEMES, quality=True)
+    assert "KV cache ms" in result.stdout  # the --no-cache table
+    assert "machine:" in result.stderr and "note: memory:" in result.stderr and "run 1/2" in result.stderr
+
+
+def test_tiny_png_decodes(tiny_run):
+    _, _, out = tiny_run
+    assert_png(out / "bench.png")
+
+
+def test_json_to_stdout(tiny_folder, tmp_path):
+    _, folder = tiny_folder("llama")
+    text = tmp_path / "t.txt"
+    text.write_text("Bridges carry loads across gaps. " * 8)
+    result = invoke(str(folder), "--quant", "int8,bf16", "--device", "cpu", "--prompt-tokens", "16",
+                    "--gen-tokens", "4", "--runs", "1", "--no-quality", "--text", str(text), "--json", "-")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)  # nothing but the JSON on stdout; the table went to stderr
+    assert_schema(data, quality=False, kv=False)
+    assert data["settings"]["baseline"] == "bf16" and data["quality"]["skipped"] == "--no-quality"
+    assert "decode tok/s" in result.stderr
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_unknown_scheme(tiny_folder):
+    assert_one_line_error(invoke(str(tiny_folder("llama")[1]), "--quant", "fp32,fp8"), "unknown scheme 'fp8'", "int4")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present")
+def test_cuda_without_cuda(tiny_folder):
+    assert_one_line_error(invoke(str(tiny_folder("llama")[1]), "--device", "cuda"), "no CUDA GPU", "--device cpu")
+
+
+def test_context_shorter_than_prompt_and_generation(tiny_folder):
+    result = invoke(str(tiny_folder("llama")[1]), "--device", "cpu", "--prompt-tokens", "64", "--gen-tokens", "16",
+                    "--ctx", "70")
+    assert_one_line_error(result, "--ctx 70", "--ctx 80 or more")
+
+
+def test_text_shorter_than_the_prompt(tiny_folder, tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("too short")
+    result = invoke(str(tiny_folder("llama")[1]), "--device", "cpu", "--prompt-tokens", "64", "--text", str(text))
+    assert_one_line_error(result, "shorter than the 64", "--text")
+
+
+def test_plot_without_matplotlib_fails_before_measuring(tiny_folder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    result = invoke(str(tiny_folder("llama")[1]), "--device", "cpu", "--plot", "x.png")
+    assert_one_line_error(result, "matplotlib", "pip install localllm[plot]")
+
+
+# ------------------------------------------------------------------------------ units
+def test_baseline_is_the_highest_precision():
+    assert bench.baseline_scheme(["int4", "bf16", "nf4"]) == "bf16"
+    assert bench.baseline_scheme(["bf16", "fp16", "int8"]) == "fp16"
+    assert bench.baseline_scheme(["nf4", "int4"]) == "int4"
+    assert bench.parse_schemes(None, torch.device("cpu"))[0] == "fp32"
+    assert bench.parse_schemes(" int4, int8,int4 ", torch.device("cpu")) == ["int4", "int8"]
+
+
+def test_rss_meter_sees_an_allocation():
+    meter = bench.RSSMeter()
+    meter.start()
+    block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, written so its pages are resident
+    del block
+    bench.release_memory(torch.device("cpu"))
+    figures = meter.stop()
+    assert figures["peak_bytes"] >= 48 << 20
+
+
+def test_a_busy_machine_is_warned_of():
+    machine = {"cpu_count": 2, "threads": 2}
+    assert "busy" in bench.busy_warning({**machine, "load_average": [3.1, 2.0, 1.0]})
+    assert bench.busy_warning({**machine, "load_average": [0.1, 0.5, 1.0]}) is None
+    assert bench.busy_warning({**machine, "load_average": None}) is None
+
+
+# ------------------------------------------------------------------------------ the GPU script
+def run_gpu_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), *args], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+
+
+def test_gpu_script_runs_on_the_cpu_with_the_tiny_shape(tmp_path):
+    proc = run_gpu_script("--device", "cpu", "--shape", "tiny", "--quant", "fp16,int8,int4", "--runs", "1",
+                          "--prompt-tokens", "16", "--gen-tokens", "4", "--threads", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "bench.json").read_text())
+    data.pop("elapsed_s")
+    assert_schema(data, quality=False, kv=False)
+    assert_consistent(data)
+    assert data["quality"]["skipped"] == "random weights: perplexity is meaningless"
+    assert "perplexity is meaningless" in proc.stdout  # said in the table itself
+    assert_table(proc.stdout, ["fp16", "int8", "int4"], quality=False)
+    assert (tmp_path / "table.txt").read_text().strip() == proc.stdout.strip()
+    w = {name: f["weight_bytes"] for name, f in data["schemes"].items()}
+    assert w["int4"] < w["int8"] < w["fp16"]
+    assert_png(tmp_path / "bench.png")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present")
+def test_gpu_script_without_cuda_fails_clearly(tmp_path):
+    proc = run_gpu_script("--out", str(tmp_path))
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: no CUDA GPU") and "--shape tiny" in lines[0]
+    assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------ SmolLM2
+@pytest.mark.slow
+def test_smollm2_bench(smollm2_path, tmp_path):
+    schemes = ["fp32", "int8", "int4"]
+    text = tmp_path / "text.txt"
+    text.write_text(bench.EVAL_TEXT.read_text()[:3000])  # ~600 tokens: two quality windows, not six
+    result = invoke(str(smollm2_path), "--quant", ",".join(schemes), "--device", "cpu", "--runs", "2",
+                    "--prompt-tokens", "64", "--gen-tokens", "16", "--threads", "2", "--text", str(text),
+                    "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"))
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert_schema(data, quality=True, kv=False)
+    assert_consistent(data)
+    assert_table(result.stdout, schemes, quality=True)
+    assert_png(tmp_path / "b.png")
+    S = data["schemes"]
+    assert S["int4"]["weight_bytes"] < S["int8"]["weight_bytes"] < S["fp32"]["weight_bytes"]
+    assert data["quality"]["tokens"] >= 500 and data["settings"]["text"] == str(text)
+    assert S["int8"]["quality"]["ppl_ratio"] < 1.01 and S["int8"]["quality"]["top1"] > 0.9
+    assert S["int4"]["quality"]["ppl_ratio"] < 1.01  # the GGUF's own Q4_1 grid, imported exactly
+
