@@ -98,6 +98,10 @@ class ArtifactCheckpoint:
             if len(parts) == len(_canonical_names(scheme)):
                 yield f"{module}.weight", dequantize(pending.pop(module), scheme)
 
+    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
+        """The head as stored, when the blocks are loaded in the stored scheme."""
+        return self.plan.get("output") if scheme == self.scheme else None
+
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         if plan == self.plan:
             return self._raw()  # stored as asked: no re-quantization

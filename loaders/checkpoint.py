@@ -118,6 +118,10 @@ class HFCheckpoint:
         """Float checkpoints run as they are unless a scheme is asked for."""
         return None
 
+    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
+        """A float checkpoint's head stays 16-bit unless asked."""
+        return None
+
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors with the modules in ``plan`` quantized on the fly, one tensor at a time."""
         return quantize_stream(self.iter_tensors(), plan, tied_head)

@@ -117,6 +117,12 @@ class GGUFCheckpoint:
             return parse_scheme("int8")
         return parse_scheme("int4", 32, symmetric=main == "Q4_0")
 
+    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
+        """The head stays 16-bit unless asked. (A Q8_0 head would fit int8 with groups of 32 exactly,
+        but the fast int8 kernels are per channel; that re-rounding doubles SmolLM2's KLD and changes
+        its greedy answers, so it is an opt-in: ``--quant-head int8``.)"""
+        return None
+
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors for a model whose modules hold the schemes of ``plan``: Q4_0/Q4_1/Q8_0 blocks that
         fit their module's grid are imported exactly; every other tensor is dequantized (and quantized

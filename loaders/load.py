@@ -118,15 +118,12 @@ def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: b
                   ) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], Plan]:
     """The empty (meta) model for ``ckpt`` in ``scheme``, the stream of tensors that fills it, and the
     plan (quantized module -> scheme). ``quantize_head`` None means the checkpoint's own choice (a
-    stored model's head as stored; 16-bit otherwise). Shared by loading and by writing artifacts."""
+    stored model's head as stored, else 16-bit); False keeps it 16-bit.
+    Shared by loading and by writing artifacts."""
     model = empty_model(ckpt.config)
     if scheme is None or scheme.is_float:
         return model, ckpt.iter_tensors(), {}
-    if quantize_head is None:
-        own = ckpt.plan.get("output") if isinstance(ckpt, ArtifactCheckpoint) and ckpt.scheme == scheme else None
-        head = own
-    else:
-        head = head_scheme(scheme, quantize_head)
+    head = ckpt.default_head(scheme) if quantize_head is None else head_scheme(scheme, quantize_head)
     plan = make_plan(model, scheme, head)
     swap_linears(model, plan)
     tied_head = ckpt.config.tie_embeddings and "output" in plan

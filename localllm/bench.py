@@ -406,8 +406,8 @@ def decode_read_bytes(model: torch.nn.Module) -> int:
     from loaders.load import weight_bytes
 
     total = weight_bytes(model)
-    embed = model.embed.weight  # type: ignore[union-attr]
-    if getattr(model.output, "weight", None) is embed:  # type: ignore[union-attr]
+    embed = getattr(model.embed, "weight", None)  # None: the embedding reads the head's int8 table
+    if embed is None or getattr(model.output, "weight", None) is embed:  # type: ignore[union-attr]
         return total
     return total - embed.numel() * embed.element_size() + embed.shape[1] * embed.element_size()
 

@@ -48,13 +48,14 @@ def measure(run_once: Callable[[], Timing], runs: int, prompt_tokens: int, gen: 
     }
 
 
-def localllm_engine(path: Path, dtype: str, ids: list[int], gen: int) -> Callable[[], Timing]:
+def localllm_engine(path: Path, quant: str, ids: list[int], gen: int, head: str | None = None,
+                    compile: bool = False) -> Callable[[], Timing]:
     from loaders.load import load_model
     from runtime.generate import Generator
     from runtime.sampling import SamplingParams
 
-    lm = load_model(str(path), device="cpu", dtype=dtype)
-    g = Generator(lm.model, len(ids) + gen + 8)
+    lm = load_model(str(path), device="cpu", quant=quant, quantize_head=head)
+    g = Generator(lm.model, len(ids) + gen + 8, compile=compile)
     greedy = SamplingParams(temperature=0)
 
     def once() -> Timing:
@@ -125,7 +126,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--engines", default="localllm-fp32,localllm-bf16,transformers-fp32,transformers-bf16,llama.cpp")
+    ap.add_argument("--engines", default="transformers-fp32,llama.cpp,localllm-fp32,localllm-bf16,localllm-int4,"
+                    "localllm-int4-compiled,localllm-int4-h8-compiled")
     ap.add_argument("--json", type=Path, help="write the figures here too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -136,6 +138,12 @@ def main() -> None:
     factories: dict[str, Callable[[], Callable[[], Timing]]] = {
         "localllm-fp32": lambda: localllm_engine(args.model, "fp32", ids, args.gen),
         "localllm-bf16": lambda: localllm_engine(args.model, "bf16", ids, args.gen),
+        "localllm-int8": lambda: localllm_engine(args.model, "int8", ids, args.gen),
+        "localllm-int4": lambda: localllm_engine(args.model, "int4", ids, args.gen),
+        "localllm-int4-compiled": lambda: localllm_engine(args.model, "int4", ids, args.gen, compile=True),
+        "localllm-int4-h8": lambda: localllm_engine(args.model, "int4", ids, args.gen, head="int8"),
+        "localllm-int4-h8-compiled": lambda: localllm_engine(args.model, "int4", ids, args.gen, head="int8",
+                                                             compile=True),
         "transformers-fp32": lambda: transformers_engine(args.model, torch.float32, ids, args.gen),
         "transformers-bf16": lambda: transformers_engine(args.model, torch.bfloat16, ids, args.gen),
         "llama.cpp": lambda: llama_cpp_engine(args.model, args.threads, ids, args.gen),
@@ -151,13 +159,17 @@ def main() -> None:
         del once
 
     base = results.get("transformers-fp32", {}).get("decode_tps")
+    cpp = results.get("llama.cpp", {})
     print(f"# {args.model.name}, {torch.get_num_threads()} threads, prompt {len(ids)} tokens, {args.gen} generated, "
           f"median of {args.runs} runs (decode min-max in brackets)")
-    print(f"{'engine':<20} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>22} {'vs transformers fp32':>21}")
+    print(f"{'engine':<26} {'TTFT ms':>8} {'prefill tok/s':>14} {'decode tok/s':>20} {'decode vs HF fp32':>18} "
+          f"{'vs llama.cpp (prefill, decode)':>31}")
     for name, r in results.items():
         ratio = f"{r['decode_tps'] / base:.2f}x" if base else "-"
+        vs_cpp = (f"{r['prefill_tps'] / cpp['prefill_tps']:.2f}x, {r['decode_tps'] / cpp['decode_tps']:.2f}x"
+                  if cpp else "-")
         spread = f"{r['decode_tps']:.1f} [{r['decode_tps_min']:.0f}-{r['decode_tps_max']:.0f}]"
-        print(f"{name:<20} {r['ttft_ms']:>9.1f} {r['prefill_tps']:>14.1f} {spread:>22} {ratio:>21}")
+        print(f"{name:<26} {r['ttft_ms']:>8.1f} {r['prefill_tps']:>14.1f} {spread:>20} {ratio:>18} {vs_cpp:>31}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"threads": args.threads, "prompt_tokens": len(ids), "gen": args.gen,

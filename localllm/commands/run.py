@@ -55,9 +55,10 @@ def _read_prompt(prompt: str | None) -> str | None:
               help="Weight scheme; quantized at load when the model is stored in another. "
                    "Default: the model's own (int4 for Q4 GGUF files).")
 @click.option("--group-size", type=int, help="Quantization group size (int4: 32/64/128/256; int8: per channel).")
-@click.option("--quant-head", type=click.Choice(["int8", "int4", "nf4"]),
-              help="Quantize the output head too, in this scheme (default: 16-bit; int8 also shares a tied "
-                   "embedding table).")
+@click.option("--quant-head", type=click.Choice(["int8", "int4", "nf4", "none"]),
+              callback=lambda ctx, param, value: False if value == "none" else value,
+              help="Scheme of the output head (int8 also serves a tied embedding table); none = 16-bit. "
+                   "Default: as stored, else 16-bit.")
 @click.option("--kernel", type=click.Choice(["int4-tinygemm-cpu", "int4-tinygemm-cuda", "int8-weight-only",
                                              "nf4-bitsandbytes", "reference"]),
               help="Force a matmul kernel (default: the fastest that works here).")

@@ -147,8 +147,7 @@ def pull_model(source: PullSource, options: PullOptions, store: Store | None = N
         if kept is not None:
             return kept
         click.echo(f"quantizing to {scheme.label()}...", err=True)
-        entry, quant_s = convert_to_store(fetched.ckpt, scheme, name, store, fetched.source,
-                                          options.quant_head or False)
+        entry, quant_s = convert_to_store(fetched.ckpt, scheme, name, store, fetched.source, options.quant_head)
     freed = _prune(fetched) if options.prune else None
     _summary(entry, fetched, quant_s, freed)
     return entry
@@ -169,7 +168,7 @@ def _already_stored(store: Store, name: str, source: PullSource, options: PullOp
     same_group = options.group_size is None or stored_scheme.get("group_size") == options.group_size
     quant = existing.manifest.get("quant") or {}
     head = (quant.get("overrides") or {}).get("output") or (quant.get("scheme") if "output" in quant.get("modules", []) else None)
-    same_head = (head or {}).get("name") == options.quant_head
+    same_head = options.quant_head is None or (head or {}).get("name") == options.quant_head
     if not (same_group and same_head):
         click.echo(f"replacing '{existing.ref}' (stored with other quantization settings)", err=True)
         return None
@@ -326,9 +325,10 @@ def _summary(entry: StoredModel, fetched: Fetched, quant_s: float, freed: int | 
 @click.option("--quant", "-q", default=DEFAULT_PULL_SCHEME, show_default=True, metavar="|".join(PULL_SCHEMES),
               help="Weight scheme to store.")
 @click.option("--group-size", type=int, help="Group size (int4: 32/64/128/256, default 32; a Q4 GGUF keeps its own).")
-@click.option("--quant-head", type=click.Choice(["int8", "int4", "nf4"]),
-              help="Quantize the output head too, in this scheme (default: 16-bit; int8 also shares a tied "
-                   "embedding table).")
+@click.option("--quant-head", type=click.Choice(["int8", "int4", "nf4", "none"]),
+              callback=lambda ctx, param, value: False if value == "none" else value,
+              help="Scheme of the output head (int8 also serves a tied embedding table); none = 16-bit. "
+                   "Default: as stored, else 16-bit.")
 @click.option("--name", help="Store name (default: the repo's or file's base name, lower case).")
 @click.option("--revision", help="Branch, tag or commit of a Hub repo (same as REPO@REV).")
 @click.option("--gguf", "gguf_file", metavar="FILE", help="Import this GGUF file of the Hub repo instead of its safetensors.")
