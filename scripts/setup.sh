@@ -20,9 +20,14 @@ if ! $py -c "import torch" 2>/dev/null; then
     $py -m pip install -q "torch==$TORCH_VERSION"
   else
     say "no CUDA GPU: installing torch $TORCH_VERSION (CPU build)"
-    # A wheel on local disk first (no download); else PyTorch's CPU index, never the multi-GB CUDA build.
-    $py -m pip install -q --no-index "torch==$TORCH_VERSION" 2>/dev/null ||
-      $py -m pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+    # A CPU wheel on local disk first (pip's find-links; its dependencies then come from the index);
+    # else PyTorch's CPU index. Never the multi-GB CUDA build.
+    if $py -m pip install -q --no-index --no-deps "torch==$TORCH_VERSION" 2>/dev/null; then
+      $py -m pip install -q "torch==$TORCH_VERSION"
+    else
+      $py -m pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
+        --extra-index-url https://pypi.org/simple
+    fi
   fi
 fi
 

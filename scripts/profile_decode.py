@@ -1,0 +1,59 @@
+#!/usr/bin/env python
+"""Where a decode step's time goes: torch.profiler over cached decode steps of a model.
+
+    .venv/bin/python scripts/profile_decode.py [--model smollm2] [--quant int4] [--quant-head int8] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import profile
+
+from loaders.load import load_model
+from runtime.compile import compiled_decode
+from runtime.generate import decode_one_token, forward_one_token, prefill
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--quant", default="int4")
+    ap.add_argument("--quant-head", default=None)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=128, help="tokens already in the cache")
+    ap.add_argument("--steps", type=int, default=40)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model, quant=args.quant, quantize_head=args.quant_head)
+    model = lm.model
+    n = args.context
+    model.setup_caches(n + 2 * args.steps + 16)
+    prefill(model, torch.randint(0, lm.config.vocab_size, (1, n)))
+    step = compiled_decode(forward_one_token, lm.device) if args.compile else decode_one_token
+    token = torch.tensor([[5]])
+    for i in range(5):  # warm-up (and compilation)
+        step(model, token, torch.tensor([n + i]), n + i)
+    times = []
+    for i in range(args.steps):
+        pos = n + 5 + i
+        t0 = time.perf_counter()
+        step(model, token, torch.tensor([pos]), pos)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    print(f"{lm.scheme_label}, kernels {dict(lm.kernels)}, compile={args.compile}: "
+          f"decode step {med * 1e3:.2f} ms median ({1 / med:.1f} tok/s) at context {n}")
+    with profile() as prof:
+        for i in range(20):
+            pos = n + 5 + args.steps + i
+            step(model, token, torch.tensor([pos]), pos)
+    print("per 20 steps:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
