@@ -67,6 +67,7 @@ from huggingface_hub.utils import logging as hf_logging
 from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 
 from localllm.errors import LocalLLMError
+from loaders.store import file_sha256
 
 #: Files the runtime reads besides the weights.
 RUNTIME_FILES = (
@@ -324,15 +325,6 @@ def _from_cache(repo_id: str, revision: str | None) -> Snapshot:
 
 
 # --------------------------------------------------------------------------- integrity
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in chunks (weights can be bigger than memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def git_blob_sha1(path: Path) -> str:
     """The git object id of a file (what the Hub lists as ``blobId`` / ``oid`` for non-LFS files)."""
     digest = hashlib.sha1(b"blob %d\0" % path.stat().st_size)

@@ -144,6 +144,7 @@ def _entry(folder: Path, manifest: dict[str, Any]) -> StoredModel:
 
 
 def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in chunks (weights can be bigger than memory)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):

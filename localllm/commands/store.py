@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -23,7 +22,7 @@ from filelock import Timeout
 
 from localllm.errors import LocalLLMError
 from localllm.format import human_size
-from loaders.store import Store, StoredModel, name_from_repo, validate_name
+from loaders.store import Store, StoredModel, file_sha256, name_from_repo, validate_name
 
 if TYPE_CHECKING:  # torch-heavy modules, imported by the commands only when they run
     from loaders.hub import Snapshot
@@ -292,11 +291,7 @@ def _file_sha256(path: Path) -> str:
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     if key not in _HASHED:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(8 << 20):
-                digest.update(chunk)
-        _HASHED[key] = digest.hexdigest()
+        _HASHED[key] = file_sha256(path)
     return _HASHED[key]
 
 
