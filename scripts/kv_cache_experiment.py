@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Decode with and without the KV cache on one model and prompt; print per-step latency and cache size.
 
-    .venv/bin/python scripts/kv_cache_experiment.py [--model smollm2] [--steps 100] [--dtype bf16]
+    .venv/bin/python scripts/kv_cache_experiment.py [--model smollm2] [--steps 100] [--quant bf16]
 """
 
 from __future__ import annotations
@@ -28,21 +28,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--dtype", default="auto", help="activation dtype")
+    ap.add_argument("--quant", default=None, help="weight scheme (default: the model's own)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--prompt", default="The history of the printing press begins")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, quant=args.quant)
     prompt = torch.tensor([lm.tokenizer.encode(args.prompt)], device=lm.device)
     decode_latencies(lm.model, prompt, 3, use_cache=True)  # warm-up
     cached = decode_latencies(lm.model, prompt, args.steps, use_cache=True)
     uncached = decode_latencies(lm.model, prompt, args.steps, use_cache=False)
 
     c = lm.config
-    print(f"model {lm.source}  dtype {str(lm.dtype).removeprefix('torch.')}  device {lm.device}  "
+    print(f"model {lm.source}  weights {lm.scheme_label}  device {lm.device}  "
           f"threads {torch.get_num_threads()}  prompt {prompt.shape[1]} tokens")
     print(f"{'step':>6} {'seq len':>8} {'no cache (ms)':>14} {'KV cache (ms)':>14} {'speed-up':>9}")
     for s in REPORT_STEPS:
