@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -230,6 +231,7 @@ def test_rss_meter_sees_an_allocation():
     meter = bench.RSSMeter()
     meter.start()
     block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, written so its pages are resident
+    time.sleep(0.3)  # the meter samples every 10 ms: hold the block across many samples
     del block
     bench.release_memory(torch.device("cpu"))
     figures = meter.stop()
