@@ -42,13 +42,22 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _IGNORED_RE = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
 
+def rename(name: str, top: dict[str, str], layer_re: re.Pattern[str], layer: dict[str, str]) -> str | None:
+    """Our name for a checkpoint name through a format's tables (top-level names, and per-layer
+    suffixes after ``layer_re``'s layer number); None when the tables do not know it."""
+    if name in top:
+        return top[name]
+    m = layer_re.match(name)
+    if m and m.group(2) in layer:
+        return f"layers.{m.group(1)}.{layer[m.group(2)]}"
+    return None
+
+
 def map_hf_name(name: str) -> str | None:
     """Our parameter name for an HF checkpoint name; None for entries we recompute (rope buffers)."""
-    if name in _TOP_MAP:
-        return _TOP_MAP[name]
-    m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    ours = rename(name, _TOP_MAP, _LAYER_RE, _LAYER_MAP)
+    if ours is not None:
+        return ours
     if _IGNORED_RE.search(name):
         return None
     raise LocalLLMError(f"unexpected tensor '{name}' in the checkpoint", "is this a Llama, Mistral or Qwen2 model?")

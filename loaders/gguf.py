@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from localllm.errors import LocalLLMError
+from loaders.checkpoint import rename
 from loaders.gguf_meta import read_metadata
 from quant.convert import Plan, quantize_stream
 from quant.formats import QuantScheme, parse_scheme
@@ -39,11 +40,9 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 def map_gguf_name(name: str) -> str | None:
     """Our parameter name for a GGUF tensor name; None for tensors we do not use (rope_freqs...)."""
-    if name in _TOP_MAP:
-        return _TOP_MAP[name]
-    m = _LAYER_RE.match(name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    ours = rename(name, _TOP_MAP, _LAYER_RE, _LAYER_MAP)
+    if ours is not None:
+        return ours
     if name == "rope_freqs.weight":
         return None
     raise LocalLLMError(f"unexpected tensor '{name}' in the GGUF file", "is this a Llama, Mistral or Qwen2 model?")
