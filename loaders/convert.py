@@ -40,7 +40,7 @@ def convert_to_store(
     name: str,
     store: Store,
     source: dict[str, Any],
-    quantize_head: bool | str | None = None,
+    quantize_head: str | bool | None = None,
 ) -> tuple[StoredModel, float]:
     """Write ``ckpt`` in ``scheme`` as store entry ``name:scheme``; returns it and the seconds taken.
 

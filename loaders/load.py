@@ -106,24 +106,20 @@ def choose_scheme(ckpt: Checkpoint, quant: str | None, group_size: int | None) -
     return parse_scheme(quant, group_size)
 
 
-def head_scheme(scheme: QuantScheme | None, quantize_head: bool | str) -> QuantScheme | None:
-    """The output head's scheme: None (16-bit) unless asked; True = the blocks' scheme; a name = that
-    scheme (``int8`` keeps the head, the most sensitive layer, at 8 bits beside int4 blocks)."""
-    if not quantize_head or scheme is None:
-        return None
-    return scheme if quantize_head is True else parse_scheme(str(quantize_head))
-
-
-def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: bool | str | None = None
+def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: str | bool | None = None
                   ) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], Plan]:
     """The empty (meta) model for ``ckpt`` in ``scheme``, the stream of tensors that fills it, and the
-    plan (quantized module -> scheme). ``quantize_head`` None means the checkpoint's own choice (a
-    stored model's head as stored, else 16-bit); False keeps it 16-bit.
+    plan (quantized module -> scheme). ``quantize_head`` names the output head's scheme (``int8``
+    keeps the most sensitive layer at 8 bits beside int4 blocks); None means the checkpoint's own
+    choice (a stored model's head as stored, else 16-bit); False keeps it 16-bit.
     Shared by loading and by writing artifacts."""
     model = empty_model(ckpt.config)
     if scheme is None or scheme.is_float:
         return model, ckpt.iter_tensors(), {}
-    head = ckpt.default_head(scheme) if quantize_head is None else head_scheme(scheme, quantize_head)
+    if quantize_head is None:
+        head = ckpt.default_head(scheme)
+    else:
+        head = parse_scheme(quantize_head) if quantize_head else None
     plan = make_plan(model, scheme, head)
     swap_linears(model, plan)
     tied_head = ckpt.config.tie_embeddings and "output" in plan
@@ -170,7 +166,7 @@ def load_model(
     dtype: str = "auto",
     quant: str | None = None,
     group_size: int | None = None,
-    quantize_head: bool | str | None = None,
+    quantize_head: str | bool | None = None,
     kernel: str | None = None,
     store: Store | None = None,
     fuse: bool = True,

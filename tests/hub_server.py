@@ -338,15 +338,23 @@ class _Handler(BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization", "")
         return auth[7:] if auth.lower().startswith("bearer ") else None
 
-    # ------------------------------------------------------------------ API
-    def _api(self, repo_id: str, kind: str | None, revision: str, query: dict[str, list[str]]) -> None:
+    def _commit(self, repo_id: str, revision: str) -> tuple[HubRepo, str] | None:
+        """The repo and the commit a revision names; else answer the Hub's error and return None."""
         repo = self._access(repo_id)
         if repo is None:
-            return
+            return None
         sha = repo.resolve(revision)
         if sha is None:
             self._error(404, f"Invalid rev id: {revision}", code="RevisionNotFound")
+            return None
+        return repo, sha
+
+    # ------------------------------------------------------------------ API
+    def _api(self, repo_id: str, kind: str | None, revision: str, query: dict[str, list[str]]) -> None:
+        found = self._commit(repo_id, revision)
+        if found is None:
             return
+        repo, sha = found
         files = repo.commits[sha]
         if kind == "tree":
             self._tree(files, query)
@@ -391,13 +399,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -------------------------------------------------------------- resolve
     def _resolve(self, repo_id: str, revision: str, filename: str, head: bool) -> None:
-        repo = self._access(repo_id)
-        if repo is None:
+        found = self._commit(repo_id, revision)
+        if found is None:
             return
-        sha = repo.resolve(revision)
-        if sha is None:
-            self._error(404, f"Invalid rev id: {revision}", code="RevisionNotFound")
-            return
+        repo, sha = found
         entry = repo.commits[sha].get(filename)
         if entry is None:
             self._error(404, "Entry not found", code="EntryNotFound", extra={"X-Repo-Commit": sha})
