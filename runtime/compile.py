@@ -78,7 +78,9 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
             return graph(model, token, input_pos)
     else:
         # Positions grow every step: compile for symbolic lengths once rather than once per length.
-        compiled = torch.compile(base, dynamic=True, fullgraph=False, options=_GUARD_OPTIONS)
+        # cpp_wrapper: the generated graph calls its kernels from C++ rather than from a Python
+        # wrapper, which at batch 1 (some 300 kernel calls a step) saves about a millisecond a token.
+        compiled = torch.compile(base, dynamic=True, fullgraph=False, options={**_GUARD_OPTIONS, "cpp_wrapper": True})
     state = {"fn": compiled}
 
     def step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
