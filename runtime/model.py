@@ -27,6 +27,24 @@ from runtime.cache import KVCache
 from runtime.config import ModelConfig
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` without random initialisation: every weight comes from a checkpoint.
+
+    (Initialising on ``meta`` is not only wasted work: it goes through torch's reference ops, whose
+    first use imports ``torch._dynamo``, some 0.8 s of a cold start.)
+    """
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without random initialisation (see :class:`Linear`)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -84,10 +102,10 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         bias = config.attention_bias
-        self.q = nn.Linear(config.dim, config.q_dim, bias=bias)
-        self.k = nn.Linear(config.dim, config.kv_dim, bias=bias)
-        self.v = nn.Linear(config.dim, config.kv_dim, bias=bias)
-        self.o = nn.Linear(config.q_dim, config.dim, bias=False)
+        self.q = Linear(config.dim, config.q_dim, bias=bias)
+        self.k = Linear(config.dim, config.kv_dim, bias=bias)
+        self.v = Linear(config.dim, config.kv_dim, bias=bias)
+        self.o = Linear(config.q_dim, config.dim, bias=False)
         #: q, k and v as one matmul, set by loaders.build.fuse_projections (then q, k, v are removed).
         self.qkv: nn.Module | None = None
         self.q_dim, self.kv_dim = config.q_dim, config.kv_dim
@@ -135,9 +153,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate = nn.Linear(config.dim, config.intermediate_size, bias=False)
-        self.up = nn.Linear(config.dim, config.intermediate_size, bias=False)
-        self.down = nn.Linear(config.intermediate_size, config.dim, bias=False)
+        self.gate = Linear(config.dim, config.intermediate_size, bias=False)
+        self.up = Linear(config.dim, config.intermediate_size, bias=False)
+        self.down = Linear(config.intermediate_size, config.dim, bias=False)
         #: gate and up as one matmul, set by loaders.build.fuse_projections.
         self.gate_up: nn.Module | None = None
 
@@ -165,10 +183,10 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.embed = Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = Linear(config.dim, config.vocab_size, bias=False)
         self.max_seq = 0
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
