@@ -11,7 +11,7 @@ from localllm.errors import LocalLLMError
 from quant import kernels
 from quant.formats import dequantize, pack_int4, parse_scheme, quantize, unpack_int4
 from quant.gguf_blocks import exact_import, to_canonical
-from quant.linear import QuantLinear
+from quant.linear import QuantLinear, prepare_model
 
 SCHEMES = [("int8", None), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128), ("nf4", 64)]
 
@@ -128,6 +128,31 @@ def test_a_disagreeing_kernel_is_dropped(monkeypatch):
         x.shape[0], layer.out_features, dtype=x.dtype)))
     with pytest.warns(UserWarning, match="disagrees"):
         assert layer.prepare(torch.bfloat16) == "reference"
+
+
+def test_a_model_checks_each_kernel_once_per_layer_shape(monkeypatch):
+    layers = torch.nn.ModuleList([make_layer("int4", 32)[0] for _ in range(3)]
+                                 + [make_layer("int4", 32, out=64)[0] for _ in range(2)])
+    checked = []
+    real = kernels.agrees_with_reference
+    monkeypatch.setattr(kernels, "agrees_with_reference",
+                        lambda layer, k, t: checked.append((layer.out_features, k.name)) or real(layer, k, t))
+    assert prepare_model(layers, torch.bfloat16) == {"int4-tinygemm-cpu": 5}
+    assert sorted(checked) == [(64, "int4-tinygemm-cpu"), (192, "int4-tinygemm-cpu")]
+    x = torch.randn(2, 576, dtype=torch.bfloat16)
+    for layer in layers:  # every layer, checked or not, multiplies right
+        w = make_layer("int4", 32, out=layer.out_features)[1]  # the same seeded weight
+        want = x.float() @ dequantize(quantize(w, layer.scheme), layer.scheme).t()
+        assert ((layer(x).float() - want).norm() / want.norm()) < 1e-2
+
+
+def test_a_disagreeing_kernel_is_dropped_for_every_layer_of_its_shape_with_one_warning(monkeypatch):
+    layers = torch.nn.ModuleList([make_layer("int4", 32)[0] for _ in range(3)])
+    monkeypatch.setattr(kernels.Int4TinygemmCPU, "matmul", staticmethod(lambda layer, x: torch.zeros(
+        x.shape[0], layer.out_features, dtype=x.dtype)))
+    with pytest.warns(UserWarning, match="disagrees") as caught:
+        assert prepare_model(layers, torch.bfloat16) == {"reference": 3}
+    assert len([w for w in caught if "disagrees" in str(w.message)]) == 1
 
 
 @pytest.mark.cuda
