@@ -58,6 +58,23 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+class FastGGUFReader(gguf.GGUFReader):
+    """``gguf.GGUFReader`` over a plain ndarray view of its memory map.
+
+    The reader takes a small numpy view for every item of the metadata (a 49k-token vocabulary and
+    its merges are ~750k views); on ``np.memmap`` each view also runs the subclass's Python hooks,
+    which made opening SmolLM2's GGUF take 1.7 s instead of 0.6 s. The memory is the same mapping.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = np.asarray(value)  # drops the memmap subclass; the mapping stays referenced
+
+
 class GGUFCheckpoint:
     """A ``.gguf`` file: metadata, tokenizer and tensors."""
 
@@ -66,7 +83,7 @@ class GGUFCheckpoint:
         if not path.is_file():
             raise LocalLLMError(f"GGUF file not found: {path}", "check the path")
         try:
-            self.reader = gguf.GGUFReader(str(path))
+            self.reader = FastGGUFReader(str(path))
         except (ValueError, OSError, IndexError) as e:
             raise LocalLLMError(f"cannot read {path.name} as GGUF: {e}", "is the file complete? download it again") from e
         self.metadata: dict[str, Any] = read_metadata(self.reader)
