@@ -117,6 +117,7 @@ class Settings:
     runs: int = 5
     quality: bool = True
     kv_compare: bool = False
+    compile: bool = False  # torch.compile the decode step (compilation happens in the warm-up run)
     warmup: int = WARMUP_RUNS
     notes: list[str] = field(default_factory=list)
 
@@ -378,7 +379,7 @@ def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, nam
     from runtime.generate import Generator
     from runtime.sampling import SamplingParams
 
-    gen = Generator(model, s.context)
+    gen = Generator(model, s.context, compile=s.compile)
     greedy = SamplingParams(temperature=0)
     runs = []
     for i in range(s.warmup + s.runs):
@@ -575,6 +576,7 @@ def run_bench(
         ("quality: perplexity, mean KL divergence and top-1 agreement against " + s.baseline + " over "
          + f"{predicted} predicted positions of {text_source}, in windows of {QUALITY_WINDOW}")
         if quality_skipped is None else f"quality: skipped ({quality_skipped})",
+        *(["decode step compiled with torch.compile; its compilation falls in the warm-up run"] if s.compile else []),
         *s.notes,
         *([f"warning: {busy}"] if busy else []),
     ]
@@ -586,7 +588,7 @@ def run_bench(
             "schemes": list(s.schemes), "baseline": s.baseline, "prompt_tokens": len(prompt_ids),
             "gen_tokens": s.gen_tokens, "ctx": s.context, "runs": s.runs, "warmup_runs": s.warmup,
             "threads": torch.get_num_threads(), "text": text_source, "text_tokens": text_tokens,
-            "quality": quality_skipped is None, "kv_compare": s.kv_compare,
+            "quality": quality_skipped is None, "kv_compare": s.kv_compare, "compile": s.compile,
         },
         "machine": machine,
         "bandwidth": bandwidth,
@@ -611,13 +613,23 @@ def bench_checkpoint(
     text: str | Path | None = None,
     kv_compare: bool = False,
     quality: bool = True,
+    quant_head: str | bool | None = None,
+    compile: bool = False,
     log: Log = log_stderr,
 ) -> dict[str, Any]:
-    """``localllm bench``: a model folder, .gguf file or stored name, in each scheme of ``schemes``."""
+    """``localllm bench``: a model folder, .gguf file or stored name, in each scheme of ``schemes``.
+
+    ``quant_head``: the output head's scheme for the quantized schemes (None: as ``run`` chooses,
+    False: 16-bit); float schemes keep a float head. ``compile``: time the compiled decode step.
+    """
     from loaders.load import load_model, load_tokenizer, open_checkpoint, resolve_device
+    from quant.formats import QUANT_SCHEMES
 
     dev = resolve_device(device)  # fails at once on --device cuda without a GPU
-    s = Settings(parse_schemes(schemes, dev), dev, prompt_tokens, gen_tokens, ctx, runs, quality, kv_compare)
+    s = Settings(parse_schemes(schemes, dev), dev, prompt_tokens, gen_tokens, ctx, runs, quality, kv_compare,
+                 compile=compile)
+    if quant_head is not None:
+        s.notes.append(f"output head of the quantized schemes: {quant_head or '16-bit'}")
     check_settings(s)
     set_threads(threads)
     source, body = read_text(text)
@@ -628,7 +640,8 @@ def bench_checkpoint(
         log(f"warning: a context of {s.context} tokens is beyond the {ckpt.config.max_seq_len} the model was trained on")
 
     def load(name: str) -> Any:
-        return load_model(ref, device=str(dev), quant=name)
+        head = quant_head if name in QUANT_SCHEMES else None
+        return load_model(ref, device=str(dev), quant=name, quantize_head=head)
 
     return run_bench(load, ckpt.describe(), ids[:prompt_tokens], ids, s, source, len(ids), log=log)
 

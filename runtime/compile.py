@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +51,20 @@ def _static_step(model: Transformer, token: torch.Tensor, input_pos: torch.Tenso
     return model(token, input_pos, static=True)[:, -1]
 
 
+def _own_code(fn: Callable) -> Callable:
+    """A copy of ``fn`` with its own code object.
+
+    Dynamo keeps compiled graphs on the code object, and with the module guards skipped (above) a
+    graph compiled for one model would be taken for another of different structure (a float head
+    then an int8 one: "KeyError: 'weight'"). A code object per compiled step keeps each model's
+    graphs apart, and each step's recompilations within its own limit.
+    """
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_compiled")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None = None) -> DecodeFn:
     """``base`` compiled with inductor and run under inference mode; eager ``base`` (with a warning
     saying why) when compilation is unavailable or fails.
@@ -65,13 +80,14 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
     import torch._inductor.config as inductor_config
 
     # Round every intermediate to its dtype as eager does (inductor otherwise keeps fused bf16 math
-    # in fp32): compiled decode then gives the eager path's logits bit for bit, so greedy output
-    # does not depend on whether the step was compiled.
+    # in fp32). Logits then match eager's bit for bit for most steps; a fused reduction (an RMSNorm's
+    # mean) summed in another order can still move a bf16 value by one ulp now and then, so greedy
+    # output only differs where the top two logits are (nearly) tied.
     inductor_config.emulate_precision_casts = True
     if device.type == "cuda":
         # CUDA graphs replay one recorded launch sequence per shape: attend over the whole cache
         # with a mask (static shapes; the position only as a tensor) so one graph serves every step.
-        graph = torch.compile(_static_step, mode="reduce-overhead", dynamic=False, fullgraph=True)
+        graph = torch.compile(_own_code(_static_step), mode="reduce-overhead", dynamic=False, fullgraph=True)
 
         def compiled(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's output may be overwritten
@@ -80,7 +96,8 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
         # Positions grow every step: compile for symbolic lengths once rather than once per length.
         # cpp_wrapper: the generated graph calls its kernels from C++ rather than from a Python
         # wrapper, which at batch 1 (some 300 kernel calls a step) saves about a millisecond a token.
-        compiled = torch.compile(base, dynamic=True, fullgraph=False, options={**_GUARD_OPTIONS, "cpp_wrapper": True})
+        compiled = torch.compile(_own_code(base), dynamic=True, fullgraph=False,
+                                 options={**_GUARD_OPTIONS, "cpp_wrapper": True})
     state = {"fn": compiled}
 
     def step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:

@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, help="torch CPU threads")
+    ap.add_argument("--compile", action="store_true",
+                    help="time the compiled decode step (CUDA graphs through torch.compile's reduce-overhead)")
     ap.add_argument("--out", type=Path, help="results folder (default: results/bench-gpu/<shape>-<time>)")
     return ap.parse_args(argv)
 
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> Path:
     config = ModelConfig(arch="llama", **SHAPES[args.shape])
     name = "random llama-2-7b shapes" if args.shape == "7b" else f"random {args.shape} llama"
     s = bench.Settings(bench.parse_schemes(args.quant, device), device, args.prompt_tokens, args.gen_tokens,
-                       None, args.runs, quality=False,
+                       None, args.runs, quality=False, compile=args.compile,
                        notes=[f"{name}: {config.num_parameters() / 1e6:,.1f}M parameters, made on {device} "
                               "tensor by tensor (no download)"])
     bench.check_settings(s)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ SCHEMES = ["fp32", "bf16", "int8", "int4", "nf4"]
 TOP_KEYS = {"schema", "model", "device", "settings", "machine", "bandwidth", "schemes", "quality",
             "kv_cache_comparison", "notes"}
 SETTINGS_KEYS = {"schemes", "baseline", "prompt_tokens", "gen_tokens", "ctx", "runs", "warmup_runs", "threads",
-                 "text", "text_tokens", "quality", "kv_compare"}
+                 "text", "text_tokens", "quality", "kv_compare", "compile"}
 MACHINE_KEYS = {"cpu_model", "cpu_count", "threads", "gpu_name", "gpu_capability", "gpu_memory_bytes",
                 "torch_version", "localllm_version", "python_version", "platform", "load_average"}
 BANDWIDTH_KEYS = {"method", "tensor_bytes", "repeats", "read_bytes_per_s", "copy_bytes_per_s", "bytes_per_s"}
@@ -187,6 +188,27 @@ def test_json_to_stdout(tiny_folder, tmp_path):
     assert_schema(data, quality=False, kv=False)
     assert data["settings"]["baseline"] == "bf16" and data["quality"]["skipped"] == "--no-quality"
     assert "decode tok/s" in result.stderr
+
+
+@pytest.mark.slow
+def test_compiled_decode_with_an_int8_head(tiny_folder, tmp_path):
+    _, folder = tiny_folder("llama")
+    text = tmp_path / "t.txt"
+    text.write_text("Bridges carry loads across gaps. " * 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = invoke(str(folder), "--quant", "bf16,int4", "--quant-head", "int8", "--compile", "--device", "cpu",
+                        "--prompt-tokens", "16", "--gen-tokens", "4", "--runs", "1", "--no-quality",
+                        "--text", str(text), "--json", str(tmp_path / "b.json"))
+    assert result.exit_code == 0, result.output
+    # Both models really ran compiled (a graph of the first taken for the second fails, then runs eagerly).
+    assert not [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data["settings"]["compile"] is True
+    assert any("compiled with torch.compile" in n for n in data["notes"])
+    assert any("output head of the quantized schemes: int8" in n for n in data["notes"])
+    assert data["schemes"]["int4"]["kernels"]["int8-weight-only"] == 1  # the head
+    assert "int8-weight-only" not in data["schemes"]["bf16"]["kernels"]  # float schemes keep a float head
 
 
 # ------------------------------------------------------------------------------ bad input

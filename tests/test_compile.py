@@ -7,7 +7,7 @@ import torch
 
 import runtime.compile as rc
 from loaders.load import load_model
-from runtime.generate import Generator, forward_one_token
+from runtime.generate import Generator, decode_one_token, forward_one_token, prefill
 from runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -30,6 +30,35 @@ def test_compiled_int4_decode_is_token_identical_on_smollm2(smollm2_path):
         got = list(compiled.generate(ids, GREEDY, max_tokens=64))
         compiled.reset()
         assert len(want) == 64 and got == want
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_compiled_logits_stay_close_to_eager_on_smollm2(smollm2_path):
+    """Both paths fed the same 64 tokens: the compiled step's logits stay within bf16 noise of eager's."""
+    lm = load_model(str(smollm2_path), quant="int4", quantize_head="int8")
+    model = lm.model
+    model.setup_caches(128)
+    ids = lm.tokenizer.encode(PROMPTS[0])
+    compiled = rc.compiled_decode(forward_one_token, lm.device)
+    fed = torch.randint(0, lm.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def logits(step) -> list[torch.Tensor]:
+        out = [prefill(model, torch.tensor([ids]))]
+        for i, t in enumerate(fed):
+            pos = len(ids) + i
+            out.append(step(model, torch.tensor([[t]]), torch.tensor([pos]), pos).float())
+        return out
+
+    want, got = logits(decode_one_token), logits(compiled)
+    worst = max((w - g).abs().max().item() for w, g in zip(want, got))
+    mean = sum((w - g).abs().mean().item() for w, g in zip(want, got)) / len(want)
+    agree = sum(int(w.argmax()) == int(g.argmax()) for w, g in zip(want, got))
+    # The first steps match bit for bit; once a fused reduction rounds one bf16 value the other way the
+    # residual stream carries that difference on (measured: mean |d| 0.06, worst 0.75 on logits of
+    # std 2.3). A wrong kernel, layout or cache position moves them by whole units and the argmax with it.
+    assert sum(torch.equal(w, g) for w, g in zip(want, got)) >= 8  # the first steps are identical
+    assert worst < 1.5 and mean < 0.3 and agree >= len(want) - 3, (worst, mean, agree)
 
 
 def test_compile_failure_falls_back_to_eager(tiny_folder, monkeypatch):

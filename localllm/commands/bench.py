@@ -27,6 +27,11 @@ from localllm.paths import DEFAULT_MODEL
 @click.option("--no-cache", "kv_compare", is_flag=True,
               help="Also time decode with and without the KV cache (first scheme only).")
 @click.option("--no-quality", is_flag=True, help="Skip perplexity / KL divergence / top-1 agreement.")
+@click.option("--quant-head", type=click.Choice(["int8", "int4", "nf4", "none"]),
+              callback=lambda ctx, param, value: False if value == "none" else value,
+              help="Scheme of the output head for the quantized schemes (as in run); none = 16-bit.")
+@click.option("--compile", "compile_", is_flag=True,
+              help="Time the torch.compile'd decode step (compiled during the warm-up run).")
 def bench(
     model: str,
     quant: str | None,
@@ -41,6 +46,8 @@ def bench(
     text_path: str | None,
     kv_compare: bool,
     no_quality: bool,
+    quant_head: str | bool | None,
+    compile_: bool,
 ) -> None:
     """Benchmark MODEL (a model folder, a .gguf file, a stored NAME or 'smollm2') in each weight scheme:
     weight bytes, load time, peak memory, KV cache size, TTFT, prefill and decode speed, decode bandwidth
@@ -53,5 +60,5 @@ def bench(
     if plot_path is not None:
         b.require_matplotlib()
     result = b.bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
-                                kv_compare, not no_quality)
+                                kv_compare, not no_quality, quant_head, compile_)
     b.report(result, json_path, plot_path)
