@@ -136,3 +136,20 @@ def test_static_whole_cache_decode_matches(tiny_folder, arch):
         with torch.no_grad():
             logits = model(ids[:, pos : pos + 1], torch.tensor([pos]), static=True)[:, -1]
         torch.testing.assert_close(logits, full[:, pos], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int4"])
+def test_loading_does_not_import_the_compiler(tiny_folder, quant):
+    """A cold start pays for torch alone: torch._dynamo (0.8 s to import) only comes with --compile.
+
+    Random initialisation of the modules built on meta used to pull it in through torch's reference ops.
+    """
+    import subprocess
+    import sys
+
+    _, folder = tiny_folder("llama")
+    code = ("import sys; from loaders.load import load_model; "
+            f"lm = load_model({str(folder)!r}, quant={quant!r}); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
