@@ -6,7 +6,8 @@
 Every engine runs the same GGUF (the embedded SmolLM2 by default) on the same prompt, greedy, for
 the same number of tokens (end-of-sequence ignored). Prefill rate = prompt tokens / time to the
 first token; decode rate = (tokens - 1) / (time from the first token to the last). Figures are
-medians over ``--runs`` after a warm-up; the ratio column divides by transformers fp32 decode.
+medians over ``--runs`` rounds, run round-robin after a warm-up of each; the ratio column divides by
+transformers fp32 decode.
 """
 
 from __future__ import annotations
@@ -36,9 +37,26 @@ TEXT = (
 Timing = tuple[float, float]  # (seconds to first token, seconds from first to last token)
 
 
-def measure(run_once: Callable[[], Timing], runs: int, prompt_tokens: int, gen: int) -> dict[str, float]:
-    run_once()  # warm-up
-    ttft, decode = zip(*(run_once() for _ in range(runs)))
+def measure_interleaved(engines: dict[str, Callable[[], Timing]], runs: int, prompt_tokens: int, gen: int,
+                        pause_s: float = 0.3) -> dict[str, dict[str, float]]:
+    """One warm-up each, then ``runs`` rounds in which every engine runs once, in turn.
+
+    Round-robin rather than engine after engine: a shared machine's speed drifts over minutes, and
+    this way the drift falls on every engine alike. The pause lets one engine's worker threads stop
+    spinning before the next engine starts.
+    """
+    for once in engines.values():
+        once()
+    timings: dict[str, list[Timing]] = {name: [] for name in engines}
+    for _ in range(runs):
+        for name, once in engines.items():
+            time.sleep(pause_s)
+            timings[name].append(once())
+    return {name: summarize(t, prompt_tokens, gen) for name, t in timings.items()}
+
+
+def summarize(timings: list[Timing], prompt_tokens: int, gen: int) -> dict[str, float]:
+    ttft, decode = zip(*timings)
     return {
         "ttft_ms": statistics.median(ttft) * 1e3,
         "prefill_tps": prompt_tokens / statistics.median(ttft),
@@ -148,15 +166,13 @@ def main() -> None:
         "transformers-bf16": lambda: transformers_engine(args.model, torch.bfloat16, ids, args.gen),
         "llama.cpp": lambda: llama_cpp_engine(args.model, args.threads, ids, args.gen),
     }
-    results: dict[str, dict[str, float]] = {}
+    engines: dict[str, Callable[[], Timing]] = {}
     for name in args.engines.split(","):
         try:
-            once = factories[name]()
+            engines[name] = factories[name]()
         except ImportError as e:
             print(f"# {name}: skipped ({e})")
-            continue
-        results[name] = measure(once, args.runs, len(ids), args.gen)
-        del once
+    results = measure_interleaved(engines, args.runs, len(ids), args.gen)
 
     base = results.get("transformers-fp32", {}).get("decode_tps")
     cpp = results.get("llama.cpp", {})
