@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every check that needs a CUDA GPU, in one go (one device run): the CUDA tests, then the 7B-shape
+# bench eager and compiled (CUDA graphs). Figures and logs go to $OUT (default results/gpu).
+#
+#   bash scripts/gpu_checks.sh            # on a CUDA machine, from any folder
+#
+# On a machine without this project's venv, python3 must hold torch; packages it lacks (gguf,
+# bitsandbytes for nf4) can be put as wheels in .whl/ and are installed to /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv; "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; } \
+  2>&1 | tee "$OUT/machine.txt"
+schemes=fp16,int8,int4
+"$PY" -c "import bitsandbytes" 2>/dev/null && schemes=$schemes,nf4
+status=0
+timeout 240 "$PY" -m pytest tests -m cuda -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest-cuda.txt" || status=1
+timeout 300 "$PY" scripts/bench_gpu.py --quant "$schemes" --runs 3 --out "$OUT/eager" 2>&1 | tail -30 || status=1
+timeout 300 "$PY" scripts/bench_gpu.py --quant fp16,int4 --runs 3 --compile --out "$OUT/compiled" 2>&1 | tail -30 || status=1
+exit $status
