@@ -84,13 +84,28 @@ class Generator:
         if model.max_seq != ctx:
             model.setup_caches(ctx)
         self._decode = decode_one_token
+        self.cached: list[int] = []  # token ids whose K/V sit in the cache at positions 0..len-1
+        self.stats = GenerationStats()
+        self.compile_s = 0.0  # the warm-up that compiled the decode step
         if compile:
             from localllm.paths import home
             from runtime.compile import compiled_decode
 
             self._decode = compiled_decode(forward_one_token, self.device, home() / "inductor")
-        self.cached: list[int] = []  # token ids whose K/V sit in the cache at positions 0..len-1
-        self.stats = GenerationStats()
+            self.compile_s = self._warm_up()
+
+    def _warm_up(self) -> float:
+        """One decode step at a scratch position, so that compilation (tens of seconds the first
+        time, seconds from the disk cache) happens now rather than inside the first reply's timing.
+
+        The scratch keys/values land at a position that any real sequence writes before it reads it.
+        """
+        pos = min(8, self.ctx - 1)  # not 0 or 1: dynamo would specialise the graph on a length of 1
+        t0 = time.perf_counter()
+        token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self._decode(self.model, token, torch.tensor([pos], device=self.device), pos)
+        _sync(self.device)
+        return time.perf_counter() - t0
 
     def reset(self) -> None:
         self.cached = []

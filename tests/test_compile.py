@@ -61,6 +61,22 @@ def test_compiled_logits_stay_close_to_eager_on_smollm2(smollm2_path):
     assert worst < 1.5 and mean < 0.3 and agree >= len(want) - 3, (worst, mean, agree)
 
 
+@needs_compiler
+def test_compilation_happens_before_the_first_reply(tiny_folder):
+    """The warm-up step compiles the graph every later step uses, and leaves nothing in the answers."""
+    from torch._dynamo.utils import counters
+
+    _, folder = tiny_folder("llama")
+    lm = load_model(str(folder), quant="fp32")
+    compiled = Generator(lm.model, 64, compile=True)
+    assert compiled.compile_s > 0
+    graphs = counters["stats"]["unique_graphs"]
+    ids = [5, 6, 7, 8]  # decoding passes position 8, where the warm-up wrote its scratch keys
+    got = list(compiled.generate(ids, GREEDY, max_tokens=12))
+    assert counters["stats"]["unique_graphs"] == graphs  # no compilation inside the reply
+    assert got == list(Generator(lm.model, 64).generate(ids, GREEDY, max_tokens=12))
+
+
 def test_compile_failure_falls_back_to_eager(tiny_folder, monkeypatch):
     _, folder = tiny_folder("llama")
     lm = load_model(str(folder), quant="fp32")

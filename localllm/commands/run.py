@@ -112,12 +112,17 @@ def run(
     if ctx > lm.config.max_seq_len:
         click.echo(f"warning: --ctx {ctx} is beyond the {lm.config.max_seq_len} tokens the model was trained on",
                    err=True)
+    if compile_:
+        click.echo("compiling the decode step (about a minute the first time, seconds once cached)...", err=True)
     engine = Engine(lm.model, lm.tokenizer, ctx, compile=compile_)
+    load_s = lm.load_s + engine.generator.compile_s  # what came before the prompt, as Ollama counts it
+    if compile_ and verbose:
+        click.echo(f"compiled in {engine.generator.compile_s:.1f} s", err=True)
     if verbose:
         describe_model(lm, ctx)
 
     if text is None:
-        _chat(engine, params, system, max_tokens, stop, verbose, lm.load_s)
+        _chat(engine, params, system, max_tokens, stop, verbose, load_s)
         return
     if raw:
         pieces = engine.complete(text, params, max_tokens, stop)
@@ -126,7 +131,7 @@ def run(
         pieces = engine.chat(messages, params, max_tokens, stop)
     _stream(pieces)
     _write("\n")
-    _after(engine, verbose, lm.load_s)
+    _after(engine, verbose, load_s)
 
 
 def _ask(prompt: str = ">>> ") -> str:
