@@ -117,7 +117,7 @@ class Settings:
     runs: int = 5
     quality: bool = True
     kv_compare: bool = False
-    compile: bool = False  # torch.compile the decode step (compilation happens in the warm-up run)
+    compile: bool = False  # torch.compile the decode step (compiled before the first run)
     warmup: int = WARMUP_RUNS
     notes: list[str] = field(default_factory=list)
 
@@ -576,7 +576,7 @@ def run_bench(
         ("quality: perplexity, mean KL divergence and top-1 agreement against " + s.baseline + " over "
          + f"{predicted} predicted positions of {text_source}, in windows of {QUALITY_WINDOW}")
         if quality_skipped is None else f"quality: skipped ({quality_skipped})",
-        *(["decode step compiled with torch.compile; its compilation falls in the warm-up run"] if s.compile else []),
+        *(["decode step compiled with torch.compile, before any run (not timed)"] if s.compile else []),
         *s.notes,
         *([f"warning: {busy}"] if busy else []),
     ]

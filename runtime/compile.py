@@ -95,7 +95,7 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
     else:
         # Positions grow every step: compile for symbolic lengths once rather than once per length.
         # cpp_wrapper: the generated graph calls its kernels from C++ rather than from a Python
-        # wrapper, which at batch 1 (some 300 kernel calls a step) saves about a millisecond a token.
+        # wrapper; at batch 1 (some 300 kernel calls a step) that saved 0.35 ms of SmolLM2's 7 ms.
         compiled = torch.compile(_own_code(base), dynamic=True, fullgraph=False,
                                  options={**_GUARD_OPTIONS, "cpp_wrapper": True})
     state = {"fn": compiled}
