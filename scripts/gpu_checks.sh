@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every check that needs a CUDA GPU, in one go (one device run): the CUDA tests, then the 7B-shape
-# bench eager and compiled (CUDA graphs). Figures and logs go to $OUT (default results/gpu).
+# bench eager and compiled (CUDA graphs), within 10 minutes in all.
+# Figures and logs go to $OUT (default results/gpu).
 #
 #   bash scripts/gpu_checks.sh            # on a CUDA machine, from any folder
 #
@@ -21,7 +22,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 schemes=fp16,int8,int4
 "$PY" -c "import bitsandbytes" 2>/dev/null && schemes=$schemes,nf4
 status=0
-timeout 240 "$PY" -m pytest tests -m cuda -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest-cuda.txt" || status=1
-timeout 300 "$PY" scripts/bench_gpu.py --quant "$schemes" --runs 3 --out "$OUT/eager" 2>&1 | tail -30 || status=1
-timeout 300 "$PY" scripts/bench_gpu.py --quant fp16,int4 --runs 3 --compile --out "$OUT/compiled" 2>&1 | tail -30 || status=1
+timeout 120 "$PY" -m pytest tests -m cuda -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/pytest-cuda.txt" || status=1
+timeout 180 "$PY" scripts/bench_gpu.py --quant "$schemes" --runs 3 --out "$OUT/eager" 2>&1 | tail -30 || status=1
+timeout 270 "$PY" scripts/bench_gpu.py --quant fp16,int4 --runs 3 --compile --out "$OUT/compiled" 2>&1 | tail -30 || status=1
 exit $status
