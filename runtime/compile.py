@@ -13,6 +13,7 @@ import shutil
 import types
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -65,11 +66,13 @@ def _own_code(fn: Callable) -> Callable:
     return copy
 
 
-def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None = None) -> DecodeFn:
+def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None = None,
+                    cpp_wrapper: bool = True) -> DecodeFn:
     """``base`` compiled with inductor and run under inference mode; eager ``base`` (with a warning
     saying why) when compilation is unavailable or fails.
 
     The returned function compiles lazily on its first call; a failure then also falls back to eager.
+    ``cpp_wrapper=False`` keeps inductor's Python wrapper on the CPU (for measuring what it costs).
     """
     reason = compile_unavailable_reason(device)
     if reason:
@@ -95,9 +98,10 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
     else:
         # Positions grow every step: compile for symbolic lengths once rather than once per length.
         # cpp_wrapper: the generated graph calls its kernels from C++ rather than from a Python
-        # wrapper; at batch 1 (some 300 kernel calls a step) that saved 0.35 ms of SmolLM2's 7 ms.
+        # wrapper; at batch 1 (some 300 kernel calls a step) that saves ~5% of a SmolLM2 step
+        # (scripts/compiled_vs_eager.py measures it).
         compiled = torch.compile(_own_code(base), dynamic=True, fullgraph=False,
-                                 options={**_GUARD_OPTIONS, "cpp_wrapper": True})
+                                 options={**_GUARD_OPTIONS, "cpp_wrapper": cpp_wrapper})
     state = {"fn": compiled}
 
     def step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
@@ -113,3 +117,39 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
                 return base(model, token, input_pos, pos)
 
     return step
+
+
+@dataclass
+class Drift:
+    """How a decode step's logits differ from the eager step's when both are fed the same tokens."""
+
+    steps: int  # logits compared: the prefill's, then one per fed token
+    identical: int  # leading steps equal bit for bit
+    max_abs: float  # worst |logit difference| over all steps
+    mean_abs: float  # mean over steps of the mean |logit difference|
+    top1: int  # steps whose argmax agree
+
+
+def decode_drift(model: Transformer, prompt: list[int], fed: list[int], step: DecodeFn) -> Drift:
+    """Prefill ``prompt``, then feed ``fed`` one token at a time through eager decode and through
+    ``step`` (teacher forcing: neither path's own choices matter) and compare the logits."""
+    from runtime.generate import decode_one_token, prefill
+
+    def logits(fn: DecodeFn) -> list[torch.Tensor]:
+        out = [prefill(model, torch.tensor([prompt], device=model.device)).float()]
+        for i, t in enumerate(fed):
+            pos = len(prompt) + i
+            token = torch.tensor([[t]], device=model.device)
+            out.append(fn(model, token, torch.tensor([pos], device=model.device), pos).float())
+        return out
+
+    want, got = logits(decode_one_token), logits(step)
+    diffs = [(w - g).abs() for w, g in zip(want, got)]
+    same = [bool(d.max() == 0) for d in diffs]
+    return Drift(
+        steps=len(want),
+        identical=same.index(False) if False in same else len(same),
+        max_abs=max(d.max().item() for d in diffs),
+        mean_abs=sum(d.mean().item() for d in diffs) / len(diffs),
+        top1=sum(int(w.argmax()) == int(g.argmax()) for w, g in zip(want, got)),
+    )

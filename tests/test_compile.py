@@ -1,13 +1,15 @@
-"""The compiled decode step gives the eager path's tokens exactly, and falls back to eager when it cannot compile."""
+"""The compiled decode step keeps the eager path's greedy tokens and stays within bf16 noise of its logits, and falls back to eager when it cannot compile."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 
 import runtime.compile as rc
 from loaders.load import load_model
-from runtime.generate import Generator, decode_one_token, forward_one_token, prefill
+from runtime.generate import Generator, forward_one_token
 from runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -37,28 +39,18 @@ def test_compiled_int4_decode_is_token_identical_on_smollm2(smollm2_path):
 def test_compiled_logits_stay_close_to_eager_on_smollm2(smollm2_path):
     """Both paths fed the same 64 tokens: the compiled step's logits stay within bf16 noise of eager's."""
     lm = load_model(str(smollm2_path), quant="int4", quantize_head="int8")
-    model = lm.model
-    model.setup_caches(128)
-    ids = lm.tokenizer.encode(PROMPTS[0])
-    compiled = rc.compiled_decode(forward_one_token, lm.device)
+    lm.model.setup_caches(128)
     fed = torch.randint(0, lm.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
-
-    def logits(step) -> list[torch.Tensor]:
-        out = [prefill(model, torch.tensor([ids]))]
-        for i, t in enumerate(fed):
-            pos = len(ids) + i
-            out.append(step(model, torch.tensor([[t]]), torch.tensor([pos]), pos).float())
-        return out
-
-    want, got = logits(decode_one_token), logits(compiled)
-    worst = max((w - g).abs().max().item() for w, g in zip(want, got))
-    mean = sum((w - g).abs().mean().item() for w, g in zip(want, got)) / len(want)
-    agree = sum(int(w.argmax()) == int(g.argmax()) for w, g in zip(want, got))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        d = rc.decode_drift(lm.model, lm.tokenizer.encode(PROMPTS[0]), fed,
+                            rc.compiled_decode(forward_one_token, lm.device))
+    assert not [str(w.message) for w in caught if "eagerly" in str(w.message)]  # really compiled
     # The first steps match bit for bit; once a fused reduction rounds one bf16 value the other way the
     # residual stream carries that difference on (measured: mean |d| 0.06, worst 0.75 on logits of
     # std 2.3). A wrong kernel, layout or cache position moves them by whole units and the argmax with it.
-    assert sum(torch.equal(w, g) for w, g in zip(want, got)) >= 8  # the first steps are identical
-    assert worst < 1.5 and mean < 0.3 and agree >= len(want) - 3, (worst, mean, agree)
+    assert d.steps == 65 and d.identical >= 8  # the first steps are identical
+    assert d.max_abs < 1.5 and d.mean_abs < 0.3 and d.top1 >= d.steps - 3, d
 
 
 @needs_compiler
@@ -68,9 +60,13 @@ def test_compilation_happens_before_the_first_reply(tiny_folder):
 
     _, folder = tiny_folder("llama")
     lm = load_model(str(folder), quant="fp32")
-    compiled = Generator(lm.model, 64, compile=True)
-    assert compiled.compile_s > 0
+    before = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = Generator(lm.model, 64, compile=True)
+    assert not [str(w.message) for w in caught if "eagerly" in str(w.message)]
     graphs = counters["stats"]["unique_graphs"]
+    assert graphs > before  # the warm-up compiled
     ids = [5, 6, 7, 8]  # decoding passes position 8, where the warm-up wrote its scratch keys
     got = list(compiled.generate(ids, GREEDY, max_tokens=12))
     assert counters["stats"]["unique_graphs"] == graphs  # no compilation inside the reply
