@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ def prefill(model: Transformer, tokens: torch.Tensor, start: int = 0) -> torch.T
     """
     T = tokens.shape[1]
     input_pos = torch.arange(start, start + T, device=tokens.device)
-    return model(tokens, input_pos, start)[:, -1]
+    return model(tokens, input_pos, start, last_only=True)[:, -1]
 
 
 def forward_one_token(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
@@ -136,7 +137,9 @@ class Generator:
         dev = self.device
         gen = make_generator(params.seed, dev)
         stop = frozenset(stop_ids)
-        recent = list(prompt[-params.repeat_last_n :]) if params.repeat_penalty != 1.0 else None
+        n_recent = params.repeat_last_n
+        # The last repeat_last_n token ids (0: the penalty is off), trimmed as new ones come in.
+        recent = deque(prompt[-n_recent:], maxlen=n_recent) if params.repeat_penalty != 1.0 and n_recent > 0 else None
 
         t0 = time.perf_counter()
         new = torch.tensor([list(prompt[reuse:])], device=dev, dtype=torch.long)
@@ -150,10 +153,15 @@ class Generator:
         while True:
             recent_t = None
             if recent is not None:
-                recent_t = torch.tensor([recent[-params.repeat_last_n :]], device=dev, dtype=torch.long)
+                recent_t = torch.tensor([list(recent)], device=dev, dtype=torch.long)
             token = sample(logits, params, recent_t, gen)  # (1,)
             tok = int(token.item())  # the one value that crosses to the host each step
             now = time.perf_counter()
+            if tok in stop:  # timed neither as prefill nor as a decoded token: it is not yielded
+                if first:
+                    stats.prompt_s = now - t0
+                stats.stop_reason = "eos"
+                return
             if first:
                 stats.prompt_s = now - t0
                 t_first = now
@@ -162,9 +170,6 @@ class Generator:
                 stats.token_latencies_s.append(now - t_last)
                 stats.decode_s = now - t_first
             t_last = now
-            if tok in stop:
-                stats.stop_reason = "eos"
-                return
             stats.generated_tokens += 1
             yield tok
             if recent is not None:

@@ -220,9 +220,11 @@ class Transformer(nn.Module):
         self.max_seq = 0
 
     def forward(
-        self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None, start: int = 0, static: bool = False
+        self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None, start: int = 0, static: bool = False,
+        last_only: bool = False,
     ) -> torch.Tensor:
-        """Logits (B, T, vocab) for ``tokens`` (B, T).
+        """Logits (B, T, vocab) for ``tokens`` (B, T); (B, 1, vocab) for the last position alone with
+        ``last_only`` (a prompt's prefill needs no more, and the head is the largest matmul).
 
         With caches set up, ``input_pos`` (T,) are the positions of the tokens (``start`` ..
         ``start + T - 1``, ``start`` given as an int so no device sync is needed to know it) and the
@@ -243,13 +245,15 @@ class Transformer(nn.Module):
                 cos, sin = cos.to(self.dtype), sin.to(self.dtype)
             else:
                 cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # type: ignore[index]
-        else:
-            cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # type: ignore[index]
+        else:  # positions start .. start + T - 1: a view, no gather
+            cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # type: ignore[index]
         kv_len = start + T
         mask = self._mask(start, T, kv_len, tokens.device)
         x = self.embed(tokens)  # (B, T, D)
         for layer in self.layers:
             x = layer(x, cos, sin, input_pos, kv_len, mask)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, D)
         return self.output(self.norm(x))
 
     def _forward_static(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:

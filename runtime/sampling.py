@@ -5,6 +5,7 @@ Everything stays on the logits' device; only the chosen token id needs to leave 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,23 +61,33 @@ def apply_repeat_penalty(logits: torch.Tensor, recent: torch.Tensor, penalty: fl
     return logits.scatter(-1, recent, picked)
 
 
-def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, as -inf masks over logits (B, V) in fp32."""
+def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, then top-k, top-p and min-p: the surviving candidates' scaled logits (B, n), -inf
+    for those filtered out, and their token ids (B, n) (None: n is the whole vocabulary, in order).
+
+    With top-k the work is on k values, not the vocabulary: no full sort per token.
+    """
     logits = logits.float() / p.temperature
+    idx = None
     if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.min_p > 0:
+        logits, idx = torch.topk(logits, p.top_k, dim=-1)  # sorted, descending
+    elif p.top_p < 1.0:
+        logits, idx = logits.sort(dim=-1, descending=True)
+    if p.min_p > 0:  # prob < min_p * best prob  <=>  logit < best logit + log(min_p)
+        logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + math.log(p.min_p), float("-inf"))
+    if p.top_p < 1.0:  # candidates are sorted here
         probs = logits.softmax(-1)
-        floor = probs.amax(-1, keepdim=True) * p.min_p
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the ones before it already reach top_p (the first one always stays).
-        drop = (cum - sorted_logits.softmax(-1)) >= p.top_p
-        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    return logits
+        logits = logits.masked_fill(probs.cumsum(-1) - probs >= p.top_p, float("-inf"))
+    return logits, idx
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """:func:`candidates` as a mask over the whole vocabulary (B, V) in fp32."""
+    vals, idx = candidates(logits, p)
+    if idx is None:
+        return vals
+    return torch.full(logits.shape, float("-inf"), device=logits.device).scatter(-1, idx, vals)
 
 
 def sample(
@@ -90,5 +101,6 @@ def sample(
         logits = apply_repeat_penalty(logits, recent, p.repeat_penalty)
     if p.greedy:
         return logits.argmax(-1)
-    probs = filter_logits(logits, p).softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    vals, idx = candidates(logits, p)
+    choice = torch.multinomial(vals.softmax(-1), 1, generator=generator)  # (B, 1)
+    return (choice if idx is None else idx.gather(-1, choice)).squeeze(-1)
