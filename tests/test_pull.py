@@ -439,6 +439,9 @@ def test_pull_again_force_name_and_conflicts(tiny_repo: str, home: Path) -> None
     assert in_process("pull", "other/tiny-llama", "--name", "tiny2", "--quant", "int8").exit_code == 0
     assert [e.ref for e in Store(home).list()] == ["tiny-llama:int4", "tiny2:int8"]
     assert Store(home).get("tiny-llama", "int4").manifest["quant"]["modules"][-1] == "output"  # type: ignore[union-attr]
+    assert "replacing 'tiny-llama:int4'" in in_process("pull", tiny_repo, "--quant-head", "none").stderr
+    none_again = in_process("pull", tiny_repo, "--quant-head", "none")  # a 16-bit head is what is stored
+    assert "is already stored" in none_again.stderr and "quantizing" not in none_again.stderr
 
 
 def test_prune_deletes_the_float_weights_from_the_hf_cache(tiny_repo: str, home: Path, tmp_path: Path) -> None:

@@ -163,11 +163,13 @@ def _already_stored(store: Store, name: str, source: PullSource, options: PullOp
             f"'{existing.ref}' is already stored from {_source_label(theirs)}",
             "give this one another name with --name, or replace it with --force",
         )
-    stored_scheme = (existing.manifest.get("quant") or {}).get("scheme") or {}
-    same_group = options.group_size is None or stored_scheme.get("group_size") == options.group_size
     quant = existing.manifest.get("quant") or {}
-    head = (quant.get("overrides") or {}).get("output") or (quant.get("scheme") if "output" in quant.get("modules", []) else None)
-    same_head = options.quant_head is None or (head or {}).get("name") == options.quant_head
+    same_group = options.group_size is None or (quant.get("scheme") or {}).get("group_size") == options.group_size
+    from loaders.artifact import plan_from_manifest
+
+    head = plan_from_manifest(quant).get("output") if quant else None  # None: a 16-bit head
+    # --quant-head none arrives as False: it matches a stored 16-bit head.
+    same_head = options.quant_head is None or (head.name if head else False) == options.quant_head
     if not (same_group and same_head):
         click.echo(f"replacing '{existing.ref}' (stored with other quantization settings)", err=True)
         return None
