@@ -50,7 +50,8 @@ def _read_prompt(prompt: str | None) -> str | None:
 @click.option("--ctx", type=int, help="Context length (prompt + reply). Default: the model's, at most 4096.")
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
-@click.option("--dtype", default="auto", show_default=True, help="auto (bf16 on CUDA, fp32 on CPU), fp32, fp16, bf16.")
+@click.option("--dtype", default="auto", show_default=True,
+              help="Activations: auto (bf16 on CUDA and for quantized weights, else fp32), fp32, fp16, bf16.")
 @click.option("--quant", "-q", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4", "nf4"]),
               help="Weight scheme; quantized at load when the model is stored in another. "
                    "Default: the model's own (int4 for Q4 GGUF files).")
