@@ -817,6 +817,18 @@ def write_json(result: dict[str, Any], path: str | Path) -> None:
     p.write_text(text + "\n")
 
 
+def require_writable(*paths: str | Path | None) -> None:
+    """Fail before the measurements, not after them, when an output file cannot be written."""
+    for path in paths:
+        if path is None or str(path) == "-":
+            continue
+        folder = Path(path).expanduser().absolute().parent
+        existing = next(p for p in (folder, *folder.parents) if p.exists())  # mkdir -p will start here
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise LocalLLMError(f"cannot write {path}: {existing} is not a writable folder",
+                                "give a path in a folder you can write to")
+
+
 def require_matplotlib() -> None:
     """Fail before the measurements, not after them, when --plot cannot be honoured."""
     try:

@@ -163,6 +163,7 @@ def test_tiny_no_cache_comparison(tiny_run):
     assert kv["scheme"] == "fp32" and [r["step"] for r in kv["steps"]] == list(bench.KV_REPORT_STEPS)
     assert all(r["seq_len"] == kv["prompt_tokens"] + r["step"] and r["cache_s"] > 0 and r["no_cache_s"] > 0
                for r in kv["steps"])
+    assert all(r["speedup"] == pytest.approx(r["no_cache_s"] / r["cache_s"]) for r in kv["steps"])
 
 
 def test_tiny_table_on_stdout_the_rest_on_stderr(tiny_run):
@@ -232,6 +233,14 @@ def test_text_shorter_than_the_prompt(tiny_folder, tmp_path):
     text.write_text("too short")
     result = invoke(str(tiny_folder("llama")[1]), "--device", "cpu", "--prompt-tokens", "64", "--text", str(text))
     assert_one_line_error(result, "shorter than the 64", "--text")
+
+
+def test_unwritable_json_path_fails_before_measuring(tiny_folder, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = invoke(str(tiny_folder("llama")[1]), "--quant", "fp32", "--json", str(blocker / "out.json"))
+    assert_one_line_error(result, "cannot write", "a-file", "writable folder")
+    assert "run 1/" not in result.stderr  # nothing was measured
 
 
 def test_plot_without_matplotlib_fails_before_measuring(tiny_folder, monkeypatch):

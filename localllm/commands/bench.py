@@ -59,6 +59,7 @@ def bench(
 
     if plot_path is not None:
         b.require_matplotlib()
+    b.require_writable(json_path, plot_path)
     result = b.bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
                                 kv_compare, not no_quality, quant_head, compile_)
     b.report(result, json_path, plot_path)
