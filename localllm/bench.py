@@ -24,15 +24,16 @@ Quality runs after the speed runs, against the highest-precision scheme of the r
 model stays loaded while each other scheme is loaded next to it, compared over the whole text
 (:func:`runtime.quality.compare`) and freed, so at most two models are in memory at once.
 
-JSON schema (``SCHEMA`` = "localllm.bench/1"; keys are always present, a figure that was not
+JSON schema (``SCHEMA`` = "localllm.bench/2"; keys are always present, a figure that was not
 measured is ``null``; durations in seconds, sizes in bytes, rates per second)::
 
-    schema            "localllm.bench/1"
+    schema            "localllm.bench/2"
     model             what was benchmarked (path, stored name, or "random <shape>")
     device            "cpu" | "cuda" | "cuda:N"
     settings          schemes [str], baseline str, prompt_tokens, gen_tokens, ctx, runs,
                       warmup_runs, threads, text (path or "built-in eval text"), text_tokens,
-                      quality (bool), kv_compare (bool)
+                      quality (bool), kv_compare (bool), compile (bool),
+                      step_kinds (how compiled steps ran: "aot", "torch.compile", "eager")
     machine           cpu_model, cpu_count, threads, gpu_name, gpu_capability, gpu_memory_bytes,
                       torch_version, localllm_version, python_version, platform,
                       load_average ([1, 5, 15] minutes, at the start; a busy machine is warned of)
@@ -86,7 +87,7 @@ from localllm import __version__
 from localllm.errors import LocalLLMError
 from localllm.format import human_size
 
-SCHEMA = "localllm.bench/1"
+SCHEMA = "localllm.bench/2"
 #: Highest precision first: the first of these in a run is the quality reference and the baseline column.
 PRECISION_ORDER = ("fp32", "fp16", "bf16", "int8", "int4", "nf4")
 DEFAULT_SCHEMES = {"cpu": ("fp32", "bf16", "int8", "int4", "nf4"), "cuda": ("fp16", "bf16", "int8", "int4", "nf4")}
@@ -120,6 +121,8 @@ class Settings:
     compile: bool = False  # torch.compile the decode step (compiled before the first run)
     warmup: int = WARMUP_RUNS
     notes: list[str] = field(default_factory=list)
+    #: How the compiled decode steps actually ran ("aot", "torch.compile", "eager"), filled by the runs.
+    step_kinds: set[str] = field(default_factory=set)
 
     @property
     def context(self) -> int:
@@ -380,6 +383,8 @@ def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, nam
     from runtime.sampling import SamplingParams
 
     gen = Generator(model, s.context, compile=s.compile)
+    if s.compile:
+        s.step_kinds.add(gen.step_kind)
     greedy = SamplingParams(temperature=0)
     runs = []
     for i in range(s.warmup + s.runs):
@@ -576,7 +581,8 @@ def run_bench(
         ("quality: perplexity, mean KL divergence and top-1 agreement against " + s.baseline + " over "
          + f"{predicted} predicted positions of {text_source}, in windows of {QUALITY_WINDOW}")
         if quality_skipped is None else f"quality: skipped ({quality_skipped})",
-        *(["decode step compiled with torch.compile, before any run (not timed)"] if s.compile else []),
+        *([f"decode step compiled before any run (not timed): {', '.join(sorted(s.step_kinds))}"]
+          if s.compile else []),
         *s.notes,
         *([f"warning: {busy}"] if busy else []),
     ]
@@ -589,6 +595,7 @@ def run_bench(
             "gen_tokens": s.gen_tokens, "ctx": s.context, "runs": s.runs, "warmup_runs": s.warmup,
             "threads": torch.get_num_threads(), "text": text_source, "text_tokens": text_tokens,
             "quality": quality_skipped is None, "kv_compare": s.kv_compare, "compile": s.compile,
+            "step_kinds": sorted(s.step_kinds),
         },
         "machine": machine,
         "bandwidth": bandwidth,

@@ -67,12 +67,15 @@ def _own_code(fn: Callable) -> Callable:
 
 
 def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None = None,
-                    cpp_wrapper: bool = True) -> DecodeFn:
+                    cpp_wrapper: bool = True, aot: bool = True) -> DecodeFn:
     """``base`` compiled with inductor and run under inference mode; eager ``base`` (with a warning
     saying why) when compilation is unavailable or fails.
 
-    The returned function compiles lazily on its first call; a failure then also falls back to eager.
-    ``cpp_wrapper=False`` keeps inductor's Python wrapper on the CPU (for measuring what it costs).
+    On the CPU the step is compiled ahead of time with AOTInductor (:mod:`runtime.aot`; its packages
+    are kept under ``cache_dir/aot``) unless ``aot=False``; if that fails, ``torch.compile`` is tried,
+    then eager. The returned function compiles lazily on its first call (the model's caches must be
+    set up by then). ``cpp_wrapper=False`` keeps inductor's Python wrapper for the ``torch.compile``
+    path on the CPU (for measuring what it costs).
     """
     reason = compile_unavailable_reason(device)
     if reason:
@@ -102,21 +105,58 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
         # (scripts/compiled_vs_eager.py measures it).
         compiled = torch.compile(_own_code(base), dynamic=True, fullgraph=False,
                                  options={**_GUARD_OPTIONS, "cpp_wrapper": cpp_wrapper})
-    state = {"fn": compiled}
+    aot_dir = None
+    if device.type == "cpu" and aot:
+        from torch._inductor.runtime.runtime_utils import cache_dir as inductor_cache_dir
 
-    def step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+        aot_dir = (cache_dir or Path(inductor_cache_dir())) / "aot"
+    return CompiledStep(base, compiled, aot_dir)
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+class CompiledStep:
+    """A decode step that runs the best way available: the AOTInductor package (CPU, when ``aot_dir``
+    is given), else the ``torch.compile`` function, else eager ``base``; each failure says so in a
+    warning and moves down one level. Called like :func:`runtime.generate.forward_one_token`."""
+
+    def __init__(self, base: DecodeFn, compiled: DecodeFn, aot_dir: Path | None) -> None:
+        self.base, self.compiled, self.aot_dir = base, compiled, aot_dir
+        #: What runs now; None until the first call builds the AOT step.
+        self.fn: DecodeFn | None = None if aot_dir is not None else compiled
+
+    @property
+    def kind(self) -> str:
+        """"aot", "torch.compile" or "eager" (what the next call runs; "aot" before the first call)."""
+        if self.fn is None or self.fn not in (self.compiled, self.base):
+            return "aot"
+        return "torch.compile" if self.fn is self.compiled else "eager"
+
+    def __call__(self, model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.fn is None:
+            from runtime.aot import AotDecode
+
+            try:  # outside inference mode: export traces the model
+                self.fn = AotDecode(model, self.base, self.aot_dir)  # type: ignore[arg-type]
+            except Exception as e:  # noqa: BLE001 - an export/AOT failure must degrade, not crash
+                warnings.warn(f"AOTInductor failed ({_first_line(e)}); using torch.compile")
+                self.fn = self.compiled
         try:
             with torch.inference_mode():
-                return state["fn"](model, token, input_pos, pos)
+                return self.fn(model, token, input_pos, pos)
         except Exception as e:  # noqa: BLE001 - any compiler failure must degrade to eager, not crash
-            if state["fn"] is base:
+            if self.fn is self.base:
                 raise
-            warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); running eagerly")
-            state["fn"] = base
+            if self.fn is not self.compiled:  # the AOT step failed at run time
+                warnings.warn(f"AOTInductor step failed ({_first_line(e)}); using torch.compile")
+                self.fn = self.compiled
+                return self(model, token, input_pos, pos)
+            warnings.warn(f"torch.compile failed ({_first_line(e)}); running eagerly")
+            self.fn = self.base
             with torch.inference_mode():
-                return base(model, token, input_pos, pos)
-
-    return step
+                return self.base(model, token, input_pos, pos)
 
 
 @dataclass

@@ -87,17 +87,20 @@ class Generator:
         self._decode = decode_one_token
         self.cached: list[int] = []  # token ids whose K/V sit in the cache at positions 0..len-1
         self.stats = GenerationStats()
-        self.compile_s = 0.0  # the warm-up that compiled the decode step
+        self.compile_s = 0.0  # the warm-up that compiled (or loaded) the decode step
+        self.step_kind = "eager"  # what runs the decode step: "eager", "aot" or "torch.compile"
         if compile:
             from localllm.paths import home
             from runtime.compile import compiled_decode
 
-            self._decode = compiled_decode(forward_one_token, self.device, home() / "inductor")
+            step = compiled_decode(forward_one_token, self.device, home() / "inductor")
+            self._decode = step
             self.compile_s = self._warm_up()
+            self.step_kind = getattr(step, "kind", "eager")
 
     def _warm_up(self) -> float:
         """One decode step at a scratch position, so that compilation (tens of seconds the first
-        time, seconds from the disk cache) happens now rather than inside the first reply's timing.
+        time, about a second from the disk cache) happens now rather than inside the first reply's timing.
 
         The scratch keys/values land at a position that any real sequence writes before it reads it.
         """

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +75,9 @@ def localllm_engine(path: Path, quant: str, ids: list[int], gen: int, head: str 
 
     lm = load_model(str(path), device="cpu", quant=quant, quantize_head=head)
     g = Generator(lm.model, len(ids) + gen + 8, compile=compile)
+    if compile:  # say how it really runs (a failed compilation falls back, with a warning)
+        print(f"localllm {quant}{' + ' + head + ' head' if head else ''}: decode step {g.step_kind}, "
+              f"compiled or loaded in {g.compile_s:.1f} s", file=sys.stderr)
     greedy = SamplingParams(temperature=0)
 
     def once() -> Timing:

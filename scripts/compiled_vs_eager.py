@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""The compiled decode step next to eager decode on one model: step time (interleaved) and logit drift.
+"""The compiled decode steps next to eager decode on one model: step time (interleaved) and logit drift.
 
     .venv/bin/python scripts/compiled_vs_eager.py [--model smollm2] [--quant int4] [--quant-head int8]
 
-Times eager decode, the compiled step with inductor's C++ wrapper and with its Python wrapper, in
-``--rounds`` rounds of ``--steps`` steps each, taken in turn so that the machine's drift falls on all
-three alike; prints the median of the rounds' median step times. Then feeds the same random tokens to
-eager and compiled decode and prints how far the logits move (see runtime.compile.decode_drift).
+Times eager decode, the AOTInductor package (what ``--compile`` runs on the CPU) and ``torch.compile``'s
+step with inductor's C++ wrapper and with its Python wrapper, in ``--rounds`` rounds of ``--steps``
+steps each, taken in turn so that the machine's drift falls on all alike; prints the median of the
+rounds' median step times. Then feeds the same random tokens to eager and to each compiled step and
+prints how far the logits move (see runtime.compile.decode_drift).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def main() -> None:
     prefill(model, torch.randint(0, lm.config.vocab_size, (1, n)))
     steps = {
         "eager": decode_one_token,
-        "compiled, C++ wrapper": compiled_decode(forward_one_token, lm.device),
-        "compiled, Python wrapper": compiled_decode(forward_one_token, lm.device, cpp_wrapper=False),
+        "AOTInductor package": compiled_decode(forward_one_token, lm.device),
+        "torch.compile, C++ wrapper": compiled_decode(forward_one_token, lm.device, aot=False),
+        "torch.compile, Py wrapper": compiled_decode(forward_one_token, lm.device, cpp_wrapper=False, aot=False),
     }
     token = torch.tensor([[5]])
     for step in steps.values():  # compile, warm up
@@ -61,9 +63,10 @@ def main() -> None:
         print(f"  {name:<26} {statistics.median(r) * 1e3:6.2f} ms/step  (rounds {min(r) * 1e3:.2f}-{max(r) * 1e3:.2f})")
 
     fed = torch.randint(0, lm.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
-    d = decode_drift(model, lm.tokenizer.encode("The history of bridges begins"), fed, steps["compiled, C++ wrapper"])
-    print(f"drift over {d.steps} teacher-forced steps: first {d.identical} identical; |logit diff| mean "
-          f"{d.mean_abs:.3f}, worst {d.max_abs:.3f}; argmax agrees on {d.top1}/{d.steps}")
+    for name in ("AOTInductor package", "torch.compile, C++ wrapper"):
+        d = decode_drift(model, lm.tokenizer.encode("The history of bridges begins"), fed, steps[name])
+        print(f"{name} drift over {d.steps} teacher-forced steps: first {d.identical} identical; |logit diff| "
+              f"mean {d.mean_abs:.3f}, worst {d.max_abs:.3f}; argmax agrees on {d.top1}/{d.steps}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
 #!/usr/bin/env python
 """Where a decode step's time goes: torch.profiler over cached decode steps of a model.
 
-    .venv/bin/python scripts/profile_decode.py [--model smollm2] [--quant int4] [--quant-head int8] [--compile]
+    .venv/bin/python scripts/profile_decode.py [--model smollm2] [--quant int4] [--quant-head int8]
+        [--compile [--torch-compile]]
+
+``--compile`` profiles the AOTInductor step (its kernels show as one call unless inductor's kernel
+profile is on: TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 before the first compile); ``--torch-compile``
+the ``torch.compile`` one instead. ROWS=40 prints more rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -24,6 +30,7 @@ def main() -> None:
     ap.add_argument("--quant", default="int4")
     ap.add_argument("--quant-head", default=None)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--torch-compile", action="store_true", help="with --compile: torch.compile, not AOTInductor")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=128, help="tokens already in the cache")
     ap.add_argument("--steps", type=int, default=40)
@@ -34,7 +41,7 @@ def main() -> None:
     n = args.context
     model.setup_caches(n + 2 * args.steps + 16)
     prefill(model, torch.randint(0, lm.config.vocab_size, (1, n)))
-    step = compiled_decode(forward_one_token, lm.device) if args.compile else decode_one_token
+    step = compiled_decode(forward_one_token, lm.device, aot=not args.torch_compile) if args.compile else decode_one_token
     token = torch.tensor([[5]])
     for i in range(5):  # warm-up (and compilation)
         step(model, token, torch.tensor([n + i]), n + i)
@@ -45,14 +52,15 @@ def main() -> None:
         step(model, token, torch.tensor([pos]), pos)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
-    print(f"{lm.scheme_label}, kernels {dict(lm.kernels)}, compile={args.compile}: "
+    kind = getattr(step, "kind", "eager")
+    print(f"{lm.scheme_label}, kernels {dict(lm.kernels)}, step {kind}: "
           f"decode step {med * 1e3:.2f} ms median ({1 / med:.1f} tok/s) at context {n}")
     with profile() as prof:
         for i in range(20):
             pos = n + 5 + args.steps + i
             step(model, token, torch.tensor([pos]), pos)
     print("per 20 steps:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("ROWS", "12"))))
 
 
 if __name__ == "__main__":

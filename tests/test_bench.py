@@ -23,7 +23,7 @@ SCHEMES = ["fp32", "bf16", "int8", "int4", "nf4"]
 TOP_KEYS = {"schema", "model", "device", "settings", "machine", "bandwidth", "schemes", "quality",
             "kv_cache_comparison", "notes"}
 SETTINGS_KEYS = {"schemes", "baseline", "prompt_tokens", "gen_tokens", "ctx", "runs", "warmup_runs", "threads",
-                 "text", "text_tokens", "quality", "kv_compare", "compile"}
+                 "text", "text_tokens", "quality", "kv_compare", "compile", "step_kinds"}
 MACHINE_KEYS = {"cpu_model", "cpu_count", "threads", "gpu_name", "gpu_capability", "gpu_memory_bytes",
                 "torch_version", "localllm_version", "python_version", "platform", "load_average"}
 BANDWIDTH_KEYS = {"method", "tensor_bytes", "repeats", "read_bytes_per_s", "copy_bytes_per_s", "bytes_per_s"}
@@ -202,11 +202,12 @@ def test_compiled_decode_with_an_int8_head(tiny_folder, tmp_path):
                         "--prompt-tokens", "16", "--gen-tokens", "4", "--runs", "1", "--no-quality",
                         "--text", str(text), "--json", str(tmp_path / "b.json"))
     assert result.exit_code == 0, result.output
-    # Both models really ran compiled (a graph of the first taken for the second fails, then runs eagerly).
-    assert not [str(w.message) for w in caught if "eagerly" in str(w.message)]
+    # Both models really ran compiled ahead of time (a step built for the first taken for the second would
+    # fail and fall back, with a warning).
+    assert not [str(w.message) for w in caught if "eagerly" in str(w.message) or "AOTInductor" in str(w.message)]
     data = json.loads((tmp_path / "b.json").read_text())
-    assert data["settings"]["compile"] is True
-    assert any("compiled with torch.compile" in n for n in data["notes"])
+    assert data["settings"]["compile"] is True and data["settings"]["step_kinds"] == ["aot"]
+    assert any("decode step compiled before any run (not timed): aot" in n for n in data["notes"])
     assert any("output head of the quantized schemes: int8" in n for n in data["notes"])
     assert data["schemes"]["int4"]["kernels"]["int8-weight-only"] == 1  # the head
     assert "int8-weight-only" not in data["schemes"]["bf16"]["kernels"]  # float schemes keep a float head

@@ -31,7 +31,8 @@ from localllm.paths import DEFAULT_MODEL
               callback=lambda ctx, param, value: False if value == "none" else value,
               help="Scheme of the output head for the quantized schemes (as in run); none = 16-bit.")
 @click.option("--compile", "compile_", is_flag=True,
-              help="Time the torch.compile'd decode step (compiled before the runs, not timed).")
+              help="Time the compiled decode step (AOTInductor on the CPU, torch.compile on CUDA; compiled before "
+                   "the runs, not timed).")
 def bench(
     model: str,
     quant: str | None,

@@ -1,0 +1,168 @@
+"""The CPU decode step compiled ahead of time with AOTInductor, kept on disk as a package.
+
+Why not ``torch.compile``'s just-in-time path on the CPU: at batch 1 a SmolLM2 step takes ~6 ms, and
+~0.7 ms of that is dynamo's own work on every call (the bytecode that gathers ~360 parameter and
+cache tensors by attribute lookups, the guard checks, the autograd wrapper). An AOTInductor package is
+a shared library with the same generated kernels, called straight from Python with a list of
+tensors: ``scripts/compiled_vs_eager.py`` measures the difference.
+
+The package holds **no weights**. Parameters, buffers (the KV cache) and RoPE tables are inputs of the
+exported step, handed over on every call as they are (no copy; the cache is written in place). So a
+package is a few MB, serves any checkpoint of the same structure, and nothing is held twice in memory.
+
+It is keyed by what its generated code depends on: the model's structure (modules, kernels, tensor
+shapes and dtypes, context length), the torch and Python versions, the CPU's vector ISA and the thread
+count (inductor bakes ``num_threads`` into its OpenMP loops).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.model import Transformer
+
+DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+#: Bumped when the exported step's calling convention changes, so old packages are not picked up.
+FORMAT = 1
+
+
+def _flat(model: Transformer) -> tuple[list[str], list[torch.Tensor]]:
+    """Names and tensors the step reads: parameters and buffers (each once), then the RoPE tables."""
+    named = dict(model.named_parameters())
+    named.update(model.named_buffers())
+    names = sorted(named)
+    return names, [named[n] for n in names] + [model.rope_cos, model.rope_sin]  # type: ignore[list-item]
+
+
+class _Bound(nn.Module):
+    """``base`` bound to the model, as a module ``functional_call`` can run with other tensors."""
+
+    def __init__(self, model: Transformer, base: DecodeFn) -> None:
+        super().__init__()
+        self.model = model
+        self.base = base
+
+    def forward(self, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+        return self.base(self.model, token, input_pos, pos)
+
+
+class _Step(nn.Module):
+    """The decode step as a function of its tensors: what gets exported. (The model is held in a list,
+    not as a submodule, so that export lifts none of its weights into the package.)"""
+
+    def __init__(self, model: Transformer, base: DecodeFn, names: list[str]) -> None:
+        super().__init__()
+        self._bound = [_Bound(model, base)]
+        self._names = [f"model.{n}" for n in names]
+
+    def forward(self, token: torch.Tensor, input_pos: torch.Tensor, span: torch.Tensor,
+                tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        # token (1, 1), input_pos (1,); span (kv_len,) carries the number of keys to attend to in its
+        # shape, a dynamic dimension of the export (a Python int would be baked in as a constant).
+        bound = self._bound[0]
+        model = bound.model
+        saved = model.rope_cos, model.rope_sin
+        model.rope_cos, model.rope_sin = tensors[-2], tensors[-1]  # plain attributes, not buffers
+        try:
+            params = dict(zip(self._names, tensors[:-2]))
+            return torch.func.functional_call(bound, params, (token, input_pos, span.shape[0] - 1),
+                                              strict=False, tie_weights=True)
+        finally:
+            model.rope_cos, model.rope_sin = saved
+
+
+def package_key(model: Transformer, names: list[str], tensors: list[torch.Tensor]) -> str:
+    """What the generated code depends on, hashed (see the module docstring)."""
+    h = hashlib.sha256()
+    parts = [
+        f"format {FORMAT}", torch.__version__, sys.version.split()[0], platform.machine(),
+        torch.backends.cpu.get_cpu_capability(), f"threads {torch.get_num_threads()}",
+        repr(model.config), repr(model),  # the modules, with each QuantLinear's scheme and kernel
+        *(f"{n} {tuple(t.shape)} {tuple(t.stride())} {t.dtype}" for n, t in zip([*names, "cos", "sin"], tensors)),
+    ]
+    for p in parts:
+        h.update(p.encode() + b"\0")
+    return h.hexdigest()[:24]
+
+
+def build_package(model: Transformer, base: DecodeFn, path: Path) -> None:
+    """Export ``base`` for ``model`` (caches set up) and compile it to the AOTInductor package ``path``.
+
+    Written under a temporary name and renamed, so a crash or a concurrent build never leaves a
+    half-written package under the final name.
+    """
+    from torch.export import Dim
+
+    names, tensors = _flat(model)
+    max_seq = model.max_seq
+    dev = model.device
+    example = (torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([1], device=dev),
+               torch.empty(2, dtype=torch.int8, device=dev), tuple(tensors))
+    # kv_len = max_seq is left out: export specialises the slice that reads the whole cache.
+    kv = Dim("kv_len", min=2, max=max_seq - 1)
+    with torch.no_grad():
+        program = torch.export.export(_Step(model, base, names), example,
+                                      dynamic_shapes=({}, {}, {0: kv}, tuple(None for _ in tensors)))
+    sig = program.graph_signature
+    held = [*sig.parameters, *sig.buffers, *(n for n, t in program.constants.items() if t.numel() > 1)]
+    if held:  # weights baked into the package would be stale copies, and held twice
+        raise RuntimeError(f"the exported step holds model tensors of its own ({', '.join(held[:3])}...)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{uuid.uuid4().hex}.tmp.pt2")  # the packager wants .pt2
+    try:
+        # Round every intermediate to its dtype as eager does (see runtime.compile).
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                                 inductor_configs={"emulate_precision_casts": True})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class AotDecode:
+    """The decode step of one model through its AOTInductor package (built on first use if missing).
+
+    Called like :func:`runtime.generate.forward_one_token`. The tensors are looked up once; if the
+    caches are set up again (new tensors, maybe a new length) the package for the new shapes is found
+    or built on the next call. The one position the package cannot take (the cache's last) runs eagerly.
+    """
+
+    def __init__(self, model: Transformer, base: DecodeFn, cache_dir: Path) -> None:
+        self.base = base
+        self.cache_dir = cache_dir
+        self.build_s = 0.0  # time spent exporting and compiling (0 when the package was on disk)
+        self._bind(model)
+
+    def _bind(self, model: Transformer) -> None:
+        if model.max_seq < 4:
+            raise ValueError("set up the caches (4 positions or more) before compiling the decode step")
+        names, tensors = _flat(model)
+        path = self.cache_dir / f"decode-{package_key(model, names, tensors)}.pt2"
+        if not path.exists():
+            t0 = time.perf_counter()
+            build_package(model, self.base, path)
+            self.build_s += time.perf_counter() - t0
+        self.path = path
+        self._runner = torch._inductor.aoti_load_package(str(path)).loader
+        self._model = model
+        self._tensors = tensors
+        self._rope = model.rope_cos
+        self._span = torch.empty(model.max_seq, dtype=torch.int8, device=model.device)
+
+    def __call__(self, model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+        if model is not self._model or model.rope_cos is not self._rope:  # another model, or new caches
+            with torch.inference_mode(False):
+                self._bind(model)
+        if not 1 <= pos < model.max_seq - 1:  # kv_len 1 or max_seq: outside the exported range
+            return self.base(model, token, input_pos, pos)
+        return self._runner.run([token, input_pos, self._span[: pos + 1], *self._tensors])[0]
