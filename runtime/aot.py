@@ -122,11 +122,27 @@ def build_package(model: Transformer, base: DecodeFn, path: Path) -> None:
     tmp = path.with_name(f".{path.stem}.{uuid.uuid4().hex}.tmp.pt2")  # the packager wants .pt2
     try:
         # Round every intermediate to its dtype as eager does (see runtime.compile).
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+        from torch._inductor import aoti_compile_and_package
+
+        aoti_compile_and_package(program, package_path=str(tmp),
                                                  inductor_configs={"emulate_precision_casts": True})
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def load_runner(path: Path):  # type: ignore[no-untyped-def]
+    """The package's runner (``.run(list of tensors) -> list of tensors``).
+
+    Straight from torch's C++ loader when it takes the package: a few ms, where the Python
+    ``aoti_load_package`` first imports inductor (about a second of every start).
+    """
+    try:
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except (AttributeError, RuntimeError):
+        from torch._inductor import aoti_load_package
+
+        return aoti_load_package(str(path)).loader
 
 
 class AotDecode:
@@ -149,11 +165,16 @@ class AotDecode:
         names, tensors = _flat(model)
         path = self.cache_dir / f"decode-{package_key(model, names, tensors)}.pt2"
         if not path.exists():
+            from runtime.compile import compile_unavailable_reason
+
+            reason = compile_unavailable_reason(model.device)
+            if reason:
+                raise RuntimeError(reason)
             t0 = time.perf_counter()
             build_package(model, self.base, path)
             self.build_s += time.perf_counter() - t0
         self.path = path
-        self._runner = torch._inductor.aoti_load_package(str(path)).loader
+        self._runner = load_runner(path)
         self._model = model
         self._tensors = tensors
         self._rope = model.rope_cos

@@ -8,8 +8,10 @@ Prefill stays eager: it is a few large matmuls, already compute bound.
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
+import tempfile
 import types
 import warnings
 from collections.abc import Callable
@@ -23,10 +25,18 @@ from runtime.model import Transformer
 DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
-def compile_unavailable_reason(device: torch.device) -> str | None:
-    """Why compilation cannot work here, or None."""
+def compile_unavailable_reason(device: torch.device, tracing: bool = True) -> str | None:
+    """Why compilation cannot work here, or None.
+
+    ``tracing=False`` leaves out the check that needs ``torch._dynamo`` imported (over a second of a
+    start): loading an AOT package built earlier traces nothing.
+    """
     if not hasattr(torch, "compile"):
         return "this torch has no torch.compile"
+    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+        return "no C++ compiler (g++) for inductor's CPU code"
+    if not tracing:
+        return None
     try:
         import torch._dynamo as dynamo
 
@@ -34,8 +44,6 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
             return "torch.compile does not support this Python"
     except ImportError:
         return "torch._dynamo is missing"
-    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
-        return "no C++ compiler (g++) for inductor's CPU code"
     return None
 
 
@@ -77,12 +85,25 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
     set up by then). ``cpp_wrapper=False`` keeps inductor's Python wrapper for the ``torch.compile``
     path on the CPU (for measuring what it costs).
     """
-    reason = compile_unavailable_reason(device)
+    aot = aot and device.type == "cpu"
+    reason = compile_unavailable_reason(device, tracing=not aot)  # the AOT step checks when it builds
     if reason:
         warnings.warn(f"running eagerly: {reason}")
         return torch.inference_mode()(base)
     if cache_dir is not None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+    aot_dir = None
+    if aot:
+        aot_dir = (cache_dir or Path(tempfile.gettempdir()) / f"localllm-{getpass.getuser()}") / "aot"
+    return CompiledStep(base, lambda: _torch_compiled(base, device, cpp_wrapper), aot_dir)
+
+
+def _torch_compiled(base: DecodeFn, device: torch.device, cpp_wrapper: bool) -> DecodeFn:
+    """``base`` through ``torch.compile`` (compiled on its first call). Made only when needed: creating
+    it imports much of dynamo and inductor, over a second of a start the AOT path does not spend."""
+    reason = compile_unavailable_reason(device)
+    if reason:
+        raise RuntimeError(reason)
     import torch._inductor.config as inductor_config
 
     # Round every intermediate to its dtype as eager does (inductor otherwise keeps fused bf16 math
@@ -98,19 +119,14 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
         def compiled(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's output may be overwritten
             return graph(model, token, input_pos)
-    else:
-        # Positions grow every step: compile for symbolic lengths once rather than once per length.
-        # cpp_wrapper: the generated graph calls its kernels from C++ rather than from a Python
-        # wrapper; at batch 1 (some 300 kernel calls a step) that saves ~5% of a SmolLM2 step
-        # (scripts/compiled_vs_eager.py measures it).
-        compiled = torch.compile(_own_code(base), dynamic=True, fullgraph=False,
-                                 options={**_GUARD_OPTIONS, "cpp_wrapper": cpp_wrapper})
-    aot_dir = None
-    if device.type == "cpu" and aot:
-        from torch._inductor.runtime.runtime_utils import cache_dir as inductor_cache_dir
 
-        aot_dir = (cache_dir or Path(inductor_cache_dir())) / "aot"
-    return CompiledStep(base, compiled, aot_dir)
+        return compiled
+    # Positions grow every step: compile for symbolic lengths once rather than once per length.
+    # cpp_wrapper: the generated graph calls its kernels from C++ rather than from a Python
+    # wrapper; at batch 1 (some 300 kernel calls a step) that saves ~5% of a SmolLM2 step
+    # (scripts/compiled_vs_eager.py measures it).
+    return torch.compile(_own_code(base), dynamic=True, fullgraph=False,
+                         options={**_GUARD_OPTIONS, "cpp_wrapper": cpp_wrapper})
 
 
 def _first_line(e: Exception) -> str:
@@ -119,20 +135,29 @@ def _first_line(e: Exception) -> str:
 
 class CompiledStep:
     """A decode step that runs the best way available: the AOTInductor package (CPU, when ``aot_dir``
-    is given), else the ``torch.compile`` function, else eager ``base``; each failure says so in a
-    warning and moves down one level. Called like :func:`runtime.generate.forward_one_token`."""
+    is given), else the ``torch.compile`` function (made by ``make_compiled`` when first needed), else
+    eager ``base``; each failure says so in a warning and moves down one level. Called like
+    :func:`runtime.generate.forward_one_token`."""
 
-    def __init__(self, base: DecodeFn, compiled: DecodeFn, aot_dir: Path | None) -> None:
-        self.base, self.compiled, self.aot_dir = base, compiled, aot_dir
+    def __init__(self, base: DecodeFn, make_compiled: Callable[[], DecodeFn], aot_dir: Path | None) -> None:
+        self.base, self.aot_dir = base, aot_dir
+        self._make_compiled = make_compiled
+        self._compiled: DecodeFn | None = None
         #: What runs now; None until the first call builds the AOT step.
-        self.fn: DecodeFn | None = None if aot_dir is not None else compiled
+        self.fn: DecodeFn | None = None if aot_dir is not None else self.compiled
+
+    @property
+    def compiled(self) -> DecodeFn:
+        if self._compiled is None:
+            self._compiled = self._make_compiled()
+        return self._compiled
 
     @property
     def kind(self) -> str:
         """"aot", "torch.compile" or "eager" (what the next call runs; "aot" before the first call)."""
-        if self.fn is None or self.fn not in (self.compiled, self.base):
-            return "aot"
-        return "torch.compile" if self.fn is self.compiled else "eager"
+        if self.fn is self.base:
+            return "eager"
+        return "torch.compile" if self.fn is not None and self.fn is self._compiled else "aot"
 
     def __call__(self, model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
         if self.fn is None:
@@ -149,7 +174,7 @@ class CompiledStep:
         except Exception as e:  # noqa: BLE001 - any compiler failure must degrade to eager, not crash
             if self.fn is self.base:
                 raise
-            if self.fn is not self.compiled:  # the AOT step failed at run time
+            if self.fn is not self._compiled:  # the AOT step failed at run time
                 warnings.warn(f"AOTInductor step failed ({_first_line(e)}); using torch.compile")
                 self.fn = self.compiled
                 return self(model, token, input_pos, pos)
