@@ -120,12 +120,11 @@ def build_package(model: Transformer, base: DecodeFn, path: Path) -> None:
         raise RuntimeError(f"the exported step holds model tensors of its own ({', '.join(held[:3])}...)")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{uuid.uuid4().hex}.tmp.pt2")  # the packager wants .pt2
+    from torch._inductor import aoti_compile_and_package
+
     try:
         # Round every intermediate to its dtype as eager does (see runtime.compile).
-        from torch._inductor import aoti_compile_and_package
-
-        aoti_compile_and_package(program, package_path=str(tmp),
-                                                 inductor_configs={"emulate_precision_casts": True})
+        aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={"emulate_precision_casts": True})
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
