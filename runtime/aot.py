@@ -23,15 +23,13 @@ import platform
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from runtime.compile import DecodeFn, compile_unavailable_reason
 from runtime.model import Transformer
-
-DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 #: Bumped when the exported step's calling convention changes, so old packages are not picked up.
 FORMAT = 1
@@ -164,8 +162,6 @@ class AotDecode:
         names, tensors = _flat(model)
         path = self.cache_dir / f"decode-{package_key(model, names, tensors)}.pt2"
         if not path.exists():
-            from runtime.compile import compile_unavailable_reason
-
             reason = compile_unavailable_reason(model.device)
             if reason:
                 raise RuntimeError(reason)
@@ -175,7 +171,9 @@ class AotDecode:
         self.path = path
         self._runner = load_runner(path)
         self._model = model
-        self._tensors = tensors
+        # The runner's argument list, made once: a step only sets its first three entries
+        # (token, position, span) rather than building a list of ~360 tensors every token.
+        self._args: list[torch.Tensor | None] = [None, None, None, *tensors]
         self._rope = model.rope_cos
         self._span = torch.empty(model.max_seq, dtype=torch.int8, device=model.device)
 
@@ -185,4 +183,6 @@ class AotDecode:
                 self._bind(model)
         if not 1 <= pos < model.max_seq - 1:  # kv_len 1 or max_seq: outside the exported range
             return self.base(model, token, input_pos, pos)
-        return self._runner.run([token, input_pos, self._span[: pos + 1], *self._tensors])[0]
+        args = self._args
+        args[0], args[1], args[2] = token, input_pos, self._span[: pos + 1]
+        return self._runner.run(args)[0]

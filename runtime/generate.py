@@ -88,30 +88,31 @@ class Generator:
         self.cached: list[int] = []  # token ids whose K/V sit in the cache at positions 0..len-1
         self.stats = GenerationStats()
         self.compile_s = 0.0  # the warm-up that compiled (or loaded) the decode step
-        self.step_kind = "eager"  # what runs the decode step: "eager", "aot" or "torch.compile"
         if compile:
             from localllm.paths import home
             from runtime.compile import compiled_decode
 
             t0 = time.perf_counter()
-            step = compiled_decode(forward_one_token, self.device, home() / "inductor")
-            self._decode = step
+            self._decode = compiled_decode(forward_one_token, self.device, home() / "inductor")
             self._warm_up()
             self.compile_s = time.perf_counter() - t0  # with the compiler's imports: all of it
-            self.step_kind = getattr(step, "kind", "eager")
 
-    def _warm_up(self) -> float:
+    @property
+    def step_kind(self) -> str:
+        """What runs the decode step now: "eager", "aot" or "torch.compile" (a failed compiled step
+        falls back, so this can change during a reply)."""
+        return getattr(self._decode, "kind", "eager")
+
+    def _warm_up(self) -> None:
         """One decode step at a scratch position, so that compilation (tens of seconds the first
         time, about a second from the disk cache) happens now rather than inside the first reply's timing.
 
         The scratch keys/values land at a position that any real sequence writes before it reads it.
         """
         pos = min(8, self.ctx - 1)  # not 0 or 1: dynamo would specialise the graph on a length of 1
-        t0 = time.perf_counter()
         token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self._decode(self.model, token, torch.tensor([pos], device=self.device), pos)
         _sync(self.device)
-        return time.perf_counter() - t0
 
     def reset(self) -> None:
         self.cached = []
