@@ -13,7 +13,7 @@ from typing import Union
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.paths import DEFAULT_MODEL, default_model_gguf
+from localllm.paths import DEFAULT_MODEL, default_model_gguf, kernels_dir
 from loaders.artifact import ArtifactCheckpoint
 from loaders.build import empty_model, fuse_projections, load_weights
 from loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
@@ -170,12 +170,15 @@ def load_model(
     kernel: str | None = None,
     store: Store | None = None,
     fuse: bool = True,
+    attention_kernel: bool = True,
 ) -> LoadedModel:
     """Load ``ref`` (see :func:`open_checkpoint`) onto ``device``.
 
     ``quant`` picks the weight scheme (fp32/fp16/bf16/int8/int4/nf4; default: the checkpoint's own,
     i.e. float for HF folders, int4 for Q4 GGUF files, the stored scheme for store entries); the
     weights are quantized as they stream in when the checkpoint holds another format.
+    ``attention_kernel``: on the CPU, decode steps attend with :mod:`runtime.cpu_attention`'s kernel
+    (built once under :func:`localllm.paths.kernels_dir`); False keeps SDPA.
     """
     t0 = time.perf_counter()
     dev = resolve_device(device)
@@ -198,6 +201,12 @@ def load_model(
         fuse_projections(model)
     used = prepare_model(model, act, kernel)
     share_tied_embedding(model)
+    if attention_kernel and dev.type == "cpu":
+        from runtime import cpu_attention
+
+        model.set_decode_attention(cpu_attention.kernel(kernels_dir()))
+        if model.decode_kernel is not None:
+            used["attention-cpu"] = len(model.layers)
     return LoadedModel(model, tokenizer, ckpt.config, ckpt.describe(), dev, act, time.perf_counter() - t0,
                        scheme, used)
 

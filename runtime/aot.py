@@ -13,6 +13,10 @@ package is a few MB, serves any checkpoint of the same structure, and nothing is
 It is keyed by what its generated code depends on: the model's structure (modules, kernels, tensor
 shapes and dtypes, context length), the torch and Python versions, the CPU's vector ISA and the thread
 count (inductor bakes ``num_threads`` into its OpenMP loops).
+
+The step's attention is whatever the model runs eagerly (on the CPU :mod:`runtime.cpu_attention`'s
+kernel, installed at load; SDPA where it could not be built). A package calls the kernel by name, so
+packages are keyed by it too.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from runtime.compile import DecodeFn, compile_unavailable_reason
 from runtime.model import Transformer
 
 #: Bumped when the exported step's calling convention changes, so old packages are not picked up.
-FORMAT = 1
+FORMAT = 2
 
 
 def _flat(model: Transformer) -> tuple[list[str], list[torch.Tensor]]:
@@ -80,11 +84,17 @@ class _Step(nn.Module):
             model.rope_cos, model.rope_sin = saved
 
 
+def attention_name(model: Transformer) -> str:
+    """The model's decode attention, as named in package keys."""
+    k = model.decode_kernel
+    return "sdpa" if k is None else f"{k.__module__}.{k.__qualname__}"
+
+
 def package_key(model: Transformer, names: list[str], tensors: list[torch.Tensor]) -> str:
     """What the generated code depends on, hashed (see the module docstring)."""
     h = hashlib.sha256()
     parts = [
-        f"format {FORMAT}", torch.__version__, sys.version.split()[0], platform.machine(),
+        f"format {FORMAT}", f"attention {attention_name(model)}", torch.__version__, sys.version.split()[0], platform.machine(),
         torch.backends.cpu.get_cpu_capability(), f"threads {torch.get_num_threads()}",
         repr(model.config), repr(model),  # the modules, with each QuantLinear's scheme and kernel
         *(f"{n} {tuple(t.shape)} {tuple(t.stride())} {t.dtype}" for n, t in zip([*names, "cos", "sin"], tensors)),
@@ -175,10 +185,12 @@ class AotDecode:
         # (token, position, span) rather than building a list of ~360 tensors every token.
         self._args: list[torch.Tensor | None] = [None, None, None, *tensors]
         self._rope = model.rope_cos
+        self._kernel = model.decode_kernel
         self._span = torch.empty(model.max_seq, dtype=torch.int8, device=model.device)
 
     def __call__(self, model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
-        if model is not self._model or model.rope_cos is not self._rope:  # another model, or new caches
+        if model is not self._model or model.rope_cos is not self._rope or model.decode_kernel is not self._kernel:
+            # another model, new caches or another attention kernel
             with torch.inference_mode(False):
                 self._bind(model)
         if not 1 <= pos < model.max_seq - 1:  # kv_len 1 or max_seq: outside the exported range

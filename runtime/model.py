@@ -18,6 +18,8 @@ No device or dtype is hard-wired: build on ``meta``, ``load_state_dict(assign=Tr
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,9 @@ from torch import nn
 
 from runtime.cache import KVCache
 from runtime.config import ModelConfig
+
+#: One-query attention: q (B, KV, G, hd), the G query heads sharing each kv head; k, v (B, KV, L, hd).
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Linear(nn.Linear):
@@ -110,6 +115,9 @@ class Attention(nn.Module):
         self.qkv: nn.Module | None = None
         self.q_dim, self.kv_dim = config.q_dim, config.kv_dim
         self.kv_cache: KVCache | None = None
+        #: Attention of one query position, ``fn(q (B, KV, G, hd), k, v (B, KV, kv_len, hd)) -> (B, KV, G, hd)``,
+        #: used instead of SDPA when set (see Transformer.set_decode_attention).
+        self.decode_kernel: DecodeAttention | None = None
 
     def forward(
         self,
@@ -141,7 +149,11 @@ class Attention(nn.Module):
             # needs no expanded keys; a (1, kv_len) mask, if any, applies to every folded row.
             g = self.n_heads // self.n_kv_heads
             qg = q.reshape(B, self.n_kv_heads, g, self.head_dim)  # (B, KV, G, hd)
-            y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).view(B, self.n_heads, 1, self.head_dim)
+            if self.decode_kernel is not None and mask is None:
+                y = self.decode_kernel(qg, k, v)
+            else:
+                y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+            y = y.view(B, self.n_heads, 1, self.head_dim)
         else:
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
@@ -213,6 +225,27 @@ class Transformer(nn.Module):
             layer.attn.kv_cache = KVCache(batch, c.n_kv_heads, max_seq, c.head_dim, dtype, device)
         cos, sin = rope_tables(c, max_seq, device)
         self.rope_cos, self.rope_sin = cos.to(self.dtype), sin.to(self.dtype)
+
+    @property
+    def decode_kernel(self) -> DecodeAttention | None:
+        """The one-query attention kernel decode steps run (None: SDPA)."""
+        return self.layers[0].attn.decode_kernel if len(self.layers) else None
+
+    def set_decode_attention(self, kernel: DecodeAttention | None) -> None:
+        """Run ``kernel`` rather than SDPA for one-query attention (decode steps without a mask), in
+        every layer: eager and compiled steps alike, so the compiled step stays the eager one fused."""
+        for layer in self.layers:
+            layer.attn.decode_kernel = kernel
+
+    @contextmanager
+    def decode_attention(self, kernel: DecodeAttention | None) -> Iterator[None]:
+        """:meth:`set_decode_attention` within the block only (to compare kernels on one model)."""
+        saved = self.decode_kernel
+        self.set_decode_attention(kernel)
+        try:
+            yield
+        finally:
+            self.set_decode_attention(saved)
 
     def drop_caches(self) -> None:
         for layer in self.layers:

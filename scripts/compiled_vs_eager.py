@@ -3,8 +3,9 @@
 
     .venv/bin/python scripts/compiled_vs_eager.py [--model smollm2] [--quant int4] [--quant-head int8]
 
-Times eager decode, the AOTInductor package (what ``--compile`` runs on the CPU) and ``torch.compile``'s
-step with inductor's C++ wrapper and with its Python wrapper, in ``--rounds`` rounds of ``--steps``
+Times eager decode and the AOTInductor package (what ``--compile`` runs on the CPU), each with localllm's
+CPU attention kernel and with SDPA, and ``torch.compile``'s step with inductor's C++ wrapper and with
+its Python wrapper, in ``--rounds`` rounds of ``--steps``
 steps each, taken in turn so that the machine's drift falls on all alike; prints the median of the
 rounds' median step times. Then feeds the same random tokens to eager and to each compiled step and
 prints how far the logits move (see runtime.compile.decode_drift).
@@ -19,7 +20,7 @@ import time
 import torch
 
 from loaders.load import load_model
-from runtime.compile import compiled_decode, decode_drift
+from runtime.compile import DecodeFn, compiled_decode, decode_drift
 from runtime.generate import decode_one_token, forward_one_token, prefill
 
 
@@ -38,9 +39,17 @@ def main() -> None:
     model, n = lm.model, args.context
     model.setup_caches(max(n + args.steps + 16, 256))  # once: a compiled step is tied to its cache's shape
     prefill(model, torch.randint(0, lm.config.vocab_size, (1, n)))
+    def with_sdpa(step: DecodeFn) -> DecodeFn:
+        def run(*a):  # type: ignore[no-untyped-def]
+            with model.decode_attention(None):
+                return step(*a)
+        return run
+
     steps = {
         "eager": decode_one_token,
+        "eager, SDPA": with_sdpa(decode_one_token),
         "AOTInductor package": compiled_decode(forward_one_token, lm.device),
+        "AOTInductor, SDPA": with_sdpa(compiled_decode(forward_one_token, lm.device)),
         "torch.compile, C++ wrapper": compiled_decode(forward_one_token, lm.device, aot=False),
         "torch.compile, Py wrapper": compiled_decode(forward_one_token, lm.device, cpp_wrapper=False, aot=False),
     }
@@ -58,9 +67,9 @@ def main() -> None:
                 step(model, token, torch.tensor([pos]), pos)
                 times.append(time.perf_counter() - t0)
             rounds[name].append(statistics.median(times))
-    print(f"{lm.scheme_label}, {args.threads} threads, context {n}: median of {args.rounds} interleaved rounds")
+    print(f"{lm.scheme_label}, kernels {dict(lm.kernels)}, {args.threads} threads, context {n}: median of {args.rounds} interleaved rounds")
     for name, r in rounds.items():
-        print(f"  {name:<26} {statistics.median(r) * 1e3:6.2f} ms/step  (rounds {min(r) * 1e3:.2f}-{max(r) * 1e3:.2f})")
+        print(f"  {name:<27} {statistics.median(r) * 1e3:6.2f} ms/step  (rounds {min(r) * 1e3:.2f}-{max(r) * 1e3:.2f})")
 
     fed = torch.randint(0, lm.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     for name in ("AOTInductor package", "torch.compile, C++ wrapper"):

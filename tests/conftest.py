@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,27 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
     )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernels_dir(tmp_path_factory):
+    """The CPU attention kernel built once for the session, before any test runs (its build notice
+    would otherwise land in some test's output), in a folder the CLI's subprocesses share: each
+    test's LOCALLLM_HOME is fresh, and the user's own home is never written."""
+    from runtime import cpu_attention
+
+    folder = tmp_path_factory.mktemp("kernels")
+    saved = os.environ.get("LOCALLLM_KERNELS")
+    os.environ["LOCALLLM_KERNELS"] = str(folder)
+    try:
+        cpu_attention.load(folder)
+    except RuntimeError:
+        pass  # no compiler: models fall back to SDPA, with the warning tests can see
+    yield folder
+    if saved is None:
+        os.environ.pop("LOCALLLM_KERNELS", None)
+    else:
+        os.environ["LOCALLLM_KERNELS"] = saved
 
 
 @pytest.fixture(scope="session")

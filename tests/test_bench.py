@@ -154,7 +154,9 @@ def test_tiny_figures_are_positive_and_consistent(tiny_run):
     w = {name: f["weight_bytes"] for name, f in data["schemes"].items()}
     assert w["int4"] < w["int8"] < w["bf16"] < w["fp32"] and w["nf4"] < w["int8"]
     assert data["schemes"]["bf16"]["kv_cache"]["bytes_per_token"] * 2 == data["schemes"]["fp32"]["kv_cache"]["bytes_per_token"]
-    assert data["schemes"]["int4"]["kernels"] and not data["schemes"]["fp32"]["kernels"]
+    # the CPU attention kernel in every layer; a quantized matmul kernel only where weights are quantized
+    assert all(f["kernels"].get("attention-cpu") == 2 for f in data["schemes"].values())
+    assert "int4-tinygemm-cpu" in data["schemes"]["int4"]["kernels"] and set(data["schemes"]["fp32"]["kernels"]) == {"attention-cpu"}
 
 
 def test_tiny_no_cache_comparison(tiny_run):

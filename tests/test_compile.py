@@ -20,20 +20,38 @@ needs_compiler = pytest.mark.skipif(rc.compile_unavailable_reason(torch.device("
                                     reason="torch.compile unavailable here")
 
 
+def _greedy_logits(model, step, prompt: list[int], n: int, forced: list[int] | None = None) -> list[torch.Tensor]:
+    """Logits of ``n`` greedy steps through ``step`` after an eager prefill (caches set up); with
+    ``forced``, those tokens are fed instead of the step's own choices (so that every step is
+    compared, not only those before a first difference)."""
+    out = [prefill(model, torch.tensor([prompt])).float()[0]]
+    for i in range(n - 1):
+        token = forced[i] if forced is not None else int(out[-1].argmax())
+        pos = len(prompt) + i
+        out.append(step(model, torch.tensor([[token]]), torch.tensor([pos]), pos).float()[0])
+    return out
+
+
 @needs_compiler
 @pytest.mark.slow
-def test_compiled_int4_decode_is_token_identical_on_smollm2(smollm2_path):
+def test_compiled_int4_decode_picks_the_eager_tokens_on_smollm2(smollm2_path, tmp_path):
+    """64 greedy tokens on each prompt: the compiled step picks eager's token at every step. The one
+    allowance is an exact tie: SmolLM2's logits are bf16, and where eager's top two are equal (seen
+    once in 3 x 64 steps) the argmax breaks the tie by index, which a one-ulp difference anywhere in
+    30 layers can reverse; the compiled step must then still pick one of the tied tokens."""
     lm = load_model(str(smollm2_path), quant="int4")
-    eager = Generator(lm.model, 256)
-    compiled = Generator(lm.model, 256, compile=True)
-    assert compiled.step_kind == "aot"
+    assert lm.kernels["attention-cpu"] == 30  # eager and compiled attend with the same kernel
+    lm.model.setup_caches(128)  # once: the compiled step is built for these caches
+    step = rc.compiled_decode(forward_one_token, lm.device, tmp_path)
     for text in PROMPTS:
-        ids = lm.tokenizer.encode(text)
-        want = list(eager.generate(ids, GREEDY, max_tokens=64))
-        eager.reset()
-        got = list(compiled.generate(ids, GREEDY, max_tokens=64))
-        compiled.reset()
-        assert len(want) == 64 and got == want
+        prompt = lm.tokenizer.encode(text)
+        want = _greedy_logits(lm.model, decode_one_token, prompt, 64)
+        tokens = [int(w.argmax()) for w in want]
+        got = _greedy_logits(lm.model, step, prompt, 64, forced=tokens)
+        assert step.kind == "aot"
+        for i, (w, g) in enumerate(zip(want, got)):
+            pick = int(g.argmax())
+            assert pick == tokens[i] or w[pick] == w.max(), (text, i, pick, tokens[i], w.topk(2))
 
 
 @needs_compiler
