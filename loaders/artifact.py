@@ -98,7 +98,7 @@ class ArtifactCheckpoint:
             if len(parts) == len(_canonical_names(scheme)):
                 yield f"{module}.weight", dequantize(pending.pop(module), scheme)
 
-    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
+    def default_head(self, scheme: QuantScheme | None, device: torch.device | None = None) -> QuantScheme | None:
         """The head as stored, when the blocks are loaded in the stored scheme."""
         return self.plan.get("output") if scheme == self.scheme else None
 

@@ -127,7 +127,7 @@ class HFCheckpoint:
         """Float checkpoints run as they are unless a scheme is asked for."""
         return None
 
-    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
+    def default_head(self, scheme: QuantScheme | None, device: torch.device | None = None) -> QuantScheme | None:
         """A float checkpoint's head stays 16-bit unless asked."""
         return None
 

@@ -133,11 +133,21 @@ class GGUFCheckpoint:
             return parse_scheme("int8")
         return parse_scheme("int4", 32, symmetric=main == "Q4_0")
 
-    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
-        """The head stays 16-bit unless asked. (A Q8_0 head would fit int8 with groups of 32 exactly,
-        but the fast int8 kernels are per channel; that re-rounding doubles SmolLM2's KLD and changes
-        its greedy answers, so it is an opt-in: ``--quant-head int8``.)"""
-        return None
+    def default_head(self, scheme: QuantScheme | None, device: torch.device | None = None) -> QuantScheme | None:
+        """A Q8_0 head (or tied embedding) loads on the CPU as it is in the file: int8 with groups of
+        32, run by localllm's grouped int8 kernel (half the bytes of a 16-bit head, no re-rounding).
+        Elsewhere, or without that kernel, the head stays 16-bit (torch's fast int8 kernels are per
+        channel; re-rounding to them doubles SmolLM2's KLD, so that stays an opt-in:
+        ``--quant-head int8``)."""
+        if device is None or device.type != "cpu" or scheme is None:
+            return None
+        names = {ours: t for ours, t in self.raw_tensors() if ours in ("output.weight", "embed.weight")}
+        head = names.get("output.weight", names.get("embed.weight") if self.config.tie_embeddings else None)
+        if head is None or head.tensor_type.name != "Q8_0" or self.config.dim % 32:
+            return None
+        from localllm import native
+
+        return parse_scheme("int8", 32) if native.available() else None
 
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors for a model whose modules hold the schemes of ``plan``: Q4_0/Q4_1/Q8_0 blocks that

@@ -13,7 +13,7 @@ from typing import Union
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.paths import DEFAULT_MODEL, default_model_gguf, kernels_dir
+from localllm.paths import DEFAULT_MODEL, default_model_gguf
 from loaders.artifact import ArtifactCheckpoint
 from loaders.build import empty_model, fuse_projections, load_weights
 from loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
@@ -106,18 +106,18 @@ def choose_scheme(ckpt: Checkpoint, quant: str | None, group_size: int | None) -
     return parse_scheme(quant, group_size)
 
 
-def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: str | bool | None = None
-                  ) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], Plan]:
+def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: str | bool | None = None,
+                  device: torch.device | None = None) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], Plan]:
     """The empty (meta) model for ``ckpt`` in ``scheme``, the stream of tensors that fills it, and the
     plan (quantized module -> scheme). ``quantize_head`` names the output head's scheme (``int8``
     keeps the most sensitive layer at 8 bits beside int4 blocks); None means the checkpoint's own
-    choice (a stored model's head as stored, else 16-bit); False keeps it 16-bit.
-    Shared by loading and by writing artifacts."""
+    choice for ``device`` (a stored model's head as stored, a GGUF's Q8_0 head as it is on the CPU,
+    else 16-bit); False keeps it 16-bit. Shared by loading and by writing artifacts."""
     model = empty_model(ckpt.config)
     if scheme is None or scheme.is_float:
         return model, ckpt.iter_tensors(), {}
     if quantize_head is None:
-        head = ckpt.default_head(scheme)
+        head = ckpt.default_head(scheme, device)
     else:
         head = parse_scheme(quantize_head) if quantize_head else None
     plan = make_plan(model, scheme, head)
@@ -178,7 +178,7 @@ def load_model(
     i.e. float for HF folders, int4 for Q4 GGUF files, the stored scheme for store entries); the
     weights are quantized as they stream in when the checkpoint holds another format.
     ``attention_kernel``: on the CPU, decode steps attend with :mod:`runtime.cpu_attention`'s kernel
-    (built once under :func:`localllm.paths.kernels_dir`); False keeps SDPA.
+    (:mod:`localllm.native`); False keeps SDPA.
     """
     t0 = time.perf_counter()
     dev = resolve_device(device)
@@ -195,7 +195,7 @@ def load_model(
         warnings.warn(f"{scheme.name} weights with {str(act).removeprefix('torch.')} activations run on the slow "
                       "reference kernel on the CPU; leave --dtype at auto (bf16) for the fast one")
     tokenizer = load_tokenizer(ckpt)
-    model, tensors, _ = model_tensors(ckpt, scheme, quantize_head)
+    model, tensors, _ = model_tensors(ckpt, scheme, quantize_head, dev)
     model = load_weights(model, tensors, dev, act, ckpt.describe())
     if fuse:
         fuse_projections(model)
@@ -204,7 +204,7 @@ def load_model(
     if attention_kernel and dev.type == "cpu":
         from runtime import cpu_attention
 
-        model.set_decode_attention(cpu_attention.kernel(kernels_dir()))
+        model.set_decode_attention(cpu_attention.kernel())
         if model.decode_kernel is not None:
             used["attention-cpu"] = len(model.layers)
     return LoadedModel(model, tokenizer, ckpt.config, ckpt.describe(), dev, act, time.perf_counter() - t0,

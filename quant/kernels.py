@@ -13,6 +13,7 @@ kernel                 scheme  where                                         act
 int4-tinygemm-cpu      int4    CPU (``torch._weight_int4pack_mm_for_cpu``)   bf16
 int4-tinygemm-cuda     int4    CUDA sm80+ (``torch._weight_int4pack_mm``)    bf16
 int8-weight-only       int8    per-channel (``torch._weight_int8pack_mm``)   bf16 / fp16 / fp32
+int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf16 / fp16 / fp32
 nf4-bitsandbytes       nf4     bitsandbytes ``matmul_4bit`` (CPU and CUDA)   bf16 / fp16 / fp32
 reference              all     dequantize one layer, ``F.linear``            any
 =====================  ======  ============================================  =====================
@@ -153,6 +154,29 @@ class Int8WeightOnly(Kernel):
         return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.kscales)
 
 
+class Int8GroupCPU(Kernel):
+    """int8 with a scale per group of inputs (a GGUF's Q8_0 blocks exactly) through localllm's C++
+    kernel (:mod:`localllm.native`): as fast as the per-channel kernel, without re-rounding."""
+
+    name = "int8-group-cpu"
+
+    @staticmethod
+    def supports(layer, device, act_dtype) -> bool:  # type: ignore[no-untyped-def]
+        from localllm import native
+
+        g = layer.scheme.group_size
+        return (device.type == "cpu" and layer.scheme.name == "int8" and g is not None and g % 16 == 0
+                and act_dtype in (torch.bfloat16, torch.float16, torch.float32) and native.available())
+
+    @staticmethod
+    def prepare(layer):  # type: ignore[no-untyped-def]
+        return {"qweight": layer.qweight, "scales": layer.scales}  # the canonical layout as it is
+
+    @staticmethod
+    def matmul(layer, x):  # type: ignore[no-untyped-def]
+        return torch.ops.localllm.int8_group_mm(x, layer.qweight, layer.scales, layer.scheme.group_size)
+
+
 class Nf4Bitsandbytes(Kernel):
     name = "nf4-bitsandbytes"
 
@@ -201,7 +225,9 @@ class Nf4Bitsandbytes(Kernel):
 
 
 #: In order of preference; the first that supports a layer (and passes its check) is used.
-KERNELS: tuple[type[Kernel], ...] = (Int4TinygemmCUDA, Int4TinygemmCPU, Int8WeightOnly, Nf4Bitsandbytes, Reference)
+KERNELS: tuple[type[Kernel], ...] = (
+    Int4TinygemmCUDA, Int4TinygemmCPU, Int8WeightOnly, Int8GroupCPU, Nf4Bitsandbytes, Reference
+)
 BY_NAME = {k.name: k for k in KERNELS}
 
 

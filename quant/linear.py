@@ -165,10 +165,11 @@ def prepare_model(model: nn.Module, act_dtype: torch.dtype, kernel: str | None =
 
 
 class TiedInt8Embedding(nn.Module):
-    """The token embedding read from an int8 per-row output head, for models that tie the two.
+    """The token embedding read from an int8 output head, for models that tie the two.
 
-    The head's int8 rows with their per-row scales are the embedding table quantized per row, so a
-    tied model keeps one 8-bit table instead of a 16-bit embedding beside an 8-bit head.
+    The head's int8 rows with their scales (one per row, or one per group of a row) are the embedding
+    table quantized, so a tied model keeps one 8-bit table instead of a 16-bit embedding beside an
+    8-bit head.
     """
 
     def __init__(self, head: QuantLinear) -> None:
@@ -177,17 +178,23 @@ class TiedInt8Embedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         head = self._head[0]
-        scales = head.kscales if hasattr(head, "kscales") else head.scales
-        rows = head.qweight[tokens].to(head.act_dtype)  # (B, T, D)
-        return rows * scales[tokens].to(head.act_dtype).unsqueeze(-1)
+        scales = head.kscales if hasattr(head, "kscales") else head.scales  # (V,) or (V, D / group)
+        # In fp32, where q * scale is exact, then rounded once to the activation dtype.
+        rows = head.qweight[tokens].float()  # (B, T, D)
+        s = scales[tokens].float()  # (B, T) or (B, T, D / group)
+        if s.dim() == rows.dim():  # per group: each scale covers `group` consecutive columns
+            out = (rows.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
+        else:
+            out = rows * s.unsqueeze(-1)
+        return out.to(head.act_dtype)
 
 
 def share_tied_embedding(model: nn.Module) -> bool:
     """Replace a tied model's 16-bit embedding by :class:`TiedInt8Embedding` when its head is int8
-    per row (the table is then stored once). Returns whether it did."""
+    (the table is then stored once). Returns whether it did."""
     head = getattr(model, "output", None)
     tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
-    if not (tied and isinstance(head, QuantLinear) and head.scheme.name == "int8" and head.scheme.group_size is None):
+    if not (tied and isinstance(head, QuantLinear) and head.scheme.name == "int8"):
         return False
     model.embed = TiedInt8Embedding(head)
     return True

@@ -75,9 +75,12 @@ def localllm_engine(path: Path, quant: str, ids: list[int], gen: int, head: str 
 
     lm = load_model(str(path), device="cpu", quant=quant, quantize_head=head)
     g = Generator(lm.model, len(ids) + gen + 8, compile=compile)
-    if compile:  # say how it really runs (a failed compilation falls back, with a warning)
-        print(f"localllm {quant}{' + ' + head + ' head' if head else ''}: decode step {g.step_kind}, "
-              f"compiled or loaded in {g.compile_s:.1f} s", file=sys.stderr)
+    out = lm.model.output
+    head_label = out.scheme.label() if hasattr(out, "scheme") else str(lm.dtype).removeprefix("torch.")
+    # say how it really runs (a failed compilation falls back, with a warning)
+    print(f"localllm {quant}: head {head_label}, kernels {dict(lm.kernels)}"
+          + (f"; decode step {g.step_kind}, compiled or loaded in {g.compile_s:.1f} s" if compile else ""),
+          file=sys.stderr)
     greedy = SamplingParams(temperature=0)
 
     def once() -> Timing:

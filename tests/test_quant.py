@@ -88,7 +88,8 @@ def make_layer(name, group, out=192, inp=576, bias=False, device="cpu"):
 
 
 KERNEL_CASES = [("int4-tinygemm-cpu", "int4", 32), ("int4-tinygemm-cpu", "int4", 128),
-                ("int8-weight-only", "int8", None), ("nf4-bitsandbytes", "nf4", 64),
+                ("int8-weight-only", "int8", None), ("int8-group-cpu", "int8", 32), ("int8-group-cpu", "int8", 64),
+                ("nf4-bitsandbytes", "nf4", 64),
                 ("reference", "int4", 64), ("reference", "int8", 32), ("reference", "nf4", 64)]
 
 
@@ -109,9 +110,24 @@ def test_cpu_kernels_match_the_reference(kernel, name, group):
 
 def test_automatic_choice_on_cpu_is_the_fast_kernel():
     for name, group, want in [("int4", 32, "int4-tinygemm-cpu"), ("int8", None, "int8-weight-only"),
-                              ("nf4", 64, "nf4-bitsandbytes"), ("int8", 32, "reference")]:
+                              ("nf4", 64, "nf4-bitsandbytes"), ("int8", 32, "int8-group-cpu")]:
         layer, _ = make_layer(name, group)
         assert layer.prepare(torch.bfloat16) == want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_int8_kernel_computes_with_the_exact_weights(dtype):
+    """q * scale is exact in fp32, so with fp32 activations the grouped kernel is the fp32 product with
+    the dequantized weights up to summation order; one row or many."""
+    layer, _ = make_layer("int8", 32, out=96, inp=320)
+    w = dequantize(layer.canonical(), layer.scheme)
+    assert layer.prepare(dtype) == "int8-group-cpu"
+    for rows in (1, 7):
+        x = (torch.randn(rows, 320) * 0.5).to(dtype)
+        want = x.double() @ w.double().t()
+        got = layer(x).double()
+        tol = 1e-5 if dtype == torch.float32 else 8e-3  # fp32 sums; bf16 output rounding
+        assert ((got - want).abs() / want.abs().max()).max() < tol
 
 
 def test_kernel_layout_replaces_the_canonical_buffers():

@@ -31,6 +31,26 @@ def test_config_read_from_gguf(lm):
     assert lm.model.output.weight is lm.model.embed.weight  # tied: one tensor, not a copy
 
 
+def test_q8_0_head_loads_as_it_is_in_the_file(smollm2_path):
+    """On the CPU the GGUF's Q8_0 tied embedding becomes an int8 group-32 head with the file's codes
+    and scales, run by the grouped kernel, and the embedding reads the same 8-bit table."""
+    from gguf import GGUFReader
+
+    from quant.formats import dequantize
+    from quant.gguf_blocks import to_canonical
+
+    lm = load_model(str(smollm2_path))
+    head = lm.model.output
+    assert lm.kernels["int8-group-cpu"] == 1 and head.scheme.label() == "int8 (group 32)"
+    raw = next(t for t in GGUFReader(str(smollm2_path)).tensors if t.name == "token_embd.weight")
+    assert raw.tensor_type.name == "Q8_0"
+    want = to_canonical("Q8_0", raw.data)
+    assert torch.equal(head.qweight, want["qweight"]) and torch.equal(head.scales, want["scales"])
+    tokens = torch.tensor([[0, 17, 49151]])
+    rows = dequantize(want, head.scheme)[tokens[0]].to(torch.bfloat16)
+    assert torch.equal(lm.model.embed(tokens)[0], rows)  # TiedInt8Embedding, no 16-bit copy
+
+
 def test_greedy_answer_names_paris(engine):
     text = "".join(engine.chat(FRANCE, GREEDY, max_tokens=30))
     assert "Paris" in text

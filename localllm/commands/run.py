@@ -59,9 +59,9 @@ def _read_prompt(prompt: str | None) -> str | None:
 @click.option("--quant-head", type=click.Choice(["int8", "int4", "nf4", "none"]),
               callback=lambda ctx, param, value: False if value == "none" else value,
               help="Scheme of the output head (int8 also serves a tied embedding table); none = 16-bit. "
-                   "Default: as stored, else 16-bit.")
+                   "Default: as stored; on the CPU a GGUF's Q8_0 head as it is; else 16-bit.")
 @click.option("--kernel", type=click.Choice(["int4-tinygemm-cpu", "int4-tinygemm-cuda", "int8-weight-only",
-                                             "nf4-bitsandbytes", "reference"]),
+                                             "int8-group-cpu", "nf4-bitsandbytes", "reference"]),
               help="Force a matmul kernel (default: the fastest that works here).")
 @click.option("--compile", "compile_", is_flag=True,
               help="Compile the decode step (AOTInductor on the CPU, torch.compile on CUDA): faster tokens after a "

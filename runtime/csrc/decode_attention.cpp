@@ -187,7 +187,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 }  // namespace
 
-TORCH_LIBRARY(localllm, m) {
+TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
 
