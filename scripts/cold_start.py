@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from localllm.paths import default_model_gguf
+from localllm.paths import default_model_gguf, kernels_dir
 
 
 def first_token_s(args: list[str], env: dict[str, str]) -> float:
@@ -42,7 +42,8 @@ def main() -> None:
     args = ap.parse_args()
     gguf = default_model_gguf()
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "LOCALLLM_HOME": str(Path(tmp) / "home")}
+        # a throw-away store, but this machine's built CPU kernels (a one-time build is set-up, not start-up)
+        env = {**os.environ, "LOCALLLM_HOME": str(Path(tmp) / "home"), "LOCALLLM_KERNELS": str(kernels_dir())}
         subprocess.run([sys.executable, "-m", "localllm", "pull", str(gguf), "--name", "smol", "--quant", "int4"],
                        check=True, env=env, stderr=subprocess.DEVNULL)
         from loaders.export_hf import export_hf_folder
