@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import click
 
@@ -20,8 +21,15 @@ def debug_enabled() -> bool:
     return os.environ.get("LOCALLLM_DEBUG", "") not in ("", "0")
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+    click.echo(f"warning: {message}", err=True)
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context):  # type: ignore[no-untyped-def]
+        shown = warnings.showwarning
+        if not debug_enabled():  # a warning is one line on stderr, not a source location and its code
+            warnings.showwarning = _one_line_warning
         try:
             return super().invoke(ctx)
         except LocalLLMError as e:
@@ -41,6 +49,8 @@ class _Group(click.Group):
             # stdout was closed by the reader (e.g. `| head`): not an error of ours.
             sys.stderr.close()
             ctx.exit(0)
+        finally:
+            warnings.showwarning = shown
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,18 +47,28 @@ def _isa_flags() -> list[str]:
     return []  # at::vec's portable code: correct everywhere, not vectorised by hand
 
 
+def _flags() -> list[str]:
+    """Compiler flags, but for paths (those are in the key through the torch version)."""
+    return ["-shared", "-fPIC", "-O3", "-std=c++20", "-fopenmp",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *_isa_flags()]
+
+
 def library_key() -> str:
-    """What the built library depends on, hashed."""
+    """What the built library depends on, hashed: sources, flags, torch and Python versions, machine."""
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.read_bytes())
-    for part in (torch.__version__, sys.version.split()[0], platform.machine(), *_isa_flags()):
+    for part in (torch.__version__, sys.version.split()[0], platform.machine(), *_flags()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+def _compiler() -> list[str] | None:
+    """The C++ compiler's command (``$CXX`` may carry a wrapper: "ccache g++")."""
+    if os.environ.get("CXX"):
+        return shlex.split(os.environ["CXX"])
+    found = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    return [found] if found else None
 
 
 def _build(out: Path) -> None:
@@ -73,8 +84,7 @@ def _build(out: Path) -> None:
     os.close(fd)
     tmp = Path(tmp_name)
     cmd = [
-        cxx, *map(str, SOURCES), "-o", str(tmp), "-shared", "-fPIC", "-O3", "-std=c++20", "-fopenmp",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *_isa_flags(),
+        *cxx, *map(str, SOURCES), "-o", str(tmp), *_flags(),
         *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
         # torch's own OpenMP runtime (already loaded in this process), not a second one
         f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-lgomp",
@@ -144,5 +154,6 @@ def available(cache_dir: Path | None = None) -> bool:
 if __name__ == "__main__":  # scripts/setup.sh: build at set-up rather than on the first run
     from localllm.paths import kernels_dir
 
-    if available():
-        print(f"localllm's CPU kernels ready in {kernels_dir()}", file=sys.stderr)
+    if not available():
+        sys.exit(1)
+    print(f"localllm's CPU kernels ready in {kernels_dir()}", file=sys.stderr)

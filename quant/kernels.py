@@ -170,6 +170,10 @@ class Int8GroupCPU(Kernel):
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
+        from localllm import native
+
+        if not native.available():
+            raise RuntimeError("localllm's CPU kernels are not built")
         return {"qweight": layer.qweight, "scales": layer.scales}  # the canonical layout as it is
 
     @staticmethod

@@ -37,7 +37,8 @@ class QuantLinear(nn.Module):
 
     def prepare(self, act_dtype: torch.dtype, kernel: str | None = None,
                 verdicts: dict[tuple, bool] | None = None) -> str:
-        """Choose the kernel for this device/dtype (or the one named), repack, and return its name.
+        """Choose the kernel for this device/dtype (or the one named, where it can run this layer: a
+        forced int4 kernel leaves an int8 head to the automatic choice), repack, and return its name.
 
         ``verdicts`` carries the reference checks across the layers of a model: a kernel's layout is
         right or wrong for a shape, not for particular weights, so one layer of each shape is checked
@@ -45,7 +46,7 @@ class QuantLinear(nn.Module):
         """
         device = self.qweight.device
         self.act_dtype = act_dtype
-        if kernel is not None:
+        if kernel is not None and kernels.BY_NAME[kernel].supports(self, device, act_dtype):
             choices = [kernels.BY_NAME[kernel]]
         else:
             choices = kernels.candidates(self, device, act_dtype)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from localllm import bench
+from localllm import bench, native
 from localllm.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,9 +154,11 @@ def test_tiny_figures_are_positive_and_consistent(tiny_run):
     w = {name: f["weight_bytes"] for name, f in data["schemes"].items()}
     assert w["int4"] < w["int8"] < w["bf16"] < w["fp32"] and w["nf4"] < w["int8"]
     assert data["schemes"]["bf16"]["kv_cache"]["bytes_per_token"] * 2 == data["schemes"]["fp32"]["kv_cache"]["bytes_per_token"]
-    # the CPU attention kernel in every layer; a quantized matmul kernel only where weights are quantized
-    assert all(f["kernels"].get("attention-cpu") == 2 for f in data["schemes"].values())
-    assert "int4-tinygemm-cpu" in data["schemes"]["int4"]["kernels"] and set(data["schemes"]["fp32"]["kernels"]) == {"attention-cpu"}
+    # the CPU attention kernel in every layer (where it could be built); a quantized matmul kernel only
+    # where weights are quantized
+    attention = {"attention-cpu"} if native._compiler() is not None else set()
+    assert all(set(f["kernels"]) >= attention for f in data["schemes"].values())
+    assert "int4-tinygemm-cpu" in data["schemes"]["int4"]["kernels"] and set(data["schemes"]["fp32"]["kernels"]) == attention
 
 
 def test_tiny_no_cache_comparison(tiny_run):

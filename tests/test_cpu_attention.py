@@ -23,7 +23,8 @@ def _exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kv,g,hd,length", [(3, 3, 64, 200), (2, 1, 16, 37), (1, 4, 40, 513), (2, 2, 128, 1)])
+@pytest.mark.parametrize("kv,g,hd,length",
+                         [(3, 3, 64, 200), (2, 1, 16, 37), (1, 4, 40, 513), (1, 2, 36, 50), (2, 2, 128, 1)])
 def test_kernel_is_as_accurate_as_sdpa(dtype, kv, g, hd, length):
     gen = torch.Generator().manual_seed(hd * length)
     q = torch.randn(1, kv, g, hd, generator=gen).to(dtype)
@@ -39,6 +40,15 @@ def test_kernel_is_as_accurate_as_sdpa(dtype, kv, g, hd, length):
     # Rounding the output to its dtype alone costs half an ulp: allow the kernel that plus SDPA's error.
     ulp = torch.finfo(dtype).eps * want.abs().max().item()
     assert ours <= max(sdpa, ulp) * 1.5 + 1e-6, (ours, sdpa)
+
+
+@needs_kernel
+def test_kernel_takes_a_batch():
+    """Each sequence of a batch attends over its own cache rows."""
+    q, k, v = torch.randn(3, 2, 2, 32), torch.randn(3, 2, 20, 32), torch.randn(3, 2, 20, 32)
+    got = cpu_attention.decode_attention(q, k, v)
+    for b in range(3):
+        assert torch.allclose(got[b], _exact(q[b:b + 1], k[b:b + 1], v[b:b + 1])[0].float(), atol=1e-5)
 
 
 @needs_kernel

@@ -14,10 +14,19 @@ from runtime import cpu_attention
 
 @pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler to build the kernels")
 def test_library_is_built_once_under_its_key(kernels_dir):
-    """The session's build left one library named by its key; loading again builds nothing."""
-    assert [p.name for p in kernels_dir.glob("*.so")] == [f"localllm_cpu-{native.library_key()}.so"]
-    assert not list(kernels_dir.glob("*.tmp*"))  # no temporary left behind
-    assert native.load(kernels_dir) is None  # already registered in this process
+    """The session's build left one library named by its key, and no temporary; another process finds
+    it there and builds nothing."""
+    import subprocess
+    import sys
+
+    (lib,) = kernels_dir.iterdir()
+    assert lib.name == f"localllm_cpu-{native.library_key()}.so"
+    before = lib.stat().st_mtime_ns
+    code = ("import sys; from pathlib import Path; from localllm import native; "
+            "print(native.load(Path(sys.argv[1])))")
+    out = subprocess.run([sys.executable, "-c", code, str(kernels_dir)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(lib) and "building" not in out.stderr  # loaded, not built
+    assert list(kernels_dir.iterdir()) == [lib] and lib.stat().st_mtime_ns == before
 
 
 def test_failed_build_leaves_torch_kernels_and_says_why_once(monkeypatch, tmp_path, tiny_folder):
@@ -35,3 +44,21 @@ def test_failed_build_leaves_torch_kernels_and_says_why_once(monkeypatch, tmp_pa
                     "kernels); using torch's own (slower)"]
     assert list(tmp_path.iterdir()) == []  # nothing half-built
     assert lm.model.decode_kernel is None and "attention-cpu" not in lm.kernels  # SDPA decodes
+
+
+@pytest.mark.slow
+def test_cli_without_a_working_compiler_says_so_in_one_line_and_answers(tmp_path, smollm2_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CXX": "false", "LOCALLLM_KERNELS": str(tmp_path), "LOCALLLM_HOME": str(tmp_path / "home")}
+    env.pop("LOCALLLM_DEBUG", None)
+    out = subprocess.run([sys.executable, "-m", "localllm", "run", "smollm2", "What is the capital of France?",
+                          "-n", "12", "-t", "0"], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and "Paris" in out.stdout
+    lines = [line for line in out.stderr.splitlines() if "CPU kernels are unavailable" in line]
+    assert lines == ["warning: localllm's CPU kernels are unavailable (building localllm's CPU kernels failed: "
+                     "(no output)); using torch's own (slower)"], out.stderr
+    assert "Traceback" not in out.stderr and "warnings.warn" not in out.stderr
+    assert list(tmp_path.glob("*.so")) == [] and list(tmp_path.glob("*.tmp*")) == []  # nothing half-built

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from localllm.errors import LocalLLMError
+from localllm import native
 from quant import kernels
 from quant.formats import dequantize, pack_int4, parse_scheme, quantize, unpack_int4
 from quant.gguf_blocks import exact_import, to_canonical
@@ -87,8 +88,12 @@ def make_layer(name, group, out=192, inp=576, bias=False, device="cpu"):
     return layer, w
 
 
+HAS_NATIVE = native._compiler() is not None  # localllm's C++ CPU kernels can be built here
+needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="no C++ compiler for localllm's CPU kernels")
 KERNEL_CASES = [("int4-tinygemm-cpu", "int4", 32), ("int4-tinygemm-cpu", "int4", 128),
-                ("int8-weight-only", "int8", None), ("int8-group-cpu", "int8", 32), ("int8-group-cpu", "int8", 64),
+                ("int8-weight-only", "int8", None),
+                pytest.param("int8-group-cpu", "int8", 32, marks=needs_native),
+                pytest.param("int8-group-cpu", "int8", 64, marks=needs_native),
                 ("nf4-bitsandbytes", "nf4", 64),
                 ("reference", "int4", 64), ("reference", "int8", 32), ("reference", "nf4", 64)]
 
@@ -110,11 +115,13 @@ def test_cpu_kernels_match_the_reference(kernel, name, group):
 
 def test_automatic_choice_on_cpu_is_the_fast_kernel():
     for name, group, want in [("int4", 32, "int4-tinygemm-cpu"), ("int8", None, "int8-weight-only"),
-                              ("nf4", 64, "nf4-bitsandbytes"), ("int8", 32, "int8-group-cpu")]:
+                              ("nf4", 64, "nf4-bitsandbytes"),
+                              ("int8", 32, "int8-group-cpu" if HAS_NATIVE else "reference")]:
         layer, _ = make_layer(name, group)
         assert layer.prepare(torch.bfloat16) == want
 
 
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_int8_kernel_computes_with_the_exact_weights(dtype):
     """q * scale is exact in fp32, so with fp32 activations the grouped kernel is the fp32 product with
@@ -128,6 +135,14 @@ def test_grouped_int8_kernel_computes_with_the_exact_weights(dtype):
         got = layer(x).double()
         tol = 1e-5 if dtype == torch.float32 else 8e-3  # fp32 sums; bf16 output rounding
         assert ((got - want).abs() / want.abs().max()).max() < tol
+
+
+def test_a_forced_kernel_leaves_layers_it_cannot_run_to_the_automatic_choice():
+    """``--kernel int4-tinygemm-cpu`` on a model whose head is int8: the head gets its own kernel."""
+    layer, _ = make_layer("int8", None)
+    assert layer.prepare(torch.bfloat16, "int4-tinygemm-cpu") == "int8-weight-only"
+    layer, _ = make_layer("int4", 32)
+    assert layer.prepare(torch.bfloat16, "reference") == "reference"  # honoured where it can run
 
 
 def test_kernel_layout_replaces_the_canonical_buffers():

@@ -28,7 +28,6 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t VS = Vec::size();
-constexpr int64_t MAX_HEAD_DIM = 512;
 
 // Vec::size() elements of T from p, as fp32.
 template <typename T>
@@ -171,7 +170,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "decode_attention: q (B, KV, G, hd) does not match k (B, KV, L, hd)");
   TORCH_CHECK(k.size(2) >= 1, "decode_attention: no keys");
-  TORCH_CHECK(q.size(3) <= MAX_HEAD_DIM, "decode_attention: head_dim over ", MAX_HEAD_DIM);
   // Rows are read with unit stride (a cache slice always has it; anything else is copied first).
   const auto unit = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
   const at::Tensor qc = unit(q), kc = unit(k), vc = unit(v);
