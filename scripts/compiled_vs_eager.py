@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The compiled decode steps next to eager decode on one model: step time (interleaved) and logit drift.
 
-    .venv/bin/python scripts/compiled_vs_eager.py [--model smollm2] [--quant int4] [--quant-head int8]
+    .venv/bin/python scripts/compiled_vs_eager.py [--model smollm2] [--quant int4] [--quant-head int8|none]
 
 Times eager decode and the AOTInductor package (what ``--compile`` runs on the CPU), each with localllm's
 CPU attention kernel and with SDPA, and ``torch.compile``'s step with inductor's C++ wrapper and with
@@ -28,14 +28,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--quant", default="int4")
-    ap.add_argument("--quant-head", default="int8")
+    ap.add_argument("--quant-head", default=None, help="default: the model's own (a GGUF's Q8_0 head as it is)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=128, help="tokens in the cache before the timed steps")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lm = load_model(args.model, quant=args.quant, quantize_head=args.quant_head)
+    lm = load_model(args.model, quant=args.quant, quantize_head=False if args.quant_head == "none" else args.quant_head)
     model, n = lm.model, args.context
     model.setup_caches(max(n + args.steps + 16, 256))  # once: a compiled step is tied to its cache's shape
     prefill(model, torch.randint(0, lm.config.vocab_size, (1, n)))
