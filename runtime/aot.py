@@ -95,7 +95,8 @@ def package_key(model: Transformer, names: list[str], tensors: list[torch.Tensor
     """What the generated code depends on, hashed (see the module docstring)."""
     h = hashlib.sha256()
     parts = [
-        f"format {FORMAT}", f"attention {attention_name(model)}", torch.__version__, sys.version.split()[0], platform.machine(),
+        f"format {FORMAT}", f"attention {attention_name(model)}", torch.__version__, sys.version.split()[0],
+        platform.machine(),
         torch.backends.cpu.get_cpu_capability(), f"threads {torch.get_num_threads()}",
         repr(model.config), repr(model),  # the modules, with each QuantLinear's scheme and kernel
         *(f"{n} {tuple(t.shape)} {tuple(t.stride())} {t.dtype}" for n, t in zip([*names, "cos", "sin"], tensors)),

@@ -67,7 +67,8 @@ def main() -> None:
                 step(model, token, torch.tensor([pos]), pos)
                 times.append(time.perf_counter() - t0)
             rounds[name].append(statistics.median(times))
-    print(f"{lm.scheme_label}, kernels {dict(lm.kernels)}, {args.threads} threads, context {n}: median of {args.rounds} interleaved rounds")
+    print(f"{lm.scheme_label}, kernels {dict(lm.kernels)}, {args.threads} threads, context {n}: "
+          f"median of {args.rounds} interleaved rounds")
     for name, r in rounds.items():
         print(f"  {name:<27} {statistics.median(r) * 1e3:6.2f} ms/step  (rounds {min(r) * 1e3:.2f}-{max(r) * 1e3:.2f})")
 
