@@ -63,7 +63,7 @@ def library_key() -> str:
     return h.hexdigest()[:16]
 
 
-def _compiler() -> list[str] | None:
+def compiler() -> list[str] | None:
     """The C++ compiler's command (``$CXX`` may carry a wrapper: "ccache g++")."""
     if os.environ.get("CXX"):
         return shlex.split(os.environ["CXX"])
@@ -75,7 +75,7 @@ def _build(out: Path) -> None:
     """Compile the sources to the shared library ``out`` (atomically: temp file, then rename)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
-    cxx = _compiler()
+    cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) to build localllm's CPU kernels")
     torch_lib = library_paths()[0]

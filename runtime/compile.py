@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import getpass
 import os
-import shutil
 import tempfile
 import types
 import warnings
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from localllm import native
 from runtime.model import Transformer
 
 DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -33,7 +33,7 @@ def compile_unavailable_reason(device: torch.device, tracing: bool = True) -> st
     """
     if not hasattr(torch, "compile"):
         return "this torch has no torch.compile"
-    if device.type == "cpu" and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+    if device.type == "cpu" and native.compiler() is None:
         return "no C++ compiler (g++) for inductor's CPU code"
     if not tracing:
         return None
@@ -195,20 +195,25 @@ class Drift:
     top1: int  # steps whose argmax agree
 
 
+def forced_logits(model: Transformer, prompt: list[int], fed: list[int], step: DecodeFn) -> list[torch.Tensor]:
+    """fp32 logits (1, vocab) of an eager prefill of ``prompt``, then of ``step`` fed ``fed`` one token
+    at a time (teacher forcing: the step's own choices do not steer what comes next)."""
+    from runtime.generate import prefill
+
+    out = [prefill(model, torch.tensor([prompt], device=model.device)).float()]
+    for i, t in enumerate(fed):
+        pos = len(prompt) + i
+        token = torch.tensor([[t]], device=model.device)
+        out.append(step(model, token, torch.tensor([pos], device=model.device), pos).float())
+    return out
+
+
 def decode_drift(model: Transformer, prompt: list[int], fed: list[int], step: DecodeFn) -> Drift:
-    """Prefill ``prompt``, then feed ``fed`` one token at a time through eager decode and through
-    ``step`` (teacher forcing: neither path's own choices matter) and compare the logits."""
-    from runtime.generate import decode_one_token, prefill
+    """Feed ``fed`` after ``prompt`` through eager decode and through ``step`` (:func:`forced_logits`)
+    and compare the logits."""
+    from runtime.generate import decode_one_token
 
-    def logits(fn: DecodeFn) -> list[torch.Tensor]:
-        out = [prefill(model, torch.tensor([prompt], device=model.device)).float()]
-        for i, t in enumerate(fed):
-            pos = len(prompt) + i
-            token = torch.tensor([[t]], device=model.device)
-            out.append(fn(model, token, torch.tensor([pos], device=model.device), pos).float())
-        return out
-
-    want, got = logits(decode_one_token), logits(step)
+    want, got = forced_logits(model, prompt, fed, decode_one_token), forced_logits(model, prompt, fed, step)
     diffs = [(w - g).abs() for w, g in zip(want, got)]
     same = [bool(d.max() == 0) for d in diffs]
     return Drift(

@@ -156,7 +156,7 @@ def test_tiny_figures_are_positive_and_consistent(tiny_run):
     assert data["schemes"]["bf16"]["kv_cache"]["bytes_per_token"] * 2 == data["schemes"]["fp32"]["kv_cache"]["bytes_per_token"]
     # the CPU attention kernel in every layer (where it could be built); a quantized matmul kernel only
     # where weights are quantized
-    attention = {"attention-cpu"} if native._compiler() is not None else set()
+    attention = {"attention-cpu"} if native.compiler() is not None else set()
     assert all(set(f["kernels"]) >= attention for f in data["schemes"].values())
     assert "int4-tinygemm-cpu" in data["schemes"]["int4"]["kernels"] and set(data["schemes"]["fp32"]["kernels"]) == attention
 

@@ -20,18 +20,6 @@ needs_compiler = pytest.mark.skipif(rc.compile_unavailable_reason(torch.device("
                                     reason="torch.compile unavailable here")
 
 
-def _greedy_logits(model, step, prompt: list[int], n: int, forced: list[int] | None = None) -> list[torch.Tensor]:
-    """Logits of ``n`` greedy steps through ``step`` after an eager prefill (caches set up); with
-    ``forced``, those tokens are fed instead of the step's own choices (so that every step is
-    compared, not only those before a first difference)."""
-    out = [prefill(model, torch.tensor([prompt])).float()[0]]
-    for i in range(n - 1):
-        token = forced[i] if forced is not None else int(out[-1].argmax())
-        pos = len(prompt) + i
-        out.append(step(model, torch.tensor([[token]]), torch.tensor([pos]), pos).float()[0])
-    return out
-
-
 @needs_compiler
 @pytest.mark.slow
 def test_compiled_int4_decode_picks_the_eager_tokens_on_smollm2(smollm2_path, tmp_path):
@@ -41,17 +29,20 @@ def test_compiled_int4_decode_picks_the_eager_tokens_on_smollm2(smollm2_path, tm
     the 30 layers the other way can reverse them; the compiled step must then pick the runner-up."""
     lm = load_model(str(smollm2_path), quant="int4")
     assert lm.kernels["attention-cpu"] == 30  # eager and compiled attend with the same kernel
-    lm.model.setup_caches(128)  # once: the compiled step is built for these caches
+    eager = Generator(lm.model, 128)  # sets up the caches the compiled step is then built for
     step = rc.compiled_decode(forward_one_token, lm.device, tmp_path)
     ties = 0
     for text in PROMPTS:
         prompt = lm.tokenizer.encode(text)
-        want = _greedy_logits(lm.model, decode_one_token, prompt, 64)
-        tokens = [int(w.argmax()) for w in want]
-        got = _greedy_logits(lm.model, step, prompt, 64, forced=tokens)
+        tokens = list(eager.generate(prompt, GREEDY, max_tokens=64))
+        eager.reset()
+        assert len(tokens) == 64
+        # every step compared, not only those before a first difference: both paths fed eager's tokens
+        want = rc.forced_logits(lm.model, prompt, tokens[:-1], decode_one_token)
+        got = rc.forced_logits(lm.model, prompt, tokens[:-1], step)
         assert step.kind == "aot"
         for i, (w, g) in enumerate(zip(want, got)):
-            pick = int(g.argmax())
+            w, pick = w[0], int(g.argmax())
             if pick == tokens[i]:
                 continue
             top = w.max()
@@ -164,7 +155,7 @@ def test_compile_failure_falls_back_to_eager(tiny_folder, monkeypatch):
 
 
 def test_unavailable_compiler_is_said(monkeypatch):
-    monkeypatch.setattr(rc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(rc.native, "compiler", lambda: None)
     assert "C++ compiler" in rc.compile_unavailable_reason(torch.device("cpu"))
     with pytest.warns(UserWarning, match="running eagerly: no C\\+\\+ compiler"):
         step = rc.compiled_decode(forward_one_token, torch.device("cpu"))

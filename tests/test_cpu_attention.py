@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from localllm import native
 from runtime import cpu_attention
 
-needs_kernel = pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler to build the kernel")
+needs_kernel = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the kernel")
 
 
 def _exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from loaders.load import load_model
 from runtime import cpu_attention
 
 
-@pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler to build the kernels")
+@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the kernels")
 def test_library_is_built_once_under_its_key(kernels_dir):
     """The session's build left one library named by its key, and no temporary; another process finds
     it there and builds nothing."""
@@ -31,7 +31,7 @@ def test_library_is_built_once_under_its_key(kernels_dir):
 
 def test_failed_build_leaves_torch_kernels_and_says_why_once(monkeypatch, tmp_path, tiny_folder):
     monkeypatch.setattr(native, "_registered", lambda: False)
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: None)
     monkeypatch.setattr(native, "_failure", None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -88,7 +88,7 @@ def make_layer(name, group, out=192, inp=576, bias=False, device="cpu"):
     return layer, w
 
 
-HAS_NATIVE = native._compiler() is not None  # localllm's C++ CPU kernels can be built here
+HAS_NATIVE = native.compiler() is not None  # localllm's C++ CPU kernels can be built here
 needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="no C++ compiler for localllm's CPU kernels")
 KERNEL_CASES = [("int4-tinygemm-cpu", "int4", 32), ("int4-tinygemm-cpu", "int4", 128),
                 ("int8-weight-only", "int8", None),

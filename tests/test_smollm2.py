@@ -32,7 +32,7 @@ def test_config_read_from_gguf(lm):
     assert lm.model.output.weight is lm.model.embed.weight  # tied: one tensor, not a copy
 
 
-@pytest.mark.skipif(native._compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
+@pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
 def test_q8_0_head_loads_as_it_is_in_the_file(smollm2_path):
     """On the CPU the GGUF's Q8_0 tied embedding becomes an int8 group-32 head with the file's codes
     and scales, run by the grouped kernel, and the embedding reads the same 8-bit table."""
