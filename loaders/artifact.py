@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from localllm.errors import LocalLLMError
-from loaders import store as store_mod
-from loaders.safetensors_stream import iter_safetensors, write_safetensors
-from quant.convert import Plan, quantize_stream
-from quant.formats import QuantScheme, dequantize
-from runtime.config import ModelConfig
-from runtime.tokenizer import Tokenizer
+from localllm.loaders import store as store_mod
+from localllm.loaders.safetensors_stream import iter_safetensors, write_safetensors
+from localllm.quant.convert import Plan, quantize_stream
+from localllm.quant.formats import QuantScheme, dequantize
+from localllm.runtime.config import ModelConfig
+from localllm.runtime.tokenizer import Tokenizer
 
 WEIGHTS = "model.safetensors"
 _VERIFIED = ".verified.json"  # sizes and mtimes of files whose sha256 was checked
@@ -76,7 +76,7 @@ class ArtifactCheckpoint:
 
     def default_scheme(self) -> QuantScheme | None:
         if self.scheme is None and self.stored.manifest.get("dtype"):
-            from quant.formats import parse_scheme
+            from localllm.quant.formats import parse_scheme
 
             return parse_scheme(self.stored.manifest["dtype"])  # a float entry: its stored dtype
         return self.scheme
@@ -98,7 +98,7 @@ class ArtifactCheckpoint:
             if len(parts) == len(_canonical_names(scheme)):
                 yield f"{module}.weight", dequantize(pending.pop(module), scheme)
 
-    def default_head(self, scheme: QuantScheme | None, device: torch.device | None = None) -> QuantScheme | None:
+    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
         """The head as stored, when the blocks are loaded in the stored scheme."""
         return self.plan.get("output") if scheme == self.scheme else None
 
@@ -112,7 +112,7 @@ class ArtifactCheckpoint:
 
 
 def _canonical_names(scheme: QuantScheme) -> tuple[str, ...]:
-    from quant.formats import canonical_shapes
+    from localllm.quant.formats import canonical_shapes
 
     return tuple(canonical_shapes(scheme, 2, 64))
 

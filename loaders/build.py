@@ -7,9 +7,9 @@ from collections.abc import Iterable
 import torch
 
 from localllm.errors import LocalLLMError
-from quant.linear import concat_linears
-from runtime.config import ModelConfig
-from runtime.model import Transformer
+from localllm.quant.linear import concat_linears
+from localllm.runtime.config import ModelConfig
+from localllm.runtime.model import Transformer
 
 
 def empty_model(config: ModelConfig) -> Transformer:

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from localllm.errors import LocalLLMError
-from loaders.safetensors_stream import iter_safetensors
-from quant.convert import Plan, quantize_stream
-from quant.formats import QuantScheme
-from runtime.config import ModelConfig
+from localllm.loaders.safetensors_stream import iter_safetensors
+from localllm.quant.convert import Plan, quantize_stream
+from localllm.quant.formats import QuantScheme
+from localllm.runtime.config import ModelConfig
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -127,7 +127,7 @@ class HFCheckpoint:
         """Float checkpoints run as they are unless a scheme is asked for."""
         return None
 
-    def default_head(self, scheme: QuantScheme | None, device: torch.device | None = None) -> QuantScheme | None:
+    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
         """A float checkpoint's head stays 16-bit unless asked."""
         return None
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from loaders.artifact import quant_manifest, write_artifact
-from loaders.load import Checkpoint, load_tokenizer, model_tensors
-from loaders.store import Store, StoredModel
-from quant.formats import FLOAT_SCHEMES, QuantScheme
-from runtime.model import Transformer
+from localllm.loaders.artifact import quant_manifest, write_artifact
+from localllm.loaders.load import Checkpoint, load_tokenizer, model_tensors
+from localllm.loaders.store import Store, StoredModel
+from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme
+from localllm.runtime.model import Transformer
 
 
 def storage_layout(model: Transformer, float_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -20,10 +20,10 @@ import torch
 
 import localllm
 from localllm.errors import LocalLLMError
-from loaders.build import empty_model
-from loaders.checkpoint import _LAYER_MAP, _TOP_MAP
-from loaders.safetensors_stream import write_safetensors
-from runtime.config import ModelConfig
+from localllm.loaders.build import empty_model
+from localllm.loaders.checkpoint import _LAYER_MAP, _TOP_MAP
+from localllm.loaders.safetensors_stream import write_safetensors
+from localllm.runtime.config import ModelConfig
 
 WEIGHTS = "model.safetensors"
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -124,7 +124,7 @@ def write_weights(ckpt: Any, path: Path, dtype: torch.dtype) -> None:
 def export_hf_folder(source: Union[str, Path, Any], folder: Path, dtype: str = "bf16") -> Path:
     """Write ``source`` (a path or name :func:`loaders.load.open_checkpoint` takes, or a checkpoint) as an
     HF model folder in ``folder`` (created if needed), weights in ``dtype`` (bf16, fp16 or fp32)."""
-    from loaders.load import load_tokenizer, open_checkpoint
+    from localllm.loaders.load import load_tokenizer, open_checkpoint
 
     if dtype not in EXPORT_DTYPES:
         raise LocalLLMError(f"cannot export in '{dtype}'", f"use one of {', '.join(EXPORT_DTYPES)}")

@@ -13,12 +13,12 @@ import numpy as np
 import torch
 
 from localllm.errors import LocalLLMError
-from loaders.checkpoint import rename
-from loaders.gguf_meta import read_metadata
-from quant.convert import Plan, quantize_stream
-from quant.formats import QuantScheme, parse_scheme
-from quant.gguf_blocks import exact_import, to_canonical
-from runtime.config import ModelConfig
+from localllm.loaders.checkpoint import rename
+from localllm.loaders.gguf_meta import read_metadata
+from localllm.quant.convert import Plan, quantize_stream
+from localllm.quant.formats import QuantScheme, parse_scheme
+from localllm.quant.gguf_blocks import exact_import, to_canonical
+from localllm.runtime.config import ModelConfig
 
 _LAYER_MAP = {
     "attn_norm.weight": "attn_norm.weight",
@@ -130,24 +130,20 @@ class GGUFCheckpoint:
         if main in ("F32", "F16", "BF16"):
             return None
         if main == "Q8_0":
-            return parse_scheme("int8")
+            return parse_scheme("int8", 32)  # its blocks exactly
         return parse_scheme("int4", 32, symmetric=main == "Q4_0")
 
-    def default_head(self, scheme: QuantScheme | None, device: torch.device | None = None) -> QuantScheme | None:
-        """A Q8_0 head (or tied embedding) loads on the CPU as it is in the file: int8 with groups of
-        32, run by localllm's grouped int8 kernel (half the bytes of a 16-bit head, no re-rounding).
-        Elsewhere, or without that kernel, the head stays 16-bit (torch's fast int8 kernels are per
-        channel; re-rounding to them doubles SmolLM2's KLD, so that stays an opt-in:
-        ``--quant-head int8``)."""
-        if device is None or device.type != "cpu" or scheme is None:
+    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
+        """A Q8_0 head (or tied embedding) loads as it is in the file, int8 with groups of 32, on every
+        device (re-rounding it per channel doubled SmolLM2's KLD; a 16-bit copy would round q * d).
+        Other heads stay 16-bit unless asked otherwise (``--quant-head``)."""
+        if scheme is None:
             return None
         names = {ours: t for ours, t in self.raw_tensors() if ours in ("output.weight", "embed.weight")}
         head = names.get("output.weight", names.get("embed.weight") if self.config.tie_embeddings else None)
         if head is None or head.tensor_type.name != "Q8_0" or self.config.dim % 32:
             return None
-        from localllm import native
-
-        return parse_scheme("int8", 32) if native.available() else None
+        return parse_scheme("int8", 32)
 
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors for a model whose modules hold the schemes of ``plan``: Q4_0/Q4_1/Q8_0 blocks that

@@ -67,7 +67,7 @@ from huggingface_hub.utils import logging as hf_logging
 from huggingface_hub.utils.tqdm import tqdm as hf_tqdm
 
 from localllm.errors import LocalLLMError
-from loaders.store import file_sha256
+from localllm.loaders.store import file_sha256
 
 #: Files the runtime reads besides the weights.
 RUNTIME_FILES = (

@@ -14,17 +14,17 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL, default_model_gguf
-from loaders.artifact import ArtifactCheckpoint
-from loaders.build import empty_model, fuse_projections, load_weights
-from loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
-from loaders.gguf import GGUFCheckpoint
-from loaders.store import MANIFEST, Store, _load as _load_entry
-from quant.formats import QuantScheme, parse_scheme
-from quant.convert import Plan
-from quant.linear import make_plan, prepare_model, share_tied_embedding, swap_linears
-from runtime.config import ModelConfig
-from runtime.model import Transformer
-from runtime.tokenizer import Tokenizer
+from localllm.loaders.artifact import ArtifactCheckpoint
+from localllm.loaders.build import empty_model, fuse_projections, load_weights
+from localllm.loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
+from localllm.loaders.gguf import GGUFCheckpoint
+from localllm.loaders.store import MANIFEST, Store, _load as _load_entry
+from localllm.quant.formats import QuantScheme, parse_scheme
+from localllm.quant.convert import Plan
+from localllm.quant.linear import make_plan, prepare_model, share_tied_embedding, swap_linears
+from localllm.runtime.config import ModelConfig
+from localllm.runtime.model import Transformer
+from localllm.runtime.tokenizer import Tokenizer
 
 Checkpoint = Union[HFCheckpoint, GGUFCheckpoint, ArtifactCheckpoint]
 
@@ -106,18 +106,17 @@ def choose_scheme(ckpt: Checkpoint, quant: str | None, group_size: int | None) -
     return parse_scheme(quant, group_size)
 
 
-def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: str | bool | None = None,
-                  device: torch.device | None = None) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], Plan]:
+def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None,
+                  quantize_head: str | bool | None = None) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], Plan]:
     """The empty (meta) model for ``ckpt`` in ``scheme``, the stream of tensors that fills it, and the
     plan (quantized module -> scheme). ``quantize_head`` names the output head's scheme (``int8``
     keeps the most sensitive layer at 8 bits beside int4 blocks); None means the checkpoint's own
-    choice for ``device`` (a stored model's head as stored, a GGUF's Q8_0 head as it is on the CPU,
-    else 16-bit); False keeps it 16-bit. Shared by loading and by writing artifacts."""
+    choice (a stored model's head as stored, a GGUF's Q8_0 head as it is, else 16-bit); False keeps it 16-bit. Shared by loading and by writing artifacts."""
     model = empty_model(ckpt.config)
     if scheme is None or scheme.is_float:
         return model, ckpt.iter_tensors(), {}
     if quantize_head is None:
-        head = ckpt.default_head(scheme, device)
+        head = ckpt.default_head(scheme)
     else:
         head = parse_scheme(quantize_head) if quantize_head else None
     plan = make_plan(model, scheme, head)
@@ -195,14 +194,14 @@ def load_model(
         warnings.warn(f"{scheme.name} weights with {str(act).removeprefix('torch.')} activations run on the slow "
                       "reference kernel on the CPU; leave --dtype at auto (bf16) for the fast one")
     tokenizer = load_tokenizer(ckpt)
-    model, tensors, _ = model_tensors(ckpt, scheme, quantize_head, dev)
+    model, tensors, _ = model_tensors(ckpt, scheme, quantize_head)
     model = load_weights(model, tensors, dev, act, ckpt.describe())
     if fuse:
         fuse_projections(model)
     used = prepare_model(model, act, kernel)
     share_tied_embedding(model)
     if attention_kernel and dev.type == "cpu":
-        from runtime import cpu_attention
+        from localllm.runtime import cpu_attention
 
         model.set_decode_attention(cpu_attention.kernel())
         if model.decode_kernel is not None:

@@ -1,17 +1,17 @@
-"""localllm's own C++ CPU kernels, compiled once into one shared library and loaded as torch ops.
+"""Building and loading localllm's own C++ CPU kernels as torch ops.
 
-Two ops, each next to the code that uses it:
+A leaf of the base layer: it knows nothing of the layers. Each layer describes its library (a
+:class:`NativeLibrary`: its C++ sources and the ops they register) next to the code that uses it:
 
-* ``localllm::decode_attention`` (``runtime/csrc``): one-query attention for decode steps
-  (:mod:`runtime.cpu_attention`);
-* ``localllm::int8_group_mm`` (``quant/csrc``): matmul with int8 weights scaled per group, a GGUF's
-  Q8_0 blocks as they are (:class:`quant.kernels.Int8GroupCPU`).
+* ``localllm::decode_attention`` (:mod:`localllm.runtime.cpu_attention`, ``runtime/csrc``);
+* ``localllm::int8_group_mm`` (:mod:`localllm.quant.kernels`, ``quant/csrc``).
 
-The library is compiled with the C++ compiler inductor needs anyway (about 10 s, once; ``scripts/setup.sh``
-does it at set-up) and stored under :func:`localllm.paths.kernels_dir` with a name keyed by its
-sources, the torch and Python versions and the CPU's vector ISA. It is written to a temporary name
-and renamed, so a crash or a concurrent build never leaves a broken library behind. Where it cannot be
-built (no compiler), callers fall back to torch's own kernels and say so once.
+A library is compiled with the C++ compiler inductor needs anyway (seconds, once; ``scripts/setup.sh``
+does it at set-up) and stored under the cache folder the caller gives (by default
+:func:`localllm.paths.kernels_dir`) with a name keyed by its sources, flags, the torch and Python
+versions and the CPU's vector ISA. It is written to a temporary name and renamed, so a crash or a
+concurrent build never leaves a broken library behind. Where it cannot be built (no compiler), callers
+fall back to torch's own kernels and say so once.
 """
 
 from __future__ import annotations
@@ -26,15 +26,26 @@ import sys
 import sysconfig
 import tempfile
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-_ROOT = Path(__file__).resolve().parent.parent
-SOURCES = (_ROOT / "runtime" / "csrc" / "decode_attention.cpp", _ROOT / "quant" / "csrc" / "int8_group_mm.cpp")
 
-#: Why the library could not be built in this process (so it is tried, and said, once).
-_failure: str | None = None
+@dataclass(frozen=True)
+class NativeLibrary:
+    """One shared library of torch ops in the ``localllm`` namespace."""
+
+    name: str  # file name stem, e.g. "localllm_attention"
+    sources: tuple[Path, ...]
+    ops: tuple[str, ...]  # op names it registers under torch.ops.localllm
+    #: Registers the ops' fake (meta) implementations, for torch.export / torch.compile tracing.
+    register_fakes: Callable[[], None] | None = field(default=None, compare=False)
+
+
+#: Why a library could not be built in this process, by library name (so it is tried, and said, once).
+_failures: dict[str, str] = {}
 
 
 def _isa_flags() -> list[str]:
@@ -53,14 +64,18 @@ def _flags() -> list[str]:
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *_isa_flags()]
 
 
-def library_key() -> str:
+def library_key(lib: NativeLibrary) -> str:
     """What the built library depends on, hashed: sources, flags, torch and Python versions, machine."""
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in lib.sources:
         h.update(src.read_bytes())
     for part in (torch.__version__, sys.version.split()[0], platform.machine(), *_flags()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
+
+
+def library_path(lib: NativeLibrary, cache_dir: Path) -> Path:
+    return cache_dir / f"{lib.name}-{library_key(lib)}.so"
 
 
 def compiler() -> list[str] | None:
@@ -71,7 +86,7 @@ def compiler() -> list[str] | None:
     return [found] if found else None
 
 
-def _build(out: Path) -> None:
+def _build(lib: NativeLibrary, out: Path) -> None:
     """Compile the sources to the shared library ``out`` (atomically: temp file, then rename)."""
     from torch.utils.cpp_extension import include_paths, library_paths
 
@@ -84,7 +99,7 @@ def _build(out: Path) -> None:
     os.close(fd)
     tmp = Path(tmp_name)
     cmd = [
-        *cxx, *map(str, SOURCES), "-o", str(tmp), *_flags(),
+        *cxx, *map(str, lib.sources), "-o", str(tmp), *_flags(),
         *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}",
         # torch's own OpenMP runtime (already loaded in this process), not a second one
         f"-L{torch_lib}", f"-Wl,-rpath,{torch_lib}", "-lc10", "-ltorch_cpu", "-lgomp",
@@ -99,61 +114,50 @@ def _build(out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _registered() -> bool:
-    return hasattr(torch.ops.localllm, "decode_attention") and hasattr(torch.ops.localllm, "int8_group_mm")
+def registered(lib: NativeLibrary) -> bool:
+    """Whether the library's ops are already loaded in this process."""
+    return all(hasattr(torch.ops.localllm, op) for op in lib.ops)
 
 
-def _register_fakes() -> None:
-    """Shapes for tracing (torch.export, torch.compile): the ops' outputs without running them."""
-
-    @torch.library.register_fake("localllm::decode_attention")
-    def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-    @torch.library.register_fake("localllm::int8_group_mm")
-    def _mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], qweight.shape[0]))
-
-
-def load(cache_dir: Path) -> Path | None:
-    """Make the ops available in this process, building the library under ``cache_dir`` if it is not
+def load(lib: NativeLibrary, cache_dir: Path) -> Path | None:
+    """Make ``lib``'s ops available in this process, building it under ``cache_dir`` if it is not
     there yet. Returns the library's path (None if the ops were already registered). Raises
     RuntimeError when it cannot be built."""
-    if _registered():
+    if registered(lib):
         return None
-    path = cache_dir / f"localllm_cpu-{library_key()}.so"
+    path = library_path(lib, cache_dir)
     if not path.exists():
-        print("building localllm's CPU kernels (once, about 10 s)...", file=sys.stderr, flush=True)
-        _build(path)
+        print("building localllm's CPU kernels (once, a few seconds)...", file=sys.stderr, flush=True)
+        _build(lib, path)
     torch.ops.load_library(str(path))
-    _register_fakes()
+    if lib.register_fakes is not None:
+        lib.register_fakes()
     return path
 
 
-def available(cache_dir: Path | None = None) -> bool:
-    """Whether the ops are usable, loading (or building) them under ``cache_dir`` (default:
+def available(lib: NativeLibrary, cache_dir: Path | None = None) -> bool:
+    """Whether ``lib``'s ops are usable, loading (or building) them under ``cache_dir`` (default:
     :func:`localllm.paths.kernels_dir`) if needed. A failure is warned once and remembered."""
-    global _failure
-    if _registered():
+    if registered(lib):
         return True
-    if _failure is not None:
+    if lib.name in _failures:
         return False
     if cache_dir is None:
         from localllm.paths import kernels_dir
 
         cache_dir = kernels_dir()
     try:
-        load(cache_dir)
+        load(lib, cache_dir)
     except (RuntimeError, OSError) as e:
-        _failure = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        warnings.warn(f"localllm's CPU kernels are unavailable ({_failure}); using torch's own (slower)")
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        first = not _failures
+        _failures[lib.name] = reason
+        if first:  # one warning for all the libraries: they fail for the same reason
+            warnings.warn(f"localllm's CPU kernels are unavailable ({reason}); using torch's own (slower)")
         return False
     return True
 
 
-if __name__ == "__main__":  # scripts/setup.sh: build at set-up rather than on the first run
-    from localllm.paths import kernels_dir
-
-    if not available():
-        sys.exit(1)
-    print(f"localllm's CPU kernels ready in {kernels_dir()}", file=sys.stderr)
+def unavailable_reason() -> str | None:
+    """Why some library could not be built in this process (the first failure), or None."""
+    return next(iter(_failures.values()), None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from localllm.format import human_size
-from runtime.generate import GenerationStats
+from localllm.runtime.generate import GenerationStats
 
 
 def human_duration(seconds: float) -> str:

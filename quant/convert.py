@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from quant.formats import QuantScheme, quantize
+from localllm.quant.formats import QuantScheme, quantize
 
 #: module name -> the scheme its weight is stored in (modules not named stay float).
 Plan = dict[str, QuantScheme]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from quant.formats import QuantScheme, pack_int4
+from localllm.quant.formats import QuantScheme, pack_int4
 
 BLOCK = 32
 #: GGUF type name -> (canonical scheme name, symmetric) it imports into without loss at group 32.

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import logging
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from quant.formats import dequantize, unpack_int4
+from localllm import native
+from localllm.quant.formats import dequantize, unpack_int4
 
 if TYPE_CHECKING:
-    from quant.linear import QuantLinear
+    from localllm.quant.linear import QuantLinear
 
 # bitsandbytes logs a warning on its first CPU 4-bit matmul when the optional `kernels` package is
 # missing, then uses its own fallback (which the reference check covers): keep stderr clean.
@@ -154,6 +156,21 @@ class Int8WeightOnly(Kernel):
         return torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.kscales)
 
 
+def _register_fakes() -> None:
+    """The op's output shape for tracing (torch.export, torch.compile), without running it."""
+
+    @torch.library.register_fake("localllm::int8_group_mm")
+    def _mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], qweight.shape[0]))
+
+
+#: localllm's grouped int8 matmul (``csrc/int8_group_mm.cpp``), built by :mod:`localllm.native`.
+LIBRARY = native.NativeLibrary(
+    "localllm_int8", (Path(__file__).resolve().parent / "csrc" / "int8_group_mm.cpp",), ("int8_group_mm",),
+    _register_fakes,
+)
+
+
 class Int8GroupCPU(Kernel):
     """int8 with a scale per group of inputs (a GGUF's Q8_0 blocks exactly) through localllm's C++
     kernel (:mod:`localllm.native`): as fast as the per-channel kernel, without re-rounding."""
@@ -162,17 +179,13 @@ class Int8GroupCPU(Kernel):
 
     @staticmethod
     def supports(layer, device, act_dtype) -> bool:  # type: ignore[no-untyped-def]
-        from localllm import native
-
         g = layer.scheme.group_size
         return (device.type == "cpu" and layer.scheme.name == "int8" and g is not None and g % 16 == 0
-                and act_dtype in (torch.bfloat16, torch.float16, torch.float32) and native.available())
+                and act_dtype in (torch.bfloat16, torch.float16, torch.float32) and native.available(LIBRARY))
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
-        from localllm import native
-
-        if not native.available():
+        if not native.available(LIBRARY):
             raise RuntimeError("localllm's CPU kernels are not built")
         return {"qweight": layer.qweight, "scales": layer.scales}  # the canonical layout as it is
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from quant import kernels
-from quant.formats import QuantScheme, canonical_shapes
+from localllm.quant import kernels
+from localllm.quant.formats import QuantScheme, canonical_shapes
 
 
 class QuantLinear(nn.Module):

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.compile import DecodeFn, compile_unavailable_reason
-from runtime.model import Transformer
+from localllm.runtime.compile import DecodeFn, compile_unavailable_reason
+from localllm.runtime.model import Transformer
 
 #: Bumped when the exported step's calling convention changes, so old packages are not picked up.
 FORMAT = 2

@@ -20,7 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
-    from runtime.tokenizer import Tokenizer
+    from localllm.runtime.tokenizer import Tokenizer
 
 #: The fallback for a model that ships no chat template: ChatML
 #: (``<|im_start|>role\ncontent<|im_end|>\n`` per message, then ``<|im_start|>assistant\n``).

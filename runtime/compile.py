@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from localllm import native
-from runtime.model import Transformer
+from localllm.runtime.model import Transformer
 
 DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
@@ -161,7 +161,7 @@ class CompiledStep:
 
     def __call__(self, model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
         if self.fn is None:
-            from runtime.aot import AotDecode
+            from localllm.runtime.aot import AotDecode
 
             try:  # outside inference mode: export traces the model
                 self.fn = AotDecode(model, self.base, self.aot_dir)  # type: ignore[arg-type]
@@ -198,7 +198,7 @@ class Drift:
 def forced_logits(model: Transformer, prompt: list[int], fed: list[int], step: DecodeFn) -> list[torch.Tensor]:
     """fp32 logits (1, vocab) of an eager prefill of ``prompt``, then of ``step`` fed ``fed`` one token
     at a time (teacher forcing: the step's own choices do not steer what comes next)."""
-    from runtime.generate import prefill
+    from localllm.runtime.generate import prefill
 
     out = [prefill(model, torch.tensor([prompt], device=model.device)).float()]
     for i, t in enumerate(fed):
@@ -211,7 +211,7 @@ def forced_logits(model: Transformer, prompt: list[int], fed: list[int], step: D
 def decode_drift(model: Transformer, prompt: list[int], fed: list[int], step: DecodeFn) -> Drift:
     """Feed ``fed`` after ``prompt`` through eager decode and through ``step`` (:func:`forced_logits`)
     and compare the logits."""
-    from runtime.generate import decode_one_token
+    from localllm.runtime.generate import decode_one_token
 
     want, got = forced_logits(model, prompt, fed, decode_one_token), forced_logits(model, prompt, fed, step)
     diffs = [(w - g).abs() for w, g in zip(want, got)]

@@ -1,5 +1,6 @@
 """The CPU decode step's attention: ``localllm::decode_attention`` (``csrc/decode_attention.cpp``, built
-by :mod:`localllm.native`), one query per head over the cached keys.
+built
+by :mod:`localllm.native` as :data:`LIBRARY`), one query per head over the cached keys.
 
 Why a kernel of our own: torch's flash-attention CPU kernel costs 20-30 us a call on a decode step's
 few hundred keys (blocking, buffers, GEMM set-up around ~0.1 MFLOP of work), 0.6-0.9 ms of a 5 ms
@@ -17,10 +18,22 @@ from pathlib import Path
 import torch
 
 from localllm import native
-from runtime.model import DecodeAttention
+from localllm.runtime.model import DecodeAttention
 
-#: How the op appears in exported graphs and AOT packages.
-OP_NAME = "localllm::decode_attention"
+
+
+def _register_fakes() -> None:
+    """The op's output shape for tracing (torch.export, torch.compile), without running it."""
+
+    @torch.library.register_fake("localllm::decode_attention")
+    def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+LIBRARY = native.NativeLibrary(
+    "localllm_attention", (Path(__file__).resolve().parent / "csrc" / "decode_attention.cpp",),
+    ("decode_attention",), _register_fakes,
+)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -33,4 +46,4 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 def kernel(cache_dir: Path | None = None) -> DecodeAttention | None:
     """:func:`decode_attention` once localllm's CPU kernels are loaded (built under ``cache_dir`` the
     first time); None where they cannot be built (decode then runs SDPA; :mod:`localllm.native` warns)."""
-    return decode_attention if native.available(cache_dir) else None
+    return decode_attention if native.available(LIBRARY, cache_dir) else None

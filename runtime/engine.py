@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from runtime.chat import encode_chat
-from runtime.generate import GenerationStats, Generator
-from runtime.model import Transformer
-from runtime.sampling import SamplingParams
-from runtime.textstream import StopStringFilter
-from runtime.tokenizer import Tokenizer
+from localllm.runtime.chat import encode_chat
+from localllm.runtime.generate import GenerationStats, Generator
+from localllm.runtime.model import Transformer
+from localllm.runtime.sampling import SamplingParams
+from localllm.runtime.textstream import StopStringFilter
+from localllm.runtime.tokenizer import Tokenizer
 
 
 class Engine:

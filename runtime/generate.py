@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from localllm.errors import LocalLLMError
-from runtime.model import Transformer
-from runtime.sampling import SamplingParams, make_generator, sample
+from localllm.runtime.model import Transformer
+from localllm.runtime.sampling import SamplingParams, make_generator, sample
 
 
 @torch.inference_mode()
@@ -90,7 +90,7 @@ class Generator:
         self.compile_s = 0.0  # the warm-up that compiled (or loaded) the decode step
         if compile:
             from localllm.paths import home
-            from runtime.compile import compiled_decode
+            from localllm.runtime.compile import compiled_decode
 
             t0 = time.perf_counter()
             self._decode = compiled_decode(forward_one_token, self.device, home() / "inductor")

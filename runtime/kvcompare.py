@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from runtime.generate import decode_one_token, prefill
-from runtime.model import Transformer
+from localllm.runtime.generate import decode_one_token, prefill
+from localllm.runtime.model import Transformer
 
 
 @torch.inference_mode()

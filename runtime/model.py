@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.cache import KVCache
-from runtime.config import ModelConfig
+from localllm.runtime.cache import KVCache
+from localllm.runtime.config import ModelConfig
 
 #: One-query attention: q (B, KV, G, hd), the G query heads sharing each kv head; k, v (B, KV, L, hd).
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

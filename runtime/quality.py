@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from runtime.model import Transformer
+from localllm.runtime.model import Transformer
 
 
 @dataclass

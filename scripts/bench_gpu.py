@@ -23,8 +23,8 @@ import torch
 
 from localllm import bench
 from localllm.errors import LocalLLMError
-from loaders.load import resolve_device
-from runtime.config import ModelConfig
+from localllm.loaders.load import resolve_device
+from localllm.runtime.config import ModelConfig
 
 SHAPES = {
     # Llama-2-7B: 4096 hidden, 32 layers, 32 heads (no GQA), 11008 MLP, 32000 vocab, untied head.

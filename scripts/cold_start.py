@@ -46,7 +46,7 @@ def main() -> None:
         env = {**os.environ, "LOCALLLM_HOME": str(Path(tmp) / "home"), "LOCALLLM_KERNELS": str(kernels_dir())}
         subprocess.run([sys.executable, "-m", "localllm", "pull", str(gguf), "--name", "smol", "--quant", "int4"],
                        check=True, env=env, stderr=subprocess.DEVNULL)
-        from loaders.export_hf import export_hf_folder
+        from localllm.loaders.export_hf import export_hf_folder
 
         folder = Path(tmp) / "hf-bf16"
         export_hf_folder(str(gguf), folder, "bf16")

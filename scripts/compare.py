@@ -69,9 +69,9 @@ def summarize(timings: list[Timing], prompt_tokens: int, gen: int) -> dict[str, 
 
 def localllm_engine(path: Path, quant: str, ids: list[int], gen: int, head: str | None = None,
                     compile: bool = False) -> Callable[[], Timing]:
-    from loaders.load import load_model
-    from runtime.generate import Generator
-    from runtime.sampling import SamplingParams
+    from localllm.loaders.load import load_model
+    from localllm.runtime.generate import Generator
+    from localllm.runtime.sampling import SamplingParams
 
     lm = load_model(str(path), device="cpu", quant=quant, quantize_head=head)
     g = Generator(lm.model, len(ids) + gen + 8, compile=compile)
@@ -157,7 +157,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from loaders.load import load_tokenizer, open_checkpoint
+    from localllm.loaders.load import load_tokenizer, open_checkpoint
 
     ids = load_tokenizer(open_checkpoint(str(args.model))).encode(TEXT)[: args.prompt_tokens]
     factories: dict[str, Callable[[], Callable[[], Timing]]] = {

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from loaders.load import load_model
-from runtime.compile import DecodeFn, compiled_decode, decode_drift
-from runtime.generate import decode_one_token, forward_one_token, prefill
+from localllm.loaders.load import load_model
+from localllm.runtime.compile import DecodeFn, compiled_decode, decode_drift
+from localllm.runtime.generate import decode_one_token, forward_one_token, prefill
 
 
 def main() -> None:

@@ -10,8 +10,8 @@ import argparse
 
 import torch
 
-from loaders.load import load_model
-from runtime.kvcompare import decode_latencies
+from localllm.loaders.load import load_model
+from localllm.runtime.kvcompare import decode_latencies
 
 REPORT_STEPS = (1, 10, 20, 50, 100)
 

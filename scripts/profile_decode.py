@@ -19,9 +19,9 @@ import time
 import torch
 from torch.profiler import profile
 
-from loaders.load import load_model
-from runtime.compile import compiled_decode
-from runtime.generate import decode_one_token, forward_one_token, prefill
+from localllm.loaders.load import load_model
+from localllm.runtime.compile import compiled_decode
+from localllm.runtime.generate import decode_one_token, forward_one_token, prefill
 
 
 def main() -> None:

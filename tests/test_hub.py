@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
-from loaders.hub import Snapshot, _ProgressBar, download, hub_cache_paths, parse_ref, prune, select_files
+from localllm.loaders.hub import Snapshot, _ProgressBar, download, hub_cache_paths, parse_ref, prune, select_files
 from localllm.errors import LocalLLMError
 from tests.hub_server import HubServer, closed_port_url, hub_env, hub_fixture, no_retry_sleep, set_offline
 
@@ -165,7 +165,7 @@ def test_persistent_drop_fails_clearly_and_next_pull_resumes(
 _PULL = (
     "import sys; from huggingface_hub import constants; "
     "constants.DOWNLOAD_CHUNK_SIZE = 64 * 1024; "  # as in the `hub` fixture: bytes reach the disk early
-    "from loaders.hub import download; download(sys.argv[1], progress=False)"
+    "from localllm.loaders.hub import download; download(sys.argv[1], progress=False)"
 )
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loaders.build import empty_model, load_weights
-from loaders.checkpoint import HFCheckpoint
-from runtime.generate import decode_one_token, prefill
+from localllm.loaders.build import empty_model, load_weights
+from localllm.loaders.checkpoint import HFCheckpoint
+from localllm.runtime.generate import decode_one_token, prefill
 
 ARCHS = ["llama", "mistral", "qwen2"]
 
@@ -110,7 +110,7 @@ def test_bf16_close_to_fp32(tiny_folder):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_projections_change_nothing(tiny_folder, arch):
     """q/k/v and gate/up merged into single matmuls (qwen2: with biases) give the same logits."""
-    from loaders.build import fuse_projections
+    from localllm.loaders.build import fuse_projections
 
     _, folder = tiny_folder(arch)
     plain, fused = ours_from(folder), fuse_projections(ours_from(folder))
@@ -148,7 +148,7 @@ def test_loading_does_not_import_the_compiler(tiny_folder, quant):
     import sys
 
     _, folder = tiny_folder("llama")
-    code = ("import sys; from loaders.load import load_model; "
+    code = ("import sys; from localllm.loaders.load import load_model; "
             f"lm = load_model({str(folder)!r}, quant={quant!r}); "
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -8,35 +8,38 @@ import warnings
 import pytest
 
 from localllm import native
-from loaders.load import load_model
-from runtime import cpu_attention
+from localllm.loaders.load import load_model
+from localllm.runtime import cpu_attention
+from tests.conftest import NATIVE_LIBRARIES
 
 
 @pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the kernels")
 def test_library_is_built_once_under_its_key(kernels_dir):
-    """The session's build left one library named by its key, and no temporary; another process finds
-    it there and builds nothing."""
+    """The session's build left one library per layer, named by its key, and no temporary; another
+    process finds them there and builds nothing."""
     import subprocess
     import sys
 
-    (lib,) = kernels_dir.iterdir()
-    assert lib.name == f"localllm_cpu-{native.library_key()}.so"
-    before = lib.stat().st_mtime_ns
+    libs = sorted(kernels_dir.iterdir())
+    assert [p.name for p in libs] == sorted(f"{lib.name}-{native.library_key(lib)}.so" for lib in NATIVE_LIBRARIES)
+    before = [p.stat().st_mtime_ns for p in libs]
     code = ("import sys; from pathlib import Path; from localllm import native; "
-            "print(native.load(Path(sys.argv[1])))")
+            "from localllm.runtime.cpu_attention import LIBRARY; print(native.load(LIBRARY, Path(sys.argv[1])))")
     out = subprocess.run([sys.executable, "-c", code, str(kernels_dir)], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(lib) and "building" not in out.stderr  # loaded, not built
-    assert list(kernels_dir.iterdir()) == [lib] and lib.stat().st_mtime_ns == before
+    assert out.stdout.strip() == str(native.library_path(cpu_attention.LIBRARY, kernels_dir))
+    assert "building" not in out.stderr  # loaded, not built
+    assert sorted(kernels_dir.iterdir()) == libs and [p.stat().st_mtime_ns for p in libs] == before
 
 
 def test_failed_build_leaves_torch_kernels_and_says_why_once(monkeypatch, tmp_path, tiny_folder):
-    monkeypatch.setattr(native, "_registered", lambda: False)
+    monkeypatch.setattr(native, "registered", lambda lib: False)
     monkeypatch.setattr(native, "compiler", lambda: None)
-    monkeypatch.setattr(native, "_failure", None)
+    monkeypatch.setattr(native, "_failures", {})
+    monkeypatch.setenv("LOCALLLM_KERNELS", str(tmp_path))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert cpu_attention.kernel(tmp_path) is None
-        assert not native.available(tmp_path)  # remembered: not tried, nor said, again
+        assert not native.available(cpu_attention.LIBRARY, tmp_path)  # remembered: not tried, nor said, again
         _, folder = tiny_folder("llama")
         lm = load_model(str(folder), quant="int8")
     msgs = [str(w.message) for w in caught if "CPU kernels" in str(w.message)]

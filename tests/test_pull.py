@@ -27,12 +27,12 @@ from safetensors.torch import load_file
 
 from localllm.cli import main
 from localllm.commands.store import gguf_name, human_ago, human_count, pull_if_missing
-from loaders.export_hf import export_hf_folder
-from loaders.gguf import GGUFCheckpoint
-from loaders.load import load_model, load_tokenizer, open_checkpoint
-from loaders.store import Store
-from quant.formats import dequantize, parse_scheme
-from quant.gguf_blocks import to_canonical
+from localllm.loaders.export_hf import export_hf_folder
+from localllm.loaders.gguf import GGUFCheckpoint
+from localllm.loaders.load import load_model, load_tokenizer, open_checkpoint
+from localllm.loaders.store import Store
+from localllm.quant.formats import dequantize, parse_scheme
+from localllm.quant.gguf_blocks import to_canonical
 from tests.hub_server import HubServer, hub_env, hub_fixture, running_hub
 
 __all__ = ["hub_fixture"]  # the `hub` fixture: a fresh server per test, the client pointed at it
@@ -47,7 +47,7 @@ SHOW_KEYS = {"name", "path", "architecture", "parameters", "context_length", "em
              "kv_cache_bytes_per_token", "kv_cache_bytes_context", "source", "chat_template", "created"}
 # Runs the CLI with every quantized tensor 50 ms slower, so that a test can interrupt the conversion.
 SLOW_QUANT_CLI = (
-    "import sys, time, quant.convert as qc\n"
+    "import sys, time, localllm.quant.convert as qc\n"
     "_quantize = qc.quantize\n"
     "def slow(*args, **kwargs):\n"
     "    time.sleep(0.05)\n"

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from loaders.load import load_model, weight_bytes
-from loaders.build import empty_model
-from quant.formats import parse_scheme
-from quant.linear import swap_linears
-from runtime.config import ModelConfig
-from runtime.quality import compare
+from localllm.loaders.load import load_model, weight_bytes
+from localllm.loaders.build import empty_model
+from localllm.quant.formats import parse_scheme
+from localllm.quant.linear import swap_linears
+from localllm.runtime.config import ModelConfig
+from localllm.runtime.quality import compare
 from tests.conftest import write_tiny_tokenizer
 
 EVAL_TEXT = Path(__file__).resolve().parents[1] / "localllm" / "data" / "eval.txt"
@@ -114,10 +114,10 @@ def test_loaded_int4_smollm2_weight_bytes(smollm2_path):
 PEAK_SCRIPT = textwrap.dedent("""
     import json, sys, resource
     from pathlib import Path
-    from loaders.checkpoint import HFCheckpoint
-    from loaders.convert import convert_to_store
-    from loaders.store import Store
-    from quant.formats import parse_scheme
+    from localllm.loaders.checkpoint import HFCheckpoint
+    from localllm.loaders.convert import convert_to_store
+    from localllm.loaders.store import Store
+    from localllm.quant.formats import parse_scheme
 
     def hwm():
         return int(dict(l.split(":", 1) for l in open("/proc/self/status"))["VmHWM"].split()[0]) * 1024

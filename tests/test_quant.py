@@ -9,10 +9,10 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm import native
-from quant import kernels
-from quant.formats import dequantize, pack_int4, parse_scheme, quantize, unpack_int4
-from quant.gguf_blocks import exact_import, to_canonical
-from quant.linear import QuantLinear, prepare_model
+from localllm.quant import kernels
+from localllm.quant.formats import dequantize, pack_int4, parse_scheme, quantize, unpack_int4
+from localllm.quant.gguf_blocks import exact_import, to_canonical
+from localllm.quant.linear import QuantLinear, prepare_model
 
 SCHEMES = [("int8", None), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128), ("nf4", 64)]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from localllm.errors import LocalLLMError
-from runtime.sampling import SamplingParams, apply_repeat_penalty, filter_logits, sample
+from localllm.runtime.sampling import SamplingParams, apply_repeat_penalty, filter_logits, sample
 
 PROBS = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
 LOGITS = PROBS.log()

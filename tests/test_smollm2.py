@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from localllm import native
-from loaders.load import load_model
-from runtime.engine import Engine
-from runtime.sampling import SamplingParams
+from localllm.loaders.load import load_model
+from localllm.runtime.engine import Engine
+from localllm.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0)
@@ -38,8 +38,8 @@ def test_q8_0_head_loads_as_it_is_in_the_file(smollm2_path):
     and scales, run by the grouped kernel, and the embedding reads the same 8-bit table."""
     from gguf import GGUFReader
 
-    from quant.formats import dequantize
-    from quant.gguf_blocks import to_canonical
+    from localllm.quant.formats import dequantize
+    from localllm.quant.gguf_blocks import to_canonical
 
     lm = load_model(str(smollm2_path))
     head = lm.model.output

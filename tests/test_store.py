@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import localllm
-from loaders.store import FORMAT_VERSION, Store, StoredModel, human_size, name_from_repo, parse_model_ref
+from localllm.loaders.store import FORMAT_VERSION, Store, StoredModel, human_size, name_from_repo, parse_model_ref
 from localllm.errors import LocalLLMError
 
 SOURCE = {"repo": "HuggingFaceTB/SmolLM2-135M-Instruct", "commit": "a" * 40}
@@ -127,7 +127,7 @@ _WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from loaders.store import Store
+    from localllm.loaders.store import Store
     i = int(sys.argv[1])
     with Store(Path(sys.argv[2])).write("tiny", "int4", {"writer": i}) as tmp:
         for part in range(3):

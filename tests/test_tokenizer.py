@@ -13,12 +13,12 @@ from typing import Any
 import gguf
 import pytest
 
-from loaders.gguf_meta import read_metadata
+from localllm.loaders.gguf_meta import read_metadata
 from localllm.errors import LocalLLMError
 from localllm.paths import default_model_gguf
-from runtime.chat import DEFAULT_TEMPLATE, encode_chat, render_chat
-from runtime.textstream import StopStringFilter
-from runtime.tokenizer import IncrementalDecoder, Tokenizer, bytes_to_unicode
+from localllm.runtime.chat import DEFAULT_TEMPLATE, encode_chat, render_chat
+from localllm.runtime.textstream import StopStringFilter
+from localllm.runtime.tokenizer import IncrementalDecoder, Tokenizer, bytes_to_unicode
 
 SAMPLES = [
     "Hello, world! How are you?",

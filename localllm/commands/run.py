@@ -10,7 +10,7 @@ import click
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL
 from localllm.report import describe_model, print_stats
-from runtime.sampling import SamplingParams
+from localllm.runtime.sampling import SamplingParams
 
 
 def _write(piece: str) -> None:
@@ -96,9 +96,9 @@ def run(
 
     With no PROMPT and a terminal on stdin, starts an interactive chat (Ctrl-D to quit).
     """
-    from loaders.load import load_model
+    from localllm.loaders.load import load_model
     from localllm.commands.store import pull_if_missing
-    from runtime.engine import Engine
+    from localllm.runtime.engine import Engine
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repeat_penalty=repeat_penalty, seed=seed)

@@ -22,11 +22,11 @@ from filelock import Timeout
 
 from localllm.errors import LocalLLMError
 from localllm.format import human_size
-from loaders.store import Store, StoredModel, file_sha256, name_from_repo, validate_name
+from localllm.loaders.store import Store, StoredModel, file_sha256, name_from_repo, validate_name
 
 if TYPE_CHECKING:  # torch-heavy modules, imported by the commands only when they run
-    from loaders.hub import Snapshot
-    from loaders.load import Checkpoint
+    from localllm.loaders.hub import Snapshot
+    from localllm.loaders.load import Checkpoint
 
 #: The schemes ``pull`` stores (fp32 is left out: it doubles a bf16 model's size for nothing).
 PULL_SCHEMES = ("bf16", "fp16", "int8", "int4", "nf4")
@@ -102,7 +102,7 @@ def parse_source(source: str, revision: str | None = None, gguf: str | None = No
         raise LocalLLMError(f"cannot pull {source}", "give a Hub repo id, a model folder or a .gguf file")
     if source.startswith((".", "/", "~")) or source.endswith(".gguf"):
         raise LocalLLMError(f"{source} not found", "check the path, or give a Hub repo id such as ORG/NAME")
-    from loaders.hub import parse_ref
+    from localllm.loaders.hub import parse_ref
 
     repo_id, rev = parse_ref(source)
     if revision and rev and revision != rev:
@@ -114,7 +114,7 @@ def parse_source(source: str, revision: str | None = None, gguf: str | None = No
 
 def check_quant(quant: str, group_size: int | None) -> None:
     """Refuse an unknown scheme or group size before anything is downloaded."""
-    from quant.formats import parse_scheme
+    from localllm.quant.formats import parse_scheme
 
     if quant not in PULL_SCHEMES:
         raise LocalLLMError(f"unknown quantization scheme '{quant}'", f"use one of {', '.join(PULL_SCHEMES)}")
@@ -135,9 +135,9 @@ def pull_model(source: PullSource, options: PullOptions, store: Store | None = N
     if kept is not None:
         return kept
     fetched = _fetch(source)
-    from loaders.convert import convert_to_store
-    from loaders.load import choose_scheme
-    from quant.formats import parse_scheme
+    from localllm.loaders.convert import convert_to_store
+    from localllm.loaders.load import choose_scheme
+    from localllm.quant.formats import parse_scheme
 
     # The scheme asked for; with no group size, a Q4 GGUF's own grid (its blocks are then kept exactly).
     scheme = choose_scheme(fetched.ckpt, options.quant, options.group_size) or parse_scheme(options.quant)
@@ -165,7 +165,7 @@ def _already_stored(store: Store, name: str, source: PullSource, options: PullOp
         )
     quant = existing.manifest.get("quant") or {}
     same_group = options.group_size is None or (quant.get("scheme") or {}).get("group_size") == options.group_size
-    from loaders.artifact import plan_from_manifest
+    from localllm.loaders.artifact import plan_from_manifest
 
     head = plan_from_manifest(quant).get("output") if quant else None  # None: a 16-bit head
     # --quant-head none arrives as False: it matches a stored 16-bit head.
@@ -218,15 +218,15 @@ def _fetch(source: PullSource) -> Fetched:
         return _fetch_hub_gguf(source)
     if source.kind == "gguf":
         return _open_gguf(Path(source.ref), {"path": source.ref}, 0.0)
-    from loaders.checkpoint import HFCheckpoint
+    from localllm.loaders.checkpoint import HFCheckpoint
 
     ckpt = HFCheckpoint(Path(source.ref))
     return Fetched(ckpt, {"path": source.ref}, 0.0, sum(f.stat().st_size for f in ckpt.files))
 
 
 def _fetch_hub(source: PullSource) -> Fetched:
-    from loaders import hub
-    from loaders.checkpoint import HFCheckpoint
+    from localllm.loaders import hub
+    from localllm.loaders.checkpoint import HFCheckpoint
 
     click.echo(f"pulling {source.label()}", err=True)
     t0 = time.perf_counter()
@@ -242,7 +242,7 @@ def _fetch_hub_gguf(source: PullSource) -> Fetched:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
-    from loaders import hub
+    from localllm.loaders import hub
 
     assert source.file is not None
     click.echo(f"pulling {source.label()}", err=True)
@@ -271,7 +271,7 @@ def _lfs_etag(link: Path) -> str | None:
 
 
 def _open_gguf(path: Path, recorded: dict[str, Any], seconds: float, expected_sha256: str | None = None) -> Fetched:
-    from loaders.gguf import GGUFCheckpoint
+    from localllm.loaders.gguf import GGUFCheckpoint
 
     t0 = time.perf_counter()
     digest = _file_sha256(path)
@@ -302,7 +302,7 @@ def _prune(fetched: Fetched) -> int | None:
     if fetched.snapshot is None:
         click.echo("--prune: nothing to prune (only Hub safetensors pulls leave files in the HF cache)", err=True)
         return None
-    from loaders.hub import prune
+    from localllm.loaders.hub import prune
 
     return prune(fetched.snapshot)
 
@@ -443,11 +443,11 @@ def list_models(as_json: bool) -> None:
 def find_stored(store: Store, ref: str) -> StoredModel:
     """A stored entry by ``name[:scheme]``, or by the Hub repo it was pulled from (``owner/name``)."""
     if looks_like_repo(ref):
-        from loaders.hub import parse_ref
+        from localllm.loaders.hub import parse_ref
 
         entries = entries_from_repo(store, parse_ref(ref)[0])
         if entries:
-            from loaders.store import _default_entry
+            from localllm.loaders.store import _default_entry
 
             return _default_entry(entries)
     return store.resolve(ref)
@@ -481,9 +481,9 @@ def describe(config: Any, *, name: str | None, path: Path, scheme: Any, dtype: s
 
 
 def describe_stored(entry: StoredModel) -> dict[str, Any]:
-    from quant.formats import QuantScheme
-    from runtime.config import ModelConfig
-    from runtime.tokenizer import Tokenizer
+    from localllm.quant.formats import QuantScheme
+    from localllm.runtime.config import ModelConfig
+    from localllm.runtime.tokenizer import Tokenizer
 
     m = entry.manifest
     quant = m.get("quant") or {}
@@ -497,9 +497,9 @@ def describe_stored(entry: StoredModel) -> dict[str, Any]:
 
 def describe_path(path: Path) -> dict[str, Any]:
     """A quick look at a .gguf file or HF folder, without storing it (a store entry's folder: as stored)."""
-    from loaders.artifact import ArtifactCheckpoint
-    from loaders.gguf import GGUFCheckpoint
-    from loaders.load import load_tokenizer, model_tensors, open_checkpoint
+    from localllm.loaders.artifact import ArtifactCheckpoint
+    from localllm.loaders.gguf import GGUFCheckpoint
+    from localllm.loaders.load import load_tokenizer, model_tensors, open_checkpoint
 
     ckpt = open_checkpoint(str(path))
     if isinstance(ckpt, ArtifactCheckpoint):
@@ -528,7 +528,7 @@ def human_count(n: int) -> str:
 
 def show_text(facts: dict[str, Any]) -> str:
     """The text view of :func:`describe`'s object, in sections like ``ollama show``."""
-    from quant.formats import QuantScheme
+    from localllm.quant.formats import QuantScheme
 
     q = facts["quant"]
     scheme = QuantScheme(**q).label() if q else f"{facts['scheme']} (not quantized)"

@@ -379,8 +379,8 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, name: str) -> list[dict[str, float]]:
     """``s.warmup`` untimed then ``s.runs`` timed generations: full prefill, greedy, EOS ignored."""
-    from runtime.generate import Generator
-    from runtime.sampling import SamplingParams
+    from localllm.runtime.generate import Generator
+    from localllm.runtime.sampling import SamplingParams
 
     gen = Generator(model, s.context, compile=s.compile)
     greedy = SamplingParams(temperature=0)
@@ -409,7 +409,7 @@ def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, nam
 def decode_read_bytes(model: torch.nn.Module) -> int:
     """Weight bytes one decode step reads: every weight once, except an untied embedding table,
     of which a step reads one row (a tied one is read whole as the output head)."""
-    from loaders.load import weight_bytes
+    from localllm.loaders.load import weight_bytes
 
     total = weight_bytes(model)
     embed = getattr(model.embed, "weight", None)  # None: the embedding reads the head's int8 table
@@ -431,7 +431,7 @@ def kv_comparison(model: Any, prompt_ids: Sequence[int], scheme: str, steps: int
     Each reported step is the median of the steps within 2 of it, so that one step that lost its CPU
     to another process does not stand for the trend.
     """
-    from runtime.kvcompare import decode_latencies
+    from localllm.runtime.kvcompare import decode_latencies
 
     prompt = torch.tensor([list(prompt_ids[:KV_PROMPT_TOKENS])], device=model.device)
     decode_latencies(model, prompt, 3, use_cache=True)  # warm-up
@@ -485,7 +485,7 @@ def measure_scheme(load: Callable[[str], Any], name: str, prompt_ids: Sequence[i
 def measure_quality(load: Callable[[str], Any], schemes: Sequence[str], baseline: str, ids: Sequence[int],
                     device: torch.device, log: Log, window: int = QUALITY_WINDOW) -> dict[str, dict[str, float]]:
     """Each scheme against ``baseline`` over ``ids``, with at most the reference and one scheme loaded."""
-    from runtime.quality import Quality, compare
+    from localllm.runtime.quality import Quality, compare
 
     release_memory(device)
     ref = load(baseline).model
@@ -629,8 +629,8 @@ def bench_checkpoint(
     ``quant_head``: the output head's scheme for the quantized schemes (None: as ``run`` chooses,
     False: 16-bit); float schemes keep a float head. ``compile``: time the compiled decode step.
     """
-    from loaders.load import load_model, load_tokenizer, open_checkpoint, resolve_device
-    from quant.formats import QUANT_SCHEMES
+    from localllm.loaders.load import load_model, load_tokenizer, open_checkpoint, resolve_device
+    from localllm.quant.formats import QUANT_SCHEMES
 
     dev = resolve_device(device)  # fails at once on --device cuda without a GPU
     s = Settings(parse_schemes(schemes, dev), dev, prompt_tokens, gen_tokens, ctx, runs, quality, kv_compare,
@@ -673,10 +673,10 @@ def random_model(config: Any, scheme_name: str, device: torch.device, source: st
     download nor a CPU copy nor the full float model is ever needed (a 7B fp16 model fits a 16 GB GPU
     this way; peak is the packed model plus one float layer).
     """
-    from loaders.build import empty_model, load_weights
-    from loaders.load import LoadedModel, resolve_dtype
-    from quant.formats import FLOAT_SCHEMES, parse_scheme
-    from quant.linear import prepare_model, swap_linears
+    from localllm.loaders.build import empty_model, load_weights
+    from localllm.loaders.load import LoadedModel, resolve_dtype
+    from localllm.quant.formats import FLOAT_SCHEMES, parse_scheme
+    from localllm.quant.linear import prepare_model, swap_linears
 
     t0 = time.perf_counter()
     scheme = parse_scheme(scheme_name)
@@ -694,7 +694,7 @@ def random_model(config: Any, scheme_name: str, device: torch.device, source: st
 def _random_tensors(model: torch.nn.Module, quantized: set[str], scheme: Any, device: torch.device,
                     dtype: torch.dtype, seed: int, std: float) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every entry of ``model``'s state dict, one tensor alive at a time."""
-    from quant.formats import quantize
+    from localllm.quant.formats import quantize
 
     g = torch.Generator(device=device).manual_seed(seed)
     done: set[str] = set()
