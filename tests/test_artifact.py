@@ -51,12 +51,14 @@ def test_gguf_int4_entry_is_the_file_s_blocks(store, smollm2_path):
     entry, _ = convert_to_store(open_checkpoint(str(smollm2_path)), parse_scheme("int4", 32), "smol", store, {})
     header, _ = read_header(entry.path / WEIGHTS)
     assert header["layers.0.attn.q.qweight"]["dtype"] == "U8" and header["layers.0.attn.q.qweight"]["shape"] == [576, 288]
-    assert "output.weight" not in header  # tied: stored once
+    # The tied Q8_0 head is stored as the file's int8 blocks.
+    assert "output.weight" not in header
+    assert header["output.qweight"]["dtype"] == "I8" and header["output.scales"]["shape"] == [49152, 18]
     stored = load_model("smol:int4", store=store)
-    # A Q4_1 file runs as int4 group 32 by default. (Run directly on the CPU its Q8_0 head stays 8-bit;
-    # the store keeps a 16-bit head, which runs anywhere: compare like with like.)
-    direct = load_model(str(smollm2_path), quantize_head=False)
+    # A Q4_1 file runs as int4 group 32 with its Q8_0 head as it is, stored or run directly.
+    direct = load_model(str(smollm2_path))
     assert direct.scheme == stored.scheme == parse_scheme("int4", 32)
+    assert stored.kernels == direct.kernels
     with torch.no_grad():
         assert torch.equal(stored.model(IDS), direct.model(IDS))
 
