@@ -30,7 +30,6 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 SUPPORTED_GGUF_MODELS = ("gpt2", "llama")
 
 # Pre-tokenizer split regexes, as llama.cpp spells them (llama-vocab.cpp) for each `tokenizer.ggml.pre`.
-GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -201,7 +200,16 @@ class Tokenizer:
         """Token ids of ``text``; special-token strings in it (``<|im_start|>``) become their ids.
 
         BOS is prepended only when the model wants it (``add_bos``) and ``add_special`` is true.
+        Text that is not valid Unicode (lone surrogates: undecodable bytes that Python carried
+        through ``surrogateescape``, or ``\\ud800`` escapes in JSON) is refused, never guessed at.
         """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise LocalLLMError(
+                f"the text is not valid UTF-8 (undecodable character at position {e.start})",
+                "send UTF-8 text (or decode it with replacement characters first)",
+            ) from None
         ids = self._tk.encode(text, add_special_tokens=False).ids
         if add_special and self.add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)

@@ -379,3 +379,14 @@ def test_smol_save_from_folder(smol: Tokenizer, tmp_path: Path) -> None:
     assert (again.bos_id, again.eos_ids, again.add_bos, again.vocab_size) == (
         smol.bos_id, smol.eos_ids, smol.add_bos, smol.vocab_size
     )
+
+
+def test_text_that_is_not_utf8_is_refused_in_one_line(tiny: Tokenizer) -> None:
+    """Undecodable bytes reach Python as lone surrogates (argv, surrogateescape) or as JSON escapes:
+    the tokenizer names the problem rather than failing inside the tokenizers library."""
+    bad = b"caf\xe9 au lait".decode("utf-8", "surrogateescape")
+    with pytest.raises(LocalLLMError, match=r"not valid UTF-8 \(undecodable character at position 3\)"):
+        tiny.encode(bad)
+    with pytest.raises(LocalLLMError, match="not valid UTF-8"):
+        tiny.encode("\ud800")
+    assert tiny.decode(tiny.encode("café", add_special=False)) == "café"  # valid text still round-trips
