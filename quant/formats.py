@@ -26,7 +26,8 @@ FLOAT_SCHEMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfl
 QUANT_SCHEMES = ("int8", "int4", "nf4")
 ALL_SCHEMES = (*FLOAT_SCHEMES, *QUANT_SCHEMES)
 DEFAULT_GROUP = {"int4": 32, "int8": None, "nf4": 64}
-INT4_GROUPS = (32, 64, 128, 256)
+#: The group sizes int4 takes and the block sizes nf4 takes (int8 takes any multiple of 16, or none).
+GROUP_SIZES = (32, 64, 128, 256)
 
 # bitsandbytes' NF4 code book (the quantiles of a unit normal, scaled to [-1, 1]).
 NF4_CODE = torch.tensor([
@@ -49,10 +50,6 @@ class QuantScheme:
     def is_float(self) -> bool:
         return self.name in FLOAT_SCHEMES
 
-    @property
-    def bits(self) -> int:
-        return {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4, "nf4": 4}[self.name]
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -73,7 +70,7 @@ class QuantScheme:
         """Raise when this scheme cannot hold a layer of width ``in_features``."""
         g = self.group_size
         if g and in_features % g:
-            fits = [x for x in (32, 64, 128, 256) if in_features % x == 0]
+            fits = [x for x in GROUP_SIZES if in_features % x == 0]
             raise LocalLLMError(
                 f"group size {g} does not divide the input width {in_features} of {name}",
                 f"use --group-size {fits[-1] if fits else 'with a divisor of the width'}"
@@ -88,12 +85,14 @@ def parse_scheme(name: str, group_size: int | None = None, symmetric: bool = Fal
     if name in FLOAT_SCHEMES:
         return QuantScheme(name)
     group = group_size if group_size is not None else DEFAULT_GROUP[name]
-    if name == "int4" and group not in INT4_GROUPS:
-        raise LocalLLMError(f"int4 group size {group} is not supported", f"use one of {', '.join(map(str, INT4_GROUPS))}")
+    if name == "int4" and group not in GROUP_SIZES:
+        raise LocalLLMError(f"int4 group size {group} is not supported", f"use one of {', '.join(map(str, GROUP_SIZES))}")
     if name == "int8" and group is not None and (group <= 0 or group % 16):
         raise LocalLLMError(f"int8 group size {group} is not supported", "leave it out (per channel) or use 32, 64, 128")
-    if name == "nf4" and group not in (32, 64, 128, 256):
-        raise LocalLLMError(f"nf4 block size {group} is not supported", "use 64 (the default), 32, 128 or 256")
+    if name == "nf4" and group not in GROUP_SIZES:
+        others = [str(g) for g in GROUP_SIZES if g != DEFAULT_GROUP["nf4"]]
+        raise LocalLLMError(f"nf4 block size {group} is not supported",
+                            f"use {DEFAULT_GROUP['nf4']} (the default), {', '.join(others[:-1])} or {others[-1]}")
     return QuantScheme(name, group, symmetric if name == "int4" else False)
 
 
