@@ -18,7 +18,7 @@ from localllm.runtime.config import ModelConfig
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 # HF Llama/Mistral/Qwen2 parameter names -> ours (see runtime/model.py).
-_LAYER_MAP = {
+LAYER_MAP = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "mlp_norm.weight",
     "self_attn.q_proj.weight": "attn.q.weight",
@@ -32,7 +32,7 @@ _LAYER_MAP = {
     "mlp.up_proj.weight": "mlp.up.weight",
     "mlp.down_proj.weight": "mlp.down.weight",
 }
-_TOP_MAP = {
+TOP_MAP = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
@@ -55,7 +55,7 @@ def rename(name: str, top: dict[str, str], layer_re: re.Pattern[str], layer: dic
 
 def map_hf_name(name: str) -> str | None:
     """Our parameter name for an HF checkpoint name; None for entries we recompute (rope buffers)."""
-    ours = rename(name, _TOP_MAP, _LAYER_RE, _LAYER_MAP)
+    ours = rename(name, TOP_MAP, _LAYER_RE, LAYER_MAP)
     if ours is not None:
         return ours
     if _IGNORED_RE.search(name):

@@ -21,7 +21,7 @@ import torch
 import localllm
 from localllm.errors import LocalLLMError
 from localllm.loaders.build import empty_model
-from localllm.loaders.checkpoint import _LAYER_MAP, _TOP_MAP
+from localllm.loaders.checkpoint import LAYER_MAP, TOP_MAP
 from localllm.loaders.safetensors_stream import write_safetensors
 from localllm.runtime.config import ModelConfig
 
@@ -29,8 +29,8 @@ WEIGHTS = "model.safetensors"
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TORCH_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_LAYER_INVERSE = {ours: hf for hf, ours in _LAYER_MAP.items()}
-_TOP_INVERSE = {ours: hf for hf, ours in _TOP_MAP.items()}
+_LAYER_INVERSE = {ours: hf for hf, ours in LAYER_MAP.items()}
+_TOP_INVERSE = {ours: hf for hf, ours in TOP_MAP.items()}
 
 
 def hf_name(ours: str) -> str:
