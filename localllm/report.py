@@ -38,7 +38,7 @@ def describe_model(lm, ctx: int) -> None:  # type: ignore[no-untyped-def]
     """What runs: source, device, weight scheme, kernels, weight and KV cache bytes (stderr)."""
     act = str(lm.dtype).removeprefix("torch.")
     kernels = ", ".join(f"{name} x{n}" for name, n in sorted(lm.kernels.items())) or "torch (float)"
-    kv = lm.config.kv_cache_bytes(ctx, lm.model.layers[0].attn.kv_cache.k.element_size())
+    kv = lm.config.kv_cache_bytes(ctx, lm.model.dtype.itemsize)  # a generator's cache holds activations' dtype
     click.echo(f"model:   {lm.source}", err=True)
     click.echo(f"device:  {lm.device}, activations {act}", err=True)
     click.echo(f"weights: {lm.scheme_label}, {human_size(lm.weight_bytes)} in memory; kernels: {kernels}", err=True)

@@ -6,9 +6,10 @@ cache tensors by attribute lookups, the guard checks, the autograd wrapper). An 
 a shared library with the same generated kernels, called straight from Python with a list of
 tensors: ``scripts/compiled_vs_eager.py`` measures the difference.
 
-The package holds **no weights**. Parameters, buffers (the KV cache) and RoPE tables are inputs of the
-exported step, handed over on every call as they are (no copy; the cache is written in place). So a
-package is a few MB, serves any checkpoint of the same structure, and nothing is held twice in memory.
+The package holds **no weights**. Parameters, buffers and the sequence's cache (KV tensors and RoPE
+tables, :class:`runtime.cache.SequenceCache`) are inputs of the exported step, handed over on every call
+as they are (no copy; the cache is written in place). So a package is a few MB, serves any checkpoint
+of the same structure and any cache of the same length, and nothing is held twice in memory.
 
 It is keyed by what its generated code depends on: the model's structure (modules, kernels, tensor
 shapes and dtypes, context length), the torch and Python versions, the CPU's vector ISA and the thread
@@ -33,19 +34,29 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from localllm.runtime.compile import DecodeFn, compile_unavailable_reason
+from localllm.runtime.cache import SequenceCache
+from localllm.runtime.compile import DecodeFn, INDUCTOR_OPTIONS, compile_unavailable_reason, inductor_cache_dir
 from localllm.runtime.model import Transformer
 
 #: Bumped when the exported step's calling convention changes, so old packages are not picked up.
-FORMAT = 2
+FORMAT = 3
+
+#: torch.export's pytree code trips torch's own deprecation of ``isinstance(treespec, LeafSpec)``: a
+#: warning meant for torch, which reached the user on the first --compile.
+_LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 def _flat(model: Transformer) -> tuple[list[str], list[torch.Tensor]]:
-    """Names and tensors the step reads: parameters and buffers (each once), then the RoPE tables."""
+    """Names and tensors of the model's parameters and buffers (each once)."""
     named = dict(model.named_parameters())
     named.update(model.named_buffers())
     names = sorted(named)
-    return names, [named[n] for n in names] + [model.rope_cos, model.rope_sin]  # type: ignore[list-item]
+    return names, [named[n] for n in names]
+
+
+def _cache_names(cache: SequenceCache) -> list[str]:
+    """Names of ``cache.tensors()``, for package keys."""
+    return [*(f"cache.{i}.{kv}" for i in range(len(cache.layers)) for kv in "kv"), "cos", "sin"]
 
 
 class _Bound(nn.Module):
@@ -56,8 +67,8 @@ class _Bound(nn.Module):
         self.model = model
         self.base = base
 
-    def forward(self, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
-        return self.base(self.model, token, input_pos, pos)
+    def forward(self, cache: SequenceCache, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+        return self.base(self.model, cache, token, input_pos, pos)
 
 
 class _Step(nn.Module):
@@ -73,16 +84,12 @@ class _Step(nn.Module):
                 tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         # token (1, 1), input_pos (1,); span (kv_len,) carries the number of keys to attend to in its
         # shape, a dynamic dimension of the export (a Python int would be baked in as a constant).
-        bound = self._bound[0]
-        model = bound.model
-        saved = model.rope_cos, model.rope_sin
-        model.rope_cos, model.rope_sin = tensors[-2], tensors[-1]  # plain attributes, not buffers
-        try:
-            params = dict(zip(self._names, tensors[:-2]))
-            return torch.func.functional_call(bound, params, (token, input_pos, span.shape[0] - 1),
-                                              strict=False, tie_weights=True)
-        finally:
-            model.rope_cos, model.rope_sin = saved
+        # tensors: the model's parameters and buffers, then the cache's (SequenceCache.tensors()).
+        n = len(self._names)
+        params = dict(zip(self._names, tensors[:n]))
+        cache = SequenceCache.from_tensors(tensors[n:])
+        return torch.func.functional_call(self._bound[0], params, (cache, token, input_pos, span.shape[0] - 1),
+                                          strict=False, tie_weights=True)
 
 
 def attention_name(model: Transformer) -> str:
@@ -99,15 +106,16 @@ def package_key(model: Transformer, names: list[str], tensors: list[torch.Tensor
         platform.machine(),
         torch.backends.cpu.get_cpu_capability(), f"threads {torch.get_num_threads()}",
         repr(model.config), repr(model),  # the modules, with each QuantLinear's scheme and kernel
-        *(f"{n} {tuple(t.shape)} {tuple(t.stride())} {t.dtype}" for n, t in zip([*names, "cos", "sin"], tensors)),
+        *(f"{n} {tuple(t.shape)} {tuple(t.stride())} {t.dtype}" for n, t in zip(names, tensors, strict=True)),
     ]
     for p in parts:
         h.update(p.encode() + b"\0")
     return h.hexdigest()[:24]
 
 
-def build_package(model: Transformer, base: DecodeFn, path: Path) -> None:
-    """Export ``base`` for ``model`` (caches set up) and compile it to the AOTInductor package ``path``.
+def build_package(model: Transformer, cache: SequenceCache, base: DecodeFn, path: Path) -> None:
+    """Export ``base`` for ``model`` and caches shaped as ``cache`` and compile it to the AOTInductor
+    package ``path``.
 
     Written under a temporary name and renamed, so a crash or a concurrent build never leaves a
     half-written package under the final name.
@@ -115,13 +123,14 @@ def build_package(model: Transformer, base: DecodeFn, path: Path) -> None:
     from torch.export import Dim
 
     names, tensors = _flat(model)
-    max_seq = model.max_seq
+    tensors += cache.tensors()
     dev = model.device
     example = (torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([1], device=dev),
                torch.empty(2, dtype=torch.int8, device=dev), tuple(tensors))
     # kv_len = max_seq is left out: export specialises the slice that reads the whole cache.
-    kv = Dim("kv_len", min=2, max=max_seq - 1)
-    with torch.no_grad():
+    kv = Dim("kv_len", min=2, max=cache.max_seq - 1)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_LEAFSPEC_WARNING, category=FutureWarning)
         program = torch.export.export(_Step(model, base, names), example,
                                       dynamic_shapes=({}, {}, {0: kv}, tuple(None for _ in tensors)))
     sig = program.graph_signature
@@ -137,8 +146,8 @@ def build_package(model: Transformer, base: DecodeFn, path: Path) -> None:
         with warnings.catch_warnings():
             # a Q8_0 head's fp16 scales beside bf16 activations: inductor says so, and handles it
             warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
-            aoti_compile_and_package(program, package_path=str(tmp),
-                                     inductor_configs={"emulate_precision_casts": True})
+            warnings.filterwarnings("ignore", message=_LEAFSPEC_WARNING, category=FutureWarning)
+            aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=INDUCTOR_OPTIONS)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -161,46 +170,54 @@ def load_runner(path: Path):  # type: ignore[no-untyped-def]
 class AotDecode:
     """The decode step of one model through its AOTInductor package (built on first use if missing).
 
-    Called like :func:`runtime.generate.forward_one_token`. The tensors are looked up once; if the
-    caches are set up again (new tensors, maybe a new length) the package for the new shapes is found
-    or built on the next call. The one position the package cannot take (the cache's last) runs eagerly.
+    Called like :func:`runtime.generate.forward_one_token`. The tensors are looked up once; given
+    another model, cache or attention kernel, the package for the new shapes is found or built on the
+    next call (loaded runners are kept, so going back to an earlier cache costs no load). The one
+    position the package cannot take (the cache's last) runs eagerly.
     """
 
-    def __init__(self, model: Transformer, base: DecodeFn, cache_dir: Path) -> None:
+    def __init__(self, model: Transformer, cache: SequenceCache, base: DecodeFn, cache_dir: Path,
+                 inductor_dir: Path | None = None) -> None:
         self.base = base
         self.cache_dir = cache_dir
+        self.inductor_dir = inductor_dir  # inductor's own cache while building
         self.build_s = 0.0  # time spent exporting and compiling (0 when the package was on disk)
-        self._bind(model)
+        self._runners: dict[Path, object] = {}
+        self._bind(model, cache)
 
-    def _bind(self, model: Transformer) -> None:
-        if model.max_seq < 4:
-            raise ValueError("set up the caches (4 positions or more) before compiling the decode step")
+    def _bind(self, model: Transformer, cache: SequenceCache) -> None:
+        if cache.max_seq < 4:
+            raise ValueError("the decode step needs a cache of 4 positions or more")
         names, tensors = _flat(model)
+        names += _cache_names(cache)
+        tensors += cache.tensors()
         path = self.cache_dir / f"decode-{package_key(model, names, tensors)}.pt2"
         if not path.exists():
             reason = compile_unavailable_reason(model.device)
             if reason:
                 raise RuntimeError(reason)
             t0 = time.perf_counter()
-            build_package(model, self.base, path)
+            with inductor_cache_dir(self.inductor_dir):
+                build_package(model, cache, self.base, path)
             self.build_s += time.perf_counter() - t0
         self.path = path
-        self._runner = load_runner(path)
-        self._model = model
+        if path not in self._runners:
+            self._runners[path] = load_runner(path)
+        self._runner = self._runners[path]
+        self._model, self._cache = model, cache
         # The runner's argument list, made once: a step only sets its first three entries
         # (token, position, span) rather than building a list of ~360 tensors every token.
         self._args: list[torch.Tensor | None] = [None, None, None, *tensors]
-        self._rope = model.rope_cos
         self._kernel = model.decode_kernel
-        self._span = torch.empty(model.max_seq, dtype=torch.int8, device=model.device)
+        self._span = torch.empty(cache.max_seq, dtype=torch.int8, device=model.device)
 
-    def __call__(self, model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
-        if model is not self._model or model.rope_cos is not self._rope or model.decode_kernel is not self._kernel:
-            # another model, new caches or another attention kernel
+    def __call__(self, model: Transformer, cache: SequenceCache, token: torch.Tensor, input_pos: torch.Tensor,
+                 pos: int) -> torch.Tensor:
+        if model is not self._model or cache is not self._cache or model.decode_kernel is not self._kernel:
             with torch.inference_mode(False):
-                self._bind(model)
-        if not 1 <= pos < model.max_seq - 1:  # kv_len 1 or max_seq: outside the exported range
-            return self.base(model, token, input_pos, pos)
+                self._bind(model, cache)
+        if not 1 <= pos < cache.max_seq - 1:  # kv_len 1 or max_seq: outside the exported range
+            return self.base(model, cache, token, input_pos, pos)
         args = self._args
         args[0], args[1], args[2] = token, input_pos, self._span[: pos + 1]
         return self._runner.run(args)[0]

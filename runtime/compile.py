@@ -4,6 +4,9 @@ At batch 1 a decode step of a small model is mostly per-op overhead (hundreds of
 ops around the matmuls); inductor fuses them into a few generated kernels. Compilation costs tens of
 seconds the first time and is cached on disk (inductor's FX graph cache) for later processes.
 Prefill stays eager: it is a few large matmuls, already compute bound.
+
+Nothing here changes the process's settings: inductor's options are passed per compiled function,
+and its cache folder (an environment variable inductor reads) is set only while compiling.
 """
 
 from __future__ import annotations
@@ -13,16 +16,44 @@ import os
 import tempfile
 import types
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from localllm import native
+from localllm.runtime.cache import SequenceCache
 from localllm.runtime.model import Transformer
 
-DecodeFn = Callable[[Transformer, torch.Tensor, torch.Tensor, int], torch.Tensor]
+#: ``step(model, cache, token (B, 1), input_pos (1,), pos) -> logits (B, vocab)``, as
+#: :func:`runtime.generate.forward_one_token`.
+DecodeFn = Callable[[Transformer, SequenceCache, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+#: Inductor options of every compiled step. Round every intermediate to its dtype as eager does
+#: (inductor otherwise keeps fused bf16 math in fp32). Logits then match eager's bit for bit for most
+#: steps; a fused reduction (an RMSNorm's mean) summed in another order can still move a bf16 value by
+#: one ulp now and then, so greedy output only differs where the top two logits are (nearly) tied.
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+
+@contextmanager
+def inductor_cache_dir(folder: Path | None) -> Iterator[None]:
+    """Inductor's cache folder is ``folder`` within the block (unless the user chose one with
+    ``TORCHINDUCTOR_CACHE_DIR``); the environment is as it was afterwards. Inductor reads the folder
+    from the environment only, and only when it compiles."""
+    key = "TORCHINDUCTOR_CACHE_DIR"
+    saved = os.environ.get(key)
+    if folder is None or saved is not None:
+        yield
+        return
+    os.environ[key] = str(folder)
+    try:
+        yield
+    finally:
+        os.environ.pop(key, None)  # inductor may have written it too
 
 
 def compile_unavailable_reason(device: torch.device, tracing: bool = True) -> str | None:
@@ -56,8 +87,8 @@ _GUARD_OPTIONS = (
 )
 
 
-def _static_step(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-    return model(token, input_pos, static=True)[:, -1]
+def _static_step(model: Transformer, cache: SequenceCache, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    return model(token, cache, input_pos, static=True)[:, -1]
 
 
 def _own_code(fn: Callable) -> Callable:
@@ -81,21 +112,20 @@ def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None
 
     On the CPU the step is compiled ahead of time with AOTInductor (:mod:`runtime.aot`; its packages
     are kept under ``cache_dir/aot``) unless ``aot=False``; if that fails, ``torch.compile`` is tried,
-    then eager. The returned function compiles lazily on its first call (the model's caches must be
-    set up by then). ``cpp_wrapper=False`` keeps inductor's Python wrapper for the ``torch.compile``
-    path on the CPU (for measuring what it costs).
+    then eager. The returned function compiles lazily on its first call, for the shapes of the cache
+    it is given (a step serves one cache best: another one means finding or building its package).
+    ``cpp_wrapper=False`` keeps inductor's Python wrapper for the ``torch.compile`` path on the CPU
+    (for measuring what it costs). ``cache_dir`` also holds inductor's own cache while it compiles.
     """
     aot = aot and device.type == "cpu"
     reason = compile_unavailable_reason(device, tracing=not aot)  # the AOT step checks when it builds
     if reason:
         warnings.warn(f"running eagerly: {reason}")
         return torch.inference_mode()(base)
-    if cache_dir is not None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
     aot_dir = None
     if aot:
         aot_dir = (cache_dir or Path(tempfile.gettempdir()) / f"localllm-{getpass.getuser()}") / "aot"
-    return CompiledStep(base, lambda: _torch_compiled(base, device, cpp_wrapper), aot_dir)
+    return CompiledStep(base, lambda: _torch_compiled(base, device, cpp_wrapper), aot_dir, cache_dir)
 
 
 def _torch_compiled(base: DecodeFn, device: torch.device, cpp_wrapper: bool) -> DecodeFn:
@@ -104,21 +134,26 @@ def _torch_compiled(base: DecodeFn, device: torch.device, cpp_wrapper: bool) -> 
     reason = compile_unavailable_reason(device)
     if reason:
         raise RuntimeError(reason)
-    import torch._inductor.config as inductor_config
-
-    # Round every intermediate to its dtype as eager does (inductor otherwise keeps fused bf16 math
-    # in fp32). Logits then match eager's bit for bit for most steps; a fused reduction (an RMSNorm's
-    # mean) summed in another order can still move a bf16 value by one ulp now and then, so greedy
-    # output only differs where the top two logits are (nearly) tied.
-    inductor_config.emulate_precision_casts = True
     if device.type == "cuda":
+        from torch._inductor import list_mode_options
+
         # CUDA graphs replay one recorded launch sequence per shape: attend over the whole cache
         # with a mask (static shapes; the position only as a tensor) so one graph serves every step.
-        graph = torch.compile(_own_code(_static_step), mode="reduce-overhead", dynamic=False, fullgraph=True)
+        # (mode="reduce-overhead" as options, which torch.compile cannot take together with a mode.)
+        graph = torch.compile(_own_code(_static_step), dynamic=False, fullgraph=True,
+                              options={**list_mode_options("reduce-overhead", False), **INDUCTOR_OPTIONS})
+        marked: weakref.WeakSet[SequenceCache] = weakref.WeakSet()
 
-        def compiled(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+        def compiled(model: Transformer, cache: SequenceCache, token: torch.Tensor, input_pos: torch.Tensor,
+                     pos: int) -> torch.Tensor:
+            if cache not in marked:
+                # The cache is written in place and read at fixed addresses by the graph: inputs that
+                # are not marked would be copied into the graph's own buffers at every replay.
+                for t in cache.tensors():
+                    torch._dynamo.mark_static_address(t)
+                marked.add(cache)
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's output may be overwritten
-            return graph(model, token, input_pos)
+            return graph(model, cache, token, input_pos)
 
         return compiled
     # Positions grow every step: compile for symbolic lengths once rather than once per length.
@@ -126,7 +161,7 @@ def _torch_compiled(base: DecodeFn, device: torch.device, cpp_wrapper: bool) -> 
     # wrapper; at batch 1 (some 300 kernel calls a step) that saves ~5% of a SmolLM2 step
     # (scripts/compiled_vs_eager.py measures it).
     return torch.compile(_own_code(base), dynamic=True, fullgraph=False,
-                         options={**_GUARD_OPTIONS, "cpp_wrapper": cpp_wrapper})
+                         options={**_GUARD_OPTIONS, **INDUCTOR_OPTIONS, "cpp_wrapper": cpp_wrapper})
 
 
 def _first_line(e: Exception) -> str:
@@ -139,8 +174,9 @@ class CompiledStep:
     eager ``base``; each failure says so in a warning and moves down one level. Called like
     :func:`runtime.generate.forward_one_token`."""
 
-    def __init__(self, base: DecodeFn, make_compiled: Callable[[], DecodeFn], aot_dir: Path | None) -> None:
-        self.base, self.aot_dir = base, aot_dir
+    def __init__(self, base: DecodeFn, make_compiled: Callable[[], DecodeFn], aot_dir: Path | None,
+                 inductor_dir: Path | None = None) -> None:
+        self.base, self.aot_dir, self.inductor_dir = base, aot_dir, inductor_dir
         self._make_compiled = make_compiled
         self._compiled: DecodeFn | None = None
         #: What runs now; None until the first call builds the AOT step.
@@ -159,29 +195,34 @@ class CompiledStep:
             return "eager"
         return "torch.compile" if self.fn is not None and self.fn is self._compiled else "aot"
 
-    def __call__(self, model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+    def __call__(self, model: Transformer, cache: SequenceCache, token: torch.Tensor, input_pos: torch.Tensor,
+                 pos: int) -> torch.Tensor:
         if self.fn is None:
             from localllm.runtime.aot import AotDecode
 
             try:  # outside inference mode: export traces the model
-                self.fn = AotDecode(model, self.base, self.aot_dir)  # type: ignore[arg-type]
+                self.fn = AotDecode(model, cache, self.base, self.aot_dir,  # type: ignore[arg-type]
+                                    self.inductor_dir)
             except Exception as e:  # noqa: BLE001 - an export/AOT failure must degrade, not crash
                 warnings.warn(f"AOTInductor failed ({_first_line(e)}); using torch.compile")
                 self.fn = self.compiled
         try:
             with torch.inference_mode():
-                return self.fn(model, token, input_pos, pos)
+                if self.fn is self._compiled:  # any call may (re)compile
+                    with inductor_cache_dir(self.inductor_dir):
+                        return self.fn(model, cache, token, input_pos, pos)
+                return self.fn(model, cache, token, input_pos, pos)
         except Exception as e:  # noqa: BLE001 - any compiler failure must degrade to eager, not crash
             if self.fn is self.base:
                 raise
             if self.fn is not self._compiled:  # the AOT step failed at run time
                 warnings.warn(f"AOTInductor step failed ({_first_line(e)}); using torch.compile")
                 self.fn = self.compiled
-                return self(model, token, input_pos, pos)
+                return self(model, cache, token, input_pos, pos)
             warnings.warn(f"torch.compile failed ({_first_line(e)}); running eagerly")
             self.fn = self.base
             with torch.inference_mode():
-                return self.base(model, token, input_pos, pos)
+                return self.base(model, cache, token, input_pos, pos)
 
 
 @dataclass
@@ -195,25 +236,28 @@ class Drift:
     top1: int  # steps whose argmax agree
 
 
-def forced_logits(model: Transformer, prompt: list[int], fed: list[int], step: DecodeFn) -> list[torch.Tensor]:
-    """fp32 logits (1, vocab) of an eager prefill of ``prompt``, then of ``step`` fed ``fed`` one token
-    at a time (teacher forcing: the step's own choices do not steer what comes next)."""
+def forced_logits(model: Transformer, cache: SequenceCache, prompt: list[int], fed: list[int], step: DecodeFn
+                  ) -> list[torch.Tensor]:
+    """fp32 logits (1, vocab) of an eager prefill of ``prompt`` into ``cache``, then of ``step`` fed
+    ``fed`` one token at a time (teacher forcing: the step's own choices do not steer what comes next)."""
     from localllm.runtime.generate import prefill
 
-    out = [prefill(model, torch.tensor([prompt], device=model.device)).float()]
+    out = [prefill(model, cache, torch.tensor([prompt], device=model.device)).float()]
     for i, t in enumerate(fed):
         pos = len(prompt) + i
         token = torch.tensor([[t]], device=model.device)
-        out.append(step(model, token, torch.tensor([pos], device=model.device), pos).float())
+        out.append(step(model, cache, token, torch.tensor([pos], device=model.device), pos).float())
     return out
 
 
-def decode_drift(model: Transformer, prompt: list[int], fed: list[int], step: DecodeFn) -> Drift:
-    """Feed ``fed`` after ``prompt`` through eager decode and through ``step`` (:func:`forced_logits`)
-    and compare the logits."""
+def decode_drift(model: Transformer, cache: SequenceCache, prompt: list[int], fed: list[int], step: DecodeFn
+                 ) -> Drift:
+    """Feed ``fed`` after ``prompt`` through eager decode and through ``step`` (:func:`forced_logits`),
+    one after the other in ``cache``, and compare the logits."""
     from localllm.runtime.generate import decode_one_token
 
-    want, got = forced_logits(model, prompt, fed, decode_one_token), forced_logits(model, prompt, fed, step)
+    want = forced_logits(model, cache, prompt, fed, decode_one_token)
+    got = forced_logits(model, cache, prompt, fed, step)
     diffs = [(w - g).abs() for w, g in zip(want, got)]
     same = [bool(d.max() == 0) for d in diffs]
     return Drift(

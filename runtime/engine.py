@@ -23,7 +23,8 @@ from localllm.runtime.tokenizer import Tokenizer
 
 
 class Engine:
-    """A model, its tokenizer and a KV cache of ``ctx`` positions, kept across calls."""
+    """A model, its tokenizer and a :class:`Generator` of its own, whose KV cache of ``ctx`` positions
+    is kept across calls. Engines sharing one model do not see each other's caches."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, compile: bool = False) -> None:
         self.model = model

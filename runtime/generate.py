@@ -10,33 +10,39 @@ from dataclasses import dataclass, field
 import torch
 
 from localllm.errors import LocalLLMError
+from localllm.runtime.cache import SequenceCache
 from localllm.runtime.model import Transformer
 from localllm.runtime.sampling import SamplingParams, make_generator, sample
 
 
 @torch.inference_mode()
-def prefill(model: Transformer, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Run the prompt tokens (B, T) in one forward from position ``start``, filling the cache.
+def prefill(model: Transformer, cache: SequenceCache, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Run the prompt tokens (B, T) in one forward from position ``start``, filling ``cache``.
 
     Returns the logits of the last position (B, vocab).
     """
     T = tokens.shape[1]
     input_pos = torch.arange(start, start + T, device=tokens.device)
-    return model(tokens, input_pos, start, last_only=True)[:, -1]
+    return model(tokens, cache, input_pos, start, last_only=True)[:, -1]
 
 
-def forward_one_token(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
-    """One token (B, 1) at position ``pos`` (also given as the (1,) tensor ``input_pos``) -> logits (B, vocab).
+def forward_one_token(
+    model: Transformer, cache: SequenceCache, token: torch.Tensor, input_pos: torch.Tensor, pos: int
+) -> torch.Tensor:
+    """One token (B, 1) at position ``pos`` (also given as the (1,) tensor ``input_pos``) over ``cache``
+    -> logits (B, vocab).
 
     Undecorated, so that ``torch.compile`` can trace it; callers run it under inference mode.
     """
-    return model(token, input_pos, pos)[:, -1]
+    return model(token, cache, input_pos, pos)[:, -1]
 
 
 @torch.inference_mode()
-def decode_one_token(model: Transformer, token: torch.Tensor, input_pos: torch.Tensor, pos: int) -> torch.Tensor:
+def decode_one_token(
+    model: Transformer, cache: SequenceCache, token: torch.Tensor, input_pos: torch.Tensor, pos: int
+) -> torch.Tensor:
     """One cached decode step (see :func:`forward_one_token`)."""
-    return forward_one_token(model, token, input_pos, pos)
+    return forward_one_token(model, cache, token, input_pos, pos)
 
 
 def _sync(device: torch.device) -> None:
@@ -72,20 +78,20 @@ class GenerationStats:
 
 
 class Generator:
-    """Runs a model token by token over a preallocated KV cache of ``ctx`` positions.
+    """Runs a model token by token over a KV cache of ``ctx`` positions that it owns.
 
-    Keeps the tokens whose keys/values are in the cache, so that a follow-up prompt sharing a
-    prefix with the previous one (a chat's history) only prefills what is new.
+    The cache records the tokens whose keys/values it holds, so that a follow-up prompt sharing a
+    prefix with the previous one (a chat's history) only prefills what is new. Any number of
+    generators can share one model: each reads and writes its own cache alone.
     """
 
     def __init__(self, model: Transformer, ctx: int, compile: bool = False) -> None:
         self.model = model
         self.ctx = ctx
         self.device = model.device
-        if model.max_seq != ctx:
-            model.setup_caches(ctx)
+        self.cache = model.new_cache(ctx)
         self._decode = decode_one_token
-        self.cached: list[int] = []  # token ids whose K/V sit in the cache at positions 0..len-1
+        self._run: object | None = None  # the generate() call that owns the cache now
         self.stats = GenerationStats()
         self.compile_s = 0.0  # the warm-up that compiled (or loaded) the decode step
         if compile:
@@ -111,11 +117,13 @@ class Generator:
         """
         pos = min(8, self.ctx - 1)  # not 0 or 1: dynamo would specialise the graph on a length of 1
         token = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self._decode(self.model, token, torch.tensor([pos], device=self.device), pos)
+        self._decode(self.model, self.cache, token, torch.tensor([pos], device=self.device), pos)
         _sync(self.device)
 
     def reset(self) -> None:
-        self.cached = []
+        """Forget what the cache holds: the next prompt is prefilled whole."""
+        self.cache.tokens = []
+        self._run = None
 
     def generate(
         self,
@@ -136,7 +144,9 @@ class Generator:
                 f"use a shorter prompt or a larger context (--ctx {len(prompt) + 256} or more)",
             )
         stats = self.stats = GenerationStats()
-        reuse = _common_prefix(self.cached, prompt)
+        cache = self.cache
+        run = self._run = object()  # an earlier call's iterator, resumed, would now write over this one
+        reuse = _common_prefix(cache.tokens, prompt)
         if reuse == len(prompt):
             reuse -= 1  # at least one token must run to give the next logits
         stats.cached_tokens = reuse
@@ -149,8 +159,9 @@ class Generator:
 
         t0 = time.perf_counter()
         new = torch.tensor([list(prompt[reuse:])], device=dev, dtype=torch.long)
-        logits = prefill(self.model, new, reuse)
-        self.cached = list(prompt)
+        cache.tokens = list(prompt[:reuse])  # all that is sure to hold should the prefill fail midway
+        logits = prefill(self.model, cache, new, reuse)
+        cache.tokens = list(prompt)
         stats.prompt_tokens = new.shape[1]
         pos = len(prompt)
         input_pos = torch.empty(1, device=dev, dtype=torch.long)
@@ -186,9 +197,12 @@ class Generator:
             if pos >= self.ctx:
                 stats.stop_reason = "context"
                 return
+            if self._run is not run:
+                raise RuntimeError("this Generator's cache was reset or taken by a later generate() call; "
+                                   "one Generator runs one sequence at a time")
             input_pos.fill_(pos)
-            logits = self._decode(self.model, token.view(1, 1), input_pos, pos)
-            self.cached.append(tok)
+            logits = self._decode(self.model, cache, token.view(1, 1), input_pos, pos)
+            cache.tokens.append(tok)
             pos += 1
 
 

@@ -25,17 +25,16 @@ def decode_latencies(model: Transformer, prompt: torch.Tensor, steps: int, use_c
     times: list[float] = []
     T = prompt.shape[1]
     if use_cache:
-        model.setup_caches(T + steps + 1)
-        token = prefill(model, prompt).argmax(-1, keepdim=True)  # (1, 1)
+        cache = model.new_cache(T + steps + 1)  # this run's own, freed when it returns
+        token = prefill(model, cache, prompt).argmax(-1, keepdim=True)  # (1, 1)
         pos_t = torch.empty(1, dtype=torch.long, device=prompt.device)
         for step in range(steps):
             t0 = time.perf_counter()
             pos_t.fill_(T + step)
-            token = decode_one_token(model, token, pos_t, T + step).argmax(-1, keepdim=True)
+            token = decode_one_token(model, cache, token, pos_t, T + step).argmax(-1, keepdim=True)
             _ = token.item()  # the step is done when its token is known
             times.append(time.perf_counter() - t0)
     else:
-        model.drop_caches()
         seq = prompt
         for _ in range(steps):
             t0 = time.perf_counter()

@@ -11,8 +11,11 @@ Parameter names (the checkpoint loaders map to these)::
     norm.weight
     output.weight                   (the same tensor as embed.weight when tied)
 
-No device or dtype is hard-wired: build on ``meta``, ``load_state_dict(assign=True)``, then
-:meth:`Transformer.setup_caches` on the device the weights live on.
+No device or dtype is hard-wired: build on ``meta``, ``load_state_dict(assign=True)``.
+
+The model holds no per-sequence state: a sequence's keys/values live in a
+:class:`runtime.cache.SequenceCache` (made by :meth:`Transformer.new_cache` on the weights' device),
+which the caller owns and passes to every forward.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localllm.runtime.cache import KVCache
+from localllm.runtime.cache import KVCache, SequenceCache
 from localllm.runtime.config import ModelConfig
 
 #: One-query attention: q (B, KV, G, hd), the G query heads sharing each kv head; k, v (B, KV, L, hd).
@@ -114,7 +117,6 @@ class Attention(nn.Module):
         #: q, k and v as one matmul, set by loaders.build.fuse_projections (then q, k, v are removed).
         self.qkv: nn.Module | None = None
         self.q_dim, self.kv_dim = config.q_dim, config.kv_dim
-        self.kv_cache: KVCache | None = None
         #: Attention of one query position, ``fn(q (B, KV, G, hd), k, v (B, KV, kv_len, hd)) -> (B, KV, G, hd)``,
         #: used instead of SDPA when set (see Transformer.set_decode_attention).
         self.decode_kernel: DecodeAttention | None = None
@@ -124,7 +126,8 @@ class Attention(nn.Module):
         x: torch.Tensor,  # (B, T, D)
         cos: torch.Tensor,  # (T, hd)
         sin: torch.Tensor,  # (T, hd)
-        input_pos: torch.Tensor | None,  # (T,) positions, None = no cache
+        kv: KVCache | None,  # this layer's cache, None = no cache
+        input_pos: torch.Tensor | None,  # (T,) positions (with a cache)
         kv_len: int,  # keys to attend to: positions [0, kv_len)
         mask: torch.Tensor | None,  # (T, kv_len) bool, or None for "causal from 0" / "all"
     ) -> torch.Tensor:
@@ -140,8 +143,8 @@ class Attention(nn.Module):
             q = apply_rope(self.q(x).view(B, T, H, hd).transpose(1, 2), cos, sin)  # (B, H, T, hd)
             k = apply_rope(self.k(x).view(B, T, KV, hd).transpose(1, 2), cos, sin)  # (B, KV, T, hd)
             v = self.v(x).view(B, T, KV, hd).transpose(1, 2)
-        if self.kv_cache is not None and input_pos is not None:
-            k_all, v_all = self.kv_cache.update(input_pos, k, v)
+        if kv is not None and input_pos is not None:
+            k_all, v_all = kv.update(input_pos, k, v)
             k, v = k_all[:, :, :kv_len], v_all[:, :, :kv_len]  # (B, KV, kv_len, hd)
         gqa = self.n_heads != self.n_kv_heads
         if T == 1:
@@ -186,8 +189,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, input_pos, kv_len, mask):  # type: ignore[no-untyped-def]
-        h = x + self.attn(self.attn_norm(x), cos, sin, input_pos, kv_len, mask)
+    def forward(self, x, cos, sin, kv, input_pos, kv_len, mask):  # type: ignore[no-untyped-def]
+        h = x + self.attn(self.attn_norm(x), cos, sin, kv, input_pos, kv_len, mask)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -199,9 +202,6 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = Linear(config.dim, config.vocab_size, bias=False)
-        self.max_seq = 0
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -216,15 +216,15 @@ class Transformer(nn.Module):
         """Make the output head share the embedding's tensor (no copy)."""
         self.output.weight = self.embed.weight
 
-    def setup_caches(self, max_seq: int, batch: int = 1, cache_dtype: torch.dtype | None = None) -> None:
-        """Allocate the KV caches and RoPE tables for ``max_seq`` positions on the model's device."""
+    def new_cache(self, max_seq: int, batch: int = 1, cache_dtype: torch.dtype | None = None) -> SequenceCache:
+        """A sequence's KV caches and RoPE tables for ``max_seq`` positions on the model's device."""
         c = self.config
         device, dtype = self.device, cache_dtype or self.dtype
-        self.max_seq = max_seq
-        for layer in self.layers:
-            layer.attn.kv_cache = KVCache(batch, c.n_kv_heads, max_seq, c.head_dim, dtype, device)
+        shape = (batch, c.n_kv_heads, max_seq, c.head_dim)
+        layers = [KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                  for _ in self.layers]
         cos, sin = rope_tables(c, max_seq, device)
-        self.rope_cos, self.rope_sin = cos.to(self.dtype), sin.to(self.dtype)
+        return SequenceCache(layers, cos.to(self.dtype), sin.to(self.dtype))
 
     @property
     def decode_kernel(self) -> DecodeAttention | None:
@@ -247,58 +247,55 @@ class Transformer(nn.Module):
         finally:
             self.set_decode_attention(saved)
 
-    def drop_caches(self) -> None:
-        for layer in self.layers:
-            layer.attn.kv_cache = None
-        self.max_seq = 0
-
     def forward(
-        self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None, start: int = 0, static: bool = False,
-        last_only: bool = False,
+        self, tokens: torch.Tensor, cache: SequenceCache | None = None, input_pos: torch.Tensor | None = None,
+        start: int = 0, static: bool = False, last_only: bool = False,
     ) -> torch.Tensor:
         """Logits (B, T, vocab) for ``tokens`` (B, T); (B, 1, vocab) for the last position alone with
         ``last_only`` (a prompt's prefill needs no more, and the head is the largest matmul).
 
-        With caches set up, ``input_pos`` (T,) are the positions of the tokens (``start`` ..
-        ``start + T - 1``, ``start`` given as an int so no device sync is needed to know it) and the
-        new keys/values are written to the cache. Without ``input_pos`` the tokens are one whole
-        sequence from position 0 and no cache is read or written.
+        With a ``cache`` the tokens sit at positions ``start`` .. ``start + T - 1`` (``start`` given as
+        an int so that no device sync is needed to know it; ``input_pos`` is the same positions as a
+        (T,) tensor, made here when not given): their keys/values are written to the cache and every
+        position before them is read from it. Without a cache the tokens are one whole sequence from
+        position 0 and nothing outside this call is read or written.
 
         ``static``: attend over the whole cache with a mask built from ``input_pos`` alone, so every
         decode step has the same shapes whatever the position (what CUDA graphs need; ``start`` is
         then ignored). Otherwise only the filled prefix of the cache is read, which is cheaper.
         """
-        if static and input_pos is not None:
-            return self._forward_static(tokens, input_pos)
         B, T = tokens.shape
-        if input_pos is None:
-            start = 0
-            if self.rope_cos is None or self.rope_cos.shape[0] < T:
-                cos, sin = rope_tables(self.config, T, tokens.device)
-                cos, sin = cos.to(self.dtype), sin.to(self.dtype)
-            else:
-                cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # type: ignore[index]
-        else:  # positions start .. start + T - 1: a view, no gather
-            cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]  # type: ignore[index]
+        if cache is None:
+            start, input_pos = 0, None
+            cos, sin = rope_tables(self.config, T, tokens.device)
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # (T, hd)
+        else:
+            if input_pos is None:
+                input_pos = torch.arange(start, start + T, device=tokens.device)
+            if static:
+                return self._forward_static(tokens, cache, input_pos)
+            # positions start .. start + T - 1: a view, no gather
+            cos, sin = cache.cos[start : start + T], cache.sin[start : start + T]  # (T, hd)
         kv_len = start + T
         mask = self._mask(start, T, kv_len, tokens.device)
         x = self.embed(tokens)  # (B, T, D)
-        for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, kv_len, mask)
+        kvs = cache.layers if cache is not None else [None] * len(self.layers)
+        for layer, kv in zip(self.layers, kvs):
+            x = layer(x, cos, sin, kv, input_pos, kv_len, mask)
         if last_only:
             x = x[:, -1:]  # (B, 1, D)
         return self.output(self.norm(x))
 
-    def _forward_static(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # type: ignore[index]
-        k_pos = torch.arange(self.max_seq, device=tokens.device)[None, :]
+    def _forward_static(self, tokens: torch.Tensor, cache: SequenceCache, input_pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = cache.cos[input_pos], cache.sin[input_pos]  # (T, hd)
+        k_pos = torch.arange(cache.max_seq, device=tokens.device)[None, :]
         q_pos = input_pos[:, None]
         mask = k_pos <= q_pos  # (T, max_seq)
         if self.config.sliding_window is not None:
             mask &= k_pos > q_pos - self.config.sliding_window
         x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, self.max_seq, mask)
+        for layer, kv in zip(self.layers, cache.layers):
+            x = layer(x, cos, sin, kv, input_pos, cache.max_seq, mask)
         return self.output(self.norm(x))
 
     def _mask(self, start: int, T: int, kv_len: int, device: torch.device) -> torch.Tensor | None:

@@ -1,7 +1,8 @@
 """How far a model's predictions move from a reference's: perplexity, KL divergence, top-1 agreement.
 
-Both models read the same tokens in windows of ``window`` positions (no cache); per position we
-compare the next-token distributions. Nothing but running sums is kept, so long texts and large
+Both models read the same tokens in windows of ``window`` positions (no cache: a model holds no
+sequence state, so this runs beside live generators of the same models without touching them); per
+position we compare the next-token distributions. Nothing but running sums is kept, so long texts and large
 vocabularies need no more memory than one window's logits.
 """
 
@@ -34,7 +35,6 @@ class Quality:
 
 @torch.inference_mode()
 def _window_logprobs(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
-    model.drop_caches()
     return model(ids.to(model.device)).float().log_softmax(-1).cpu()  # (1, T, V)
 
 

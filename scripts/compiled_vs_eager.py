@@ -37,8 +37,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, quant=args.quant, quantize_head=False if args.quant_head == "none" else args.quant_head)
     model, n = lm.model, args.context
-    model.setup_caches(max(n + args.steps + 16, 256))  # once: a compiled step is tied to its cache's shape
-    prefill(model, torch.randint(0, lm.config.vocab_size, (1, n)))
+    cache = model.new_cache(max(n + args.steps + 16, 256))  # once: a compiled step is tied to its cache's shape
+    prefill(model, cache, torch.randint(0, lm.config.vocab_size, (1, n)))
     def with_sdpa(step: DecodeFn) -> DecodeFn:
         def run(*a):  # type: ignore[no-untyped-def]
             with model.decode_attention(None):
@@ -56,7 +56,7 @@ def main() -> None:
     token = torch.tensor([[5]])
     for step in steps.values():  # compile, warm up
         for i in range(3):
-            step(model, token, torch.tensor([n + i]), n + i)
+            step(model, cache, token, torch.tensor([n + i]), n + i)
     rounds: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds):
         for name, step in steps.items():
@@ -64,7 +64,7 @@ def main() -> None:
             for i in range(args.steps):
                 pos = n + i
                 t0 = time.perf_counter()
-                step(model, token, torch.tensor([pos]), pos)
+                step(model, cache, token, torch.tensor([pos]), pos)
                 times.append(time.perf_counter() - t0)
             rounds[name].append(statistics.median(times))
     print(f"{lm.scheme_label}, kernels {dict(lm.kernels)}, {args.threads} threads, context {n}: "
@@ -74,7 +74,7 @@ def main() -> None:
 
     fed = torch.randint(0, lm.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     for name in ("AOTInductor package", "torch.compile, C++ wrapper"):
-        d = decode_drift(model, lm.tokenizer.encode("The history of bridges begins"), fed, steps[name])
+        d = decode_drift(model, cache, lm.tokenizer.encode("The history of bridges begins"), fed, steps[name])
         print(f"{name} drift over {d.steps} teacher-forced steps: first {d.identical} identical; |logit diff| "
               f"mean {d.mean_abs:.3f}, worst {d.max_abs:.3f}; argmax agrees on {d.top1}/{d.steps}")
 

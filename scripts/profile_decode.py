@@ -39,17 +39,17 @@ def main() -> None:
     lm = load_model(args.model, quant=args.quant, quantize_head=args.quant_head)
     model = lm.model
     n = args.context
-    model.setup_caches(n + 2 * args.steps + 16)
-    prefill(model, torch.randint(0, lm.config.vocab_size, (1, n)))
+    cache = model.new_cache(n + 2 * args.steps + 16)
+    prefill(model, cache, torch.randint(0, lm.config.vocab_size, (1, n)))
     step = compiled_decode(forward_one_token, lm.device, aot=not args.torch_compile) if args.compile else decode_one_token
     token = torch.tensor([[5]])
     for i in range(5):  # warm-up (and compilation)
-        step(model, token, torch.tensor([n + i]), n + i)
+        step(model, cache, token, torch.tensor([n + i]), n + i)
     times = []
     for i in range(args.steps):
         pos = n + 5 + i
         t0 = time.perf_counter()
-        step(model, token, torch.tensor([pos]), pos)
+        step(model, cache, token, torch.tensor([pos]), pos)
         times.append(time.perf_counter() - t0)
     med = statistics.median(times)
     kind = getattr(step, "kind", "eager")
@@ -58,7 +58,7 @@ def main() -> None:
     with profile() as prof:
         for i in range(20):
             pos = n + 5 + args.steps + i
-            step(model, token, torch.tensor([pos]), pos)
+            step(model, cache, token, torch.tensor([pos]), pos)
     print("per 20 steps:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("ROWS", "12"))))
 

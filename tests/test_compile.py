@@ -29,7 +29,8 @@ def test_compiled_int4_decode_picks_the_eager_tokens_on_smollm2(smollm2_path, tm
     the 30 layers the other way can reverse them; the compiled step must then pick the runner-up."""
     lm = load_model(str(smollm2_path), quant="int4")
     assert lm.kernels["attention-cpu"] == 30  # eager and compiled attend with the same kernel
-    eager = Generator(lm.model, 128)  # sets up the caches the compiled step is then built for
+    eager = Generator(lm.model, 128)
+    cache = lm.model.new_cache(128)  # the compiled step is built for it
     step = rc.compiled_decode(forward_one_token, lm.device, tmp_path)
     ties = 0
     for text in PROMPTS:
@@ -38,8 +39,8 @@ def test_compiled_int4_decode_picks_the_eager_tokens_on_smollm2(smollm2_path, tm
         eager.reset()
         assert len(tokens) == 64
         # every step compared, not only those before a first difference: both paths fed eager's tokens
-        want = rc.forced_logits(lm.model, prompt, tokens[:-1], decode_one_token)
-        got = rc.forced_logits(lm.model, prompt, tokens[:-1], step)
+        want = rc.forced_logits(lm.model, cache, prompt, tokens[:-1], decode_one_token)
+        got = rc.forced_logits(lm.model, cache, prompt, tokens[:-1], step)
         assert step.kind == "aot"
         for i, (w, g) in enumerate(zip(want, got)):
             w, pick = w[0], int(g.argmax())
@@ -58,12 +59,12 @@ def test_compiled_int4_decode_picks_the_eager_tokens_on_smollm2(smollm2_path, tm
 def test_compiled_logits_stay_close_to_eager_on_smollm2(smollm2_path, aot, tmp_path):
     """Both paths fed the same 64 tokens: the compiled step's logits stay within bf16 noise of eager's."""
     lm = load_model(str(smollm2_path), quant="int4", quantize_head="int8")
-    lm.model.setup_caches(128)
+    cache = lm.model.new_cache(128)
     fed = torch.randint(0, lm.config.vocab_size, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     step = rc.compiled_decode(forward_one_token, lm.device, tmp_path, aot=aot)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        d = rc.decode_drift(lm.model, lm.tokenizer.encode(PROMPTS[0]), fed, step)
+        d = rc.decode_drift(lm.model, cache, lm.tokenizer.encode(PROMPTS[0]), fed, step)
     assert not [str(w.message) for w in caught if "eagerly" in str(w.message) or "AOT" in str(w.message)]
     assert step.kind == ("aot" if aot else "torch.compile")  # really compiled, the way asked
     # The first steps match bit for bit; once a fused reduction rounds one bf16 value the other way the
@@ -104,28 +105,47 @@ def test_compilation_happens_before_the_first_reply(tiny_folder, monkeypatch, tm
     assert got == list(Generator(lm.model, 16).generate(ids, GREEDY))
     assert compiled.step_kind == "aot" and compiled._decode.kind == "aot"
 
+    # A second compiled generator on the same model loads the same package and has a cache of its
+    # own: run interleaved, each answers what it answers alone.
+    other = Generator(lm.model, 16, compile=True)
+    ids2 = [9, 10, 11]
+    alone = list(Generator(lm.model, 16).generate(ids2, GREEDY))
+    compiled.reset()  # the same computation as its first reply: a whole prefill
+    a, b = compiled.generate(ids, GREEDY), other.generate(ids2, GREEDY)
+    got_a, got_b = [], []
+    for x, y in zip(a, b):
+        got_a.append(x)
+        got_b.append(y)
+    got_a += list(a)
+    got_b += list(b)
+    assert got_a == got and got_b == alone and other.step_kind == "aot"
+
 
 @needs_compiler
 def test_aot_step_follows_new_caches(tiny_folder, tmp_path):
-    """Caches set up again (new tensors, new length): the step finds or builds the package for them
-    rather than writing into the old ones."""
+    """Another cache (new tensors, new length): the step finds or builds the package for it rather than
+    writing into the one it was built for, and going back to the first cache still runs it."""
     lm = _tiny(tiny_folder)
-    lm.model.setup_caches(32)
+    small, large = lm.model.new_cache(32), lm.model.new_cache(48)
     step = rc.compiled_decode(forward_one_token, lm.device, tmp_path)
     ids = torch.tensor([[5, 6, 7]])
     token = torch.tensor([[9]])
 
-    def next_logits() -> torch.Tensor:
-        prefill(lm.model, ids)
-        return step(lm.model, token, torch.tensor([3]), 3)
+    def next_logits(cache) -> torch.Tensor:
+        prefill(lm.model, cache, ids)
+        return step(lm.model, cache, token, torch.tensor([3]), 3)
 
-    first = next_logits()
-    lm.model.setup_caches(48)
-    again = next_logits()
+    first = next_logits(small)
+    small_k = small.layers[0].k.clone()
+    again = next_logits(large)
+    assert torch.equal(small.layers[0].k, small_k)  # the step wrote into the cache it was given
     assert len(list((tmp_path / "aot").glob("decode-*.pt2"))) == 2  # one package per cache length
-    prefill(lm.model, ids)
-    want = decode_one_token(lm.model, token, torch.tensor([3]), 3)
-    assert torch.equal(again, first) and torch.allclose(again, want, atol=1e-4)
+    back = next_logits(small)
+    assert step.kind == "aot"
+    fresh = lm.model.new_cache(32)
+    prefill(lm.model, fresh, ids)
+    want = decode_one_token(lm.model, fresh, token, torch.tensor([3]), 3)
+    assert torch.equal(again, first) and torch.equal(back, first) and torch.allclose(again, want, atol=1e-4)
 
 
 def test_compile_failure_falls_back_to_eager(tiny_folder, monkeypatch):

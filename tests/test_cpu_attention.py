@@ -81,14 +81,14 @@ def test_model_decodes_alike_with_kernel_and_sdpa(tiny_folder):
     lm = load_model(str(folder), quant="fp32")
     assert lm.kernels["attention-cpu"] == 2 and lm.model.decode_kernel is cpu_attention.decode_attention
     model = lm.model
-    model.setup_caches(32)
+    cache = model.new_cache(32)
     prompt = torch.tensor([[5, 17, 42, 99, 3]])
 
     def run() -> list[torch.Tensor]:
-        out = [prefill(model, prompt)]
+        out = [prefill(model, cache, prompt)]
         for i, t in enumerate([7, 8, 9, 10]):
             pos = prompt.shape[1] + i
-            out.append(decode_one_token(model, torch.tensor([[t]]), torch.tensor([pos]), pos))
+            out.append(decode_one_token(model, cache, torch.tensor([[t]]), torch.tensor([pos]), pos))
         return out
 
     with_kernel = run()

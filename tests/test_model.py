@@ -41,12 +41,12 @@ def test_prefill_then_cached_decode_equals_full_forward(tiny_folder, arch):
     model = ours_from(folder)
     ids = tokens(20, seed=2)
     full = model(ids)  # (1, 20, V), no cache
-    model.setup_caches(64)
+    cache = model.new_cache(64)
     n = 12
-    last = prefill(model, ids[:, :n])
+    last = prefill(model, cache, ids[:, :n])
     torch.testing.assert_close(last, full[:, n - 1], atol=1e-5, rtol=1e-5)
     for pos in range(n, ids.shape[1]):
-        logits = decode_one_token(model, ids[:, pos : pos + 1], torch.tensor([pos]), pos)
+        logits = decode_one_token(model, cache, ids[:, pos : pos + 1], torch.tensor([pos]), pos)
         torch.testing.assert_close(logits, full[:, pos], atol=1e-5, rtol=1e-5)
 
 
@@ -56,9 +56,9 @@ def test_chunked_prefill_from_an_offset_matches(tiny_folder):
     model = ours_from(folder)
     ids = tokens(30, seed=3)
     full = model(ids)
-    model.setup_caches(64)
-    prefill(model, ids[:, :10])
-    last = prefill(model, ids[:, 10:], start=10)
+    cache = model.new_cache(64)
+    prefill(model, cache, ids[:, :10])
+    last = prefill(model, cache, ids[:, 10:], start=10)
     torch.testing.assert_close(last, full[:, -1], atol=1e-5, rtol=1e-5)
 
 
@@ -77,10 +77,10 @@ def test_sliding_window_matches_transformers():
     with torch.no_grad():
         expected = ref(ids).logits
     torch.testing.assert_close(model(ids), expected, atol=1e-4, rtol=1e-4)
-    model.setup_caches(32)
-    prefill(model, ids[:, :15])
+    cache = model.new_cache(32)
+    prefill(model, cache, ids[:, :15])
     for pos in range(15, 20):
-        logits = decode_one_token(model, ids[:, pos : pos + 1], torch.tensor([pos]), pos)
+        logits = decode_one_token(model, cache, ids[:, pos : pos + 1], torch.tensor([pos]), pos)
         torch.testing.assert_close(logits, expected[:, pos], atol=1e-4, rtol=1e-4)
 
 
@@ -117,9 +117,9 @@ def test_fused_projections_change_nothing(tiny_folder, arch):
     assert fused.layers[0].attn.qkv is not None and not hasattr(fused.layers[0].attn, "q")
     ids = tokens(16, seed=7)
     torch.testing.assert_close(fused(ids), plain(ids), atol=1e-5, rtol=1e-5)
-    fused.setup_caches(32)
-    prefill(fused, ids[:, :10])
-    logits = decode_one_token(fused, ids[:, 10:11], torch.tensor([10]), 10)
+    cache = fused.new_cache(32)
+    prefill(fused, cache, ids[:, :10])
+    logits = decode_one_token(fused, cache, ids[:, 10:11], torch.tensor([10]), 10)
     torch.testing.assert_close(logits, plain(ids[:, :11])[:, -1], atol=1e-5, rtol=1e-5)
 
 
@@ -130,11 +130,11 @@ def test_static_whole_cache_decode_matches(tiny_folder, arch):
     model = ours_from(folder)
     ids = tokens(20, seed=8)
     full = model(ids)
-    model.setup_caches(48)
-    prefill(model, ids[:, :12])
+    cache = model.new_cache(48)
+    prefill(model, cache, ids[:, :12])
     for pos in range(12, 20):
         with torch.no_grad():
-            logits = model(ids[:, pos : pos + 1], torch.tensor([pos]), static=True)[:, -1]
+            logits = model(ids[:, pos : pos + 1], cache, torch.tensor([pos]), static=True)[:, -1]
         torch.testing.assert_close(logits, full[:, pos], atol=1e-5, rtol=1e-5)
 
 

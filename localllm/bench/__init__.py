@@ -437,7 +437,6 @@ def kv_comparison(model: Any, prompt_ids: Sequence[int], scheme: str, steps: int
     decode_latencies(model, prompt, 3, use_cache=True)  # warm-up
     cached = decode_latencies(model, prompt, steps, use_cache=True)
     uncached = decode_latencies(model, prompt, steps, use_cache=False)
-    model.drop_caches()
     T = prompt.shape[1]
 
     def at(times: list[float], step: int) -> float:
