@@ -39,7 +39,8 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def map_gguf_name(name: str) -> str | None:
-    """Our parameter name for a GGUF tensor name; None for tensors we do not use (rope_freqs...)."""
+    """Our parameter name for a GGUF tensor name; None for ``rope_freqs.weight``, which is no parameter
+    (:class:`GGUFCheckpoint` reads it into the config)."""
     ours = rename(name, _TOP_MAP, _LAYER_RE, _LAYER_MAP)
     if ours is not None:
         return ours
@@ -87,14 +88,16 @@ class GGUFCheckpoint:
         except (ValueError, OSError, IndexError) as e:
             raise LocalLLMError(f"cannot read {path.name} as GGUF: {e}", "is the file complete? download it again") from e
         self.metadata: dict[str, Any] = read_metadata(self.reader)
-        names = {t.name for t in self.reader.tensors}
-        self.config = ModelConfig.from_gguf(self.metadata, tie_embeddings="output.weight" not in names)
+        tensors = {t.name: t for t in self.reader.tensors}
+        # Llama 3.x: llama3 rope scaling as per-frequency divisors (the converter writes no metadata for it).
+        freqs = tensors.get("rope_freqs.weight")
+        factors = None
+        if freqs is not None:
+            factors = [float(f) for f in gguf.quants.dequantize(freqs.data, freqs.tensor_type).reshape(-1)]
+        self.config = ModelConfig.from_gguf(self.metadata, tie_embeddings="output.weight" not in tensors,
+                                            rope_freq_factors=factors)
         # llama.cpp permutes q/k only for its "llama" rope layout (Llama, Mistral); Qwen2 is left as is.
         self._permuted = self.config.arch in ("llama", "mistral")
-
-    def tensor_types(self) -> dict[str, str]:
-        """GGUF tensor name -> its quantization type name (F32, Q4_1, Q8_0...)."""
-        return {t.name: t.tensor_type.name for t in self.reader.tensors}
 
     def raw_tensors(self) -> Iterator[tuple[str, gguf.ReaderTensor]]:
         """(our name, reader tensor) pairs, for importers that keep the quantized blocks."""

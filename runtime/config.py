@@ -29,6 +29,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     #: HF-style rope scaling dict (``rope_type`` 'llama3' or 'linear'), or None.
     rope_scaling: dict[str, Any] | None = None
+    #: Per-frequency divisors of the RoPE frequencies (head_dim/2 values): how a GGUF carries llama3
+    #: scaling (llama.cpp's ``rope_freqs.weight``; its ggml rope uses ``pos * base^(-2i/d) / f[i]``).
+    rope_freq_factors: list[float] | None = None
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     attention_bias: bool = False
@@ -51,6 +54,16 @@ class ModelConfig:
             raise LocalLLMError(
                 f"bad config: {self.n_heads} attention heads is not a multiple of {self.n_kv_heads} kv heads"
             )
+        if self.rope_freq_factors is not None:
+            if len(self.rope_freq_factors) != self.head_dim // 2:  # type: ignore[operator]
+                raise LocalLLMError(
+                    f"bad model: {len(self.rope_freq_factors)} rope frequency factors for a head size of "
+                    f"{self.head_dim} (expected {self.head_dim // 2})",  # type: ignore[operator]
+                    "convert the model again with llama.cpp's current converter",
+                )
+            if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "llama3":
+                raise LocalLLMError("bad model: llama3 rope scaling given twice (as a setting and as frequency "
+                                    "factors)", "convert the model again")
 
     # Derived sizes -------------------------------------------------------------------------
     @property
@@ -140,10 +153,12 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf(cls, meta: dict[str, Any], *, tie_embeddings: bool) -> "ModelConfig":
+    def from_gguf(cls, meta: dict[str, Any], *, tie_embeddings: bool,
+                  rope_freq_factors: list[float] | None = None) -> "ModelConfig":
         """From GGUF metadata (see :func:`loaders.gguf_meta.read_metadata`).
 
-        ``tie_embeddings`` is not in the metadata: it is true when the file has no ``output.weight``.
+        ``tie_embeddings`` and ``rope_freq_factors`` are tensors, not metadata: the first is true when
+        the file has no ``output.weight``, the second is the ``rope_freqs.weight`` tensor's values.
         """
         arch = meta.get("general.architecture", "")
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -159,8 +174,18 @@ class ModelConfig:
         dim = key("embedding_length")
         vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
         scaling = None
-        if key("rope.scaling.type") == "linear":
-            scaling = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
+        kind = key("rope.scaling.type", "none")
+        if kind == "linear":
+            factor = key("rope.scaling.factor")
+            if not factor or factor <= 0:
+                raise LocalLLMError(f"bad GGUF: linear rope scaling with factor {factor!r}",
+                                    "convert the model again with llama.cpp's converter")
+            scaling = {"rope_type": "linear", "factor": float(factor)}
+        elif kind != "none":
+            raise LocalLLMError(
+                f"unsupported rope scaling '{kind}' in the GGUF",
+                "localllm supports linear rope scaling and llama3's frequency factors (rope_freqs)",
+            )
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
         return cls(
             arch=arch,
@@ -174,6 +199,7 @@ class ModelConfig:
             norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
+            rope_freq_factors=rope_freq_factors,
             max_seq_len=key("context_length", 4096),
             tie_embeddings=tie_embeddings,
             attention_bias=arch == "qwen2",

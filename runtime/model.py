@@ -67,9 +67,12 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) in fp32, with llama3 or linear scaling applied."""
+    """Inverse frequencies (head_dim/2,) in fp32, with a GGUF's frequency factors, llama3 or linear
+    scaling applied."""
     hd = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if config.rope_freq_factors is not None:  # llama.cpp: theta_i = pos * base^(-2i/d) / factors[i]
+        inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
     s = config.rope_scaling
     if s is None:
         return inv.float()

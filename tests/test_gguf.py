@@ -1,0 +1,154 @@
+"""GGUF files: Llama 3.x rope frequency factors against transformers, rope scalings we cannot run refused
+by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.loaders.build import empty_model, load_weights
+from localllm.loaders.gguf import GGUFCheckpoint
+from localllm.loaders.load import load_model
+from localllm.runtime.config import ModelConfig
+from tests.conftest import TINY, make_hf_model
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+THETA = 10000.0  # with head_dim 16 and a 32-token original context: factors 1, 8 and blended ones
+
+
+def converter_rope_factors(head_dim: int, theta: float, s: dict) -> np.ndarray:
+    """``rope_freqs.weight`` as llama.cpp's convert_hf_to_gguf.py writes it for llama3 scaling."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter q/k row permutation (HF half-split -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(model, path: Path, rope_freqs: np.ndarray | None = None,
+                     scaling: tuple[gguf.RopeScalingType, float] | None = None) -> Path:
+    """An F32 Llama GGUF of a transformers model, laid out as llama.cpp's converter writes it."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(THETA)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_vocab_size(c.vocab_size)
+    if scaling is not None:
+        w.add_rope_scaling_type(scaling[0])
+        w.add_rope_scaling_factor(scaling[1])
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads))
+        w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        w.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def from_gguf(ckpt: GGUFCheckpoint, config: ModelConfig | None = None):
+    model = empty_model(config or ckpt.config)
+    return load_weights(model, ckpt.iter_tensors(), torch.device("cpu"), torch.float32, str(ckpt.path))
+
+
+@pytest.fixture(scope="module")
+def llama3_ref():
+    return make_hf_model("llama", rope_scaling=dict(LLAMA3), rope_theta=THETA)
+
+
+def test_llama3_rope_freqs_match_transformers(llama3_ref, tmp_path):
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    factors = converter_rope_factors(head_dim, THETA, LLAMA3)
+    assert {1.0, 8.0} < set(factors.tolist())  # unscaled, fully scaled and blended frequencies all occur
+    ckpt = GGUFCheckpoint(write_llama_gguf(llama3_ref, tmp_path / "llama3.gguf", factors))
+    assert ckpt.config.rope_freq_factors == pytest.approx(factors.tolist())
+    assert ckpt.config.rope_scaling is None  # the factors are the scaling; none is applied twice
+    ids = torch.randint(3, TINY["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = llama3_ref(ids).logits
+    got = from_gguf(ckpt)(ids)
+    assert want.abs().max() > 0.5
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # The test can fail: the same weights without the factors (the old behaviour) are far off.
+    without = from_gguf(ckpt, dataclasses.replace(ckpt.config, rope_freq_factors=None))(ids)
+    assert (without - want).abs().max() > 0.05
+    # The factors survive a store manifest's round trip.
+    assert ModelConfig.from_dict(ckpt.config.to_dict()) == ckpt.config
+
+
+def test_rope_freqs_of_the_wrong_size_are_refused():
+    with pytest.raises(LocalLLMError, match="3 rope frequency factors for a head size of 16"):
+        ModelConfig(dim=64, n_heads=4, rope_freq_factors=[1.0, 2.0, 3.0])
+
+
+@pytest.mark.parametrize("kind", [gguf.RopeScalingType.YARN, gguf.RopeScalingType.LONGROPE])
+def test_unsupported_gguf_rope_scaling_is_refused(llama3_ref, tmp_path, kind):
+    path = write_llama_gguf(llama3_ref, tmp_path / "scaled.gguf", scaling=(kind, 4.0))
+    with pytest.raises(LocalLLMError) as e:
+        load_model(str(path))
+    msg = str(e.value)
+    assert f"unsupported rope scaling '{kind.value}'" in msg and "linear" in msg and "\n" not in msg
+
+
+def test_linear_gguf_rope_scaling_is_read(llama3_ref, tmp_path):
+    path = write_llama_gguf(llama3_ref, tmp_path / "linear.gguf", scaling=(gguf.RopeScalingType.LINEAR, 2.0))
+    assert GGUFCheckpoint(path).config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+HF_BASE = {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 192,
+           "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+@pytest.mark.parametrize("extra", [
+    {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}},  # transformers 5
+], ids=["yarn", "dynamic", "longrope"])
+def test_unsupported_hf_rope_scaling_is_refused(extra):
+    kind = next(iter(extra.values())).get("rope_type") or next(iter(extra.values()))["type"]
+    with pytest.raises(LocalLLMError, match=f"unsupported rope scaling '{kind}'") as e:
+        ModelConfig.from_hf({**HF_BASE, **extra})
+    assert "llama3 and linear" in str(e.value)
