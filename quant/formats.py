@@ -15,6 +15,9 @@ Canonical layouts (what artifacts store; kernels repack at load time):
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -96,6 +99,20 @@ def parse_scheme(name: str, group_size: int | None = None, symmetric: bool = Fal
     return QuantScheme(name, group, symmetric if name == "int4" else False)
 
 
+@contextmanager
+def quiet_bitsandbytes() -> Iterator[None]:
+    """Import (or first use) bitsandbytes without its CPU backend's warning about the optional
+    ``kernels`` package (it then uses its own fallback, which the reference check covers). Only that
+    logger, only for the block: its level is restored after."""
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    saved = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(saved)
+
+
 # ----------------------------------------------------------------------------- int4 packing
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Codes (out, in) in 0..15 -> uint8 (out, in/2), low nibble first."""
@@ -141,7 +158,8 @@ def quantize(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
             q = (wg / scale[..., None]).round_().clamp_(-127, 127).view(out, inp)
         return {"qweight": q.to(torch.int8), "scales": scale.half()}
     if scheme.name == "nf4":
-        import bitsandbytes.functional as bnbf
+        with quiet_bitsandbytes():
+            import bitsandbytes.functional as bnbf
 
         packed, state = bnbf.quantize_4bit(w, blocksize=scheme.group_size, quant_type="nf4")
         return {"qweight": packed.view(out, inp // 2), "absmax": state.absmax.float().view(out, -1)}

@@ -2,10 +2,11 @@
 
 Each kernel turns a :class:`quant.linear.QuantLinear`'s canonical tensors into the layout it wants
 (``prepare``) and multiplies activations with them (``matmul``) without building the full-precision
-weight of the model. The pure-torch reference (dequantize one layer, multiply, drop it) runs
-everywhere; the fast kernels are checked against it when a layer is prepared and dropped with a
-warning if they disagree, so a kernel that misbehaves on some GPU or build degrades to slow, never to
-wrong.
+weight of the model. The pure-torch reference (dequantize a slice of one layer's rows at a time,
+multiply, drop it) runs everywhere; the fast kernels are checked against it when a layer is prepared
+and dropped with a warning if they disagree, so a kernel that misbehaves on some GPU or build
+degrades to slow, never to wrong. Each kernel says why it cannot run a layer
+(:meth:`Kernel.unsupported`), which is what the one-line warning about a slow fallback names.
 
 =====================  ======  ============================================  =====================
 kernel                 scheme  where                                         activations
@@ -21,7 +22,6 @@ reference              all     dequantize one layer, ``F.linear``            any
 
 from __future__ import annotations
 
-import logging
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,23 +30,37 @@ import torch
 import torch.nn.functional as F
 
 from localllm import native
-from localllm.quant.formats import dequantize, unpack_int4
+from localllm.quant.formats import dequantize, quiet_bitsandbytes, unpack_int4
 
 if TYPE_CHECKING:
     from localllm.quant.linear import QuantLinear
 
-# bitsandbytes logs a warning on its first CPU 4-bit matmul when the optional `kernels` package is
-# missing, then uses its own fallback (which the reference check covers): keep stderr clean.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+#: Output rows the reference dequantizes at a time: ~16 MB of fp32 for a 4096-wide layer, so neither
+#: the reference nor the check against it ever holds a large layer's (or a vocabulary head's) full
+#: float weight.
+REFERENCE_ROWS = 1024
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class Kernel:
-    """A way to multiply by a quantized weight. Subclasses set ``name`` and override the three methods."""
+    """A way to multiply by a quantized weight. Subclasses set ``name`` and ``scheme`` and override
+    :meth:`unsupported`, :meth:`prepare` and :meth:`matmul`."""
 
     name = "base"
+    scheme = ""  # the weight scheme it multiplies by ("" for every scheme)
+    device_type: str | None = None  # the one device type it runs on (None: any)
+
+    @classmethod
+    def supports(cls, layer: "QuantLinear", device: torch.device, act_dtype: torch.dtype) -> bool:
+        return cls.unsupported(layer, device, act_dtype) is None
 
     @staticmethod
-    def supports(layer: "QuantLinear", device: torch.device, act_dtype: torch.dtype) -> bool:
+    def unsupported(layer: "QuantLinear", device: torch.device, act_dtype: torch.dtype) -> str | None:
+        """None when this kernel can run ``layer`` on ``device`` with ``act_dtype`` activations, else
+        why not, in a few words that follow the kernel's name ("needs bf16 activations, not float32")."""
         raise NotImplementedError
 
     @staticmethod
@@ -60,12 +74,26 @@ class Kernel:
         raise NotImplementedError
 
 
+def reference_linear(canonical: dict[str, torch.Tensor], scheme, x: torch.Tensor,  # type: ignore[no-untyped-def]
+                     rows: int = REFERENCE_ROWS) -> torch.Tensor:
+    """``x @ W^T`` with W dequantized ``rows`` output rows at a time, in ``x``'s dtype: every canonical
+    format keeps an output row's codes and scales on that row, so a slice of rows is a smaller weight."""
+    out = next(iter(canonical.values())).shape[0]
+    if out <= rows:
+        return F.linear(x, dequantize(canonical, scheme, x.dtype))
+    y = x.new_empty((*x.shape[:-1], out))
+    for a in range(0, out, rows):
+        part = {k: v[a : a + rows] for k, v in canonical.items()}
+        y[..., a : a + rows] = F.linear(x, dequantize(part, scheme, x.dtype))
+    return y
+
+
 class Reference(Kernel):
     name = "reference"
 
     @staticmethod
-    def supports(layer, device, act_dtype) -> bool:  # type: ignore[no-untyped-def]
-        return True
+    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        return None
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
@@ -73,22 +101,31 @@ class Reference(Kernel):
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
-        # One layer's weight exists in full precision only for the duration of this call.
-        return F.linear(x, dequantize(layer.canonical(), layer.scheme, x.dtype))
+        # A slice of the layer's weight exists in full precision only for the duration of this call.
+        return reference_linear(layer.canonical(), layer.scheme, x)
 
 
 class Int4TinygemmCPU(Kernel):
     name = "int4-tinygemm-cpu"
+    scheme = "int4"
+    device_type = "cpu"
+    #: Output rows repacked at a time (a multiple of the packer's 64-row blocks, which it packs
+    #: independently): the int32 codes the packer takes are 8x the packed bytes, never for a whole layer.
+    PACK_ROWS = 4096
 
     @staticmethod
-    def supports(layer, device, act_dtype) -> bool:  # type: ignore[no-untyped-def]
-        return (
-            device.type == "cpu"
-            and layer.scheme.name == "int4"
-            and act_dtype == torch.bfloat16
-            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-            and layer.in_features % layer.scheme.group_size == 0  # type: ignore[operator]
-        )
+    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        if layer.scheme.name != "int4":
+            return "runs int4 weights only"
+        if device.type != "cpu":
+            return "runs on the CPU only"
+        if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            return f"needs a newer torch than {torch.__version__}"
+        if act_dtype != torch.bfloat16:
+            return f"needs bfloat16 activations, not {_dtype_name(act_dtype)}"
+        if layer.in_features % layer.scheme.group_size or layer.out_features % 16:
+            return f"needs widths that are multiples of the group and of 16 ({layer.out_features}x{layer.in_features})"
+        return None
 
     @staticmethod
     def _scales_and_zeros(layer) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -97,12 +134,14 @@ class Int4TinygemmCPU(Kernel):
         return torch.stack([s, o + 8 * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
     @staticmethod
-    def prepare(layer):  # type: ignore[no-untyped-def]
-        q = unpack_int4(layer.qweight).to(torch.int32)  # (out, in)
-        return {
-            "packed": torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2),
-            "scales_zeros": Int4TinygemmCPU._scales_and_zeros(layer),
-        }
+    def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
+        rows = rows or Int4TinygemmCPU.PACK_ROWS
+        out, half = layer.qweight.shape
+        packed = torch.empty((out, half), dtype=torch.uint8, device=layer.qweight.device)
+        for a in range(0, out, rows):
+            q = unpack_int4(layer.qweight[a : a + rows]).to(torch.int32)  # (rows, in)
+            packed[a : a + rows] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        return {"packed": packed, "scales_zeros": Int4TinygemmCPU._scales_and_zeros(layer)}
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
@@ -111,18 +150,25 @@ class Int4TinygemmCPU(Kernel):
 
 class Int4TinygemmCUDA(Kernel):
     name = "int4-tinygemm-cuda"
+    scheme = "int4"
+    device_type = "cuda"
     INNER_K_TILES = 8
 
     @staticmethod
-    def supports(layer, device, act_dtype) -> bool:  # type: ignore[no-untyped-def]
-        return (
-            device.type == "cuda"
-            and layer.scheme.name == "int4"
-            and act_dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device) >= (8, 0)
-            and layer.in_features % (16 * Int4TinygemmCUDA.INNER_K_TILES) == 0
-            and layer.out_features % 8 == 0
-        )
+    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        if layer.scheme.name != "int4":
+            return "runs int4 weights only"
+        if device.type != "cuda":
+            return "runs on CUDA GPUs only"
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 0):
+            return f"needs a GPU of compute capability 8.0 or newer (this one has {capability[0]}.{capability[1]})"
+        if act_dtype != torch.bfloat16:
+            return f"needs bfloat16 activations, not {_dtype_name(act_dtype)}"
+        k = 16 * Int4TinygemmCUDA.INNER_K_TILES
+        if layer.in_features % k or layer.out_features % 8:
+            return f"needs input widths that are multiples of {k} and outputs of 8 ({layer.out_features}x{layer.in_features})"
+        return None
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
@@ -140,12 +186,19 @@ class Int4TinygemmCUDA(Kernel):
 
 class Int8WeightOnly(Kernel):
     name = "int8-weight-only"
+    scheme = "int8"
 
     @staticmethod
-    def supports(layer, device, act_dtype) -> bool:  # type: ignore[no-untyped-def]
-        return layer.scheme.name == "int8" and layer.scheme.group_size is None and hasattr(
-            torch.ops.aten, "_weight_int8pack_mm"
-        ) and (device.type == "cpu" or act_dtype in (torch.bfloat16, torch.float16))
+    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        if layer.scheme.name != "int8":
+            return "runs int8 weights only"
+        if layer.scheme.group_size is not None:
+            return "needs one scale per output channel, not per group"
+        if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+            return f"needs a newer torch than {torch.__version__}"
+        if device.type != "cpu" and act_dtype not in (torch.bfloat16, torch.float16):
+            return f"needs bfloat16 or float16 activations on {device.type}, not {_dtype_name(act_dtype)}"
+        return None
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
@@ -176,12 +229,23 @@ class Int8GroupCPU(Kernel):
     kernel (:mod:`localllm.native`): as fast as the per-channel kernel, without re-rounding."""
 
     name = "int8-group-cpu"
+    scheme = "int8"
+    device_type = "cpu"
 
     @staticmethod
-    def supports(layer, device, act_dtype) -> bool:  # type: ignore[no-untyped-def]
+    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         g = layer.scheme.group_size
-        return (device.type == "cpu" and layer.scheme.name == "int8" and g is not None and g % 16 == 0
-                and act_dtype in (torch.bfloat16, torch.float16, torch.float32) and native.available(LIBRARY))
+        if layer.scheme.name != "int8":
+            return "runs int8 weights only"
+        if g is None or g % 16:
+            return "needs scales per group of a multiple of 16 inputs"
+        if device.type != "cpu":
+            return "runs on the CPU only"
+        if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"needs bfloat16, float16 or float32 activations, not {_dtype_name(act_dtype)}"
+        if not native.available(LIBRARY):
+            return f"needs localllm's CPU kernels, which could not be built ({native.unavailable_reason()})"
+        return None
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
@@ -196,16 +260,18 @@ class Int8GroupCPU(Kernel):
 
 class Nf4Bitsandbytes(Kernel):
     name = "nf4-bitsandbytes"
+    scheme = "nf4"
 
     @staticmethod
-    def supports(layer, device, act_dtype) -> bool:  # type: ignore[no-untyped-def]
+    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         if layer.scheme.name != "nf4":
-            return False
+            return "runs nf4 weights only"
         try:
-            import bitsandbytes  # noqa: F401
+            with quiet_bitsandbytes():
+                import bitsandbytes  # noqa: F401
         except ImportError:
-            return False
-        return True
+            return "needs bitsandbytes (pip install bitsandbytes)"
+        return None
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
@@ -236,7 +302,8 @@ class Nf4Bitsandbytes(Kernel):
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
-        import bitsandbytes as bnb
+        with quiet_bitsandbytes():
+            import bitsandbytes as bnb
 
         return bnb.matmul_4bit(x, layer.qweight.view(-1, 1).t(), quant_state=Nf4Bitsandbytes._state(layer))
 
@@ -252,12 +319,27 @@ def candidates(layer: "QuantLinear", device: torch.device, act_dtype: torch.dtyp
     return [k for k in KERNELS if k.supports(layer, device, act_dtype)]
 
 
+def why_not_fast(layer: "QuantLinear", device: torch.device, act_dtype: torch.dtype) -> list[str]:
+    """Why each fast kernel of the layer's scheme cannot run it here ("int4-tinygemm-cpu needs
+    bfloat16 activations, not float32"): what a warning about the slow reference names. Kernels made
+    for another device are named only when none is made for this one (grouped int8 on CUDA)."""
+    fast = [k for k in KERNELS if k is not Reference and k.scheme == layer.scheme.name]
+    if any(k.device_type == device.type for k in fast):
+        fast = [k for k in fast if k.device_type in (None, device.type)]
+    reasons = []
+    for k in fast:
+        why = k.unsupported(layer, device, act_dtype)
+        if why is not None:
+            reasons.append(f"{k.name} {why}")
+    return reasons
+
+
 def agrees_with_reference(layer: "QuantLinear", kernel: type[Kernel], tensors: dict[str, torch.Tensor]) -> bool:
     """Run ``kernel`` and the reference on the same random input; True when they agree closely."""
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(3, layer.in_features, generator=g).to(device=layer.qweight.device, dtype=layer.act_dtype)
     with torch.no_grad():
-        want = F.linear(x.float(), dequantize(layer.canonical(), layer.scheme, torch.float32))
+        want = reference_linear(layer.canonical(), layer.scheme, x.float())
         saved = {k: getattr(layer, k, None) for k in tensors}
         for k, v in tensors.items():
             setattr(layer, k, v)

@@ -13,6 +13,17 @@ from localllm.quant import kernels
 from localllm.quant.formats import QuantScheme, canonical_shapes
 
 
+#: The warnings :func:`warn_once` has given in this process.
+WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A warning given once a process: a model's 200 layers falling back for one reason are one line."""
+    if message not in WARNED:
+        WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
 class QuantLinear(nn.Module):
     """``y = x W^T + b`` with W kept in a quantized format.
 
@@ -43,14 +54,23 @@ class QuantLinear(nn.Module):
         ``verdicts`` carries the reference checks across the layers of a model: a kernel's layout is
         right or wrong for a shape, not for particular weights, so one layer of each shape is checked
         (4 checks rather than 120 for a 30-layer model, a quarter of a second of every start).
+
+        A layer that ends on the slow reference while fast kernels exist for its scheme says so, once
+        a process for each reason (see :func:`warn_once`). A prepared layer is prepared already: asked
+        again for the same activation dtype it returns its kernel's name (the canonical tensors are gone).
         """
-        device = self.qweight.device
+        if self.kernel is not None:
+            if act_dtype != self.act_dtype:
+                raise ValueError(f"layer already prepared for {self.act_dtype} activations, not {act_dtype}")
+            return self.kernel.name
+        device = self.device
         self.act_dtype = act_dtype
         if kernel is not None and kernels.BY_NAME[kernel].supports(self, device, act_dtype):
             choices = [kernels.BY_NAME[kernel]]
         else:
             choices = kernels.candidates(self, device, act_dtype)
         verdicts = {} if verdicts is None else verdicts
+        disagreeing = []
         for k in choices:
             tensors = k.prepare(self)
             if k is kernels.Reference:
@@ -58,15 +78,22 @@ class QuantLinear(nn.Module):
             key = (k.name, self.scheme, self.out_features, self.in_features, act_dtype, str(device))
             if key not in verdicts:
                 verdicts[key] = kernels.agrees_with_reference(self, k, tensors)
-                if not verdicts[key]:
-                    warnings.warn(f"kernel {k.name} disagrees with the reference on {self.out_features}x"
-                                  f"{self.in_features} layers; using the next choice")
             if verdicts[key]:
                 break
+            disagreeing.append(k.name)
+            del tensors  # the next choice's layout is made from the canonical tensors, not beside this one
         else:
             k, tensors = kernels.Reference, kernels.Reference.prepare(self)
-        canonical = set(self.canonical()) if self.kernel is None else set()
-        for name in canonical - set(tensors):
+        if k is kernels.Reference and kernel != kernels.Reference.name:
+            why = [f"{name} disagrees with the reference here" for name in disagreeing]
+            why += kernels.why_not_fast(self, device, act_dtype)
+            if why:
+                warn_once(f"{self.scheme.label()} layers run on the slow reference kernel (it dequantizes "
+                          f"the weight at every call): {'; '.join(why)}")
+        elif disagreeing:
+            warn_once(f"kernel {', '.join(disagreeing)} disagrees with the reference on {self.scheme.label()} "
+                      f"layers here; they run on {k.name}")
+        for name in set(self.canonical()) - set(tensors):
             delattr(self, name)  # the kernel's layout replaces it: never hold both
         for name, t in tensors.items():
             if name in self._buffers:
@@ -75,6 +102,10 @@ class QuantLinear(nn.Module):
                 self.register_buffer(name, t)
         self.kernel = k
         return k.name
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self._buffers.values())).device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
@@ -93,7 +124,8 @@ def concat_linears(modules: list[nn.Module]) -> nn.Module:
     """One layer computing ``cat([m(x) for m in modules], -1)``: their weights stacked along the output.
 
     Works on float ``nn.Linear`` and on unprepared ``QuantLinear`` of one scheme (the canonical
-    formats keep each output row's codes and scales on that row, so rows stack as they are).
+    formats keep each output row's codes and scales on that row, so rows stack as they are), loaded
+    or on ``meta`` (a model fused before its weights arrive: see :func:`loaders.build.load_weights`).
     """
     first = modules[0]
     out = sum(m.out_features for m in modules)
@@ -154,10 +186,12 @@ def swap_linears(model: nn.Module, plan: dict[str, QuantScheme] | QuantScheme) -
     return swapped
 
 
-def prepare_model(model: nn.Module, act_dtype: torch.dtype, kernel: str | None = None) -> Counter[str]:
-    """Prepare every QuantLinear; returns how many layers use each kernel (for ``--verbose``)."""
+def prepare_model(model: nn.Module, act_dtype: torch.dtype, kernel: str | None = None,
+                  verdicts: dict[tuple, bool] | None = None) -> Counter[str]:
+    """Prepare every QuantLinear not prepared yet (a streaming load prepares each as its tensors
+    arrive); returns how many layers use each kernel (for ``--verbose``)."""
     used: Counter[str] = Counter()
-    verdicts: dict[tuple, bool] = {}
+    verdicts = {} if verdicts is None else verdicts
     for module in model.modules():
         if isinstance(module, QuantLinear):
             used[module.prepare(act_dtype, kernel, verdicts)] += 1
@@ -190,12 +224,24 @@ class TiedInt8Embedding(nn.Module):
         return out.to(head.act_dtype)
 
 
+def head_serves_embedding(head: QuantScheme | None) -> bool:
+    """Whether a tied model's output head in scheme ``head`` also serves as its token embedding: an
+    int8 head's rows and scales are the table at 8 bits, kept once (:class:`TiedInt8Embedding`);
+    other heads keep a 16-bit embedding beside them."""
+    return head is not None and head.name == "int8"
+
+
 def share_tied_embedding(model: nn.Module) -> bool:
     """Replace a tied model's 16-bit embedding by :class:`TiedInt8Embedding` when its head is int8
-    (the table is then stored once). Returns whether it did."""
+    (the table is then stored once). Returns whether it did.
+
+    Done on the ``meta`` model before loading, the embedding is never allocated: the model's state
+    dict then has no ``embed.weight``, and the head's tensors fill both."""
     head = getattr(model, "output", None)
     tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
-    if not (tied and isinstance(head, QuantLinear) and head.scheme.name == "int8"):
+    if isinstance(getattr(model, "embed", None), TiedInt8Embedding):
+        return True
+    if not (tied and isinstance(head, QuantLinear) and head_serves_embedding(head.scheme)):
         return False
     model.embed = TiedInt8Embedding(head)
     return True

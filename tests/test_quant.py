@@ -9,10 +9,16 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm import native
-from localllm.quant import kernels
-from localllm.quant.formats import dequantize, pack_int4, parse_scheme, quantize, unpack_int4
+from localllm.quant import kernels, linear
+from localllm.quant.formats import dequantize, pack_int4, parse_scheme, quantize, quiet_bitsandbytes, unpack_int4
 from localllm.quant.gguf_blocks import exact_import, to_canonical
 from localllm.quant.linear import QuantLinear, prepare_model
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Fallback warnings are given once a process: each test starts with none given."""
+    monkeypatch.setattr(linear, "WARNED", set())
+
 
 SCHEMES = [("int8", None), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128), ("nf4", 64)]
 
@@ -184,6 +190,84 @@ def test_a_disagreeing_kernel_is_dropped_for_every_layer_of_its_shape_with_one_w
     with pytest.warns(UserWarning, match="disagrees") as caught:
         assert prepare_model(layers, torch.bfloat16) == {"reference": 3}
     assert len([w for w in caught if "disagrees" in str(w.message)]) == 1
+
+
+def fallback_warnings(caught):
+    return [str(w.message) for w in caught if "slow reference" in str(w.message)]
+
+
+def test_a_fallback_to_the_reference_is_one_line_a_process_naming_scheme_and_reason():
+    """int4 with fp32 activations on the CPU: tinygemm needs bf16, so every layer runs the reference,
+    and the model says so once (not once a layer, nor again for the next model)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layers = torch.nn.ModuleList([make_layer("int4", 32)[0] for _ in range(3)])
+        assert prepare_model(layers, torch.float32) == {"reference": 3}
+        assert prepare_model(torch.nn.ModuleList([make_layer("int4", 32)[0]]), torch.float32) == {"reference": 1}
+        # per-channel int8 has a kernel for fp32 activations: no warning
+        assert make_layer("int8", None)[0].prepare(torch.float32) == "int8-weight-only"
+        # asked for by name: the reference is no surprise
+        assert make_layer("int4", 64)[0].prepare(torch.bfloat16, "reference") == "reference"
+    assert fallback_warnings(caught) == [
+        "int4 (group 32, asymmetric) layers run on the slow reference kernel (it dequantizes the weight at every "
+        "call): int4-tinygemm-cpu needs bfloat16 activations, not float32"]
+
+
+def test_grouped_int8_without_the_cpp_library_says_why(monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(native, "available", lambda lib, cache_dir=None: False)
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "no C++ compiler")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert make_layer("int8", 32)[0].prepare(torch.bfloat16) == "reference"
+    assert fallback_warnings(caught) == [
+        "int8 (group 32) layers run on the slow reference kernel (it dequantizes the weight at every call): "
+        "int8-weight-only needs one scale per output channel, not per group; int8-group-cpu needs localllm's CPU "
+        "kernels, which could not be built (no C++ compiler)"]
+
+
+def test_reasons_the_gpu_kernels_give(monkeypatch):
+    """Without a GPU: what an sm75 card, or grouped int8 on CUDA, would be told."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    cuda = torch.device("cuda")
+    layer = make_layer("int4", 32)[0]
+    assert kernels.why_not_fast(layer, cuda, torch.bfloat16) == [
+        "int4-tinygemm-cuda needs a GPU of compute capability 8.0 or newer (this one has 7.5)"]
+    assert kernels.why_not_fast(make_layer("int8", 32)[0], cuda, torch.bfloat16) == [
+        "int8-weight-only needs one scale per output channel, not per group", "int8-group-cpu runs on the CPU only"]
+    assert kernels.why_not_fast(make_layer("int8", None)[0], cuda, torch.bfloat16) == [
+        "int8-group-cpu needs scales per group of a multiple of 16 inputs"]  # int8-weight-only runs it
+
+
+def test_int4_repacked_in_slices_is_the_layout_of_the_whole():
+    layer = make_layer("int4", 32, out=320)[0]
+    whole = kernels.Int4TinygemmCPU.prepare(layer, rows=1 << 20)
+    sliced = kernels.Int4TinygemmCPU.prepare(layer, rows=64)
+    assert torch.equal(whole["packed"], sliced["packed"])
+
+
+@pytest.mark.parametrize("name,group", [("int4", 32), ("int8", None), ("int8", 32), ("nf4", 64)])
+def test_reference_by_slices_of_rows_equals_the_whole_weight(name, group):
+    layer = make_layer(name, group, out=200)[0]
+    x = torch.randn(3, 576)
+    whole = x @ dequantize(layer.canonical(), layer.scheme).t()
+    torch.testing.assert_close(kernels.reference_linear(layer.canonical(), layer.scheme, x, rows=64), whole)
+
+
+def test_quieting_bitsandbytes_restores_its_logger():
+    import logging
+
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    logger.setLevel(logging.INFO)
+    try:
+        with quiet_bitsandbytes():
+            assert logger.level == logging.ERROR
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(logging.NOTSET)
 
 
 @pytest.mark.cuda
