@@ -74,6 +74,60 @@ class FastGGUFReader(gguf.GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._data = np.asarray(value)  # drops the memmap subclass; the mapping stays referenced
+        self._size = self._data.shape[0]
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        # A file cut in its tensor data: say so with the numbers rather than fail on a short slice.
+        need = start_offs
+        for f in fields:  # parts: name length, name, n_dims, dims, type, offset
+            dims, raw_type, offset = f.parts[3], f.parts[4], f.parts[5]
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+            need = max(need, start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block)
+        if need > self._size:
+            raise _Truncated(self._size, need)
+        super()._build_tensors(start_offs, fields)
+
+
+class _CheckedGGUFReader(FastGGUFReader):
+    """A reader that checks every read against the file's end: run only once the plain reader has
+    failed, to tell a file cut inside its header (numpy then fails on a short slice, "When changing
+    to a larger dtype, its size must be a divisor...") from a damaged one. (The check costs ~10% of
+    opening a file, which the plain reader does not pay.)"""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        if offset + np.dtype(dtype).itemsize * int(count) > self._size:
+            raise _Truncated(self._size, None)
+        return super()._get(offset, dtype, count, override_order)
+
+
+class _Truncated(Exception):
+    """The file ends before what its header declares (``need`` bytes; None: inside the header)."""
+
+    def __init__(self, size: int, need: int | None) -> None:
+        super().__init__(size, need)
+        self.size, self.need = size, need
+
+
+def open_reader(path: Path) -> FastGGUFReader:
+    """The reader of a GGUF file, or a one-line error: not a GGUF, truncated (with the numbers), damaged."""
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise LocalLLMError(f"{path.name} is not a GGUF file (bad magic {magic!r})",
+                            "give a .gguf file made by llama.cpp's converter (convert_hf_to_gguf.py)")
+    try:
+        try:
+            return FastGGUFReader(str(path))
+        except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as e:
+            failure = e
+        _CheckedGGUFReader(str(path))  # raises _Truncated when the header is cut
+    except _Truncated as e:
+        said = f"header says at least {e.need}" if e.need is not None else "which end inside its header"
+        raise LocalLLMError(f"{path.name} is truncated: {e.size} bytes, {said}",
+                            "the download or copy stopped early: get the file again") from None
+    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError):
+        pass
+    raise LocalLLMError(f"cannot read {path.name} as GGUF: {failure}", "the file is damaged: get it again") from failure
 
 
 class GGUFCheckpoint:
@@ -83,10 +137,7 @@ class GGUFCheckpoint:
         self.path = path
         if not path.is_file():
             raise LocalLLMError(f"GGUF file not found: {path}", "check the path")
-        try:
-            self.reader = FastGGUFReader(str(path))
-        except (ValueError, OSError, IndexError) as e:
-            raise LocalLLMError(f"cannot read {path.name} as GGUF: {e}", "is the file complete? download it again") from e
+        self.reader = open_reader(path)
         self.metadata: dict[str, Any] = read_metadata(self.reader)
         tensors = {t.name: t for t in self.reader.tensors}
         # Llama 3.x: llama3 rope scaling as per-frequency divisors (the converter writes no metadata for it).

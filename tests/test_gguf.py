@@ -1,10 +1,11 @@
 """GGUF files: Llama 3.x rope frequency factors against transformers, rope scalings we cannot run refused
-by name."""
+by name, and files that are not GGUF or are cut short refused in one line with the numbers."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import gguf
@@ -152,3 +153,35 @@ def test_unsupported_hf_rope_scaling_is_refused(extra):
     with pytest.raises(LocalLLMError, match=f"unsupported rope scaling '{kind}'") as e:
         ModelConfig.from_hf({**HF_BASE, **extra})
     assert "llama3 and linear" in str(e.value)
+
+
+def _one_line_error(path: Path) -> str:
+    with pytest.raises(LocalLLMError) as e:
+        load_model(str(path))
+    msg = str(e.value)
+    assert "\n" not in msg and "divisor" not in msg
+    return msg
+
+
+def test_a_file_that_is_not_gguf_is_said(tmp_path):
+    noise = tmp_path / "notgguf.gguf"
+    noise.write_bytes(b"\x00\x13" + os.urandom(4000))
+    assert "notgguf.gguf is not a GGUF file (bad magic b'\\x00\\x13" in _one_line_error(noise)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    assert "empty.gguf is not a GGUF file (bad magic b'')" in _one_line_error(empty)
+
+
+def test_a_truncated_gguf_is_said_with_its_size(smollm2_path, tmp_path):
+    data = smollm2_path.read_bytes()
+    reader = gguf.GGUFReader(str(smollm2_path))
+    last = max(t.data_offset + t.n_bytes for t in reader.tensors)
+    assert last == len(data)  # what the header declares is the whole file
+    for cut in (4, 30, 200_000, reader.data_offset - 1):  # inside the header (the vocabulary is ~1 MB of it)
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        assert f"cut{cut}.gguf is truncated: {cut} bytes" in _one_line_error(path)
+    for cut in (reader.data_offset + 1000, len(data) // 2, len(data) - 1):  # inside the tensor data
+        path = tmp_path / f"cut{cut}.gguf"
+        path.write_bytes(data[:cut])
+        assert f"truncated: {cut} bytes, header says at least {len(data)}" in _one_line_error(path)
