@@ -11,6 +11,7 @@ and its cache folder (an environment variable inductor reads) is set only while 
 
 from __future__ import annotations
 
+import functools
 import getpass
 import os
 import tempfile
@@ -39,21 +40,34 @@ DecodeFn = Callable[[Transformer, SequenceCache, torch.Tensor, torch.Tensor, int
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
+@functools.cache
+def _inductor_default_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(default_cache_dir())
+
+
 @contextmanager
 def inductor_cache_dir(folder: Path | None) -> Iterator[None]:
     """Inductor's cache folder is ``folder`` within the block (unless the user chose one with
     ``TORCHINDUCTOR_CACHE_DIR``); the environment is as it was afterwards. Inductor reads the folder
-    from the environment only, and only when it compiles."""
+    from the environment only, and only when it compiles. (It also writes its default there whenever
+    it looks the folder up, as importing transformers does: that value is not a user's choice.)"""
     key = "TORCHINDUCTOR_CACHE_DIR"
     saved = os.environ.get(key)
-    if folder is None or saved is not None:
+    if saved is not None and os.path.abspath(saved) != _inductor_default_dir():
+        folder = None
+    if folder is None:
         yield
         return
     os.environ[key] = str(folder)
     try:
         yield
     finally:
-        os.environ.pop(key, None)  # inductor may have written it too
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
 
 
 def compile_unavailable_reason(device: torch.device, tracing: bool = True) -> str | None:

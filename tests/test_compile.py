@@ -3,6 +3,7 @@ greedy tokens and stays within bf16 noise of its logits, and falls back a level 
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -85,15 +86,24 @@ def test_compilation_happens_before_the_first_reply(tiny_folder, monkeypatch, tm
     cache's last position eagerly, and answers as eager decode does."""
     import localllm.runtime.aot as aot
 
+    import torch._inductor.config as inductor_config
+
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     lm = _tiny(tiny_folder)
+    precision_casts = inductor_config.emulate_precision_casts
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled = Generator(lm.model, 16, compile=True)
-    assert not [str(w.message) for w in caught if "eagerly" in str(w.message) or "AOT" in str(w.message)]
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "eagerly" in m or "AOT" in m or "LeafSpec" in m], said
     assert compiled.step_kind == "aot"
     packages = list((tmp_path / "inductor" / "aot").glob("decode-*.pt2"))
     assert len(packages) == 1 and packages[0].stat().st_size < 20e6  # code only: no weights inside
+    # Compiling changed no process-wide setting: inductor's cache went to our folder while it compiled.
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert inductor_config.emulate_precision_casts == precision_casts
+    assert [p for p in (tmp_path / "inductor").iterdir() if p.name != "aot"]
 
     def no_build(*a, **k):
         raise AssertionError("built a package during the reply")
