@@ -101,7 +101,8 @@ _GUARD_OPTIONS = (
 )
 
 
-def _static_step(model: Transformer, cache: SequenceCache, token: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+def _static_step(model: Transformer, cache: SequenceCache, token: torch.Tensor, input_pos: torch.Tensor
+                 ) -> torch.Tensor:
     return model(token, cache, input_pos, static=True)[:, -1]
 
 

@@ -224,8 +224,8 @@ class Transformer(nn.Module):
         c = self.config
         device, dtype = self.device, cache_dtype or self.dtype
         shape = (batch, c.n_kv_heads, max_seq, c.head_dim)
-        layers = [KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                  for _ in self.layers]
+        layers = [KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                          torch.zeros(shape, dtype=dtype, device=device)) for _ in self.layers]
         cos, sin = rope_tables(c, max_seq, device)
         return SequenceCache(layers, cos.to(self.dtype), sin.to(self.dtype))
 
