@@ -30,7 +30,8 @@ BANDWIDTH_KEYS = {"method", "tensor_bytes", "repeats", "read_bytes_per_s", "copy
 SCHEME_KEYS = {"label", "activation_dtype", "kernels", "weight_bytes", "read_bytes_per_token", "load_s", "memory",
                "kv_cache", "ttft_s", "prefill_tps", "decode_tps", "inter_token_s", "runs", "roofline", "quality",
                "ratios"}
-MEMORY_KEYS = {"method", "peak_bytes", "peak_reserved_bytes", "after_load_bytes"}
+MEMORY_KEYS = {"method", "peak_bytes", "peak_reserved_bytes", "after_load_bytes", "weights_kv_bytes",
+               "ratio_to_weights_kv", "bound_bytes", "within_bound"}
 KV_KEYS = {"bytes_per_token", "ctx", "ctx_bytes", "max_seq_len", "max_seq_len_bytes"}
 SPREAD_KEYS = {"median", "min", "max"}
 RUN_KEYS = {"ttft_s", "prefill_tps", "decode_s", "decode_tps", "inter_token_s"}
@@ -86,6 +87,11 @@ def assert_consistent(result: dict) -> None:
         assert f["weight_bytes"] > 0 and 0 < f["read_bytes_per_token"] <= f["weight_bytes"] and f["load_s"] > 0
         assert f["memory"]["peak_bytes"] >= 0 and f["kv_cache"]["bytes_per_token"] > 0
         assert f["kv_cache"]["ctx_bytes"] == f["kv_cache"]["bytes_per_token"] * result["settings"]["ctx"]
+        mem = f["memory"]  # the target's figures: peak over weights + KV cache, and the bound check
+        assert mem["weights_kv_bytes"] == f["weight_bytes"] + f["kv_cache"]["ctx_bytes"]
+        assert mem["ratio_to_weights_kv"] == pytest.approx(mem["peak_bytes"] / mem["weights_kv_bytes"])
+        assert mem["bound_bytes"] == int(1.15 * mem["weights_kv_bytes"] + 64e6)
+        assert mem["within_bound"] == (mem["peak_bytes"] <= mem["bound_bytes"])
         for key in ("ttft_s", "prefill_tps", "decode_tps", "inter_token_s"):
             s = f[key]
             assert 0 < s["min"] <= s["median"] <= s["max"]
@@ -116,7 +122,7 @@ def assert_table(stdout: str, schemes: list[str], quality: bool) -> None:
     assert lines[0].startswith("# ")
     header = next(line for line in lines if not line.startswith("#"))
     assert header.split() == schemes
-    for label in ("weights", "peak memory", "KV cache / token", "TTFT ms", "prefill tok/s", "decode tok/s",
+    for label in ("weights", "peak memory", "mem/(w+kv)", "KV cache / token", "TTFT ms", "prefill tok/s", "decode tok/s",
                   "inter-token ms", "decode bandwidth", "roofline tok/s"):
         assert any(line.startswith(label) or line.lstrip().startswith(label) for line in lines), label
     assert any(line.startswith("perplexity") for line in lines) == quality
@@ -159,6 +165,22 @@ def test_tiny_figures_are_positive_and_consistent(tiny_run):
     attention = {"attention-cpu"} if native.compiler() is not None else set()
     assert all(set(f["kernels"]) >= attention for f in data["schemes"].values())
     assert "int4-tinygemm-cpu" in data["schemes"]["int4"]["kernels"] and set(data["schemes"]["fp32"]["kernels"]) == attention
+
+
+def test_tiny_memory_ratio_to_weights_and_kv_cache_is_reported(tiny_run):
+    """Each scheme's peak memory over weights + KV cache, in the JSON and as a table row with the bound
+    check (1.15 x (weights + KV) + 64 MB): "1.08 ok" or "1.40 over"."""
+    result, data, _ = tiny_run
+    [row] = [line for line in result.stdout.splitlines() if line.startswith("mem/(w+kv)")]
+    cells = row.removeprefix("mem/(w+kv)").split()
+    assert len(cells) == 2 * len(SCHEMES)
+    for name, ratio, verdict in zip(SCHEMES, cells[::2], cells[1::2]):
+        mem = data["schemes"][name]["memory"]
+        assert float(ratio) == pytest.approx(mem["ratio_to_weights_kv"], abs=0.006)
+        assert verdict == ("ok" if mem["within_bound"] else "over")
+    # a model this small is far below 64 MB: any peak a tiny model reaches is within the bound
+    assert all(f["memory"]["within_bound"] for f in data["schemes"].values())
+    assert any(note.startswith("mem/(w+kv)") for note in data["notes"])
 
 
 def test_tiny_no_cache_comparison(tiny_run):

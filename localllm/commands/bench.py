@@ -56,11 +56,13 @@ def bench(
 
     The table goes to stdout; progress, machine and method notes to stderr.
     """
-    from localllm import bench as b
+    from localllm.bench.measure import bench_checkpoint
+    from localllm.bench.plot import require_matplotlib
+    from localllm.bench.report import report, require_writable
 
     if plot_path is not None:
-        b.require_matplotlib()
-    b.require_writable(json_path, plot_path)
-    result = b.bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
-                                kv_compare, not no_quality, quant_head, compile_)
-    b.report(result, json_path, plot_path)
+        require_matplotlib()
+    require_writable(json_path, plot_path)
+    result = bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
+                              kv_compare, not no_quality, quant_head, compile_)
+    report(result, json_path, plot_path)
