@@ -324,6 +324,41 @@ def _from_cache(repo_id: str, revision: str | None) -> Snapshot:
     return Snapshot(repo_id, revision or constants.DEFAULT_REVISION, path.name, path, names)
 
 
+@dataclass(frozen=True)
+class DownloadedFile:
+    """One file of a repo in the HF cache: its snapshot path, the commit it came from, and the sha256
+    the Hub listed for it (LFS files: the cache names the blob after it; None for small files)."""
+
+    path: Path
+    commit: str
+    sha256: str | None
+
+
+def download_file(repo_id: str, filename: str, revision: str | None = None, *, token: str | None = None,
+                  offline: bool | None = None) -> DownloadedFile:
+    """Download one file of a repo (a GGUF file, say) through the client's ``hf_hub_download``: its
+    cache, lock, retries and progress bar, with the same one-line errors as :func:`download`.
+
+    The content is not hashed here: the caller reads the file anyway and compares with ``sha256``.
+    """
+    from huggingface_hub import hf_hub_download
+
+    endpoint = hub_endpoint()
+    offline = offline_from_env() if offline is None else offline
+    with _mapped_errors(repo_id, revision, endpoint, offline):
+        try:
+            local = Path(hf_hub_download(
+                repo_id, filename, revision=revision, cache_dir=hub_cache_dir(), endpoint=endpoint, token=token,
+                local_files_only=offline, tqdm_class=ProgressBar,
+            ))
+        except RemoteEntryNotFoundError as e:
+            raise LocalLLMError(f"'{filename}' not found in '{repo_id}'",
+                                f"see the repo's files at {endpoint}/{repo_id}") from e
+    commit = local.parents[len(PurePosixPath(filename).parts) - 1].name  # .../snapshots/<commit>/<file>
+    blob = local.resolve().name
+    return DownloadedFile(local, commit, blob if re.fullmatch(r"[0-9a-f]{64}", blob) else None)
+
+
 # --------------------------------------------------------------------------- integrity
 def git_blob_sha1(path: Path) -> str:
     """The git object id of a file (what the Hub lists as ``blobId`` / ``oid`` for non-LFS files)."""
@@ -406,7 +441,7 @@ def prune(snapshot: Snapshot, patterns: Iterable[str] = ("*.safetensors",)) -> i
 
 
 # --------------------------------------------------------------------------- progress
-class _ProgressBar(hf_tqdm):
+class ProgressBar(hf_tqdm):
     """The client's bars, with sizes *and* rates.
 
     For plain HTTP downloads ``snapshot_download`` draws its byte bars with a Xet format that has
@@ -449,10 +484,10 @@ def _pull_progress(progress: bool, total: int, initial: int) -> Iterator[type[hf
         yield _NoProgressBar
         return
     disable = True if total == 0 else is_tqdm_disabled(hf_logging.get_verbosity())
-    shared = _ProgressBar(total=total, initial=initial, unit="B", unit_scale=True, disable=disable,
+    shared = ProgressBar(total=total, initial=initial, unit="B", unit_scale=True, disable=disable,
                           name="huggingface_hub.snapshot_download")
 
-    class _Feeder(_ProgressBar):
+    class _Feeder(ProgressBar):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             byte_bar = kwargs.get("unit") == "B"
             # The snapshot's "transfer" bar repeats the other one: feeding both would count bytes twice.

@@ -40,7 +40,8 @@ from localllm.errors import LocalLLMError
 from localllm.format import human_size
 from localllm.paths import home
 
-__all__ = ["FORMAT_VERSION", "Store", "StoredModel", "human_size", "name_from_repo", "parse_model_ref", "verify"]
+__all__ = ["FORMAT_VERSION", "Store", "StoredModel", "check_local_path", "default_entry", "human_size", "looks_like_path",
+           "name_from_repo", "parse_model_ref", "read_entry", "verify"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -80,6 +81,23 @@ def parse_model_ref(ref: str) -> tuple[str, str | None]:
             f"'{ref}' has an empty scheme", "write NAME or NAME:SCHEME, e.g. smollm2-135m-instruct:int4"
         )
     return validate_name(name), (validate_name(scheme, "scheme") if sep else None)
+
+
+def looks_like_path(ref: str) -> bool:
+    """Whether ``ref`` is written as a file or folder path rather than a model name or Hub repo id:
+    ``./x``, ``../x``, ``/x``, ``~/x``, or a name ending in ``.gguf`` (no model name starts with '.')."""
+    return ref.startswith((".", "/", "~")) or ref.endswith(".gguf")
+
+
+def missing_path_error(ref: str) -> LocalLLMError:
+    return LocalLLMError(f"no such file or folder: {ref}",
+                         "check the path; a stored model is named NAME[:SCHEME] (see `localllm list`)")
+
+
+def check_local_path(ref: str) -> None:
+    """Refuse a path (see :func:`looks_like_path`) that does not exist, before it is taken for anything else."""
+    if looks_like_path(ref) and not Path(ref).expanduser().exists():
+        raise missing_path_error(ref)
 
 
 # --------------------------------------------------------------------------- entries
@@ -123,8 +141,9 @@ def _created(manifest: dict[str, Any], folder: Path) -> datetime:
         return datetime.fromtimestamp((folder / MANIFEST).stat().st_mtime, tz=timezone.utc)
 
 
-def _load(folder: Path) -> StoredModel | None:
-    """The entry in ``folder``: None without a valid manifest, or with one written for another name."""
+def read_entry(folder: Path) -> StoredModel | None:
+    """The entry in ``folder`` (``<store>/models/<name>/<scheme>``): None without a valid manifest, or
+    with one written for another name."""
     manifest = _read_manifest(folder)
     if manifest is None or (manifest["name"], manifest["scheme"]) != (folder.parent.name, folder.name):
         return None
@@ -209,7 +228,7 @@ class Store:
 
     # ---------------------------------------------------------------- reading
     def get(self, name: str, scheme: str) -> StoredModel | None:
-        return _load(self.path_for(name, scheme))
+        return read_entry(self.path_for(name, scheme))
 
     def exists(self, name: str, scheme: str) -> bool:
         return self.get(name, scheme) is not None
@@ -223,13 +242,15 @@ class Store:
             if name_dir.name.startswith(".") or not name_dir.is_dir():
                 continue
             for scheme_dir in sorted(name_dir.iterdir()):
-                entry = _load(scheme_dir) if scheme_dir.is_dir() else None
+                entry = read_entry(scheme_dir) if scheme_dir.is_dir() else None
                 if entry is not None:
                     entries.append(entry)
         return sorted(entries, key=lambda e: (e.name, e.scheme))
 
     def resolve(self, ref: str) -> StoredModel:
         """``name:scheme`` exactly; a bare ``name`` -> its default scheme (see the module docstring)."""
+        if looks_like_path(ref):
+            raise missing_path_error(ref)
         if "/" in ref:
             raise LocalLLMError(
                 f"model '{ref}' not found (that looks like a Hub repo)", f"run `localllm pull {ref}` first"
@@ -249,7 +270,7 @@ class Store:
             raise self._not_found(ref, name)
         if not entries:
             raise self._not_found(ref, name)
-        return _default_entry(entries)
+        return default_entry(entries)
 
     def _not_found(self, ref: str, name: str) -> LocalLLMError:
         names = sorted({e.name for e in self.list()})
@@ -370,7 +391,9 @@ class Store:
         return True
 
 
-def _default_entry(entries: list[StoredModel]) -> StoredModel:
+def default_entry(entries: list[StoredModel]) -> StoredModel:
+    """The entry a bare name means among ``entries`` (the schemes stored under one name, or the entries
+    pulled from one repo): the only one; else the one flagged ``"default": true``; else int4; else the newest."""
     if len(entries) == 1:
         return entries[0]
     flagged = [e for e in entries if e.manifest.get("default") is True]

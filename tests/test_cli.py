@@ -87,8 +87,16 @@ def test_interactive_chat_keeps_history_and_ends_on_ctrl_d(smollm2_path):
     assert "Traceback" not in err
 
 
-def test_missing_model_path():
-    assert_one_line_error(run_cli("run", "./no/such/model", "hi"), "not found")
+@pytest.mark.parametrize("path", ["./no/such/model", "/no/such/model", "../no-such-model", "~/no-such-localllm-model",
+                                  "no-such-model.gguf"])
+def test_missing_model_path(path: str):
+    """Written as a path (or a .gguf name): said not to exist, not taken for a Hub repo or a model name."""
+    assert_one_line_error(run_cli("run", path, "hi"), f"no such file or folder: {path}")
+
+
+@pytest.mark.parametrize("command", ["show", "bench", "pull"])
+def test_missing_path_in_other_commands(command: str):
+    assert_one_line_error(run_cli(command, "./no-such-folder"), "no such file or folder: ./no-such-folder")
 
 
 def test_unsupported_architecture(tmp_path: Path):

