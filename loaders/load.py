@@ -18,7 +18,7 @@ from localllm.loaders.artifact import ArtifactCheckpoint
 from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from localllm.loaders.gguf import GGUFCheckpoint
-from localllm.loaders.store import MANIFEST, Store, _load as _load_entry
+from localllm.loaders.store import MANIFEST, Store, read_entry as _load_entry
 from localllm.quant.formats import QuantScheme, parse_scheme
 from localllm.quant.convert import Plan
 from localllm.quant.linear import make_plan, prepare_model, share_tied_embedding, swap_linears
