@@ -1,0 +1,192 @@
+"""The block manager: allocation, reference counts, the prefix cache's hash chain and its LRU eviction.
+Pure bookkeeping (no tensors): every test ends with the manager's own consistency check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.runtime.block_manager import ROOT_KEY, BlockManager, BlockTable, block_key
+from localllm.runtime.config import ModelConfig
+from localllm.runtime.kv_pool import KVPool, plan_pool
+
+BS = 4
+
+
+def run(bm: BlockManager, tokens: list[int]) -> tuple[BlockTable, int]:
+    """Admit ``tokens`` and mark them all computed (as a finished prefill would)."""
+    table = BlockTable()
+    cached = bm.allocate(table, tokens)
+    assert cached is not None
+    bm.commit(table, tokens, len(tokens))
+    return table, cached
+
+
+def test_allocate_and_free_return_every_block():
+    bm = BlockManager(8, BS)
+    table = BlockTable()
+    assert bm.allocate(table, list(range(10))) == 0  # nothing cached yet
+    assert len(table.blocks) == 3 and bm.num_used == 3 and bm.num_free == 5
+    assert bm.grow(table, 12) and len(table.blocks) == 3  # still fits the third block
+    assert bm.grow(table, 13) and len(table.blocks) == 4  # a token more takes a block
+    bm.free(table)
+    assert table.blocks == [] and bm.num_used == 0 and bm.num_free == 8 and bm.num_cached == 0
+    bm.check()
+
+
+def test_memory_grows_with_tokens_held():
+    bm = BlockManager(8, BS)
+    table = BlockTable()
+    bm.allocate(table, [1])
+    held = []
+    for n in range(2, 20):
+        assert bm.grow(table, n)
+        held.append(bm.num_used)
+    assert held == [-(-n // BS) for n in range(2, 20)]
+    bm.check()
+
+
+def test_allocation_fails_whole_when_short():
+    bm = BlockManager(4, BS)
+    a = BlockTable()
+    bm.allocate(a, list(range(12)))  # 3 blocks
+    b = BlockTable()
+    assert bm.allocate(b, list(range(100, 108))) is None  # needs 2, 1 left: nothing taken
+    assert b.blocks == [] and bm.num_free == 1
+    assert not bm.grow(a, 17) and len(a.blocks) == 3  # needs 2 more
+    assert bm.grow(a, 16) and bm.num_free == 0
+    bm.check()
+
+
+def test_prefix_is_shared_and_refcounted():
+    bm = BlockManager(16, BS)
+    prompt = list(range(10, 20))  # 2 full blocks + 2 tokens
+    a, cached = run(bm, prompt)
+    assert cached == 0 and len(a.keys) == 2
+    b, cached = run(bm, prompt[:8] + [99, 98, 97])
+    assert cached == 8 and b.blocks[:2] == a.blocks[:2] and b.blocks[2] != a.blocks[2]
+    assert [bm.refs[x] for x in a.blocks] == [2, 2, 1]
+    bm.free(a)
+    assert [bm.refs[x] for x in b.blocks] == [1, 1, 1] and bm.num_cached == 0  # still in use by b
+    bm.free(b)
+    assert bm.num_used == 0 and bm.num_cached == 2  # the two keyed blocks stay for later
+    bm.check()
+
+
+def test_at_least_one_token_is_left_to_compute():
+    bm = BlockManager(16, BS)
+    prompt = list(range(8))  # exactly two full blocks
+    a, _ = run(bm, prompt)
+    b = BlockTable()
+    assert bm.allocate(b, prompt) == 4  # the second block is recomputed: its last token gives logits
+    assert b.blocks[0] == a.blocks[0] and b.blocks[1] != a.blocks[1]
+    assert bm.cached_prefix(prompt + [8]) == 8  # one token more: both blocks reusable
+    bm.check()
+
+
+def test_same_tokens_after_another_prefix_do_not_match():
+    bm = BlockManager(16, BS)
+    run(bm, [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert bm.cached_prefix([9, 9, 9, 9, 5, 6, 7, 8, 0]) == 0  # block 2's tokens, block 1's differ
+    assert bm.cached_prefix([1, 2, 3, 4, 9, 9, 9, 9, 0]) == 4
+    assert bm.cached_prefix([1, 2, 3, 4, 5, 6, 7, 8, 1]) == 8
+
+
+def test_keys_chain_and_are_stable():
+    k1 = block_key(ROOT_KEY, [1, 2, 3, 4])
+    assert k1 == block_key(ROOT_KEY, (1, 2, 3, 4))  # lists and tuples alike
+    assert block_key(k1, [5, 6, 7, 8]) != block_key(ROOT_KEY, [5, 6, 7, 8])
+    assert block_key(ROOT_KEY, [1, 2, 3, 4]) != block_key(ROOT_KEY, [4, 3, 2, 1])
+
+
+def test_key_is_the_same_in_another_process():
+    """Keys are blake2b, not Python's per-process salted hash()."""
+    import subprocess
+    import sys
+
+    code = ("from localllm.runtime.block_manager import ROOT_KEY, block_key;"
+            "print(block_key(ROOT_KEY, [1, 2, 3, 4]).hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == block_key(ROOT_KEY, [1, 2, 3, 4]).hex()
+
+
+def test_cached_blocks_are_evicted_lru_and_only_when_needed():
+    bm = BlockManager(6, BS)
+    a, _ = run(bm, list(range(0, 9)))  # 2 keyed blocks + 1 partial
+    b, _ = run(bm, list(range(100, 109)))
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_cached == 4 and bm.num_free == 6
+    # a's prefix used again: its blocks leave the LRU (b's are now the oldest)
+    c, cached = run(bm, list(range(0, 9)))
+    assert cached == 8 and bm.num_cached == 2
+    bm.free(c)
+    # 4 new blocks: the 2 plain free ones, then the LRU's oldest cached ones (b's, deepest first)
+    d = BlockTable()
+    assert bm.allocate(d, list(range(200, 216))) == 0
+    assert bm.cached_prefix(list(range(100, 109))) == 0  # b's chain is gone
+    assert bm.cached_prefix(list(range(0, 9))) == 8  # a's, used more recently, stays
+    bm.check()
+
+
+def test_eviction_drops_deeper_blocks_first():
+    bm = BlockManager(4, BS)
+    a, _ = run(bm, list(range(13)))  # 3 keyed blocks + 1 partial: the whole pool
+    bm.free(a)
+    d = BlockTable()
+    assert bm.allocate(d, [500]) == 0  # takes the free (partial) block
+    e = BlockTable()
+    assert bm.allocate(e, [600]) == 0  # evicts one cached block: the deepest
+    assert bm.cached_prefix(list(range(13))) == 8  # the first two blocks still match
+    bm.check()
+
+
+def test_a_revived_cached_block_counts_against_room():
+    bm = BlockManager(3, BS)
+    a, _ = run(bm, list(range(5)))  # 1 keyed + 1 partial
+    bm.free(a)
+    b = BlockTable()
+    bm.allocate(b, [700])  # 1 free block left besides the cached one
+    c = BlockTable()
+    # the prompt reuses the cached block and needs 2 more: 1 is there, so it must not fit
+    assert bm.allocate(c, list(range(4)) + [1, 2, 3, 4, 5]) is None
+    assert bm.num_cached == 1
+    bm.check()
+
+
+def test_duplicate_prefix_computed_twice_keeps_one_cached_copy():
+    bm = BlockManager(8, BS)
+    a, b = BlockTable(), BlockTable()
+    bm.allocate(a, list(range(5)))
+    bm.allocate(b, list(range(5)))  # before a committed: no hit
+    bm.commit(a, list(range(5)), 5)
+    bm.commit(b, list(range(5)), 5)
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_cached == 1 and bm.num_free == 8
+    bm.check()
+
+
+def test_pool_is_sized_from_the_budget():
+    config = ModelConfig(vocab_size=32, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128)
+    per_block = 2 * 2 * 2 * 16 * 16 * 4  # k+v, layers, kv heads, block, head_dim, fp32
+    plan = plan_pool(config, per_block * 10 + 5, torch.float32, block_size=16)
+    assert plan.n_blocks == 10 and plan.bytes_per_block == per_block and plan.tokens == 160
+    assert "10 blocks x 16 tokens = 160 tokens" in plan.describe()
+    pool = KVPool.allocate(config, plan, torch.device("cpu"))
+    assert len(pool.k) == 2 and pool.k[0].shape == (10, 2, 16, 16)
+    assert plan_pool(config, per_block * 10, torch.bfloat16, 32).n_blocks == 10  # half the bytes, twice the rows
+    with pytest.raises(LocalLLMError, match=f"takes {per_block} bytes"):
+        plan_pool(config, per_block - 1, torch.float32)
+
+
+def test_gather_reads_a_sequence_back_in_order():
+    config = ModelConfig(vocab_size=32, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, intermediate_size=64)
+    pool = KVPool.allocate(config, plan_pool(config, 10**6, torch.float32, 4), torch.device("cpu"))
+    blocks = [5, 2, 7]
+    for i, b in enumerate(blocks):
+        for r in range(4):
+            pool.k[0][b, :, r] = 4 * i + r
+    k, _ = pool.gather(0, torch.tensor(blocks), 10)
+    assert k.shape == (1, 1, 10, 16) and k[0, 0, :, 0].tolist() == list(range(10))
