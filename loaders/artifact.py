@@ -21,7 +21,7 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.loaders import store as store_mod
-from localllm.loaders.safetensors_stream import iter_safetensors, write_safetensors
+from localllm.loaders.safetensors_stream import iter_safetensors, read_header, write_safetensors
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme, dequantize
 from localllm.runtime.config import ModelConfig
@@ -85,7 +85,12 @@ class ArtifactCheckpoint:
         return iter_safetensors(self.folder / WEIGHTS)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Float tensors (quantized modules dequantized one at a time), for a conversion to another scheme."""
+        """Float tensors (quantized modules dequantized one at a time), for a conversion to another scheme.
+
+        A tied model stored with an int8 head has no 16-bit embedding (the head serves as it): its
+        ``embed.weight`` is the dequantized head, the same tensor."""
+        header, _ = read_header(self.folder / WEIGHTS)
+        embed_from_head = self.config.tie_embeddings and "output" in self.plan and "embed.weight" not in header
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in self._raw():
             module, _, leaf = key.rpartition(".")
@@ -96,7 +101,10 @@ class ArtifactCheckpoint:
             parts = pending.setdefault(module, {})
             parts[leaf] = t
             if len(parts) == len(_canonical_names(scheme)):
-                yield f"{module}.weight", dequantize(pending.pop(module), scheme)
+                w = dequantize(pending.pop(module), scheme)
+                yield f"{module}.weight", w
+                if module == "output" and embed_from_head:
+                    yield "embed.weight", w
 
     def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
         """The head as stored, when the blocks are loaded in the stored scheme."""

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from localllm.errors import LocalLLMError
-from localllm.quant.linear import concat_linears
+from localllm.quant.linear import QuantLinear, TiedInt8Embedding, concat_linears
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.model import Transformer
+
+#: Fused module -> (the block's submodule holding it, the projections it stacks, in output order).
+FUSIONS = {"qkv": ("attn", ("q", "k", "v")), "gate_up": ("mlp", ("gate", "up"))}
 
 
 def empty_model(config: ModelConfig) -> Transformer:
@@ -18,46 +23,130 @@ def empty_model(config: ModelConfig) -> Transformer:
         return Transformer(config)
 
 
+@dataclass
+class _Target:
+    """One tensor of the model being filled: whole from one source tensor, or (fused) row slices."""
+
+    name: str
+    module: nn.Module
+    leaf: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    is_param: bool
+    pending: set[str] = field(default_factory=set)  # source names still to arrive
+
+
+def _targets(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, _Target], dict[str, tuple[_Target, int, int]]]:
+    """The model's tensors by name, and the source names that fill a slice of one: a fused module's
+    parts (``layers.0.attn.k.weight`` -> rows of ``layers.0.attn.qkv.weight``)."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    modules = dict(model.named_modules())
+    targets: dict[str, _Target] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        module_name, _, leaf = name.rpartition(".")
+        is_param = name in params
+        targets[name] = _Target(name, modules[module_name], leaf, tuple(t.shape), dtype if is_param else t.dtype, is_param)
+    slices: dict[str, tuple[_Target, int, int]] = {}
+    for module_name, module in modules.items():
+        parts = getattr(module, "fused_from", None)
+        if not parts:
+            continue
+        parent = module_name.rpartition(".")[0]
+        for leaf in (n for n, _ in module.named_parameters(recurse=False)) if not isinstance(module, QuantLinear) \
+                else [*module.canonical(), *(["bias"] if module.bias is not None else [])]:
+            target = targets[f"{module_name}.{leaf}"]
+            start = 0
+            for part, rows, has_bias in parts:
+                if leaf != "bias" or has_bias:
+                    source = f"{parent}.{part}.{leaf}"
+                    slices[source] = (target, start, rows)
+                    target.pending.add(source)
+                start += rows
+    return targets, slices
+
+
+def _assign(target: _Target, t: torch.Tensor) -> None:
+    if target.is_param:
+        target.module._parameters[target.leaf] = nn.Parameter(t, requires_grad=False)
+    else:
+        target.module._buffers[target.leaf] = t
+
+
 def load_weights(
     model: Transformer,
     tensors: Iterable[tuple[str, torch.Tensor]],
     device: torch.device,
     dtype: torch.dtype,
     source: str,
+    kernel: str | None = None,
 ) -> Transformer:
     """Assign each (name, tensor) to ``model`` in ``dtype`` on ``device``, checking names and shapes.
 
-    Parameters (embedding, norms, float linears, biases) are converted to ``dtype`` as they stream
-    in, so at most one source tensor is held beside the converted model; buffers (the quantized
-    weights' codes and scales) keep the dtype their module declares.
+    Streaming: each tensor is converted and put in place as it arrives, so at most one source tensor
+    is held beside the model being filled. Parameters (embedding, norms, float linears, biases) take
+    ``dtype``; buffers (the quantized weights' codes and scales) keep the dtype their module declares.
+    A model fused on ``meta`` (:func:`fuse_projections` before loading) receives the checkpoint's
+    separate projections into row slices of its fused tensors, never a concatenated copy. Each
+    :class:`QuantLinear` is prepared (kernel chosen, repacked, ``dtype`` activations, ``kernel`` if it
+    can run it) as soon as its tensors are complete, so its canonical tensors live only that long.
     """
-    expected = model.state_dict()
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    tied = model.config.tie_embeddings and isinstance(model.output, torch.nn.Linear)
-    state: dict[str, torch.Tensor] = {}
+    tied = model.config.tie_embeddings and isinstance(model.output, nn.Linear)
+    shared_embedding = isinstance(getattr(model, "embed", None), TiedInt8Embedding)
+    targets, slices = _targets(model, dtype)
+    if tied:
+        del targets["output.weight"]  # the embedding's tensor, tied below
+    unfilled = {name for name, target in targets.items() if not target.pending}  # whole tensors still to come
+    waiting: dict[int, set[str]] = {}  # id(module) -> its tensors not yet complete
+    for name, target in targets.items():
+        waiting.setdefault(id(target.module), set()).add(name)
+    verdicts: dict[tuple, bool] = {}
+
+    def complete(target: _Target) -> None:
+        left = waiting[id(target.module)]
+        left.discard(target.name)
+        if not left and isinstance(target.module, QuantLinear):
+            target.module.prepare(dtype, kernel, verdicts)
+
     for name, t in tensors:
-        if name not in expected:
+        if tied and name == "output.weight":
+            continue  # some tied checkpoints still store lm_head: the embedding's tensor serves
+        if shared_embedding and name == "embed.weight":
+            continue  # a 16-bit table an older artifact stores beside its int8 head, which serves as it
+        if name in slices:
+            target, start, rows = slices[name]
+            want = (rows, *target.shape[1:])
+        elif name in targets:
+            target, start, rows = targets[name], 0, 0
+            want = target.shape
+        else:
             raise LocalLLMError(f"{source}: unexpected tensor '{name}'", "the checkpoint does not match its config")
-        want = expected[name]
-        if tuple(t.shape) != tuple(want.shape):
+        if tuple(t.shape) != want:
             raise LocalLLMError(
-                f"{source}: tensor '{name}' has shape {tuple(t.shape)}, the config implies {tuple(want.shape)}",
+                f"{source}: tensor '{name}' has shape {tuple(t.shape)}, the config implies {want}",
                 "the checkpoint does not match its config",
             )
-        target = dtype if name in params else want.dtype
-        state[name] = t.to(device=device, dtype=target)
-    if tied:
-        if "output.weight" in state:
-            # Some tied checkpoints still store lm_head: keep one tensor.
-            del state["output.weight"]
-        state["output.weight"] = state.get("embed.weight")  # type: ignore[assignment]
-    missing = sorted(k for k in expected if state.get(k) is None)
+        if name not in slices:
+            _assign(target, t.to(device=device, dtype=target.dtype))
+            unfilled.discard(name)
+            complete(target)
+            continue
+        current = getattr(target.module, target.leaf)
+        if current.device.type == "meta":
+            current = torch.empty(target.shape, dtype=target.dtype, device=device)
+            if target.leaf == "bias":
+                current.zero_()  # a part without bias contributes zeros
+            _assign(target, current)
+        current[start : start + rows].copy_(t)
+        target.pending.discard(name)
+        if not target.pending:
+            complete(target)
+        del t, current
+    missing = sorted(unfilled | {s for tg in targets.values() for s in tg.pending})
     if missing:
         raise LocalLLMError(
             f"{source}: missing tensor(s) {', '.join(missing[:3])}{'...' if len(missing) > 3 else ''}",
             "the checkpoint is incomplete; download it again",
         )
-    model.load_state_dict(state, strict=True, assign=True)
     if tied:
         model.tie_weights()
     return model.eval().requires_grad_(False)
@@ -67,15 +156,21 @@ def fuse_projections(model: Transformer) -> Transformer:
     """Merge each block's q/k/v and gate/up projections into one matmul each.
 
     Fewer, larger matmuls: at batch 1 a decode step is dominated by per-call overhead and by reading
-    weights, and a fused call reads the same bytes with a third (or half) of the calls. Done after
-    loading (the checkpoint and the artifact keep the separate layers) and before kernels are chosen.
+    weights, and a fused call reads the same bytes with a third (or half) of the calls. Done on the
+    ``meta`` model before loading (:func:`load_weights` then fills the fused tensors' row slices) or
+    on a loaded one (the tensors are concatenated), before kernels are chosen; the checkpoint and the
+    artifact keep the separate layers. Each fused module records its parts in ``fused_from``:
+    (name, output rows, has bias) in output order.
     """
     for layer in model.layers:
-        attn, mlp = layer.attn, layer.mlp
-        if attn.qkv is None:
-            attn.qkv = concat_linears([attn.q, attn.k, attn.v])
-            del attn.q, attn.k, attn.v
-        if mlp.gate_up is None:
-            mlp.gate_up = concat_linears([mlp.gate, mlp.up])
-            del mlp.gate, mlp.up
+        for fused_name, (owner_name, part_names) in FUSIONS.items():
+            owner = getattr(layer, owner_name)
+            if getattr(owner, fused_name) is not None:
+                continue
+            parts = [getattr(owner, p) for p in part_names]
+            fused = concat_linears(parts)
+            fused.fused_from = tuple((p, m.out_features, m.bias is not None) for p, m in zip(part_names, parts))
+            setattr(owner, fused_name, fused)
+            for p in part_names:
+                delattr(owner, p)
     return model

@@ -168,11 +168,18 @@ class GGUFCheckpoint:
         return rows
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(our name, float32 tensor) pairs, dequantized one at a time."""
-        for ours, t in self.raw_tensors():
-            w = gguf.quants.dequantize(t.data, t.tensor_type)  # (out, in) float32
-            # F32 tensors come back as read-only views of the mapped file: copy them.
-            yield ours, torch.tensor(self.fix_rows(ours, w))
+        """(our name, float32 tensor) pairs, dequantized one at a time (a slice of rows at a time) from
+        bytes read into a buffer of their own: the memory map's pages would stay resident."""
+        from localllm.loaders.safetensors_stream import read_array
+        from localllm.quant.gguf_blocks import dequantize
+
+        with self.path.open("rb", buffering=0) as f:
+            for ours, t in self.raw_tensors():
+                raw = read_array(f, t.data_offset, t.data.shape, t.data.dtype, t.name)
+                w = self.fix_rows(ours, dequantize(raw, t.tensor_type))  # (out, in) float32, its own buffer
+                del raw
+                yield ours, torch.from_numpy(np.ascontiguousarray(w))
+                del w
 
     def default_scheme(self) -> QuantScheme | None:
         """The scheme that holds this file's block weights as they are: int4 group 32 for Q4_0/Q4_1
@@ -202,25 +209,47 @@ class GGUFCheckpoint:
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors for a model whose modules hold the schemes of ``plan``: Q4_0/Q4_1/Q8_0 blocks that
         fit their module's grid are imported exactly; every other tensor is dequantized (and quantized
-        by :func:`quant.convert.quantize_stream` when its module is in ``plan``)."""
-        exact: list[tuple[str, gguf.ReaderTensor]] = []
+        by :func:`quant.convert.quantize_stream` when its module is in ``plan``).
+
+        ``tied_head``: the quantized head is made from the embedding's tensor, exactly when its blocks
+        fit the head's grid (a Q8_0 table as an int8 group-32 head); an int8 head also serves as the
+        embedding, which then is not dequantized at all. Bytes are read into buffers of their own, one
+        tensor at a time: the memory map's pages would stay resident while the file is open."""
+        from localllm.loaders.safetensors_stream import read_array
+        from localllm.quant.gguf_blocks import dequantize
+        from localllm.quant.linear import head_serves_embedding
+
+        head = plan.get("output") if tied_head else None
+        exact: list[tuple[str, str, gguf.ReaderTensor]] = []  # (module it fills, our name, tensor)
         for ours, t in self.raw_tensors():
             module = ours.rpartition(".")[0]
             if module in plan and ours.endswith(".weight") and exact_import(t.tensor_type.name, plan[module]):
-                exact.append((ours, t))
+                exact.append((module, ours, t))
+            elif head is not None and ours == "embed.weight" and exact_import(t.tensor_type.name, head):
+                exact.append(("output", ours, t))
+        head_exact = any(module == "output" and ours == "embed.weight" for module, ours, _ in exact)
+        skip = {ours for _, ours, _ in exact if ours != "embed.weight" or head_serves_embedding(head)}
 
-        def floats() -> Iterator[tuple[str, torch.Tensor]]:
-            skip = {name for name, _ in exact}
-            for ours, t in self.raw_tensors():
-                if ours not in skip:
-                    w = gguf.quants.dequantize(t.data, t.tensor_type)
-                    yield ours, torch.tensor(self.fix_rows(ours, w))
+        with self.path.open("rb", buffering=0) as f:
 
-        for ours, t in exact:
-            module = ours.rpartition(".")[0]
-            for k, v in to_canonical(t.tensor_type.name, t.data).items():
-                yield f"{module}.{k}", torch.from_numpy(self.fix_rows(ours, v.numpy()).copy())
-        yield from quantize_stream(floats(), plan, tied_head)
+            def floats() -> Iterator[tuple[str, torch.Tensor]]:
+                for ours, t in self.raw_tensors():
+                    if ours not in skip:
+                        raw = read_array(f, t.data_offset, t.data.shape, t.data.dtype, t.name)
+                        w = self.fix_rows(ours, dequantize(raw, t.tensor_type))
+                        del raw
+                        yield ours, torch.from_numpy(np.ascontiguousarray(w))
+                        del w
+
+            for module, ours, t in exact:
+                raw = read_array(f, t.data_offset, t.data.shape, t.data.dtype, t.name)
+                canonical = to_canonical(t.tensor_type.name, raw)
+                del raw
+                while canonical:
+                    k, v = canonical.popitem()
+                    yield f"{module}.{k}", torch.from_numpy(np.ascontiguousarray(self.fix_rows(ours, v.numpy())))
+                    del v
+            yield from quantize_stream(floats(), plan, tied_head and not head_exact)
 
     def describe(self) -> str:
         return str(self.path)

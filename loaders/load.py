@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
-import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,7 +18,7 @@ from localllm.loaders.artifact import ArtifactCheckpoint
 from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from localllm.loaders.gguf import GGUFCheckpoint
-from localllm.loaders.store import MANIFEST, Store, read_entry as _load_entry
+from localllm.loaders.store import MANIFEST, Store, read_entry
 from localllm.quant.formats import QuantScheme, parse_scheme
 from localllm.quant.convert import Plan
 from localllm.quant.linear import make_plan, prepare_model, share_tied_embedding, swap_linears
@@ -60,7 +60,7 @@ def open_checkpoint(ref: str, store: Store | None = None) -> Checkpoint:
     path = Path(ref).expanduser()
     if path.is_dir():
         if (path / MANIFEST).is_file():
-            entry = _load_entry(path)
+            entry = read_entry(path)
             if entry is None:
                 raise LocalLLMError(f"{path} has an unreadable manifest", "remove it and pull the model again")
             return ArtifactCheckpoint(entry)
@@ -111,7 +111,11 @@ def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None,
     """The empty (meta) model for ``ckpt`` in ``scheme``, the stream of tensors that fills it, and the
     plan (quantized module -> scheme). ``quantize_head`` names the output head's scheme (``int8``
     keeps the most sensitive layer at 8 bits beside int4 blocks); None means the checkpoint's own
-    choice (a stored model's head as stored, a GGUF's Q8_0 head as it is, else 16-bit); False keeps it 16-bit. Shared by loading and by writing artifacts."""
+    choice (a stored model's head as stored, a GGUF's Q8_0 head as it is, else 16-bit); False keeps it 16-bit. Shared by loading and by writing artifacts.
+
+    A tied model whose head is int8 reads its embedding from the head
+    (:func:`quant.linear.share_tied_embedding`, done here on ``meta``): it has no 16-bit table, so
+    none is loaded, made or stored."""
     model = empty_model(ckpt.config)
     if scheme is None or scheme.is_float:
         return model, ckpt.iter_tensors(), {}
@@ -122,6 +126,7 @@ def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None,
     plan = make_plan(model, scheme, head)
     swap_linears(model, plan)
     tied_head = ckpt.config.tie_embeddings and "output" in plan
+    share_tied_embedding(model)
     return model, ckpt.iter_canonical(plan, tied_head), plan
 
 
@@ -159,6 +164,19 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+def release_freed_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Loading frees many tensors of a few MB (a reader's metadata, conversion temporaries) between the
+    ones it keeps; glibc raises its mmap threshold after the first large free, so those come from
+    the heap, and the free gaps between kept tensors would stay resident (~250 MB for SmolLM2 int4)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 def load_model(
     ref: str,
     device: str = "auto",
@@ -178,6 +196,11 @@ def load_model(
     weights are quantized as they stream in when the checkpoint holds another format.
     ``attention_kernel``: on the CPU, decode steps attend with :mod:`runtime.cpu_attention`'s kernel
     (:mod:`localllm.native`); False keeps SDPA.
+
+    Memory: the model is fused on ``meta`` and filled one tensor at a time, each quantized layer
+    repacked for its kernel as soon as it is complete (:func:`loaders.build.load_weights`), so the
+    load holds the model plus about one tensor's conversion; a quantized layer left on the slow
+    reference kernel says why (:meth:`quant.linear.QuantLinear.prepare`).
     """
     t0 = time.perf_counter()
     dev = resolve_device(device)
@@ -190,22 +213,20 @@ def load_model(
             dtype = scheme.name
         scheme = None
     act = resolve_dtype(dtype, dev, quantized=scheme is not None)
-    if scheme is not None and dev.type == "cpu" and act != torch.bfloat16 and scheme.name in ("int4", "int8"):
-        warnings.warn(f"{scheme.name} weights with {str(act).removeprefix('torch.')} activations run on the slow "
-                      "reference kernel on the CPU; leave --dtype at auto (bf16) for the fast one")
     tokenizer = load_tokenizer(ckpt)
+    config, source = ckpt.config, ckpt.describe()
     model, tensors, _ = model_tensors(ckpt, scheme, quantize_head)
-    model = load_weights(model, tensors, dev, act, ckpt.describe())
     if fuse:
-        fuse_projections(model)
-    used = prepare_model(model, act, kernel)
-    share_tied_embedding(model)
+        fuse_projections(model)  # on meta: the stream fills the fused tensors' row slices
+    model = load_weights(model, tensors, dev, act, source, kernel)
+    del tensors, ckpt  # the reader, its metadata and its file
+    used = prepare_model(model, act, kernel)  # each layer was prepared as it arrived: this counts them
+    release_freed_memory()
     if attention_kernel and dev.type == "cpu":
         from localllm.runtime import cpu_attention
 
         model.set_decode_attention(cpu_attention.kernel())
         if model.decode_kernel is not None:
             used["attention-cpu"] = len(model.layers)
-    return LoadedModel(model, tokenizer, ckpt.config, ckpt.describe(), dev, act, time.perf_counter() - t0,
-                       scheme, used)
+    return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme, used)
 

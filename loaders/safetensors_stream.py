@@ -3,7 +3,7 @@
 ``safetensors.safe_open`` maps the whole file: every tensor read stays resident as mapped file
 pages until the file is closed, so the process's RSS grows to the file's size while streaming it.
 Reading each tensor into its own buffer keeps the footprint at one tensor, which is what makes
-quantizing a checkpoint memory-bounded. The format is an 8-byte little-endian header length, a JSON
+quantizing a checkpoint memory-bounded (:func:`read_array` does the same for GGUF tensors). The format is an 8-byte little-endian header length, a JSON
 header ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data.
 """
 
@@ -14,7 +14,9 @@ import os
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
+import numpy as np
 import torch
 
 from localllm.errors import LocalLLMError
@@ -56,6 +58,28 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, start
 
 
+def read_into(f: BinaryIO, offset: int, buffer: memoryview) -> bool:
+    """Fill ``buffer`` (bytes) from ``f`` at ``offset`` with plain reads; False when the file ends first."""
+    f.seek(offset)
+    got = 0
+    while got < len(buffer):
+        n = f.readinto(buffer[got:])
+        if not n:
+            return False
+        got += n
+    return True
+
+
+def read_array(f: BinaryIO, offset: int, shape: tuple[int, ...], dtype: np.dtype, what: str = "a tensor") -> np.ndarray:
+    """A fresh, writable array of ``shape`` and ``dtype`` read from ``f`` at ``offset``: the bytes live
+    in this buffer only, not as pages of a memory map that stay resident until the map is closed."""
+    out = np.empty(shape, dtype=dtype)
+    if out.size and not read_into(f, offset, memoryview(out.reshape(-1).view(np.uint8))):
+        raise LocalLLMError(f"{getattr(f, 'name', 'the file')} is truncated while reading {what}",
+                            "download or pull the model again")
+    return out
+
+
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs in file order; each tensor is a fresh CPU buffer."""
     header, start = read_header(path)
@@ -63,14 +87,9 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             begin, end = info["data_offsets"]
             t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
-            f.seek(start + begin)
             view = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
-            got = 0
-            while got < end - begin:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise _damaged(path, f"truncated while reading '{name}'")
-                got += n
+            if not read_into(f, start + begin, view):
+                raise _damaged(path, f"truncated while reading '{name}'")
             yield name, t
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from localllm.quant.formats import QuantScheme, quantize
+from localllm.quant.linear import head_serves_embedding
 
 #: module name -> the scheme its weight is stored in (modules not named stay float).
 Plan = dict[str, QuantScheme]
@@ -25,7 +26,9 @@ def quantize_stream(
     tensors in the module's scheme (``{module}.qweight``, ``.scales``...). Other tensors pass through.
 
     ``tied_head``: the model ties its output head to the embedding but the head is quantized, so the
-    head's tensors are made from ``embed.weight`` (which itself passes through unchanged).
+    head's tensors are made from ``embed.weight``, which passes through unchanged unless the head
+    also serves as the embedding (:func:`quant.linear.head_serves_embedding`: an int8 head), when
+    the model has no 16-bit table to fill.
     """
     head_done = False
     for name, t in tensors:
@@ -35,11 +38,21 @@ def quantize_stream(
                 if head_done:
                     continue  # a tied checkpoint that also stores lm_head: one copy is enough
                 head_done = True
-            for k, v in quantize(t, plan[module]).items():
-                yield f"{module}.{k}", v
+            yield from _quantized(module, t, plan[module])
+            del t  # not held while the consumer works on the next tensor
             continue
-        yield name, t
         if tied_head and name == "embed.weight" and "output" in plan and not head_done:
             head_done = True
-            for k, v in quantize(t, plan["output"]).items():
-                yield f"output.{k}", v
+            yield from _quantized("output", t, plan["output"])
+            if head_serves_embedding(plan["output"]):
+                continue
+        yield name, t
+        del t
+
+
+def _quantized(module: str, w: torch.Tensor, scheme: QuantScheme) -> Iterator[tuple[str, torch.Tensor]]:
+    parts = quantize(w, scheme)
+    del w
+    while parts:
+        k = next(iter(parts))
+        yield f"{module}.{k}", parts.pop(k)

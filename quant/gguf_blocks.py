@@ -11,12 +11,16 @@ In the 4-bit blocks byte j holds weight j in its low nibble and weight j + 16 in
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import torch
 
 from localllm.quant.formats import QuantScheme, pack_int4
 
 BLOCK = 32
+#: Rows dequantized at a time: the quantized types' numpy temporaries are a few times the float32
+#: output, so never for a whole vocabulary table.
+DEQUANT_ROWS = 1024
 #: GGUF type name -> (canonical scheme name, symmetric) it imports into without loss at group 32.
 EXACT = {"Q4_0": ("int4", True), "Q4_1": ("int4", False), "Q8_0": ("int8", True)}
 
@@ -30,6 +34,19 @@ def exact_import(type_name: str, scheme: QuantScheme) -> bool:
         return False
     # Q4_0 is symmetric, so it also fits the asymmetric grid; Q4_1 fits only the asymmetric one.
     return scheme.name != "int4" or symmetric or not scheme.symmetric
+
+
+def dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType, rows: int = DEQUANT_ROWS) -> np.ndarray:
+    """float32 values of one GGUF tensor's raw data (as the reader shapes it), ``rows`` rows at a time."""
+    if data.ndim < 2 or data.shape[0] <= rows:
+        return gguf.quants.dequantize(data, qtype)
+    first = gguf.quants.dequantize(data[:rows], qtype)
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype=np.float32)
+    out[:rows] = first
+    del first
+    for a in range(rows, data.shape[0], rows):
+        out[a : a + rows] = gguf.quants.dequantize(data[a : a + rows], qtype)
+    return out
 
 
 def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -47,21 +64,21 @@ def to_canonical(type_name: str, data: np.ndarray) -> dict[str, torch.Tensor]:
     """Canonical tensors of one GGUF tensor's raw blocks ``data`` (out, bytes per row) uint8."""
     if type_name == "Q4_1":
         b = _blocks(data, 20)
-        d = b[..., 0:2].copy().view(np.float16)[..., 0]
+        d = b[..., 0:2].copy().view(np.float16)[..., 0]  # (out, in/32), contiguous: its own buffer
         m = b[..., 2:4].copy().view(np.float16)[..., 0]
         codes = _codes4(b[..., 4:20])
-        return {"qweight": pack_int4(torch.from_numpy(codes)), "scales": torch.from_numpy(d.copy()),
-                "offsets": torch.from_numpy(m.copy())}
+        return {"qweight": pack_int4(torch.from_numpy(codes)), "scales": torch.from_numpy(d),
+                "offsets": torch.from_numpy(m)}
     if type_name == "Q4_0":
         b = _blocks(data, 18)
         d = b[..., 0:2].copy().view(np.float16)[..., 0]
         codes = _codes4(b[..., 2:18])
-        scales = torch.from_numpy(d.copy())
+        scales = torch.from_numpy(d)
         # -8 * d is exact in fp16 (a power-of-two multiple) unless |d| is near fp16's maximum.
         return {"qweight": pack_int4(torch.from_numpy(codes)), "scales": scales, "offsets": -8 * scales}
     if type_name == "Q8_0":
         b = _blocks(data, 34)
         d = b[..., 0:2].copy().view(np.float16)[..., 0]
         q = b[..., 2:34].copy().view(np.int8).reshape(b.shape[0], -1)
-        return {"qweight": torch.from_numpy(q), "scales": torch.from_numpy(d.copy())}
+        return {"qweight": torch.from_numpy(q), "scales": torch.from_numpy(d)}
     raise ValueError(f"no exact import for GGUF type {type_name}")
