@@ -19,7 +19,8 @@ def storage_layout(model: Transformer, float_dtype: torch.dtype) -> dict[str, tu
     """Name -> (shape, dtype) of every tensor an artifact of ``model`` (built on meta) holds.
 
     Parameters (embedding, norms, float linears, biases) are stored in ``float_dtype``; quantized
-    modules' buffers in their format's dtypes. A tied head is stored once, as the embedding.
+    modules' buffers in their format's dtypes. A tied head is stored once: as the embedding when it is
+    float, as the head when it is int8 (which then serves as the embedding: no 16-bit table).
     """
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     layout = {n: (tuple(t.shape), float_dtype if n in params else t.dtype) for n, t in model.state_dict().items()}
