@@ -40,8 +40,8 @@ from localllm.errors import LocalLLMError
 from localllm.format import human_size
 from localllm.paths import home
 
-__all__ = ["FORMAT_VERSION", "Store", "StoredModel", "check_local_path", "default_entry", "human_size", "looks_like_path",
-           "name_from_repo", "parse_model_ref", "read_entry", "verify"]
+__all__ = ["FORMAT_VERSION", "Store", "StoredModel", "check_local_path", "default_entry", "human_size",
+           "looks_like_path", "missing_path_error", "name_from_repo", "parse_model_ref", "read_entry", "verify"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

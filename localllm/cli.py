@@ -25,6 +25,30 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     click.echo(f"warning: {message}", err=True)
 
 
+#: Short flags localllm does not have because llama.cpp or Ollama give them another meaning, and what to use.
+DROPPED_SHORT_FLAGS = {
+    "-t": "the temperature is --temperature; llama.cpp's -t, the thread count, is --threads",
+    "-s": "the system prompt is --system; llama.cpp's -s, the seed, is --seed",
+    "-f": "pull's --force is spelled out; for llama.cpp's -f, a prompt file, pipe it: localllm run MODEL < FILE",
+}
+
+
+class OneLineUsageError(click.UsageError):
+    """A command-line mistake as one line on stderr (exit code 2, as click's usage errors), naming the
+    command's --help instead of printing its usage."""
+
+    def show(self, file=None) -> None:  # type: ignore[no-untyped-def]
+        command = self.ctx.command_path if self.ctx is not None else "localllm"
+        click.echo(f"Error: {self.format_message()}; see `{command} --help`", err=True)
+
+
+def _usage_message(e: click.UsageError) -> str:
+    message = " ".join(e.format_message().split()).rstrip(".")
+    if isinstance(e, click.NoSuchOption) and e.option_name in DROPPED_SHORT_FLAGS:
+        message += f" ({DROPPED_SHORT_FLAGS[e.option_name]})"
+    return message
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context):  # type: ignore[no-untyped-def]
         shown = warnings.showwarning
@@ -32,6 +56,10 @@ class _Group(click.Group):
             warnings.showwarning = _one_line_warning
         try:
             return super().invoke(ctx)
+        except click.UsageError as e:
+            if debug_enabled() or isinstance(e, OneLineUsageError):
+                raise
+            raise OneLineUsageError(_usage_message(e), e.ctx) from None
         except LocalLLMError as e:
             if debug_enabled():
                 raise

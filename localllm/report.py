@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+import torch
 
 from localllm.format import human_size
 from localllm.runtime.generate import GenerationStats
@@ -40,6 +41,8 @@ def describe_model(lm, ctx: int) -> None:  # type: ignore[no-untyped-def]
     kernels = ", ".join(f"{name} x{n}" for name, n in sorted(lm.kernels.items())) or "torch (float)"
     kv = lm.config.kv_cache_bytes(ctx, lm.model.dtype.itemsize)  # a generator's cache holds activations' dtype
     click.echo(f"model:   {lm.source}", err=True)
-    click.echo(f"device:  {lm.device}, activations {act}", err=True)
+    threads = torch.get_num_threads()
+    on_cpu = f", {threads} thread{'s' if threads != 1 else ''}" if lm.device.type == "cpu" else ""
+    click.echo(f"device:  {lm.device}{on_cpu}, activations {act}", err=True)
     click.echo(f"weights: {lm.scheme_label}, {human_size(lm.weight_bytes)} in memory; kernels: {kernels}", err=True)
     click.echo(f"kv cache: {human_size(kv)} for {ctx} tokens", err=True)

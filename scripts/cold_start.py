@@ -25,7 +25,7 @@ from localllm.paths import default_model_gguf, kernels_dir
 
 def first_token_s(args: list[str], env: dict[str, str]) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "localllm", "run", *args, "Hi", "-n", "2", "-t", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "localllm", "run", *args, "Hi", "-n", "2", "--temperature", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     assert proc.stdout is not None
     proc.stdout.read(1)

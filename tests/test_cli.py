@@ -15,14 +15,25 @@ import pytest
 LOCALLLM = [sys.executable, "-m", "localllm"]
 
 
-def run_cli(*args: str, stdin: str | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 240, home: Path | None = None
+            ) -> subprocess.CompletedProcess:
     env = {**os.environ, "LOCALLLM_DEBUG": ""}
+    if home is not None:
+        env["LOCALLLM_HOME"] = str(home)
     return subprocess.run([*LOCALLLM, *args], input=stdin, capture_output=True, text=True, timeout=timeout,
                           env=env, stdin=None if stdin is not None else subprocess.DEVNULL)
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
-    assert proc.returncode != 0
+def run_cli_bytes(*args: str | bytes, stdin: bytes | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Arguments and stdin as raw bytes (a terminal or file in another encoding); output decoded as UTF-8."""
+    proc = subprocess.run([*LOCALLLM, *args], input=stdin, capture_output=True, timeout=timeout,
+                          env={**os.environ, "LOCALLLM_DEBUG": ""},
+                          stdin=None if stdin is not None else subprocess.DEVNULL)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode())
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str, code: int = 1) -> None:
+    assert proc.returncode == code, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("Error: ") and "Traceback" not in proc.stderr
@@ -33,7 +44,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 
 @pytest.mark.slow
 def test_run_streams_only_text_to_stdout_and_stats_to_stderr(smollm2_path):
-    proc = run_cli("run", "smollm2", "What is the capital of France?", "-t", "0", "-n", "30", "--verbose")
+    proc = run_cli("run", "smollm2", "What is the capital of France?", "--temperature", "0", "-n", "30", "--verbose")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     for stat in ("load duration", "prompt eval count", "prompt eval rate", "eval count", "eval rate"):
@@ -42,7 +53,7 @@ def test_run_streams_only_text_to_stdout_and_stats_to_stderr(smollm2_path):
 
 @pytest.mark.slow
 def test_prompt_from_stdin_and_raw_mode(smollm2_path):
-    proc = run_cli("run", str(smollm2_path), "-t", "0", "-n", "8", "--raw", stdin="The capital of France is")
+    proc = run_cli("run", str(smollm2_path), "--temperature", "0", "-n", "8", "--raw", stdin="The capital of France is")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout and proc.stderr == ""
 
@@ -57,7 +68,7 @@ def test_prompt_longer_than_ctx(smollm2_path):
 def test_interactive_chat_keeps_history_and_ends_on_ctrl_d(smollm2_path):
     """A real terminal (pty) on stdin: two turns, the second relying on the first, then Ctrl-D."""
     master, slave = os.openpty()
-    proc = subprocess.Popen([*LOCALLLM, "run", "smollm2", "-t", "0", "-n", "40"], stdin=slave,
+    proc = subprocess.Popen([*LOCALLLM, "run", "smollm2", "--temperature", "0", "-n", "40"], stdin=slave,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     os.close(slave)
     err_fd, seen = proc.stderr.fileno(), b""  # the '>>> ' prompts go to stderr: stdout is not a terminal
@@ -87,6 +98,16 @@ def test_interactive_chat_keeps_history_and_ends_on_ctrl_d(smollm2_path):
     assert "Traceback" not in err
 
 
+def assert_one_warning(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit 0, and exactly one line on stderr, a warning (no traceback)."""
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("warning: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+# ------------------------------------------------------------------------------ bad input: paths
 @pytest.mark.parametrize("path", ["./no/such/model", "/no/such/model", "../no-such-model", "~/no-such-localllm-model",
                                   "no-such-model.gguf"])
 def test_missing_model_path(path: str):
@@ -95,8 +116,109 @@ def test_missing_model_path(path: str):
 
 
 @pytest.mark.parametrize("command", ["show", "bench", "pull"])
-def test_missing_path_in_other_commands(command: str):
-    assert_one_line_error(run_cli(command, "./no-such-folder"), "no such file or folder: ./no-such-folder")
+def test_missing_path_in_other_commands(command: str, tmp_path: Path):
+    proc = run_cli(command, "./no-such-folder", home=tmp_path)
+    assert_one_line_error(proc, "no such file or folder: ./no-such-folder")
+
+
+# ------------------------------------------------------------------------------ bad input: --ctx
+def chat_template_tokens(folder: Path) -> int:
+    from localllm.runtime.chat import encode_chat
+    from localllm.runtime.tokenizer import Tokenizer
+
+    return len(encode_chat(Tokenizer.from_folder(folder), [{"role": "user", "content": ""}]))
+
+
+@pytest.mark.parametrize("ctx", ["0", "-3"])
+def test_ctx_not_positive(tiny_folder, ctx: str):
+    _, folder = tiny_folder("llama")
+    assert_one_line_error(run_cli("run", str(folder), "h", "--ctx", ctx), f"--ctx {ctx} is not positive", "2 or more")
+
+
+def test_ctx_minimum_is_one_prompt_token_and_one_generated(tiny_folder):
+    """--raw: the start-of-text token, one prompt token and one generated token is the real minimum
+    (3 for the tiny model, which starts with BOS); it runs, 2 does not."""
+    _, folder = tiny_folder("llama")
+    assert_one_line_error(run_cli("run", str(folder), "h", "--raw", "--ctx", "2"), "--ctx 2 is too small",
+                          "start-of-text token", "--ctx 3 or more")
+    proc = run_cli("run", str(folder), "h", "--raw", "--ctx", "3", "-n", "1", "--temperature", "0")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_ctx_minimum_of_a_chat_counts_the_template(tiny_folder):
+    """A chat needs the template's tokens too: the error names the exact number, and that number runs."""
+    _, folder = tiny_folder("llama")
+    need = chat_template_tokens(folder) + 2
+    assert_one_line_error(run_cli("run", str(folder), "h", "--ctx", "1"), f"chat template takes {need - 2} tokens",
+                          f"--ctx {need} or more", "--raw")
+    proc = run_cli("run", str(folder), "h", "--ctx", str(need), "--temperature", "0")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_ctx_beyond_the_trained_length_is_warned_of(tiny_folder):
+    _, folder = tiny_folder("llama")  # max_position_embeddings 256
+    proc = run_cli("run", str(folder), "h", "--raw", "--ctx", "300", "-n", "2", "--temperature", "0")
+    assert_one_warning(proc, "--ctx 300", "256 tokens")
+
+
+# ------------------------------------------------------------------------------ bad input: flags
+@pytest.mark.parametrize("args, needles", [
+    (["run", "smollm2", "hi", "-t", "4"], ["No such option '-t'", "--temperature", "--threads"]),
+    (["run", "smollm2", "hi", "-s", "be brief"], ["No such option '-s'", "--system", "--seed"]),
+    (["pull", "org/name", "-f"], ["No such option '-f'", "--force"]),
+    (["run", "smollm2", "hi", "--quant", "int3"], ["Invalid value for '--quant'", "int4"]),
+], ids=["-t", "-s", "-f", "bad-choice"])
+def test_dropped_short_flags_and_usage_errors_are_one_line(args: list[str], needles: list[str]):
+    """-t is threads in llama.cpp, -s the seed, -f a prompt file: localllm does not give them other meanings."""
+    assert_one_line_error(run_cli(*args), *needles, code=2)
+
+
+def test_threads(tiny_folder):
+    _, folder = tiny_folder("llama")
+    proc = run_cli("run", str(folder), "h", "--raw", "-n", "2", "--temperature", "0", "--threads", "1", "--verbose")
+    assert proc.returncode == 0 and "cpu, 1 thread," in proc.stderr, proc.stderr
+    assert_one_line_error(run_cli("run", str(folder), "h", "--threads", "0"), "--threads 0 is not positive")
+
+
+# ------------------------------------------------------------------------------ bad input: bytes that are not UTF-8
+NOT_UTF8 = "warning: the input is not valid UTF-8; undecodable bytes were replaced with U+FFFD"
+
+
+def test_prompt_argument_that_is_not_utf8(tiny_folder):
+    _, folder = tiny_folder("llama")
+    proc = run_cli_bytes("run", str(folder), b"caf\xe9 \xff\xfe", "--raw", "-n", "2", "--temperature", "0")
+    assert_one_warning(proc)
+    assert proc.stderr.strip() == NOT_UTF8
+
+
+def test_piped_stdin_that_is_not_utf8(tiny_folder):
+    _, folder = tiny_folder("llama")
+    proc = run_cli_bytes("run", str(folder), "--raw", "-n", "2", "--temperature", "0", stdin=b"Latin-1: caf\xe9\n")
+    assert_one_warning(proc)
+    assert proc.stderr.strip() == NOT_UTF8
+    clean = run_cli_bytes("run", str(folder), "--raw", "-n", "2", "--temperature", "0", stdin="café\n".encode())
+    assert clean.returncode == 0 and clean.stderr == "", clean.stderr  # valid UTF-8: no warning
+
+
+# ------------------------------------------------------------------------------ show takes what run takes
+@pytest.mark.slow
+def test_show_the_embedded_default_model(smollm2_path: Path, tmp_path: Path):
+    proc = run_cli("show", "smollm2", "--json", home=tmp_path)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    facts = json.loads(proc.stdout)
+    assert facts["name"] == "smollm2" and facts["architecture"] == "llama" and facts["context_length"] == 8192
+    assert facts["source"] == {"path": str(smollm2_path.resolve())}
+    text = run_cli("show", "smollm2", home=tmp_path)
+    assert text.returncode == 0 and "smollm2" in text.stdout and "135M" in text.stdout
+    assert_one_line_error(run_cli("show", "smollm2", "--verify", home=tmp_path), "--verify checks stored models")
+
+
+def test_show_a_model_folder(tiny_folder, tmp_path: Path):
+    _, folder = tiny_folder("llama")
+    proc = run_cli("show", str(folder), "--json", home=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    facts = json.loads(proc.stdout)
+    assert facts["name"] is None and facts["layers"] == 2 and facts["source"] == {"path": str(folder.resolve())}
 
 
 def test_unsupported_architecture(tmp_path: Path):

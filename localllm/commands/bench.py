@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import click
 
+from localllm.bench.settings import DEFAULT_SCHEMES
+from localllm.commands.common import quant_head_option, threads_option
 from localllm.paths import DEFAULT_MODEL
+from localllm.quant.formats import ALL_SCHEMES
 
 
 @click.command()
 @click.argument("model", default=DEFAULT_MODEL, required=False)
 @click.option("--quant", "-q", metavar="SCHEMES",
-              help="Comma-separated schemes among fp32, fp16, bf16, int8, int4, nf4. "
-                   "Default: fp32,bf16,int8,int4,nf4 on the CPU, fp16,bf16,int8,int4,nf4 on CUDA.")
+              help=f"Comma-separated schemes among {', '.join(ALL_SCHEMES)}. Default: "
+                   f"{','.join(DEFAULT_SCHEMES['cpu'])} on the CPU, {','.join(DEFAULT_SCHEMES['cuda'])} on CUDA.")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
 @click.option("--prompt-tokens", type=int, default=512, show_default=True,
               help="Prompt length, cut from the evaluation text.")
@@ -19,7 +22,7 @@ from localllm.paths import DEFAULT_MODEL
               help="Tokens generated per run (greedy, end-of-sequence ignored).")
 @click.option("--ctx", type=int, help="KV cache length. Default: prompt + generated tokens.")
 @click.option("--runs", type=int, default=5, show_default=True, help="Timed runs per scheme, after one warm-up.")
-@click.option("--threads", type=int, help="torch CPU threads (default: torch's).")
+@threads_option
 @click.option("--json", "json_path", metavar="FILE", help="Write every figure as JSON ('-': to stdout).")
 @click.option("--plot", "plot_path", metavar="FILE.png", help="Write bar charts (needs pip install localllm[plot]).")
 @click.option("--text", "text_path", metavar="FILE",
@@ -27,9 +30,7 @@ from localllm.paths import DEFAULT_MODEL
 @click.option("--no-cache", "kv_compare", is_flag=True,
               help="Also time decode with and without the KV cache (first scheme only).")
 @click.option("--no-quality", is_flag=True, help="Skip perplexity / KL divergence / top-1 agreement.")
-@click.option("--quant-head", type=click.Choice(["int8", "int4", "nf4", "none"]),
-              callback=lambda ctx, param, value: False if value == "none" else value,
-              help="Scheme of the output head for the quantized schemes (as in run); none = 16-bit.")
+@quant_head_option("For the quantized schemes only; default: as in run.")
 @click.option("--compile", "compile_", is_flag=True,
               help="Time the compiled decode step (AOTInductor on the CPU, torch.compile on CUDA; compiled before "
                    "the runs, not timed).")
@@ -59,7 +60,9 @@ def bench(
     from localllm.bench.measure import bench_checkpoint
     from localllm.bench.plot import require_matplotlib
     from localllm.bench.report import report, require_writable
+    from localllm.loaders.store import check_local_path
 
+    check_local_path(model)
     if plot_path is not None:
         require_matplotlib()
     require_writable(json_path, plot_path)

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import click
 
+from localllm.commands.common import note, quant_head_option, threads_option
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL
+from localllm.quant.formats import ALL_SCHEMES
 from localllm.report import describe_model, print_stats
 from localllm.runtime.sampling import SamplingParams
+
+#: The sampling defaults are SamplingParams' own: one source for the CLI, the engine and the server.
+DEFAULTS = SamplingParams()
+#: The smallest context anything can run in: one prompt token and one generated token (plus what the
+#: model adds to a prompt: a start-of-text token, a chat template).
+MIN_CTX = 2
+#: Said once when input text held bytes that are not UTF-8.
+NOT_UTF8 = "warning: the input is not valid UTF-8; undecodable bytes were replaced with U+FFFD"
 
 
 def _write(piece: str) -> None:
@@ -26,25 +36,75 @@ def _stream(pieces: Iterator[str]) -> str:
     return "".join(out)
 
 
-def _read_prompt(prompt: str | None) -> str | None:
-    """The prompt argument, joined with piped stdin when there is some (``cat f | localllm run m "sum up:"``)."""
+# --------------------------------------------------------------------------- input text
+def decode_bytes(data: bytes) -> tuple[str, bool]:
+    """UTF-8 bytes as text, undecodable bytes replaced by U+FFFD; and whether any were."""
+    try:
+        return data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return data.decode("utf-8", errors="replace"), True
+
+
+def clean_arg(text: str) -> tuple[str, bool]:
+    """A command-line argument as valid text: Python hands bytes that are not UTF-8 over as lone
+    surrogates (surrogateescape); they become U+FFFD. Also says whether any were replaced."""
+    try:
+        text.encode("utf-8")
+        return text, False
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"), True
+
+
+def _read_prompt(prompt: str | None) -> tuple[str | None, bool]:
+    """The prompt argument, joined with piped stdin when there is some (``cat f | localllm run m "sum up:"``),
+    and whether undecodable bytes were replaced. Stdin is read as bytes: text mode would stop at the
+    first byte that is not UTF-8 with a UnicodeDecodeError."""
     if sys.stdin is None or sys.stdin.isatty():
-        return prompt
-    piped = sys.stdin.read()
+        return prompt, False
+    piped, replaced = decode_bytes(sys.stdin.buffer.read())
     if not piped.strip():
-        return prompt
-    return f"{prompt}\n\n{piped}" if prompt else piped
+        return prompt, False
+    return (f"{prompt}\n\n{piped}" if prompt else piped), replaced
+
+
+def prompt_overhead(tokenizer, raw: bool, system: str | None) -> int:  # type: ignore[no-untyped-def]
+    """Tokens a prompt takes besides its text: in --raw mode the start-of-text token (when the model
+    uses one); in a chat what the template puts around an empty message (and the system prompt)."""
+    if raw:
+        return len(tokenizer.encode(""))
+    from localllm.runtime.chat import encode_chat
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": ""}]
+    return len(encode_chat(tokenizer, messages))
+
+
+def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
+    """Refuse a context too small for anything to run: one prompt token and one generated token, plus
+    the prompt's ``overhead`` (:func:`prompt_overhead`). Warn of one beyond what the model was trained on."""
+    need = overhead + MIN_CTX
+    if ctx < need and raw:
+        start = "the start-of-text token, " if overhead else ""
+        raise LocalLLMError(f"--ctx {ctx} is too small: the context must hold {start}one prompt token and one "
+                            "generated token", f"give --ctx {need} or more, or leave it out")
+    if ctx < need:
+        raise LocalLLMError(
+            f"--ctx {ctx} is too small for a chat with this model: its chat template takes {overhead} tokens, "
+            "plus one prompt token and one generated token",
+            f"give --ctx {need} or more (more for a longer prompt and reply), or --raw for plain text")
+    if ctx > max_seq_len:
+        click.echo(f"warning: --ctx {ctx} is beyond the {max_seq_len} tokens the model was trained on; "
+                   f"replies past {max_seq_len} tokens may lose coherence", err=True)
 
 
 @click.command()
 @click.argument("model", default=DEFAULT_MODEL, required=False)
 @click.argument("prompt", required=False)
-@click.option("--system", "-s", help="System prompt.")
-@click.option("--temperature", "-t", type=float, default=0.8, show_default=True, help="0 = greedy.")
-@click.option("--top-k", type=int, default=40, show_default=True, help="0 = off.")
-@click.option("--top-p", type=float, default=0.9, show_default=True)
-@click.option("--min-p", type=float, default=0.0, show_default=True)
-@click.option("--repeat-penalty", type=float, default=1.0, show_default=True, help="1.0 = off.")
+@click.option("--system", help="System prompt.")
+@click.option("--temperature", type=float, default=DEFAULTS.temperature, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=DEFAULTS.top_k, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=DEFAULTS.top_p, show_default=True)
+@click.option("--min-p", type=float, default=DEFAULTS.min_p, show_default=True)
+@click.option("--repeat-penalty", type=float, default=DEFAULTS.repeat_penalty, show_default=True, help="1.0 = off.")
 @click.option("--seed", type=int, help="Seed for reproducible sampling.")
 @click.option("--max-tokens", "-n", type=int, help="Stop after this many generated tokens.")
 @click.option("--ctx", type=int, help="Context length (prompt + reply). Default: the model's, at most 4096.")
@@ -52,14 +112,12 @@ def _read_prompt(prompt: str | None) -> str | None:
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
 @click.option("--dtype", default="auto", show_default=True,
               help="Activations: auto (bf16 on CUDA and for quantized weights, else fp32), fp32, fp16, bf16.")
-@click.option("--quant", "-q", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4", "nf4"]),
+@threads_option
+@click.option("--quant", "-q", type=click.Choice(ALL_SCHEMES),
               help="Weight scheme; quantized at load when the model is stored in another. "
                    "Default: the model's own (int4 for Q4 GGUF files).")
 @click.option("--group-size", type=int, help="Quantization group size (int4: 32/64/128/256; int8: per channel).")
-@click.option("--quant-head", type=click.Choice(["int8", "int4", "nf4", "none"]),
-              callback=lambda ctx, param, value: False if value == "none" else value,
-              help="Scheme of the output head (int8 also serves a tied embedding table); none = 16-bit. "
-                   "Default: as stored; on the CPU a GGUF's Q8_0 head as it is; else 16-bit.")
+@quant_head_option("Default: as stored; on the CPU a GGUF's Q8_0 head as it is; else 16-bit.")
 @click.option("--kernel", type=click.Choice(["int4-tinygemm-cpu", "int4-tinygemm-cuda", "int8-weight-only",
                                              "int8-group-cpu", "nf4-bitsandbytes", "reference"]),
               help="Force a matmul kernel (default: the fastest that works here).")
@@ -83,6 +141,7 @@ def run(
     stop: tuple[str, ...],
     device: str,
     dtype: str,
+    threads: int | None,
     quant: str | None,
     group_size: int | None,
     quant_head: str | None,
@@ -96,27 +155,35 @@ def run(
 
     With no PROMPT and a terminal on stdin, starts an interactive chat (Ctrl-D to quit).
     """
-    from localllm.commands.common import note
     from localllm.loaders.load import load_model
     from localllm.loaders.pull import pull_if_missing
     from localllm.loaders.store import check_local_path
     from localllm.runtime.engine import Engine
+    from localllm.threads import set_threads
 
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repeat_penalty=repeat_penalty, seed=seed)
     if max_tokens is not None and max_tokens < 1:
         raise LocalLLMError(f"--max-tokens {max_tokens} is not positive", "give 1 or more, or leave it out")
+    if ctx is not None and ctx < 1:  # before loading anything; the exact minimum is known once the model is
+        raise LocalLLMError(f"--ctx {ctx} is not positive", f"give the context length in tokens: {MIN_CTX} or more "
+                            "(one prompt token, one generated token), plus what the model adds to a prompt (a "
+                            "start-of-text token, a chat template); or leave it out")
     check_local_path(model)
-    text = _read_prompt(prompt)
+    set_threads(threads)
+    args = [clean_arg(s) for s in (prompt or "", system or "", *stop)]
+    prompt = args[0][0] if prompt is not None else None
+    system = args[1][0] if system is not None else None
+    stop = tuple(s for s, _ in args[2:])
+    text, piped_replaced = _read_prompt(prompt)
+    if piped_replaced or any(replaced for _, replaced in args):
+        click.echo(NOT_UTF8, err=True)
+
     model = pull_if_missing(model, quant, group_size, notify=note)  # a Hub repo id not stored yet is pulled first
     lm = load_model(model, device=device, dtype=dtype, quant=quant, group_size=group_size,
                     quantize_head=quant_head, kernel=kernel)
-    ctx = ctx or min(lm.config.max_seq_len, 4096)
-    if ctx < 2:
-        raise LocalLLMError(f"--ctx {ctx} is too small", "give at least a few hundred tokens")
-    if ctx > lm.config.max_seq_len:
-        click.echo(f"warning: --ctx {ctx} is beyond the {lm.config.max_seq_len} tokens the model was trained on",
-                   err=True)
+    ctx = ctx if ctx is not None else min(lm.config.max_seq_len, 4096)
+    check_ctx(ctx, lm.config.max_seq_len, prompt_overhead(lm.tokenizer, raw, system), raw)
     if compile_:
         click.echo("compiling the decode step (about half a minute the first time, a second once cached)...", err=True)
     engine = Engine(lm.model, lm.tokenizer, ctx, compile=compile_)
@@ -141,15 +208,22 @@ def run(
 
 def _ask(prompt: str = ">>> ") -> str:
     """One line from the user. The prompt goes to stderr unless stdout is the terminal too, so a
-    redirected stdout holds only the model's replies."""
+    redirected stdout holds only the model's replies. Bytes that are not UTF-8 become U+FFFD."""
     if sys.stdout.isatty():
-        return input(prompt)  # readline editing and history
-    sys.stderr.write(prompt)
-    sys.stderr.flush()
-    line = sys.stdin.readline()
-    if not line:
-        raise EOFError
-    return line.rstrip("\n")
+        try:
+            line, replaced = clean_arg(input(prompt))  # readline editing and history
+        except UnicodeDecodeError:  # the terminal's text decoder is strict: the line is lost, not the chat
+            line, replaced = "", True
+    else:
+        sys.stderr.write(prompt)
+        sys.stderr.flush()
+        data = sys.stdin.buffer.readline()
+        if not data:
+            raise EOFError
+        line, replaced = decode_bytes(data.rstrip(b"\n"))
+    if replaced:
+        click.echo(NOT_UTF8, err=True)
+    return line
 
 
 def _after(engine, verbose: bool, load_s: float | None) -> None:  # type: ignore[no-untyped-def]
@@ -159,7 +233,8 @@ def _after(engine, verbose: bool, load_s: float | None) -> None:  # type: ignore
         print_stats(engine.stats, load_s)
 
 
-def _chat(engine, params, system, max_tokens, stop, verbose, load_s) -> None:  # type: ignore[no-untyped-def]
+def _chat(engine, params, system, max_tokens, stop: Sequence[str], verbose,  # type: ignore[no-untyped-def]
+          load_s) -> None:
     """Multi-turn chat on a terminal: history kept, /clear forgets it, Ctrl-D or /bye ends it."""
     click.echo(">>> Chat (Ctrl-D or /bye to quit, /clear to forget the conversation, Ctrl-C stops a reply)", err=True)
     messages = [{"role": "system", "content": system}] if system else []
