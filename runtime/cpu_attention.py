@@ -1,5 +1,4 @@
 """The CPU decode step's attention: ``localllm::decode_attention`` (``csrc/decode_attention.cpp``, built
-built
 by :mod:`localllm.native` as :data:`LIBRARY`), one query per head over the cached keys.
 
 Why a kernel of our own: torch's flash-attention CPU kernel costs 20-30 us a call on a decode step's
@@ -8,6 +7,10 @@ compiled SmolLM2 step; this one does the same arithmetic in a few us. ``loaders.
 every layer of a CPU model (:meth:`runtime.model.Transformer.set_decode_attention`), so eager and
 compiled decode run the same attention and the compiled step stays the eager one fused. (With SDPA
 left in eager decode, the two roundings drifted apart enough to change greedy tokens at near-ties.)
+
+``localllm::paged_decode_attention`` is its batch-engine form: one query per sequence of a batch, each
+over its own keys/values in the paged KV pool's blocks (:mod:`runtime.paged`); it rounds exactly as
+``decode_attention`` over the same rows gathered.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from localllm import native
 from localllm.runtime.model import DecodeAttention
-
+from localllm.runtime.paged import PagedDecodeAttention
 
 
 def _register_fakes() -> None:
@@ -29,10 +32,15 @@ def _register_fakes() -> None:
     def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("localllm::paged_decode_attention")
+    def _paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
 
 LIBRARY = native.NativeLibrary(
     "localllm_attention", (Path(__file__).resolve().parent / "csrc" / "decode_attention.cpp",),
-    ("decode_attention",), _register_fakes,
+    ("decode_attention", "paged_decode_attention"), _register_fakes,
 )
 
 
@@ -41,6 +49,22 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     kv head; k, v (B, KV, L, hd), the cached keys and values (any strides). Returns (B, KV, G, hd) in
     q's dtype, as ``F.scaled_dot_product_attention(q, k, v)`` does."""
     return torch.ops.localllm.decode_attention(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """One query per sequence over the paged pool: q (S, KV, G, hd); k_pool, v_pool (n_blocks, KV,
+    block, hd); block_tables (S, max_blocks) int32, sequence s's keys being the first
+    ``context_lens[s]`` rows of its blocks in table order; context_lens (S,) int32. Returns
+    (S, KV, G, hd) in q's dtype."""
+    return torch.ops.localllm.paged_decode_attention(
+        q, k_pool, v_pool, block_tables, context_lens, 1.0 / math.sqrt(q.shape[-1]))
+
+
+def paged_kernel(cache_dir: Path | None = None) -> PagedDecodeAttention | None:
+    """:func:`paged_decode_attention` once localllm's CPU kernels are loaded; None where they cannot be
+    built (the batch engine then attends with SDPA over gathered blocks)."""
+    return paged_decode_attention if native.available(LIBRARY, cache_dir) else None
 
 
 def kernel(cache_dir: Path | None = None) -> DecodeAttention | None:

@@ -102,12 +102,18 @@ class KVPool:
         return self.plan.dtype
 
     def gather(self, layer: int, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's first ``length`` keys and values of ``layer`` as contiguous tensors
-        (1, kv_heads, length, head_dim), from its block ids ``blocks`` (n,) (a copy: for the SDPA path
-        and for tests)."""
-        out = []
-        for pool in (self.k[layer], self.v[layer]):
-            rows = pool.index_select(0, blocks)  # (n, KV, bs, hd)
-            n, kv, bs, hd = rows.shape
-            out.append(rows.transpose(0, 1).reshape(1, kv, n * bs, hd)[:, :, :length])
-        return out[0], out[1]
+        """One sequence's first ``length`` keys and values of ``layer`` (see :func:`gather`)."""
+        return gather(self.k[layer], self.v[layer], blocks, length)
+
+
+def gather(k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
+           length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first ``length`` keys and values as contiguous (1, kv_heads, length, head_dim)
+    tensors, copied from the pool tensors (n_blocks, kv_heads, block, head_dim) through its block ids
+    ``blocks`` (n,) long (the SDPA path's input, and tests')."""
+    out = []
+    for pool in (k_pool, v_pool):
+        rows = pool.index_select(0, blocks)  # (n, KV, bs, hd)
+        n, kv, bs, hd = rows.shape
+        out.append(rows.transpose(0, 1).reshape(1, kv, n * bs, hd)[:, :, :length])
+    return out[0], out[1]

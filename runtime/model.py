@@ -15,7 +15,8 @@ No device or dtype is hard-wired: build on ``meta``, ``load_state_dict(assign=Tr
 
 The model holds no per-sequence state: a sequence's keys/values live in a
 :class:`runtime.cache.SequenceCache` (made by :meth:`Transformer.new_cache` on the weights' device),
-which the caller owns and passes to every forward.
+which the caller owns and passes to every forward. A batch of sequences over the batch engine's
+paged KV pool passes a :class:`runtime.paged.PagedStep` instead (:func:`paged_attention`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from torch import nn
 
 from localllm.runtime.cache import KVCache, SequenceCache
 from localllm.runtime.config import ModelConfig
+from localllm.runtime.kv_pool import gather
+from localllm.runtime.paged import PagedLayer, PagedStep
 
 #: One-query attention: q (B, KV, G, hd), the G query heads sharing each kv head; k, v (B, KV, L, hd).
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -129,7 +132,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # (B, T, D)
         cos: torch.Tensor,  # (T, hd)
         sin: torch.Tensor,  # (T, hd)
-        kv: KVCache | None,  # this layer's cache, None = no cache
+        kv: KVCache | PagedLayer | None,  # this layer's cache, None = no cache
         input_pos: torch.Tensor | None,  # (T,) positions (with a cache)
         kv_len: int,  # keys to attend to: positions [0, kv_len)
         mask: torch.Tensor | None,  # (T, kv_len) bool, or None for "causal from 0" / "all"
@@ -146,6 +149,8 @@ class Attention(nn.Module):
             q = apply_rope(self.q(x).view(B, T, H, hd).transpose(1, 2), cos, sin)  # (B, H, T, hd)
             k = apply_rope(self.k(x).view(B, T, KV, hd).transpose(1, 2), cos, sin)  # (B, KV, T, hd)
             v = self.v(x).view(B, T, KV, hd).transpose(1, 2)
+        if isinstance(kv, PagedLayer):
+            return self.o(paged_attention(q, k, v, kv))
         if kv is not None and input_pos is not None:
             k_all, v_all = kv.update(input_pos, k, v)
             k, v = k_all[:, :, :kv_len], v_all[:, :, :kv_len]  # (B, KV, kv_len, hd)
@@ -166,6 +171,51 @@ class Attention(nn.Module):
             )  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o(y)
+
+
+def paged_attention(
+    q: torch.Tensor,  # (1, H, N, hd): the step's queries, every sequence's rows in turn
+    k: torch.Tensor,  # (1, KV, N, hd): their new keys
+    v: torch.Tensor,  # (1, KV, N, hd)
+    layer: PagedLayer,
+) -> torch.Tensor:
+    """Attention of a flattened batch over the paged pool -> (1, N, H * hd).
+
+    The new keys/values are written to their slots first; then each sequence's queries attend over
+    its own context: single queries through the step's paged kernel (one call for all of them) when it
+    has one, the rest through SDPA over keys/values gathered from their blocks.
+    """
+    step = layer.step
+    _, H, N, hd = q.shape
+    KV = k.shape[1]
+    kp, vp = layer.k, layer.v  # (n_blocks, KV, block, hd)
+    kp[step.write_blocks, :, step.write_rows] = k[0].transpose(0, 1)  # (N, KV, hd) into the slots
+    vp[step.write_blocks, :, step.write_rows] = v[0].transpose(0, 1)
+    qt = q[0].transpose(0, 1)  # (N, H, hd)
+    decode = None
+    if step.decode_tables is not None:
+        assert step.kernel is not None and step.decode_lens is not None
+        qd = qt if step.decode_rows is None else qt.index_select(0, step.decode_rows)  # (S_d, H, hd)
+        decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, step.decode_tables, step.decode_lens)
+        if step.decode_rows is None:
+            return decode.reshape(1, N, H * hd)  # (S_d, KV, G, hd), S_d == N: every row in order
+    y = q.new_empty(N, H, hd)
+    if decode is not None:
+        y.index_copy_(0, step.decode_rows, decode.reshape(-1, H, hd))
+    for span in step.sdpa_spans:
+        ks, vs = gather(kp, vp, span.blocks, span.context)  # (1, KV, ctx, hd)
+        qs = q[:, :, span.row : span.row + span.length]  # (1, H, n, hd)
+        mask = step.mask(span)
+        if span.length == 1 and mask is None:
+            # one query: fold each kv group's heads into the query axis, as the one-sequence decode does
+            ys = F.scaled_dot_product_attention(qs.reshape(1, KV, H // KV, hd), ks, vs)  # (1, KV, G, hd)
+            y[span.row] = ys.reshape(H, hd)
+        else:
+            ys = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=KV != H
+            )  # (1, H, n, hd)
+            y[span.row : span.row + span.length] = ys[0].transpose(0, 1)
+    return y.view(1, N, H * hd)
 
 
 class MLP(nn.Module):
@@ -251,11 +301,15 @@ class Transformer(nn.Module):
             self.set_decode_attention(saved)
 
     def forward(
-        self, tokens: torch.Tensor, cache: SequenceCache | None = None, input_pos: torch.Tensor | None = None,
-        start: int = 0, static: bool = False, last_only: bool = False,
+        self, tokens: torch.Tensor, cache: SequenceCache | PagedStep | None = None,
+        input_pos: torch.Tensor | None = None, start: int = 0, static: bool = False, last_only: bool = False,
     ) -> torch.Tensor:
         """Logits (B, T, vocab) for ``tokens`` (B, T); (B, 1, vocab) for the last position alone with
         ``last_only`` (a prompt's prefill needs no more, and the head is the largest matmul).
+
+        With a :class:`runtime.paged.PagedStep` as ``cache``, ``tokens`` (1, N) are the step's flattened
+        batch and the logits are those of its ``logits_rows``, (1, S_out, vocab); the other arguments
+        are not used (see :meth:`forward_paged`).
 
         With a ``cache`` the tokens sit at positions ``start`` .. ``start + T - 1`` (``start`` given as
         an int so that no device sync is needed to know it; ``input_pos`` is the same positions as a
@@ -267,6 +321,8 @@ class Transformer(nn.Module):
         decode step has the same shapes whatever the position (what CUDA graphs need; ``start`` is
         then ignored). Otherwise only the filled prefix of the cache is read, which is cheaper.
         """
+        if isinstance(cache, PagedStep):
+            return self.forward_paged(tokens, cache)
         B, T = tokens.shape
         if cache is None:
             start, input_pos = 0, None
@@ -287,6 +343,15 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, kv, input_pos, kv_len, mask)
         if last_only:
             x = x[:, -1:]  # (B, 1, D)
+        return self.output(self.norm(x))
+
+    def forward_paged(self, tokens: torch.Tensor, step: PagedStep) -> torch.Tensor:
+        """Logits (1, S_out, vocab) of ``step.logits_rows`` for the flattened batch ``tokens`` (1, N):
+        every linear layer runs once over all N rows, attention per sequence (:func:`paged_attention`)."""
+        x = self.embed(tokens)  # (1, N, D)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, step.cos, step.sin, step.layer(i), None, 0, None)
+        x = x[:, step.logits_rows]  # (1, S_out, D)
         return self.output(self.norm(x))
 
     def _forward_static(self, tokens: torch.Tensor, cache: SequenceCache, input_pos: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,9 @@
 // scores in fp32, scaled after the dot product, softmax with at::vec's exp_u20, probabilities
 // rounded to the input dtype before they weight the values, fp32 accumulation, one division by
 // the fp32 sum at the end. Eager and compiled decode both call it (runtime/cpu_attention.py).
+//
+// paged_decode_attention is the same for the batch engine: one query per sequence over keys and
+// values held in the paged KV pool's blocks, each sequence with its own block table and length.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -41,11 +44,11 @@ inline Vec load_f(const T* p) {
   }
 }
 
-// s[j][l] = (q_j . k_l) * scale for the G query rows qf (fp32) and the L key rows of kb.
+// s[j * ld + l] = (q_j . k_l) * scale for the G query rows qf (fp32) and the L key rows of kb.
 // NV > 0: hd is NV vectors exactly, and q_j lives in registers; NV == 0: any hd, through `row`.
 template <typename T, int NV>
 inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t L, int64_t hd, int64_t hv,
-                   float sc, float* s) {
+                   float sc, float* s, int64_t ld) {
   for (const auto j : c10::irange(G)) {
     const float* qj = qf + j * hd;
     if constexpr (NV > 0) {
@@ -58,7 +61,7 @@ inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t 
           if (c % 2) a1 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a1);
           else a0 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a0);
         }
-        s[j * L + l] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a0 + a1) * sc;
+        s[j * ld + l] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a0 + a1) * sc;
       }
     } else {
       for (const auto l : c10::irange(L)) {
@@ -67,22 +70,24 @@ inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t 
         for (int64_t d = 0; d < hv; d += VS) a = at::vec::fmadd(Vec::loadu(qj + d), load_f(kl + d), a);
         float dot = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
         for (int64_t d = hv; d < hd; ++d) dot += qj[d] * static_cast<float>(kl[d]);
-        s[j * L + l] = dot * sc;
+        s[j * ld + l] = dot * sc;
       }
     }
   }
 }
 
-// acc[j] = sum_l p[j][l] v_l for the G rows of probabilities p (fp32, L each).
+// acc[j] = sum_l p[j * ld + l] v_l for the G rows of probabilities p (fp32) over the L value rows of
+// vb; with `add`, acc[j] += that sum, in the same order of operations (a paged sweep, block by block,
+// rounds exactly as one sweep over the same rows).
 template <typename T, int NV>
 inline void weigh(const float* p, int64_t G, const T* vb, int64_t vs, int64_t L, int64_t hd, int64_t hv,
-                  float* acc) {
+                  float* acc, int64_t ld, bool add) {
   for (const auto j : c10::irange(G)) {
-    const float* pj = p + j * L;
+    const float* pj = p + j * ld;
     float* aj = acc + j * hd;
     if constexpr (NV > 0) {
       Vec a[NV];  // the output row in registers for the whole sweep over the values
-      for (int c = 0; c < NV; ++c) a[c] = Vec(0.f);
+      for (int c = 0; c < NV; ++c) a[c] = add ? Vec::loadu(aj + c * VS) : Vec(0.f);
       for (const auto l : c10::irange(L)) {
         const Vec w(pj[l]);
         const T* vl = vb + l * vs;
@@ -90,13 +95,28 @@ inline void weigh(const float* p, int64_t G, const T* vb, int64_t vs, int64_t L,
       }
       for (int c = 0; c < NV; ++c) a[c].store(aj + c * VS);
     } else {
-      std::fill(aj, aj + hd, 0.f);
+      if (!add) std::fill(aj, aj + hd, 0.f);
       for (const auto l : c10::irange(L)) {
         const Vec w(pj[l]);
         const T* vl = vb + l * vs;
         for (int64_t d = 0; d < hv; d += VS) at::vec::fmadd(w, load_f(vl + d), Vec::loadu(aj + d)).store(aj + d);
         for (int64_t d = hv; d < hd; ++d) aj[d] += pj[l] * static_cast<float>(vl[d]);
       }
+    }
+  }
+}
+
+// Softmax numerators exp(s - max) in place over the G rows of L scores, and their fp32 sums.
+template <typename T>
+inline void softmax(float* s, int64_t G, int64_t L, float* sums) {
+  for (const auto j : c10::irange(G)) {
+    float* sj = s + j * L;
+    const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sj, L);
+    at::vec::map<float>([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, sj, sj, L);
+    sums[j] = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sj, L);
+    // rounded to the input dtype, as the flash kernel's second GEMM reads them
+    if constexpr (!std::is_same_v<T, float>) {
+      for (const auto l : c10::irange(L)) sj[l] = static_cast<float>(static_cast<T>(sj[l]));
     }
   }
 }
@@ -125,19 +145,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
       for (const auto j : c10::irange(G)) {
         for (const auto d : c10::irange(hd)) qf[j * hd + d] = static_cast<float>(qb[j * qs + d]);
       }
-      scores<T, NV>(qf.data(), G, kb, ks, L, hd, hv, sc, s.data());
-      // Softmax numerators exp(s - max) in place, and their fp32 sums.
-      for (const auto j : c10::irange(G)) {
-        float* sj = s.data() + j * L;
-        const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sj, L);
-        at::vec::map<float>([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, sj, sj, L);
-        sums[j] = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sj, L);
-        // rounded to the input dtype, as the flash kernel's second GEMM reads them
-        if constexpr (!std::is_same_v<T, float>) {
-          for (const auto l : c10::irange(L)) sj[l] = static_cast<float>(static_cast<T>(sj[l]));
-        }
-      }
-      weigh<T, NV>(s.data(), G, vb, vs, L, hd, hv, acc.data());
+      scores<T, NV>(qf.data(), G, kb, ks, L, hd, hv, sc, s.data(), L);
+      softmax<T>(s.data(), G, L, sums.data());
+      weigh<T, NV>(s.data(), G, vb, vs, L, hd, hv, acc.data(), L, false);
       T* yb = yp + (b * KV + h) * G * hd;
       for (const auto j : c10::irange(G)) {
         const float inv = 1.f / sums[j];
@@ -183,12 +193,122 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return y;
 }
 
+// Paged, variable-length batch: sequence b's keys/values are the first lens[b] rows of the blocks
+// tables[b][0], tables[b][1], ... of the pools (n_blocks, KV, block, hd). The arithmetic is attend's,
+// in the same order (scores block by block into one row, one softmax, values block by block into
+// the same accumulators), so it rounds exactly as decode_attention over the gathered rows does.
+template <typename T, int NV>
+void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
+                  const at::Tensor& lens, double scale, at::Tensor& y) {
+  // q (S, KV, G, hd) with unit stride on hd; pools with unit stride on hd; y (S, KV, G, hd) contiguous.
+  const int64_t S = q.size(0), KV = q.size(1), G = q.size(2), hd = q.size(3), bs = kp.size(2);
+  const int64_t W = tables.size(1);
+  const int64_t hv = hd / VS * VS;
+  const T* qp = q.data_ptr<T>();
+  const T* kpp = kp.data_ptr<T>();
+  const T* vpp = vp.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  T* yp = y.data_ptr<T>();
+  const float sc = static_cast<float>(scale);
+  int64_t max_len = 1, total = 0;
+  for (const auto b : c10::irange(S)) {
+    max_len = std::max<int64_t>(max_len, lp[b]);
+    total += lp[b];
+  }
+  const int64_t mean = std::max<int64_t>(1, total / std::max<int64_t>(1, S));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, mean * G * hd));
+  at::parallel_for(0, S * KV, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * hd), s(G * max_len), acc(G * hd), sums(G);
+    for (const auto bh : c10::irange(begin, end)) {
+      const int64_t b = bh / KV, h = bh % KV, L = lp[b];
+      const int32_t* table = tp + b * W;
+      const T* qb = qp + b * q.stride(0) + h * q.stride(1);
+      const int64_t qs = q.stride(2);
+      for (const auto j : c10::irange(G)) {
+        for (const auto d : c10::irange(hd)) qf[j * hd + d] = static_cast<float>(qb[j * qs + d]);
+      }
+      for (int64_t i = 0, first = 0; first < L; ++i, first += bs) {
+        const T* kb = kpp + table[i] * kp.stride(0) + h * kp.stride(1);
+        scores<T, NV>(qf.data(), G, kb, kp.stride(2), std::min(bs, L - first), hd, hv, sc, s.data() + first, L);
+      }
+      softmax<T>(s.data(), G, L, sums.data());
+      for (int64_t i = 0, first = 0; first < L; ++i, first += bs) {
+        const T* vb = vpp + table[i] * vp.stride(0) + h * vp.stride(1);
+        weigh<T, NV>(s.data() + first, G, vb, vp.stride(2), std::min(bs, L - first), hd, hv, acc.data(), L, i > 0);
+      }
+      T* yb = yp + (b * KV + h) * G * hd;
+      for (const auto j : c10::irange(G)) {
+        const float inv = 1.f / sums[j];
+        for (const auto d : c10::irange(hd)) yb[j * hd + d] = static_cast<T>(acc[j * hd + d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void attend_paged_any(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
+                      const at::Tensor& lens, double scale, at::Tensor& y) {
+  const int64_t hd = q.size(3);
+  if (hd % VS != 0) return attend_paged<T, 0>(q, kp, vp, tables, lens, scale, y);
+  switch (hd / VS) {
+    case 1: return attend_paged<T, 1>(q, kp, vp, tables, lens, scale, y);
+    case 2: return attend_paged<T, 2>(q, kp, vp, tables, lens, scale, y);
+    case 4: return attend_paged<T, 4>(q, kp, vp, tables, lens, scale, y);
+    case 8: return attend_paged<T, 8>(q, kp, vp, tables, lens, scale, y);
+    case 16: return attend_paged<T, 16>(q, kp, vp, tables, lens, scale, y);
+    default: return attend_paged<T, 0>(q, kp, vp, tables, lens, scale, y);
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.dim() == 4,
+              "paged_decode_attention: q, k_pool, v_pool must be 4-D");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "paged_decode_attention: q, k_pool, v_pool must share a dtype");
+  TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "paged_decode_attention: k_pool and v_pool must have the same shape");
+  TORCH_CHECK(q.size(1) == k_pool.size(1) && q.size(3) == k_pool.size(3),
+              "paged_decode_attention: q (S, KV, G, hd) does not match the pools (n_blocks, KV, block, hd)");
+  TORCH_CHECK(k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
+              "paged_decode_attention: the pools' rows must have unit stride");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.size(0) == q.size(0),
+              "paged_decode_attention: block_tables must be (S, max_blocks) int32");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt && context_lens.size(0) == q.size(0),
+              "paged_decode_attention: context_lens must be (S,) int32");
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  const int64_t n_blocks = k_pool.size(0), bs = k_pool.size(2), W = tables.size(1);
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (const auto b : c10::irange(q.size(0))) {  // a bad table would read outside the pool
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, "paged_decode_attention: sequence ", b, " has context length ",
+                lp[b], ", its table holds ", W * bs);
+    for (int64_t i = 0; i * bs < lp[b]; ++i) {
+      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < n_blocks, "paged_decode_attention: block id ",
+                  tp[b * W + i], " of sequence ", b, " is outside the pool of ", n_blocks);
+    }
+  }
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.size(0) == 0) return y;
+  switch (q.scalar_type()) {
+    case at::kFloat: attend_paged_any<float>(qc, k_pool, v_pool, tables, lens, scale, y); break;
+    case at::kBFloat16: attend_paged_any<at::BFloat16>(qc, k_pool, v_pool, tables, lens, scale, y); break;
+    case at::kHalf: attend_paged_any<at::Half>(qc, k_pool, v_pool, tables, lens, scale, y); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " is not float, bfloat16 or half");
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("paged_decode_attention", &paged_decode_attention);
 }

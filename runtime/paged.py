@@ -1,0 +1,177 @@
+"""One batched step over the paged KV pool: what the model needs to know, built once per step.
+
+The batch engine flattens every scheduled token of every sequence (prefill chunks and single decode
+tokens alike) into one ``(1, N)`` batch, so that each linear layer reads its weights once per step.
+Only attention is per sequence. A :class:`PagedStep` is what the model is handed as its ``cache``
+argument for such a batch (``Transformer.forward(tokens, step)``):
+
+* where each token sits (its position, its RoPE rows) and where its new key/value goes in the pool
+  (block and row: the *slot mapping*);
+* each sequence's query span in the batch, its context length after this step and its block table;
+* which rows need logits (the last token of each sequence that samples this step).
+
+Attention per sequence (``runtime.model.paged_attention``): a sequence with one query this step goes
+to the paged decode kernel when one is given (:mod:`runtime.cpu_attention`), all of them in one call;
+the others (prefill chunks, or everything without a kernel) gather their keys/values from their blocks
+and run SDPA, causal within the chunk with all earlier context visible: the tested reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from localllm.runtime.kv_pool import KVPool
+
+#: Attention of one query per sequence over its blocks: ``fn(q (S, KV, G, hd), k_pool, v_pool
+#: (n_blocks, KV, block, hd), block_tables (S, max_blocks) int32, context_lens (S,) int32)
+#: -> (S, KV, G, hd)``.
+PagedDecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's part of a step, as the engine schedules it."""
+
+    tokens: Sequence[int]  # the ids run this step
+    start: int  # position of tokens[0]: the keys/values of positions < start are in the blocks
+    blocks: Sequence[int]  # the sequence's block table, covering at least start + len(tokens) positions
+    logits: bool  # whether the step returns logits for its last token
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence in a built step: its queries are rows ``row .. row + length - 1``."""
+
+    row: int
+    length: int
+    context: int  # keys/values after this step: positions 0 .. context - 1
+    blocks: torch.Tensor  # (ceil(context / block),) long, on the pool's device
+
+
+class PagedLayer:
+    """A :class:`PagedStep` seen from one layer: the step's metadata and that layer's pool tensors."""
+
+    __slots__ = ("step", "k", "v")
+
+    def __init__(self, step: "PagedStep", k: torch.Tensor, v: torch.Tensor) -> None:
+        self.step, self.k, self.v = step, k, v
+
+
+class PagedStep:
+    """Per-step metadata of a batch over the paged pool (see the module's docstring)."""
+
+    def __init__(
+        self,
+        pool: KVPool,
+        positions: torch.Tensor,  # (N,) long
+        cos: torch.Tensor,  # (N, hd) in the activation dtype
+        sin: torch.Tensor,  # (N, hd)
+        write_blocks: torch.Tensor,  # (N,) long: block of each token's new key/value
+        write_rows: torch.Tensor,  # (N,) long: row within that block
+        spans: list[SeqSpan],
+        logits_rows: torch.Tensor,  # (S_out,) long
+        kernel: PagedDecodeAttention | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.pool = pool
+        self.positions, self.cos, self.sin = positions, cos, sin
+        self.write_blocks, self.write_rows = write_blocks, write_rows
+        self.spans = spans
+        self.logits_rows = logits_rows
+        self.kernel = kernel
+        self.sliding_window = sliding_window
+        device = positions.device
+        # Spans the kernel takes: one query, and (with a window) a context the window does not cut.
+        fits = [s.length == 1 and (sliding_window is None or s.context <= sliding_window) for s in spans]
+        if kernel is None:
+            fits = [False] * len(spans)
+        decode = [s for s, f in zip(spans, fits) if f]
+        #: Spans run through SDPA over their gathered blocks.
+        self.sdpa_spans = [s for s, f in zip(spans, fits) if not f]
+        self.decode_rows: torch.Tensor | None = None  # (S_d,) long, None when every row is decode
+        self.decode_tables: torch.Tensor | None = None  # (S_d, max_blocks) int32
+        self.decode_lens: torch.Tensor | None = None  # (S_d,) int32
+        if decode:
+            width = max(len(s.blocks) for s in decode)
+            table = torch.zeros(len(decode), width, dtype=torch.int32, device=device)
+            for i, s in enumerate(decode):
+                table[i, : len(s.blocks)] = s.blocks
+            self.decode_tables = table
+            self.decode_lens = torch.tensor([s.context for s in decode], dtype=torch.int32, device=device)
+            if len(decode) != positions.shape[0]:
+                self.decode_rows = torch.tensor([s.row for s in decode], dtype=torch.long, device=device)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def all_decode(self) -> bool:
+        """Every row is one sequence's single query, all run by the kernel."""
+        return self.decode_tables is not None and self.decode_rows is None
+
+    def layer(self, index: int) -> PagedLayer:
+        return PagedLayer(self, self.pool.k[index], self.pool.v[index])
+
+    def mask(self, span: SeqSpan) -> torch.Tensor | None:
+        """SDPA's mask for ``span``'s queries over its context: None for plain causal attention from
+        position 0 (or one query seeing everything), else (length, context) bool, True = attend."""
+        window = self.sliding_window
+        windowed = window is not None and span.context > window
+        start = span.context - span.length
+        if not windowed and (start == 0 or span.length == 1):
+            return None
+        device = self.positions.device
+        q_pos = torch.arange(start, span.context, device=device)[:, None]
+        k_pos = torch.arange(span.context, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if windowed:
+            mask &= k_pos > q_pos - window
+        return mask
+
+    @classmethod
+    def build(
+        cls,
+        pool: KVPool,
+        chunks: Sequence[SeqChunk],
+        cos_table: torch.Tensor,  # (max_seq, hd)
+        sin_table: torch.Tensor,  # (max_seq, hd)
+        kernel: PagedDecodeAttention | None = None,
+        sliding_window: int | None = None,
+    ) -> tuple["PagedStep", torch.Tensor]:
+        """The step for ``chunks`` (rows in their order) and its input ids (1, N)."""
+        device = cos_table.device
+        bs = pool.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        wblocks: list[int] = []
+        wrows: list[int] = []
+        spans: list[SeqSpan] = []
+        logits_rows: list[int] = []
+        for c in chunks:
+            n = len(c.tokens)
+            end = c.start + n
+            if n < 1 or len(c.blocks) * bs < end:
+                raise ValueError(f"a chunk of {n} tokens at {c.start} does not fit its {len(c.blocks)} blocks")
+            row = len(ids)
+            ids.extend(c.tokens)
+            for p in range(c.start, end):
+                positions.append(p)
+                wblocks.append(c.blocks[p // bs])
+                wrows.append(p % bs)
+            used = -(-end // bs)
+            spans.append(SeqSpan(row, n, end, torch.tensor(list(c.blocks[:used]), dtype=torch.long, device=device)))
+            if c.logits:
+                logits_rows.append(row + n - 1)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        step = cls(
+            pool, pos, cos_table[pos], sin_table[pos],
+            torch.tensor(wblocks, dtype=torch.long, device=device),
+            torch.tensor(wrows, dtype=torch.long, device=device),
+            spans, torch.tensor(logits_rows, dtype=torch.long, device=device), kernel, sliding_window,
+        )
+        return step, torch.tensor([ids], dtype=torch.long, device=device)

@@ -1,0 +1,137 @@
+"""Attention over the paged KV pool: the C++ paged decode kernel against SDPA over gathered blocks
+(fp32 tight, bf16 loose) and bit for bit against the one-sequence kernel over the same rows, with
+scattered blocks, non-full last blocks and different lengths; bad tables refused; and the model's
+paged forward giving the one-sequence cache's logits, with and without the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from localllm import native
+from localllm.runtime import cpu_attention
+from localllm.runtime.kv_pool import KVPool, gather, plan_pool
+from localllm.runtime.model import rope_tables
+from localllm.runtime.paged import PagedStep, SeqChunk
+
+needs_kernel = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the kernel")
+
+
+def random_batch(dtype, kv, g, hd, bs, lens, n_blocks=40, seed=0):
+    """Pools, a query per sequence and block tables of distinct, shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    k_pool = (torch.randn(n_blocks, kv, bs, hd, generator=gen) * 2).to(dtype)
+    v_pool = torch.randn(n_blocks, kv, bs, hd, generator=gen).to(dtype)
+    q = torch.randn(len(lens), kv, g, hd, generator=gen).to(dtype)
+    order = torch.randperm(n_blocks, generator=gen)
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // bs)
+        tables.append(order[used : used + nb])
+        used += nb
+    width = max(len(t) for t in tables) + 1  # wider than any sequence needs: padding is not read
+    table = torch.full((len(lens), width), 0, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = t
+    return q, k_pool, v_pool, tables, table, torch.tensor(lens, dtype=torch.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv,g,hd,bs", [(2, 2, 16, 16), (3, 3, 64, 16), (1, 4, 40, 32), (2, 1, 36, 16),
+                                        (1, 2, 128, 32)])
+def test_paged_kernel_matches_the_references(dtype, kv, g, hd, bs):
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 200]  # a lone key, non-full and exactly full last blocks
+    q, k_pool, v_pool, tables, table, ctx = random_batch(dtype, kv, g, hd, bs, lens, seed=hd + bs)
+    got = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, ctx)
+    assert got.shape == q.shape and got.dtype == dtype
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    for i, n in enumerate(lens):
+        k, v = gather(k_pool, v_pool, tables[i], n)  # (1, KV, n, hd)
+        # bit for bit the one-sequence kernel on the same rows (the engine's decode rounds as the Generator's)
+        assert torch.equal(got[i], cpu_attention.decode_attention(q[i : i + 1], k, v)[0])
+        want = F.scaled_dot_product_attention(q[i : i + 1].float(), k.float(), v.float())[0]
+        assert (got[i].float() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+
+
+@needs_kernel
+def test_paged_kernel_runs_on_many_threads_alike():
+    q, k_pool, v_pool, _, table, ctx = random_batch(torch.float32, 2, 3, 64, 16, [300, 17, 1, 64] * 8, 400)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, ctx)
+        torch.set_num_threads(max(2, saved))
+        many = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, ctx)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(one, many)
+
+
+@needs_kernel
+def test_paged_kernel_refuses_bad_tables():
+    q, k_pool, v_pool, _, table, ctx = random_batch(torch.float32, 1, 1, 16, 16, [20, 5])
+    bad = table.clone()
+    bad[0, 1] = 40  # the pool has blocks 0..39
+    with pytest.raises(RuntimeError, match="block id 40 of sequence 0 is outside the pool of 40"):
+        cpu_attention.paged_decode_attention(q, k_pool, v_pool, bad, ctx)
+    with pytest.raises(RuntimeError, match="has context length 49, its table holds 48"):
+        cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, torch.tensor([49, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="context length 0"):
+        cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, torch.tensor([0, 5], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="block_tables must be"):
+        cpu_attention.paged_decode_attention(q, k_pool, v_pool, table.long(), ctx)
+    with pytest.raises(RuntimeError, match="does not match the pools"):
+        cpu_attention.paged_decode_attention(q[:, :, :, :8], k_pool, v_pool, table, ctx)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_folder):
+    from localllm.loaders.load import load_model
+
+    _, folder = tiny_folder("llama")
+    return load_model(str(folder), quant="fp32")
+
+
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+def test_paged_forward_gives_the_sequence_cache_logits(lm, attention):
+    """Two sequences through three paged steps (a first chunk beside a whole prompt; the rest of the
+    prompt beside a decode token; two decode tokens), blocks scattered: each row's logits are those of
+    the one-sequence path (prefill + decode over its own SequenceCache)."""
+    from localllm.runtime.generate import decode_one_token, prefill
+
+    kernel = cpu_attention.paged_kernel() if attention == "kernel" else None
+    if attention == "kernel" and kernel is None:
+        pytest.skip("no C++ kernel here")
+    model, config = lm.model, lm.config
+    pool = KVPool.allocate(config, plan_pool(config, 1 << 20, model.dtype, 16), model.device)
+    cos, sin = rope_tables(config, 128, model.device)
+    cos, sin = cos.to(model.dtype), sin.to(model.dtype)
+    p1, p2 = [(7 * i) % 300 + 3 for i in range(40)], [200, 11, 64, 9, 31, 5, 77]
+    t1, t2 = [3, 1, 7], [4]  # block tables: p1 spans three blocks, its last one part full
+
+    def run(chunks):
+        step, ids = PagedStep.build(pool, chunks, cos, sin, kernel, config.sliding_window)
+        with torch.inference_mode():
+            return model(ids, step)[0]  # (S_out, vocab)
+
+    s1 = run([SeqChunk(p1[:20], 0, t1, False), SeqChunk(p2, 0, t2, True)])
+    s2 = run([SeqChunk(p1[20:], 20, t1, True), SeqChunk([9], 7, t2, True)])
+    s3 = run([SeqChunk([11], 40, t1, True), SeqChunk([12], 8, t2, True)])
+
+    with torch.inference_mode():
+        c1, c2 = model.new_cache(64), model.new_cache(64)
+        want = {
+            "p2": prefill(model, c2, torch.tensor([p2])),
+            "p1": prefill(model, c1, torch.tensor([p1])),
+            "p1+11": decode_one_token(model, c1, torch.tensor([[11]]), torch.tensor([40]), 40),
+            "p2+9": decode_one_token(model, c2, torch.tensor([[9]]), torch.tensor([7]), 7),
+            "p2+9+12": decode_one_token(model, c2, torch.tensor([[12]]), torch.tensor([8]), 8),
+        }
+    got = {"p2": s1[0], "p1": s2[0], "p2+9": s2[1], "p1+11": s3[0], "p2+9+12": s3[1]}
+    for name, w in want.items():
+        assert torch.allclose(got[name], w[0], atol=2e-5, rtol=0), name
+    # the pool holds p1's keys where its table says: gathered, they are the sequence cache's
+    k, _ = pool.gather(0, torch.tensor(t1), 41)
+    assert torch.allclose(k, c1.layers[0].k[:, :, :41], atol=1e-5, rtol=0)
