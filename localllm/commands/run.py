@@ -11,6 +11,7 @@ from localllm.commands.common import note, quant_head_option, threads_option
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
+from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
 from localllm.report import describe_model, print_stats
 from localllm.runtime.sampling import SamplingParams
 
@@ -118,8 +119,7 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
                    "Default: the model's own (int4 for Q4 GGUF files).")
 @click.option("--group-size", type=int, help="Quantization group size (int4: 32/64/128/256; int8: per channel).")
 @quant_head_option("Default: as stored; on the CPU a GGUF's Q8_0 head as it is; else 16-bit.")
-@click.option("--kernel", type=click.Choice(["int4-tinygemm-cpu", "int4-tinygemm-cuda", "int8-weight-only",
-                                             "int8-group-cpu", "nf4-bitsandbytes", "reference"]),
+@click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)),
               help="Force a matmul kernel (default: the fastest that works here).")
 @click.option("--compile", "compile_", is_flag=True,
               help="Compile the decode step (AOTInductor on the CPU, torch.compile on CUDA): faster tokens after a "
