@@ -1,0 +1,373 @@
+"""The batch engine: many requests on one model, continuously batched over a paged KV pool.
+
+    engine = BatchEngine(model, kv_budget_bytes=256 << 20)
+    a = engine.submit(prompt_a, SamplingParams(temperature=0), max_tokens=64, stop_ids=eos)
+    b = engine.submit(prompt_b, SamplingParams(seed=7), max_tokens=64, stop_ids=eos)
+    for token in a:          # iterating drives the engine (every request advances), or
+        ...
+    engine.start()           # a background thread runs the steps; submit() from any thread
+    a.stats.finish_reason    # "stop", "length", "cancelled" (or "error")
+
+Each :meth:`BatchEngine.step` asks the :class:`runtime.scheduler.Scheduler` for the step's work
+(decode tokens, prefill chunks, admissions, preemptions), runs every scheduled token of every
+sequence in **one** forward (:class:`runtime.paged.PagedStep`), samples each sequence that reached its
+last token with its own :class:`SamplingParams` and seeded generator, and retires finished or cancelled
+sequences at once (their blocks freed; full blocks stay in the prefix cache).
+
+It knows nothing of HTTP, text or chat templates: token ids in, token ids out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.runtime.block_manager import BlockManager
+from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_pool
+from localllm.runtime.model import Transformer, rope_tables
+from localllm.runtime.paged import PagedDecodeAttention, PagedStep, SeqChunk
+from localllm.runtime.sampling import SamplingParams, make_generator, sample
+from localllm.runtime.scheduler import Chunk, Scheduler, Sequence as Seq, Status
+
+#: KV memory when none is given: ~11k tokens of SmolLM2-135M in bf16.
+DEFAULT_KV_BUDGET = 256 << 20
+
+
+@dataclass
+class RequestStats:
+    """Figures of one request (times from ``time.perf_counter()``)."""
+
+    prompt_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
+    generated_tokens: int = 0
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, from submission (queueing included)."""
+        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
+
+    @property
+    def decode_tps(self) -> float:
+        """Generated tokens per second after the first."""
+        if self.first_token_at is None or self.finished_at is None or self.generated_tokens < 2:
+            return 0.0
+        span = self.finished_at - self.first_token_at
+        return (self.generated_tokens - 1) / span if span > 0 else 0.0
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its token ids as they come; :meth:`cancel` to stop it.
+
+    Iterating waits for the engine's background thread when it runs, and otherwise drives the engine
+    itself (each :meth:`BatchEngine.step` advances every request, not only this one).
+    """
+
+    def __init__(self, engine: "BatchEngine", request: "_Request") -> None:
+        self._engine = engine
+        self._request = request
+        self.id = request.seq.id
+        self.stats = request.stats
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        return self._engine._next_token(self._request)
+
+    @property
+    def done(self) -> bool:
+        """Finished, and every token taken."""
+        r = self._request
+        return r.finished and not r.out
+
+    def cancel(self) -> None:
+        """Stop generating; the request ends with ``finish_reason == "cancelled"`` at the next step
+        (tokens already produced can still be read). Safe from any thread."""
+        self._engine._cancel(self._request)
+
+    def result(self) -> list[int]:
+        """Every remaining token id, waiting for the end."""
+        return list(self)
+
+
+class _Request:
+    """A sequence plus what the engine needs to sample and deliver its tokens."""
+
+    def __init__(self, seq: Seq, params: SamplingParams, max_tokens: int | None, stop_ids: Sequence[int],
+                 device: torch.device) -> None:
+        self.seq = seq
+        self.params = params
+        self.max_tokens = max_tokens
+        self.stop = frozenset(stop_ids)
+        self.generator = make_generator(params.seed, device)
+        n = params.repeat_last_n
+        prompt = seq.token_ids
+        self.recent: deque[int] | None = (
+            deque(prompt[-n:], maxlen=n) if params.repeat_penalty != 1.0 and n > 0 else None)
+        self.stats = RequestStats(prompt_tokens=seq.prompt_len, submitted_at=time.perf_counter())
+        self.out: deque[int] = deque()  # produced, not yet taken by the handle
+        self.finished = False
+        self.error: BaseException | None = None
+
+
+class BatchEngine:
+    """Continuous batching of token-id requests on ``model`` over a paged KV pool of
+    ``kv_budget_bytes`` (see the module's docstring).
+
+    ``max_seq_len``: positions one sequence may hold (default the model's context, capped by the
+    pool); ``chunk_tokens``: prompt tokens prefilled per step, all sequences together (decode tokens
+    come on top); ``max_running``: sequences in a step at most; ``max_waiting``: the queue's bound.
+    ``attention``: "auto" runs single-query attention with localllm's paged CPU kernel where it can,
+    "sdpa" always gathers blocks and runs SDPA (the reference).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        kv_budget_bytes: int = DEFAULT_KV_BUDGET,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_seq_len: int | None = None,
+        chunk_tokens: int = 256,
+        max_running: int = 32,
+        max_waiting: int = 64,
+        attention: str = "auto",
+    ) -> None:
+        if attention not in ("auto", "sdpa"):
+            raise ValueError(f"attention must be 'auto' or 'sdpa', not {attention!r}")
+        self.model = model
+        config = model.config
+        self.device = model.device
+        self.plan: PoolPlan = plan_pool(config, kv_budget_bytes, model.dtype, block_size)
+        self.pool = KVPool.allocate(config, self.plan, self.device)
+        self.blocks = BlockManager(self.plan.n_blocks, block_size)
+        self.scheduler = Scheduler(self.blocks, max_waiting, max_running, chunk_tokens)
+        self.max_seq_len = min(max_seq_len or config.max_seq_len, self.plan.tokens)
+        cos, sin = rope_tables(config, self.max_seq_len, self.device)
+        self._cos, self._sin = cos.to(model.dtype), sin.to(model.dtype)  # (max_seq_len, hd)
+        self.kernel: PagedDecodeAttention | None = None
+        if attention == "auto" and self.device.type == "cpu":
+            from localllm.runtime import cpu_attention
+
+            self.kernel = cpu_attention.paged_kernel()
+        self._requests: dict[int, _Request] = {}  # live (not finished) requests by sequence id
+        self._next_id = 0
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._step_lock = threading.Lock()  # one step at a time, whoever drives
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        #: Totals since creation.
+        self.steps = 0
+        self.tokens_computed = 0
+        self.last_step_s = 0.0
+
+    # Submission ----------------------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None = None,
+               stop_ids: Sequence[int] = ()) -> RequestHandle:
+        """Queue a request. Raises :class:`runtime.scheduler.EngineBusy` when the queue is full and
+        LocalLLMError when the prompt can never fit. Safe from any thread."""
+        if max_tokens is not None and max_tokens < 1:
+            raise LocalLLMError(f"max tokens {max_tokens} is not positive", "ask for at least 1 token")
+        with self._cond:
+            seq = Seq(self._next_id, len(prompt_ids), list(prompt_ids), self.max_seq_len)
+            request = _Request(seq, params, max_tokens, stop_ids, self.device)
+            self.scheduler.add(seq)  # raises before anything is recorded
+            self._next_id += 1
+            self._requests[seq.id] = request
+            self._cond.notify_all()
+        return RequestHandle(self, request)
+
+    def _cancel(self, request: _Request) -> None:
+        with self._cond:
+            request.seq.cancelled = True
+            self._cond.notify_all()
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_work
+
+    # Stepping ------------------------------------------------------------------------------------
+    def step(self) -> int:
+        """Run one scheduling step; the number of tokens it computed (0: nothing to do)."""
+        with self._step_lock:
+            with self._cond:
+                for r in list(self._requests.values()):
+                    if r.seq.cancelled:
+                        self._finish(r, "cancelled")
+                plan = self.scheduler.schedule()
+                for seq in plan.admitted:
+                    self._requests[seq.id].stats.cached_tokens = seq.cached_tokens  # the first admission's
+                for seq in plan.preempted:
+                    self._requests[seq.id].stats.preemptions = seq.preemptions
+                sampling = [self._requests[c.seq.id] for c in plan.chunks if c.samples]
+                self._cond.notify_all()
+            if not plan.chunks:
+                return 0
+            t0 = time.perf_counter()
+            try:
+                tokens = self._run(plan.chunks, sampling)
+            except BaseException as e:
+                with self._cond:
+                    for c in plan.chunks:
+                        r = self._requests.get(c.seq.id)
+                        if r is not None:
+                            r.error = e
+                            self._finish(r, "error")
+                    self._cond.notify_all()
+                raise
+            with self._cond:
+                self.scheduler.computed(plan.chunks)
+                now = time.perf_counter()
+                for r, tok in zip(sampling, tokens):
+                    if not r.finished:
+                        self._deliver(r, tok, now)
+                self.steps += 1
+                self.tokens_computed += plan.num_tokens
+                self.last_step_s = now - t0
+                self._cond.notify_all()
+            return plan.num_tokens
+
+    @torch.inference_mode()
+    def _run(self, chunks: list[Chunk], requests: list[_Request]) -> list[int]:
+        """One forward over ``chunks``; a token for each chunk that samples (``requests``, in order)."""
+        specs = [SeqChunk(c.seq.token_ids[c.start : c.start + c.length], c.start, c.seq.table.blocks, c.samples)
+                 for c in chunks]
+        step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel,
+                                    self.model.config.sliding_window)
+        logits = self.model(ids, step)[0]  # (S_out, vocab)
+        picks: list[torch.Tensor | None] = [None] * len(requests)
+        plain = [i for i, r in enumerate(requests) if r.params.greedy and r.recent is None]
+        if plain:  # greedy rows in one argmax
+            best = logits[plain].argmax(-1) if len(plain) < len(requests) else logits.argmax(-1)
+            for j, i in enumerate(plain):
+                picks[i] = best[j : j + 1]
+        for i, r in enumerate(requests):
+            if picks[i] is None:
+                recent = None
+                if r.recent is not None:
+                    recent = torch.tensor([list(r.recent)], device=logits.device, dtype=torch.long)
+                picks[i] = sample(logits[i : i + 1], r.params, recent, r.generator)  # (1,)
+        if not picks:
+            return []
+        return torch.cat(picks).tolist()  # the one transfer to the host per step
+
+    def _deliver(self, r: _Request, tok: int, now: float) -> None:
+        """A sampled token: end on a stop id (not delivered), else hand it over and end at the limits."""
+        seq, stats = r.seq, r.stats
+        if seq.cancelled:
+            self._finish(r, "cancelled")
+            return
+        if tok in r.stop:
+            self._finish(r, "stop")
+            return
+        if stats.first_token_at is None:
+            stats.first_token_at = now
+        seq.token_ids.append(tok)
+        stats.generated_tokens += 1
+        r.out.append(tok)
+        if r.recent is not None:
+            r.recent.append(tok)
+        if r.max_tokens is not None and stats.generated_tokens >= r.max_tokens:
+            self._finish(r, "length")
+        elif len(seq.token_ids) > seq.max_len:  # the newest token has no position left to run at
+            self._finish(r, "length")
+
+    def _finish(self, r: _Request, reason: str) -> None:
+        """Retire ``r`` now (its blocks freed). Called with the lock held."""
+        if r.finished:
+            return
+        self.scheduler.finish(r.seq)
+        r.finished = True
+        r.stats.finish_reason = reason
+        r.stats.finished_at = time.perf_counter()
+        self._requests.pop(r.seq.id, None)
+
+    def run_until_done(self) -> None:
+        """Step until every submitted request has finished (the simple driver)."""
+        while self.step() or self.has_work:
+            pass
+
+    # Delivery ------------------------------------------------------------------------------------
+    def _next_token(self, r: _Request) -> int:
+        while True:
+            with self._cond:
+                if r.out:
+                    return r.out.popleft()
+                if r.finished:
+                    if r.error is not None:
+                        raise r.error
+                    raise StopIteration
+                if self._thread is not None:
+                    self._cond.wait()
+                    continue
+            if not self.step() and not r.finished and not r.out:
+                with self._cond:  # nothing ran: wait for whoever is stepping
+                    if self._thread is None and not r.out and not r.finished:
+                        self._cond.wait(0.01)
+
+    # Background loop -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run steps on a background thread whenever there is work (submit from any thread)."""
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="localllm-batch", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """End the background thread after its current step. Unfinished requests stay queued: a later
+        :meth:`start`, or iterating their handles, carries them on."""
+        with self._cond:
+            thread = self._thread
+            if thread is None:
+                return
+            self._stopping = True
+            self._cond.notify_all()
+        thread.join()
+        with self._cond:
+            self._thread = None
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self.scheduler.has_work:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - delivered to the requests of that step; keep serving
+                pass
+
+    def __enter__(self) -> "BatchEngine":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # Figures -------------------------------------------------------------------------------------
+    def usage(self) -> dict[str, int]:
+        """Blocks in use, cached (reusable prefixes) and free; sequences running and waiting."""
+        with self._lock:
+            bm = self.blocks
+            return {
+                "blocks": bm.n_blocks, "blocks_used": bm.num_used, "blocks_cached": bm.num_cached,
+                "blocks_free": bm.num_free - bm.num_cached, "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting), "preemptions": self.scheduler.preemptions,
+            }

@@ -1,0 +1,224 @@
+"""Which sequences run in the next step, and how many tokens each: admission, chunked prefill,
+batched decode, preemption.
+
+Every step:
+
+1. every running sequence with one token to compute (decoding) gets it, oldest first; one that needs
+   a new block and finds none makes room by preempting the *youngest* running sequence (its blocks
+   freed, itself put back at the front of the waiting queue, recomputed later from its prompt and the
+   tokens it generated so far), possibly itself;
+2. running sequences still prefilling get the next chunk of their prompt, within the step's prefill
+   budget (``chunk_tokens`` tokens for all of them together);
+3. waiting sequences are admitted, oldest first, while the budget lasts, there are free slots
+   (``max_running``) and the pool has blocks for their whole prompt (less what the prefix cache holds).
+   Nothing is admitted in a step that had to preempt.
+
+A sequence's blocks are taken for its whole prompt at admission, then one at a time as decoding
+fills them: memory follows the tokens held, never reserved for ``max_tokens`` ahead.
+
+The queue is bounded: :meth:`Scheduler.add` raises :class:`EngineBusy` when it is full. A request that
+cannot fit the pool even alone is refused there too, with the numbers.
+
+This module knows token ids and blocks, not tensors, sampling or the model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from localllm.errors import LocalLLMError
+from localllm.runtime.block_manager import BlockManager, BlockTable
+
+
+class EngineBusy(LocalLLMError):
+    """The waiting queue is full: retry later (a server answers 503 with ``Retry-After``)."""
+
+    def __init__(self, waiting: int, retry_after_s: float = 1.0) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(f"the server is busy: {waiting} requests are already waiting",
+                         f"retry after {retry_after_s:g} s")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and its place in the pool."""
+
+    id: int  # arrival order: lower is older
+    prompt_len: int
+    token_ids: list[int]  # the prompt, then every token generated so far
+    max_len: int  # positions the sequence may hold (the context): generation ends when it is full
+    status: Status = Status.WAITING
+    #: Tokens whose keys/values are in the pool (0 after a preemption).
+    computed: int = 0
+    table: BlockTable = field(default_factory=BlockTable)
+    #: Prompt tokens served by the prefix cache at the first admission (-1: not admitted yet).
+    cached_tokens: int = -1
+    preemptions: int = 0
+    #: Set from any thread; the engine retires the sequence at the start of its next step.
+    cancelled: bool = False
+
+    @property
+    def pending(self) -> int:
+        """Tokens to compute before the next one can be sampled."""
+        return len(self.token_ids) - self.computed
+
+    @property
+    def generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """``seq`` computes ``token_ids[start : start + length]`` this step."""
+
+    seq: Sequence
+    start: int
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk reaches the sequence's last token, so that a new token is sampled."""
+        return self.start + self.length == len(self.seq.token_ids)
+
+
+@dataclass
+class Scheduled:
+    """One step's work."""
+
+    chunks: list[Chunk]
+    preempted: list[Sequence]
+    admitted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+
+class Scheduler:
+    """The waiting queue, the running set and the step plan, over a :class:`BlockManager`."""
+
+    def __init__(self, blocks: BlockManager, max_waiting: int = 64, max_running: int = 32,
+                 chunk_tokens: int = 256) -> None:
+        if chunk_tokens < 1 or max_running < 1 or max_waiting < 0:
+            raise ValueError("chunk_tokens and max_running must be >= 1, max_waiting >= 0")
+        self.blocks = blocks
+        self.max_waiting = max_waiting
+        self.max_running = max_running
+        self.chunk_tokens = chunk_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # by id: oldest first
+        self.preemptions = 0  # since creation
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.n_blocks * self.blocks.block_size
+
+    def check_fits(self, prompt_len: int, max_len: int) -> None:
+        """Refuse a prompt that can never run: no room for it and one generated token."""
+        if prompt_len < 1:
+            raise LocalLLMError("the prompt is empty", "give some text to continue")
+        if prompt_len >= max_len:
+            bm = self.blocks
+            raise LocalLLMError(
+                f"the prompt is {prompt_len} tokens and a sequence holds at most {max_len} positions "
+                f"(the KV pool has {bm.n_blocks} blocks x {bm.block_size} tokens = {self.capacity_tokens})",
+                f"use a prompt of at most {max_len - 1} tokens, or a larger context or KV cache budget",
+            )
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; :class:`EngineBusy` when the queue is full, LocalLLMError if it can never fit."""
+        self.check_fits(seq.prompt_len, seq.max_len)
+        if len(self.waiting) >= self.max_waiting:
+            raise EngineBusy(len(self.waiting))
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire ``seq`` (finished or cancelled, running or waiting): its blocks are freed at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.blocks.free(seq.table)
+        seq.status = Status.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.table)  # its full blocks stay cached: the recompute may find them
+        seq.computed = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)  # it is older than anything queued
+
+    def schedule(self) -> Scheduled:
+        """Plan the next step (see the module's docstring)."""
+        chunks: list[Chunk] = []
+        preempted: list[Sequence] = []
+        admitted: list[Sequence] = []
+        # 1. one token for every decoding sequence, preempting the youngest when blocks run out
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.pending != 1:
+                continue
+            while not self.blocks.grow(seq.table, len(seq.token_ids)):
+                if len(self.running) == 1:  # alone, it can use the whole pool: max_len forbids this
+                    raise RuntimeError(f"a sequence of {len(seq.token_ids)} tokens found no block alone "
+                                       f"in a pool of {self.capacity_tokens} tokens")
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                chunks.append(Chunk(seq, seq.computed, 1))
+        # 2. the next chunk of each prefilling sequence, within the budget
+        budget = self.chunk_tokens
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.pending > 1:
+                n = min(seq.pending, budget)
+                chunks.append(Chunk(seq, seq.computed, n))
+                budget -= n
+        # 3. admission
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            cached = self.blocks.allocate(seq.table, seq.token_ids)
+            if cached is None:
+                break
+            self.waiting.popleft()
+            seq.computed = cached
+            if seq.cached_tokens < 0:
+                seq.cached_tokens = cached
+            seq.status = Status.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.id)
+            admitted.append(seq)
+            n = min(seq.pending, budget)
+            chunks.append(Chunk(seq, seq.computed, n))
+            budget -= n
+        return Scheduled(chunks, preempted, admitted)
+
+    def computed(self, chunks: Seq[Chunk]) -> None:
+        """Record that ``chunks`` ran: their keys/values are in the pool, full blocks get keyed."""
+        for c in chunks:
+            seq = c.seq
+            if seq.status is not Status.RUNNING:
+                continue
+            seq.computed = c.start + c.length
+            self.blocks.commit(seq.table, seq.token_ids, seq.computed)

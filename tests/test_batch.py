@@ -1,0 +1,327 @@
+"""The batch engine on tiny random-weight models: a request's greedy tokens in a batch are its tokens
+alone (runtime.generate.Generator), whatever joins and leaves beside it, with chunked prefill, with
+preemption, with prefix-cache hits; refusals, the busy queue, cancellation, stop ids, the context
+limit, seeded sampling and the background thread.
+
+Exactness: on the fp32 path (float weights, or int4 weights with fp32 activations) batched and alone
+logits differ by float rounding only (~1e-6: other matmul shapes), so the greedy tokens are equal
+wherever the alone run's margin (best minus second-best logit, checked by teacher forcing) is wide;
+each comparison first checks that every margin it relies on is at least DECIDED. On the bf16 path
+(int4 weights, bf16 activations) the tie rule of :func:`assert_same_or_tie` applies.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.loaders.load import load_model
+from localllm.runtime.batch import BatchEngine
+from localllm.runtime.generate import Generator
+from localllm.runtime.kv_pool import block_bytes
+from localllm.runtime.sampling import SamplingParams
+from localllm.runtime.scheduler import EngineBusy
+
+GREEDY = SamplingParams(temperature=0)
+#: A greedy step is decided when its margin is this wide: far above fp32 rounding differences.
+DECIDED = 1e-4
+BIG = 1 << 20  # a KV budget no test here fills (1 MiB: 128 blocks of 16 tokens of the tiny fp32 model)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 380, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [prompt(1, 3), prompt(2, 17), prompt(3, 40), prompt(4, 64), prompt(5, 9)]
+MAX_TOKENS = [20, 7, 30, 12, 25]
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny_folder):
+    _, folder = tiny_folder("llama")
+    return load_model(str(folder), quant="fp32")
+
+
+@pytest.fixture(scope="module")
+def int4_fp32(tiny_folder):
+    _, folder = tiny_folder("llama")
+    with warnings.catch_warnings():  # int4 with fp32 activations runs on the reference kernel, and says so
+        warnings.simplefilter("ignore")
+        return load_model(str(folder), quant="int4", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def int4(tiny_folder):
+    _, folder = tiny_folder("llama")
+    return load_model(str(folder), quant="int4")
+
+
+def alone(lm, p: list[int], n: int | None, stop_ids=(), ctx: int = 256, params=GREEDY) -> list[int]:
+    return list(Generator(lm.model, ctx).generate(p, params, max_tokens=n, stop_ids=stop_ids))
+
+
+def forced_logits(lm, p: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits that chose each of ``tokens`` after ``p``, by one cache-less forward (steps, vocab)."""
+    with torch.inference_mode():
+        out = lm.model(torch.tensor([p + tokens[:-1]]))[0, len(p) - 1 :].float()
+    return out
+
+
+def assert_same(lm, p: list[int], got: list[int], want: list[int]) -> None:
+    """fp32: the alone run's every step is decided, and the batch picked the same tokens."""
+    if want:
+        top2 = forced_logits(lm, p, want).topk(2, dim=-1).values
+        margin = (top2[:, 0] - top2[:, 1]).min().item()
+        assert margin >= DECIDED, f"a near-tie ({margin:.2e}) in the expectation: pick another prompt"
+    assert got == want
+
+
+def assert_same_or_tie(lm, p: list[int], got: list[int], want: list[int]) -> None:
+    """bf16: equal up to a first difference, where the alone run's logit of the batch's pick must be
+    within 4 bf16 steps (ulps at the top logit) of its best: a near-tie that the batch's other matmul
+    shapes, rounding to bf16 in every layer, may reverse. After it the texts differ: nothing more is
+    compared."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            logits = forced_logits(lm, p, want)[i]
+            top = logits.max()
+            ulp = 2.0 ** (torch.floor(torch.log2(top.abs())) - 7)
+            assert top - logits[g] <= 4 * ulp, (i, g, w, logits.topk(2))
+            return
+    assert len(got) == len(want)
+
+
+def run_mixed(lm, **engine_args) -> tuple[BatchEngine, list]:
+    """Three requests, a few steps, then two more join; different lengths leave at different times."""
+    eng = BatchEngine(lm.model, **{"kv_budget_bytes": BIG, **engine_args})
+    handles = [eng.submit(PROMPTS[i], GREEDY, MAX_TOKENS[i]) for i in range(3)]
+    for _ in range(4):
+        eng.step()
+    handles += [eng.submit(PROMPTS[i], GREEDY, MAX_TOKENS[i]) for i in range(3, 5)]
+    eng.run_until_done()
+    return eng, handles
+
+
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])
+@pytest.mark.parametrize("chunk", [256, 8])
+def test_batched_tokens_are_the_tokens_alone(fp32, attention, chunk):
+    eng, handles = run_mixed(fp32, attention=attention, chunk_tokens=chunk)
+    for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
+        assert_same(fp32, p, h.result(), alone(fp32, p, n))
+        s = h.stats
+        assert s.finish_reason == "length" and s.generated_tokens == n and s.prompt_tokens == len(p)
+        assert s.ttft_s is not None and s.ttft_s > 0 and s.preemptions == 0
+    assert eng.usage()["blocks_used"] == 0 and eng.usage()["running"] == 0
+    eng.blocks.check()
+    if attention == "auto":
+        assert eng.kernel is not None or eng.device.type != "cpu"
+
+
+def test_chunked_prefill_bounds_each_step(fp32):
+    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, chunk_tokens=8)
+    handles = [eng.submit(p, GREEDY, 5) for p in PROMPTS]
+    sizes = []
+    while eng.has_work:
+        sizes.append(eng.step())
+    assert max(sizes) <= 8 + len(PROMPTS)  # the prompt budget plus one decode token per sequence
+    assert sum(sizes) == sum(len(p) + 4 for p in PROMPTS)  # every prompt token once, and 4 decode tokens each
+    for p, h in zip(PROMPTS, handles):
+        assert_same(fp32, p, h.result(), alone(fp32, p, 5))
+
+
+def test_int4_weights_with_fp32_activations_batch_exactly(int4_fp32):
+    _, handles = run_mixed(int4_fp32, chunk_tokens=16)
+    for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
+        assert_same(int4_fp32, p, h.result(), alone(int4_fp32, p, n))
+
+
+def test_int4_bf16_batches_within_the_tie_rule(int4):
+    assert int4.dtype == torch.bfloat16
+    _, handles = run_mixed(int4, chunk_tokens=16)
+    for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
+        assert_same_or_tie(int4, p, h.result(), alone(int4, p, n))
+
+
+def test_preemption_keeps_the_tokens(fp32):
+    """A pool of 8 blocks (128 tokens) for five requests needing ~260: the youngest are preempted and
+    recomputed from their prompt and the tokens they had, and still give their tokens alone."""
+    budget = 8 * block_bytes(fp32.config, 16, torch.float32)
+    eng = BatchEngine(fp32.model, kv_budget_bytes=budget, chunk_tokens=32)
+    assert eng.plan.n_blocks == 8 and eng.max_seq_len == 128
+    handles = [eng.submit(p, GREEDY, n + 20) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    eng.run_until_done()
+    assert eng.scheduler.preemptions > 0 and sum(h.stats.preemptions for h in handles) > 0
+    for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
+        assert_same(fp32, p, h.result(), alone(fp32, p, n + 20))
+    eng.blocks.check()
+    assert eng.usage()["blocks_used"] == 0
+
+
+def test_prefix_hits_report_cached_tokens_and_keep_the_tokens(fp32):
+    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+    a = PROMPTS[3]  # 64 tokens
+    first = eng.submit(a, GREEDY, 10)
+    assert first.result() == alone(fp32, a, 10) and first.stats.cached_tokens == 0
+
+    # a shared 50-token prefix: its 3 full blocks come from the cache, the rest is computed
+    b = a[:50] + prompt(9, 6)
+    h = eng.submit(b, GREEDY, 12)
+    assert_same(fp32, b, h.result(), alone(fp32, b, 12))
+    assert h.stats.cached_tokens == 48
+
+    # the same prompt again: all but the last block (its last token must run to give logits)
+    h = eng.submit(a, GREEDY, 10)
+    assert_same(fp32, a, h.result(), alone(fp32, a, 10))
+    assert h.stats.cached_tokens == 48
+
+    # the same tokens after a different first token share nothing
+    c = [7] + a[1:]
+    h = eng.submit(c, GREEDY, 3)
+    h.result()
+    assert h.stats.cached_tokens == 0
+
+    # a follow-up turn: blocks filled while decoding were keyed too
+    out = alone(fp32, a, 10)
+    follow = a + out + [5, 6, 7]
+    h = eng.submit(follow, GREEDY, 8)
+    assert_same(fp32, follow, h.result(), alone(fp32, follow, 8))
+    computed = len(a) + len(out) - 1  # the last reply token never ran
+    assert h.stats.cached_tokens == computed // 16 * 16 == 64
+
+
+def test_concurrent_requests_share_a_prefix(fp32):
+    """The second request arrives while the first decodes: it reuses the first one's full blocks."""
+    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+    a = PROMPTS[2]  # 40 tokens: 2 full blocks
+    h1 = eng.submit(a, GREEDY, 20)
+    eng.step()
+    eng.step()
+    h2 = eng.submit(a[:35] + [3, 4], GREEDY, 20)
+    eng.step()
+    assert h2.stats.cached_tokens == 32
+    assert eng.usage()["blocks_used"] == 3 + 1  # two shared blocks, a partial one each
+    eng.run_until_done()
+    assert_same(fp32, a, h1.result(), alone(fp32, a, 20))
+    assert_same(fp32, a[:35] + [3, 4], h2.result(), alone(fp32, a[:35] + [3, 4], 20))
+
+
+def test_a_request_that_can_never_fit_is_refused_with_numbers(fp32):
+    budget = 4 * block_bytes(fp32.config, 16, torch.float32)
+    eng = BatchEngine(fp32.model, kv_budget_bytes=budget)
+    assert eng.max_seq_len == 64  # the pool, not the model's 256, bounds a sequence
+    with pytest.raises(LocalLLMError, match=r"the prompt is 64 tokens and a sequence holds at most 64 positions "
+                                            r"\(the KV pool has 4 blocks x 16 tokens = 64\)"):
+        eng.submit(PROMPTS[3], GREEDY, 1)
+    assert eng.submit(PROMPTS[3][:63], GREEDY, 5).result()  # one position left: it runs
+    with pytest.raises(LocalLLMError, match="holds no block"):
+        BatchEngine(fp32.model, kv_budget_bytes=100)
+    with pytest.raises(LocalLLMError, match="max tokens 0"):
+        eng.submit([5], GREEDY, 0)
+
+
+def test_a_full_queue_says_busy(fp32):
+    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_waiting=2)
+    eng.submit([5, 6], GREEDY, 2)
+    eng.submit([5, 7], GREEDY, 2)
+    with pytest.raises(EngineBusy, match="busy.*retry after"):
+        eng.submit([5, 8], GREEDY, 2)
+    eng.step()  # both admitted: the queue has room again
+    eng.submit([5, 8], GREEDY, 2)
+    eng.run_until_done()
+
+
+def test_cancel_frees_the_blocks(fp32):
+    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=2)
+    keep = eng.submit(PROMPTS[2], GREEDY, 30)
+    gone = eng.submit(PROMPTS[3], GREEDY, 30)
+    queued = eng.submit(PROMPTS[4], GREEDY, 30)  # waits: max_running
+    for _ in range(5):
+        eng.step()
+    got = [next(gone), next(gone)]
+    gone.cancel()
+    queued.cancel()
+    eng.step()
+    assert gone.stats.finish_reason == "cancelled" and queued.stats.finish_reason == "cancelled"
+    produced = got + gone.result()  # what came before the cancel can still be read
+    assert len(produced) == gone.stats.generated_tokens < 30
+    assert_same(fp32, PROMPTS[3], produced, alone(fp32, PROMPTS[3], 30)[: len(produced)])
+    assert queued.result() == [] and queued.stats.ttft_s is None
+    assert eng.usage()["running"] == 1 and eng.usage()["waiting"] == 0
+    keep.cancel()
+    eng.step()
+    u = eng.usage()
+    assert u["blocks_used"] == 0 and u["blocks_free"] + u["blocks_cached"] == u["blocks"]
+    eng.blocks.check()
+
+
+def test_stop_ids_end_a_request_without_the_stop_token(fp32):
+    p = PROMPTS[2]
+    full = alone(fp32, p, 30)
+    stop = full[6]
+    want = alone(fp32, p, 30, stop_ids=[stop])
+    assert want == full[: full.index(stop)]
+    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+    h = eng.submit(p, GREEDY, 30, stop_ids=[stop])
+    other = eng.submit(PROMPTS[1], GREEDY, 30)
+    eng.run_until_done()
+    assert_same(fp32, p, h.result(), want)
+    assert h.stats.finish_reason == "stop" and other.stats.finish_reason == "length"
+
+
+def test_a_full_context_ends_with_length(fp32):
+    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_seq_len=48)
+    p = PROMPTS[2]  # 40 tokens
+    h = eng.submit(p, GREEDY)
+    want = alone(fp32, p, None, ctx=48)  # the Generator's context limit: 48 - 40 + 1 tokens
+    assert len(want) == 9
+    assert_same(fp32, p, h.result(), want)
+    assert h.stats.finish_reason == "length"
+
+
+def test_seeded_sampling_is_per_request(fp32):
+    params = [SamplingParams(temperature=0.9, seed=s, repeat_penalty=1.1) for s in (1, 2, 1)]
+
+    def run() -> list[list[int]]:
+        eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+        hs = [eng.submit(PROMPTS[2], sp, 25) for sp in params]
+        eng.run_until_done()
+        return [h.result() for h in hs]
+
+    first = run()
+    assert first == run()  # reproducible
+    assert first[0] == first[2] and first[0] != first[1]  # each request its own generator
+
+
+def test_background_thread_serves_many_threads(fp32):
+    want = [alone(fp32, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    with BatchEngine(fp32.model, kv_budget_bytes=BIG, chunk_tokens=16) as eng:
+
+        def client(i: int) -> None:
+            try:
+                got[i] = list(eng.submit(PROMPTS[i], GREEDY, MAX_TOKENS[i]))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert not errors and eng._thread is None
+    for i, p in enumerate(PROMPTS):
+        assert_same(fp32, p, got[i], want[i])
+
+
+def test_iterating_one_handle_advances_all(fp32):
+    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+    a = eng.submit(PROMPTS[0], GREEDY, 5)
+    b = eng.submit(PROMPTS[1], GREEDY, 20)
+    assert len(list(a)) == 5 and a.done
+    assert b.stats.generated_tokens == 5  # b ran beside a, its tokens waiting in its handle
+    assert list(b) == alone(fp32, PROMPTS[1], 20) and b.done
