@@ -325,3 +325,24 @@ def test_iterating_one_handle_advances_all(fp32):
     assert len(list(a)) == 5 and a.done
     assert b.stats.generated_tokens == 5  # b ran beside a, its tokens waiting in its handle
     assert list(b) == alone(fp32, PROMPTS[1], 20) and b.done
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A tiny Mistral whose sliding window (8) is shorter than the prompts."""
+    from tests.conftest import make_hf_model, save_hf_folder
+
+    folder = save_hf_folder(make_hf_model("mistral", sliding_window=8), tmp_path_factory.mktemp("tiny-window"))
+    lm = load_model(str(folder), quant="fp32")
+    assert lm.config.sliding_window == 8
+    return lm
+
+
+def test_sliding_window_batches_like_alone(windowed):
+    """Queries see only the last 8 positions, in chunks and decode steps alike (the kernel, which has
+    no window, is used only while a context is within it)."""
+    eng = BatchEngine(windowed.model, kv_budget_bytes=BIG, chunk_tokens=8)
+    handles = [eng.submit(p, GREEDY, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    eng.run_until_done()
+    for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
+        assert_same(windowed, p, h.result(), alone(windowed, p, n))
