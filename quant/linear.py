@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from collections.abc import Callable
 
@@ -11,17 +10,6 @@ from torch import nn
 
 from localllm.quant import kernels
 from localllm.quant.formats import QuantScheme, canonical_shapes
-
-
-#: The warnings :func:`warn_once` has given in this process.
-WARNED: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    """A warning given once a process: a model's 200 layers falling back for one reason are one line."""
-    if message not in WARNED:
-        WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
 
 
 class QuantLinear(nn.Module):
@@ -56,7 +44,7 @@ class QuantLinear(nn.Module):
         (4 checks rather than 120 for a 30-layer model, a quarter of a second of every start).
 
         A layer that ends on the slow reference while fast kernels exist for its scheme says so, once
-        a process for each reason (see :func:`warn_once`). A prepared layer is prepared already: asked
+        a process for each reason (see :func:`kernels.warn_once`). A prepared layer is prepared already: asked
         again for the same activation dtype it returns its kernel's name (the canonical tensors are gone).
         """
         if self.kernel is not None:
@@ -88,10 +76,10 @@ class QuantLinear(nn.Module):
             why = [f"{name} disagrees with the reference here" for name in disagreeing]
             why += kernels.why_not_fast(self, device, act_dtype)
             if why:
-                warn_once(f"{self.scheme.label()} layers run on the slow reference kernel (it dequantizes "
+                kernels.warn_once(f"{self.scheme.label()} layers run on the slow reference kernel (it dequantizes "
                           f"the weight at every call): {'; '.join(why)}")
         elif disagreeing:
-            warn_once(f"kernel {', '.join(disagreeing)} disagrees with the reference on {self.scheme.label()} "
+            kernels.warn_once(f"kernel {', '.join(disagreeing)} disagrees with the reference on {self.scheme.label()} "
                       f"layers here; they run on {k.name}")
         for name in set(self.canonical()) - set(tensors):
             delattr(self, name)  # the kernel's layout replaces it: never hold both

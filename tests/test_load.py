@@ -16,7 +16,7 @@ from localllm.loaders.convert import convert_to_store
 from localllm.loaders.load import load_model, model_tensors, open_checkpoint
 from localllm.loaders.safetensors_stream import iter_safetensors, read_header
 from localllm.loaders.store import Store
-from localllm.quant import linear
+from localllm.quant import kernels
 from localllm.quant.formats import dequantize, parse_scheme
 from localllm.quant.linear import QuantLinear, TiedInt8Embedding
 
@@ -27,7 +27,7 @@ IDS = torch.tensor([[1, 200, 17, 300, 5, 99, 42, 7]])
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(linear, "WARNED", set())
+    monkeypatch.setattr(kernels, "WARNED", set())
 
 
 @pytest.fixture(scope="module")

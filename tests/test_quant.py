@@ -9,7 +9,7 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm import native
-from localllm.quant import kernels, linear
+from localllm.quant import kernels
 from localllm.quant.formats import dequantize, pack_int4, parse_scheme, quantize, quiet_bitsandbytes, unpack_int4
 from localllm.quant.gguf_blocks import exact_import, to_canonical
 from localllm.quant.linear import QuantLinear, prepare_model
@@ -17,7 +17,7 @@ from localllm.quant.linear import QuantLinear, prepare_model
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Fallback warnings are given once a process: each test starts with none given."""
-    monkeypatch.setattr(linear, "WARNED", set())
+    monkeypatch.setattr(kernels, "WARNED", set())
 
 
 SCHEMES = [("int8", None), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128), ("nf4", 64)]
@@ -163,6 +163,22 @@ def test_a_disagreeing_kernel_is_dropped(monkeypatch):
     layer, _ = make_layer("int4", 32)
     monkeypatch.setattr(kernels.Int4TinygemmCPU, "matmul", staticmethod(lambda layer, x: torch.zeros(
         x.shape[0], layer.out_features, dtype=x.dtype)))
+    with pytest.warns(UserWarning, match="disagrees"):
+        assert layer.prepare(torch.bfloat16) == "reference"
+
+
+def test_the_check_of_a_large_layer_samples_rows_up_to_the_last_block(monkeypatch):
+    """The reference computes only a sample of a head's rows: a layout wrong in the last 64-row block
+    of a 4096-row layer is still caught."""
+    layer, _ = make_layer("int4", 32, out=4096)
+    real = kernels.Int4TinygemmCPU.matmul
+
+    def wrong_tail(layer, x):
+        y = real(layer, x)
+        y[:, -64:] = y[:, -64:].flip(-1)
+        return y
+
+    monkeypatch.setattr(kernels.Int4TinygemmCPU, "matmul", staticmethod(wrong_tail))
     with pytest.warns(UserWarning, match="disagrees"):
         assert layer.prepare(torch.bfloat16) == "reference"
 
