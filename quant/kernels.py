@@ -35,9 +35,11 @@ from localllm.quant.formats import dequantize, quiet_bitsandbytes, unpack_int4
 if TYPE_CHECKING:
     from localllm.quant.linear import QuantLinear
 
-#: Output rows the reference dequantizes at a time: ~16 MB of fp32 for a 4096-wide layer, so neither
-#: the reference nor the check against it ever holds a large layer's (or a vocabulary head's) full
-#: float weight.
+#: Weights the reference dequantizes at a time, by device type (others: ``"default"``): on the CPU
+#: 4M (16 MB of fp32), so a vocabulary head's float weight never exists whole in RAM; on a GPU a
+#: 7B model's head at once, since each slice costs kernel launches at every token.
+REFERENCE_ELEMENTS = {"cpu": 1 << 22, "default": 1 << 28}
+#: Output rows the check against the reference samples in a larger layer.
 REFERENCE_ROWS = 1024
 
 
@@ -75,10 +77,14 @@ class Kernel:
 
 
 def reference_linear(canonical: dict[str, torch.Tensor], scheme, x: torch.Tensor,  # type: ignore[no-untyped-def]
-                     rows: int = REFERENCE_ROWS) -> torch.Tensor:
-    """``x @ W^T`` with W dequantized ``rows`` output rows at a time, in ``x``'s dtype: every canonical
-    format keeps an output row's codes and scales on that row, so a slice of rows is a smaller weight."""
+                     rows: int | None = None) -> torch.Tensor:
+    """``x @ W^T`` with W dequantized ``rows`` output rows at a time (default: :data:`REFERENCE_ELEMENTS`
+    weights), in ``x``'s dtype: every canonical format keeps an output row's codes and scales on that
+    row, so a slice of rows is a smaller weight."""
     out = next(iter(canonical.values())).shape[0]
+    if rows is None:
+        budget = REFERENCE_ELEMENTS.get(x.device.type, REFERENCE_ELEMENTS["default"])
+        rows = max(1, budget // x.shape[-1])
     if out <= rows:
         return F.linear(x, dequantize(canonical, scheme, x.dtype))
     y = x.new_empty((*x.shape[:-1], out))
