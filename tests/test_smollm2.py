@@ -53,7 +53,7 @@ def test_q8_0_head_loads_as_it_is_in_the_file(smollm2_path):
     assert torch.equal(lm.model.embed(tokens)[0], rows)  # TiedInt8Embedding, no 16-bit copy
 
 
-def test_greedy_answer_names_paris(engine):
+def test_greedy_answer_names_paris(engine, france_fp32):  # france_fp32: its margins checked
     text = "".join(engine.chat(FRANCE, GREEDY, max_tokens=30))
     assert "Paris" in text
     assert engine.stats.stop_reason == "eos"  # it ended by itself, on <|im_end|>
