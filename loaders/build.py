@@ -52,8 +52,7 @@ def _targets(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, _Target], 
         if not parts:
             continue
         parent = module_name.rpartition(".")[0]
-        for leaf in (n for n, _ in module.named_parameters(recurse=False)) if not isinstance(module, QuantLinear) \
-                else [*module.canonical(), *(["bias"] if module.bias is not None else [])]:
+        for leaf in [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]:
             target = targets[f"{module_name}.{leaf}"]
             start = 0
             for part, rows, has_bias in parts:
@@ -100,6 +99,7 @@ def load_weights(
     for name, target in targets.items():
         waiting.setdefault(id(target.module), set()).add(name)
     verdicts: dict[tuple, bool] = {}
+    arrived: set[str] = set()
 
     def complete(target: _Target) -> None:
         left = waiting[id(target.module)]
@@ -120,6 +120,9 @@ def load_weights(
             want = target.shape
         else:
             raise LocalLLMError(f"{source}: unexpected tensor '{name}'", "the checkpoint does not match its config")
+        if name in arrived:
+            raise LocalLLMError(f"{source}: tensor '{name}' appears twice", "the checkpoint is damaged; download it again")
+        arrived.add(name)
         if tuple(t.shape) != want:
             raise LocalLLMError(
                 f"{source}: tensor '{name}' has shape {tuple(t.shape)}, the config implies {want}",

@@ -92,6 +92,9 @@ def test_a_missing_or_misshapen_part_of_a_fused_tensor_is_named(tiny_folder):
     short_up = ((n, t[:-1] if n == "layers.0.mlp.up.weight" else t) for n, t in ckpt.iter_tensors())
     with pytest.raises(LocalLLMError, match=r"'layers.0.mlp.up.weight' has shape \(191, 64\), the config implies \(192, 64\)"):
         load_weights(fused_model(), short_up, torch.device("cpu"), torch.float32, "tiny")
+    twice = [*ckpt.iter_tensors(), ("layers.0.attn.v.weight", torch.zeros(32, 64))]
+    with pytest.raises(LocalLLMError, match="'layers.0.attn.v.weight' appears twice"):
+        load_weights(fused_model(), twice, torch.device("cpu"), torch.float32, "tiny")
 
 
 def test_a_tied_int8_head_serves_as_the_embedding_without_a_16_bit_table(tied_folder, tmp_path):
