@@ -45,7 +45,8 @@ def _targets(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, _Target], 
     for name, t in model.state_dict(keep_vars=True).items():
         module_name, _, leaf = name.rpartition(".")
         is_param = name in params
-        targets[name] = _Target(name, modules[module_name], leaf, tuple(t.shape), dtype if is_param else t.dtype, is_param)
+        target_dtype = dtype if is_param else t.dtype
+        targets[name] = _Target(name, modules[module_name], leaf, tuple(t.shape), target_dtype, is_param)
     slices: dict[str, tuple[_Target, int, int]] = {}
     for module_name, module in modules.items():
         parts = getattr(module, "fused_from", None)
@@ -121,7 +122,8 @@ def load_weights(
         else:
             raise LocalLLMError(f"{source}: unexpected tensor '{name}'", "the checkpoint does not match its config")
         if name in arrived:
-            raise LocalLLMError(f"{source}: tensor '{name}' appears twice", "the checkpoint is damaged; download it again")
+            raise LocalLLMError(f"{source}: tensor '{name}' appears twice",
+                                "the checkpoint is damaged; download it again")
         arrived.add(name)
         if tuple(t.shape) != want:
             raise LocalLLMError(
@@ -171,6 +173,8 @@ def fuse_projections(model: Transformer) -> Transformer:
             if getattr(owner, fused_name) is not None:
                 continue
             parts = [getattr(owner, p) for p in part_names]
+            if len({getattr(m, "scheme", None) for m in parts}) > 1:
+                continue  # mixed schemes (a GGUF's q in Q4_0 beside its v kept 16-bit): kept separate
             fused = concat_linears(parts)
             fused.fused_from = tuple((p, m.out_features, m.bias is not None) for p, m in zip(part_names, parts))
             setattr(owner, fused_name, fused)

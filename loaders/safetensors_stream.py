@@ -3,8 +3,9 @@
 ``safetensors.safe_open`` maps the whole file: every tensor read stays resident as mapped file
 pages until the file is closed, so the process's RSS grows to the file's size while streaming it.
 Reading each tensor into its own buffer keeps the footprint at one tensor, which is what makes
-quantizing a checkpoint memory-bounded (:func:`read_array` does the same for GGUF tensors). The format is an 8-byte little-endian header length, a JSON
-header ``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data.
+quantizing a checkpoint memory-bounded (:func:`read_array` does the same for GGUF tensors). The
+format is an 8-byte little-endian header length, a JSON header
+``{name: {dtype, shape, data_offsets: [begin, end]}}``, then the data.
 """
 
 from __future__ import annotations

@@ -173,7 +173,8 @@ class Int4TinygemmCUDA(Kernel):
             return f"needs bfloat16 activations, not {_dtype_name(act_dtype)}"
         k = 16 * Int4TinygemmCUDA.INNER_K_TILES
         if layer.in_features % k or layer.out_features % 8:
-            return f"needs input widths that are multiples of {k} and outputs of 8 ({layer.out_features}x{layer.in_features})"
+            return (f"needs input widths that are multiples of {k} and outputs of 8 "
+                    f"({layer.out_features}x{layer.in_features})")
         return None
 
     @staticmethod

@@ -90,7 +90,8 @@ def test_a_missing_or_misshapen_part_of_a_fused_tensor_is_named(tiny_folder):
     with pytest.raises(LocalLLMError, match=r"missing tensor\(s\) layers.1.attn.k.weight"):
         load_weights(fused_model(), without_k, torch.device("cpu"), torch.float32, "tiny")
     short_up = ((n, t[:-1] if n == "layers.0.mlp.up.weight" else t) for n, t in ckpt.iter_tensors())
-    with pytest.raises(LocalLLMError, match=r"'layers.0.mlp.up.weight' has shape \(191, 64\), the config implies \(192, 64\)"):
+    with pytest.raises(LocalLLMError, match=r"'layers.0.mlp.up.weight' has shape \(191, 64\), "
+                                            r"the config implies \(192, 64\)"):
         load_weights(fused_model(), short_up, torch.device("cpu"), torch.float32, "tiny")
     twice = [*ckpt.iter_tensors(), ("layers.0.attn.v.weight", torch.zeros(32, 64))]
     with pytest.raises(LocalLLMError, match="'layers.0.attn.v.weight' appears twice"):
