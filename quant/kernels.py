@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from localllm import native
 from localllm.quant.formats import dequantize, quiet_bitsandbytes, unpack_int4
+from localllm.quant.target import Target
 
 if TYPE_CHECKING:
     from localllm.quant.linear import QuantLinear
@@ -56,13 +57,15 @@ class Kernel:
     device_type: str | None = None  # the one device type it runs on (None: any)
 
     @classmethod
-    def supports(cls, layer: "QuantLinear", device: torch.device, act_dtype: torch.dtype) -> bool:
-        return cls.unsupported(layer, device, act_dtype) is None
+    def supports(cls, layer: "QuantLinear", target: "Target | torch.device", act_dtype: torch.dtype) -> bool:
+        return cls.unsupported(layer, Target.of(target), act_dtype) is None
 
     @staticmethod
-    def unsupported(layer: "QuantLinear", device: torch.device, act_dtype: torch.dtype) -> str | None:
-        """None when this kernel can run ``layer`` on ``device`` with ``act_dtype`` activations, else
-        why not, in a few words that follow the kernel's name ("needs bf16 activations, not float32")."""
+    def unsupported(layer: "QuantLinear", target: Target, act_dtype: torch.dtype) -> str | None:
+        """None when this kernel can run ``layer`` on ``target`` (a device, and a CUDA device's
+        capability: see :class:`quant.target.Target`; never asked of ``torch.cuda`` here) with
+        ``act_dtype`` activations, else why not, in a few words that follow the kernel's name
+        ("needs bf16 activations, not float32")."""
         raise NotImplementedError
 
     @staticmethod
@@ -98,7 +101,7 @@ class Reference(Kernel):
     name = "reference"
 
     @staticmethod
-    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         return None
 
     @staticmethod
@@ -120,10 +123,10 @@ class Int4TinygemmCPU(Kernel):
     PACK_ROWS = 4096
 
     @staticmethod
-    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         if layer.scheme.name != "int4":
             return "runs int4 weights only"
-        if device.type != "cpu":
+        if target.type != "cpu":
             return "runs on the CPU only"
         if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             return f"needs a newer torch than {torch.__version__}"
@@ -161,12 +164,14 @@ class Int4TinygemmCUDA(Kernel):
     INNER_K_TILES = 8
 
     @staticmethod
-    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         if layer.scheme.name != "int4":
             return "runs int4 weights only"
-        if device.type != "cuda":
+        if target.type != "cuda":
             return "runs on CUDA GPUs only"
-        capability = torch.cuda.get_device_capability(device)
+        capability = target.capability
+        if capability is None:
+            return "needs a GPU of compute capability 8.0 or newer (this one's is unknown)"
         if capability < (8, 0):
             return f"needs a GPU of compute capability 8.0 or newer (this one has {capability[0]}.{capability[1]})"
         if act_dtype != torch.bfloat16:
@@ -196,15 +201,15 @@ class Int8WeightOnly(Kernel):
     scheme = "int8"
 
     @staticmethod
-    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         if layer.scheme.name != "int8":
             return "runs int8 weights only"
         if layer.scheme.group_size is not None:
             return "needs one scale per output channel, not per group"
         if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
             return f"needs a newer torch than {torch.__version__}"
-        if device.type != "cpu" and act_dtype not in (torch.bfloat16, torch.float16):
-            return f"needs bfloat16 or float16 activations on {device.type}, not {_dtype_name(act_dtype)}"
+        if target.type != "cpu" and act_dtype not in (torch.bfloat16, torch.float16):
+            return f"needs bfloat16 or float16 activations on {target.type}, not {_dtype_name(act_dtype)}"
         return None
 
     @staticmethod
@@ -240,13 +245,13 @@ class Int8GroupCPU(Kernel):
     device_type = "cpu"
 
     @staticmethod
-    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         g = layer.scheme.group_size
         if layer.scheme.name != "int8":
             return "runs int8 weights only"
         if g is None or g % 16:
             return "needs scales per group of a multiple of 16 inputs"
-        if device.type != "cpu":
+        if target.type != "cpu":
             return "runs on the CPU only"
         if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"needs bfloat16, float16 or float32 activations, not {_dtype_name(act_dtype)}"
@@ -270,7 +275,7 @@ class Nf4Bitsandbytes(Kernel):
     scheme = "nf4"
 
     @staticmethod
-    def unsupported(layer, device, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         if layer.scheme.name != "nf4":
             return "runs nf4 weights only"
         try:
@@ -322,20 +327,24 @@ KERNELS: tuple[type[Kernel], ...] = (
 BY_NAME = {k.name: k for k in KERNELS}
 
 
-def candidates(layer: "QuantLinear", device: torch.device, act_dtype: torch.dtype) -> list[type[Kernel]]:
-    return [k for k in KERNELS if k.supports(layer, device, act_dtype)]
+def candidates(layer: "QuantLinear", target: "Target | torch.device", act_dtype: torch.dtype) -> list[type[Kernel]]:
+    """The kernels that can run ``layer`` on ``target`` (a :class:`quant.target.Target`; a bare device
+    is resolved with :meth:`Target.of`), in order of preference."""
+    target = Target.of(target)
+    return [k for k in KERNELS if k.unsupported(layer, target, act_dtype) is None]
 
 
-def why_not_fast(layer: "QuantLinear", device: torch.device, act_dtype: torch.dtype) -> list[str]:
+def why_not_fast(layer: "QuantLinear", target: "Target | torch.device", act_dtype: torch.dtype) -> list[str]:
     """Why each fast kernel of the layer's scheme cannot run it here ("int4-tinygemm-cpu needs
     bfloat16 activations, not float32"): what a warning about the slow reference names. Kernels made
     for another device are named only when none is made for this one (grouped int8 on CUDA)."""
+    target = Target.of(target)
     fast = [k for k in KERNELS if k is not Reference and k.scheme == layer.scheme.name]
-    if any(k.device_type == device.type for k in fast):
-        fast = [k for k in fast if k.device_type in (None, device.type)]
+    if any(k.device_type == target.type for k in fast):
+        fast = [k for k in fast if k.device_type in (None, target.type)]
     reasons = []
     for k in fast:
-        why = k.unsupported(layer, device, act_dtype)
+        why = k.unsupported(layer, target, act_dtype)
         if why is not None:
             reasons.append(f"{k.name} {why}")
     return reasons

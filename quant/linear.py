@@ -10,6 +10,7 @@ from torch import nn
 
 from localllm.quant import kernels
 from localllm.quant.formats import QuantScheme, canonical_shapes
+from localllm.quant.target import Target
 
 
 class QuantLinear(nn.Module):
@@ -35,13 +36,20 @@ class QuantLinear(nn.Module):
         return {n: getattr(self, n) for n in names}
 
     def prepare(self, act_dtype: torch.dtype, kernel: str | None = None,
-                verdicts: dict[tuple, bool] | None = None) -> str:
+                verdicts: dict[tuple, bool] | None = None, target: Target | None = None,
+                check: bool = True) -> str:
         """Choose the kernel for this device/dtype (or the one named, where it can run this layer: a
         forced int4 kernel leaves an int8 head to the automatic choice), repack, and return its name.
 
         ``verdicts`` carries the reference checks across the layers of a model: a kernel's layout is
         right or wrong for a shape, not for particular weights, so one layer of each shape is checked
         (4 checks rather than 120 for a 30-layer model, a quarter of a second of every start).
+
+        ``target``: the device kernels are chosen for, with a CUDA device's capability
+        (:class:`quant.target.Target`; default: read from the device the layer's tensors are on). It
+        must be the device they are on. ``check=False`` skips the check against the reference, for a
+        caller that cannot compute numbers (the CUDA dry run's fake tensors): the first kernel that
+        supports the layer is taken unchecked.
 
         A layer that ends on the slow reference while fast kernels exist for its scheme says so, once
         a process for each reason (see :func:`kernels.warn_once`). A prepared layer is prepared already: asked
@@ -52,18 +60,24 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"layer already prepared for {self.act_dtype} activations, not {act_dtype}")
             return self.kernel.name
         device = self.device
+        if target is None:
+            target = Target.of(device)
+        elif target.type != device.type:
+            raise ValueError(f"layer on {device} prepared for {target.describe()}")
         self.act_dtype = act_dtype
-        if kernel is not None and kernels.BY_NAME[kernel].supports(self, device, act_dtype):
+        if kernel is not None and kernels.BY_NAME[kernel].supports(self, target, act_dtype):
             choices = [kernels.BY_NAME[kernel]]
         else:
-            choices = kernels.candidates(self, device, act_dtype)
+            choices = kernels.candidates(self, target, act_dtype)
         verdicts = {} if verdicts is None else verdicts
         disagreeing = []
         for k in choices:
             tensors = k.prepare(self)
             if k is kernels.Reference:
                 break
-            key = (k.name, self.scheme, self.out_features, self.in_features, act_dtype, str(device))
+            if not check:
+                break
+            key = (k.name, self.scheme, self.out_features, self.in_features, act_dtype, target)
             if key not in verdicts:
                 verdicts[key] = kernels.agrees_with_reference(self, k, tensors)
             if verdicts[key]:
@@ -74,7 +88,7 @@ class QuantLinear(nn.Module):
             k, tensors = kernels.Reference, kernels.Reference.prepare(self)
         if k is kernels.Reference and kernel != kernels.Reference.name:
             why = [f"{name} disagrees with the reference here" for name in disagreeing]
-            why += kernels.why_not_fast(self, device, act_dtype)
+            why += kernels.why_not_fast(self, target, act_dtype)
             if why:
                 kernels.warn_once(f"{self.scheme.label()} layers run on the slow reference kernel (it dequantizes "
                           f"the weight at every call): {'; '.join(why)}")
@@ -183,14 +197,16 @@ def swap_linears(model: nn.Module, plan: dict[str, QuantScheme] | QuantScheme) -
 
 
 def prepare_model(model: nn.Module, act_dtype: torch.dtype, kernel: str | None = None,
-                  verdicts: dict[tuple, bool] | None = None) -> Counter[str]:
+                  verdicts: dict[tuple, bool] | None = None, target: Target | None = None,
+                  check: bool = True) -> Counter[str]:
     """Prepare every QuantLinear not prepared yet (a streaming load prepares each as its tensors
-    arrive); returns how many layers use each kernel (for ``--verbose``)."""
+    arrive); returns how many layers use each kernel (for ``--verbose``). ``target`` and ``check``
+    as in :meth:`QuantLinear.prepare`."""
     used: Counter[str] = Counter()
     verdicts = {} if verdicts is None else verdicts
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            used[module.prepare(act_dtype, kernel, verdicts)] += 1
+            used[module.prepare(act_dtype, kernel, verdicts, target, check)] += 1
     return used
 
 
