@@ -10,6 +10,7 @@ from torch import nn
 
 from localllm.errors import LocalLLMError
 from localllm.quant.linear import QuantLinear, TiedInt8Embedding, concat_linears
+from localllm.quant.target import Target
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.model import Transformer
 
@@ -75,10 +76,11 @@ def _assign(target: _Target, t: torch.Tensor) -> None:
 def load_weights(
     model: Transformer,
     tensors: Iterable[tuple[str, torch.Tensor]],
-    device: torch.device,
+    device: torch.device | Target,
     dtype: torch.dtype,
     source: str,
     kernel: str | None = None,
+    check: bool = True,
 ) -> Transformer:
     """Assign each (name, tensor) to ``model`` in ``dtype`` on ``device``, checking names and shapes.
 
@@ -89,7 +91,12 @@ def load_weights(
     separate projections into row slices of its fused tensors, never a concatenated copy. Each
     :class:`QuantLinear` is prepared (kernel chosen, repacked, ``dtype`` activations, ``kernel`` if it
     can run it) as soon as its tensors are complete, so its canonical tensors live only that long.
+    ``device`` may be a :class:`quant.target.Target` (the device with a CUDA device's capability, as
+    the caller resolved it: kernels are chosen for it); ``check=False`` skips the kernels' check
+    against the reference (:meth:`QuantLinear.prepare`).
     """
+    where = Target.of(device)
+    device = where.device
     tied = model.config.tie_embeddings and isinstance(model.output, nn.Linear)
     shared_embedding = isinstance(getattr(model, "embed", None), TiedInt8Embedding)
     targets, slices = _targets(model, dtype)
@@ -106,7 +113,7 @@ def load_weights(
         left = waiting[id(target.module)]
         left.discard(target.name)
         if not left and isinstance(target.module, QuantLinear):
-            target.module.prepare(dtype, kernel, verdicts)
+            target.module.prepare(dtype, kernel, verdicts, where, check)
 
     for name, t in tensors:
         if tied and name == "output.weight":
