@@ -22,6 +22,7 @@ from localllm.loaders.store import MANIFEST, Store, read_entry
 from localllm.quant.formats import QuantScheme, parse_scheme
 from localllm.quant.convert import Plan
 from localllm.quant.linear import make_plan, prepare_model, share_tied_embedding, swap_linears
+from localllm.quant.target import Target
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.model import Transformer
 from localllm.runtime.tokenizer import Tokenizer
@@ -180,7 +181,7 @@ def release_freed_memory() -> None:
 
 def load_model(
     ref: str,
-    device: str = "auto",
+    device: str | Target = "auto",
     dtype: str = "auto",
     quant: str | None = None,
     group_size: int | None = None,
@@ -189,6 +190,7 @@ def load_model(
     store: Store | None = None,
     fuse: bool = True,
     attention_kernel: bool = True,
+    check_kernels: bool = True,
 ) -> LoadedModel:
     """Load ``ref`` (see :func:`open_checkpoint`) onto ``device``.
 
@@ -198,13 +200,20 @@ def load_model(
     ``attention_kernel``: on the CPU, decode steps attend with :mod:`runtime.cpu_attention`'s kernel
     (:mod:`localllm.native`); False keeps SDPA.
 
+    ``device`` is what the user typed (``auto``, ``cpu``, ``cuda:1``: checked by :func:`resolve_device`,
+    so ``cuda`` without a GPU is a one-line error), or a :class:`quant.target.Target` the caller has
+    decided on: taken as it is, with its CUDA capability, without asking ``torch.cuda`` (the CUDA dry
+    run loads onto a fake CUDA device that way). ``check_kernels=False`` skips the quantized kernels'
+    check against the reference (it computes numbers, which fake tensors cannot).
+
     Memory: the model is fused on ``meta`` and filled one tensor at a time, each quantized layer
     repacked for its kernel as soon as it is complete (:func:`loaders.build.load_weights`), so the
     load holds the model plus about one tensor's conversion; a quantized layer left on the slow
     reference kernel says why (:meth:`quant.linear.QuantLinear.prepare`).
     """
     t0 = time.perf_counter()
-    dev = resolve_device(device)
+    target = device if isinstance(device, Target) else Target.of(resolve_device(device))
+    dev = target.device
     ckpt = open_checkpoint(ref, store)
     scheme = choose_scheme(ckpt, quant, group_size)
     if scheme is not None and scheme.is_float:
@@ -219,9 +228,9 @@ def load_model(
     model, tensors, _ = model_tensors(ckpt, scheme, quantize_head)
     if fuse:
         fuse_projections(model)  # on meta: the stream fills the fused tensors' row slices
-    model = load_weights(model, tensors, dev, act, source, kernel)
+    model = load_weights(model, tensors, target, act, source, kernel, check_kernels)
     del tensors, ckpt  # the reader, its metadata and its file
-    used = prepare_model(model, act, kernel)  # each layer was prepared as it arrived: this counts them
+    used = prepare_model(model, act, kernel, target=target, check=check_kernels)  # prepared as they arrived: counted
     release_freed_memory()
     if attention_kernel and dev.type == "cpu":
         from localllm.runtime import cpu_attention
