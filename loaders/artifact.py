@@ -110,6 +110,10 @@ class ArtifactCheckpoint:
         """The head as stored, when the blocks are loaded in the stored scheme."""
         return self.plan.get("output") if scheme == self.scheme else None
 
+    def exact_plan(self, plan: Plan) -> Plan:
+        """In the stored scheme, the modules stored quantized (a mixed GGUF keeps some 16-bit)."""
+        return {m: s for m, s in plan.items() if self.plan.get(m) == s}
+
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         if plan == self.plan:
             return self._raw()  # stored as asked: no re-quantization

@@ -131,6 +131,10 @@ class HFCheckpoint:
         """A float checkpoint's head stays 16-bit unless asked."""
         return None
 
+    def exact_plan(self, plan: Plan) -> Plan:
+        """Float weights quantize into any scheme asked for: the plan stands."""
+        return plan
+
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors with the modules in ``plan`` quantized on the fly, one tensor at a time."""
         return quantize_stream(self.iter_tensors(), plan, tied_head)

@@ -77,8 +77,11 @@ def describe_checkpoint(ckpt: Any, name: str | None) -> dict[str, Any]:
     from localllm.loaders.load import load_tokenizer, model_tensors
 
     scheme = ckpt.default_scheme()
-    quantized = len(model_tensors(ckpt, scheme)[2]) if scheme is not None else 0
+    plan = model_tensors(ckpt, scheme)[2] if scheme is not None else {}
+    quantized = len(plan)
+    tensor_types: dict[str, str] = {}
     if isinstance(ckpt, GGUFCheckpoint):
+        tensor_types = ckpt.tensor_import(plan, "16-bit")
         path = Path(ckpt.path)
         weight_bytes, dtype = path.stat().st_size, None
     else:
@@ -86,9 +89,12 @@ def describe_checkpoint(ckpt: Any, name: str | None) -> dict[str, Any]:
         weight_bytes = sum(f.stat().st_size for f in ckpt.files)
         dtype = _DTYPE_NAMES.get(str(ckpt.hf_config.get("torch_dtype") or ckpt.hf_config.get("dtype")), "float")
     path = path.resolve()
-    return describe(ckpt.config, name=name, path=path, scheme=scheme, dtype=dtype, quantized=quantized,
-                    weight_bytes=weight_bytes, source={"path": str(path)},
-                    chat_template=load_tokenizer(ckpt).chat_template is not None, created=None)
+    facts = describe(ckpt.config, name=name, path=path, scheme=scheme, dtype=dtype, quantized=quantized,
+                     weight_bytes=weight_bytes, source={"path": str(path)},
+                     chat_template=load_tokenizer(ckpt).chat_template is not None, created=None)
+    if tensor_types:  # a GGUF: its tensor types and what each becomes when it loads
+        facts["tensor_types"] = tensor_types
+    return facts
 
 
 def describe_ref(ref: str, store: Store | None = None) -> tuple[dict[str, Any], StoredModel | None]:

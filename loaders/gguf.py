@@ -17,7 +17,7 @@ from localllm.loaders.checkpoint import rename
 from localllm.loaders.gguf_meta import read_metadata
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme, parse_scheme
-from localllm.quant.gguf_blocks import exact_import, to_canonical
+from localllm.quant.gguf_blocks import BLOCK, EXACT, exact_import, to_canonical
 from localllm.runtime.config import ModelConfig
 
 _LAYER_MAP = {
@@ -183,16 +183,63 @@ class GGUFCheckpoint:
 
     def default_scheme(self) -> QuantScheme | None:
         """The scheme that holds this file's block weights as they are: int4 group 32 for Q4_0/Q4_1
-        files (exact), int8 for Q8_0, and None (float) for F16/BF16/F32 files. Other quantized
-        types (K-quants...) are dequantized and requantized to int4 group 32."""
+        files, int8 group 32 for Q8_0 ones, and None (float) otherwise: F16/BF16/F32 files, and types
+        with no exact import yet (K-quants...), which are dequantized to 16 bits rather than put on a
+        coarser grid. :meth:`exact_plan` keeps each module's own tensor type exact in a mixed file."""
         types = Counter(t.tensor_type.name for t in self.reader.tensors if t.name.startswith("blk.") and
                         t.name.endswith("weight") and len(t.shape) == 2)
         main = types.most_common(1)[0][0] if types else "F32"
-        if main in ("F32", "F16", "BF16"):
-            return None
         if main == "Q8_0":
-            return parse_scheme("int8", 32)  # its blocks exactly
-        return parse_scheme("int4", 32, symmetric=main == "Q4_0")
+            return parse_scheme("int8", 32)
+        if main in ("Q4_0", "Q4_1"):
+            return parse_scheme("int4", 32, symmetric=main == "Q4_0")
+        return None
+
+    def exact_plan(self, plan: Plan) -> Plan:
+        """``plan`` (module -> scheme, the file's own) without the modules whose tensor has no exact
+        import into their scheme: those stay 16-bit, never re-rounded onto another grid. (A scheme the
+        user names with ``--quant`` re-quantizes every module: that is asked for, not silent.)"""
+        types = {ours.rpartition(".")[0]: t.tensor_type.name for ours, t in self.raw_tensors()
+                 if ours.endswith(".weight")}
+        if self.config.tie_embeddings:
+            types.setdefault("output", types.get("embed", ""))
+        exact: Plan = {}
+        for m, scheme in plan.items():
+            kind = types.get(m, "")
+            if exact_import(kind, scheme):
+                exact[m] = scheme
+            elif kind in EXACT:  # blocks of another exact grid (a Q8_0 tensor in a Q4_1 file): theirs
+                name, symmetric = EXACT[kind]
+                exact[m] = parse_scheme(name, BLOCK, symmetric if name == "int4" else False)
+        return exact
+
+    def tensor_import(self, plan: Plan, float_dtype: str) -> dict[str, str]:
+        """What each tensor type of the file became under ``plan``, for ``--verbose`` and ``show``:
+        ``{"Q4_1": "210 tensors -> int4 (group 32, asymmetric), exact", "F32": "61 tensors -> fp32", ...}``.
+        ``float_dtype`` names what unplanned tensors are converted to."""
+        from localllm.quant.linear import head_serves_embedding
+
+        became: Counter[tuple[str, str]] = Counter()
+        for ours, t in self.raw_tensors():
+            kind = t.tensor_type.name
+            module = ours.rpartition(".")[0]
+            if ours == "embed.weight" and self.config.tie_embeddings and head_serves_embedding(plan.get("output")):
+                module = "output"  # the int8 head's table serves as the embedding
+            scheme = plan.get(module) if ours.endswith(".weight") else None
+            if scheme is not None:
+                how = "exact" if exact_import(kind, scheme) else "re-quantized from the dequantized values"
+                became[(kind, f"{scheme.label()}, {how}")] += 1
+            elif kind in ("F32", "F16", "BF16"):
+                became[(kind, float_dtype)] += 1
+            elif kind in EXACT:
+                became[(kind, f"{float_dtype}, dequantized")] += 1
+            else:
+                became[(kind, f"{float_dtype}, dequantized (no exact import of {kind} yet)")] += 1
+        out: dict[str, str] = {}
+        for (kind, result), n in sorted(became.items()):
+            entry = f"{n} tensor{'s' if n > 1 else ''} -> {result}"
+            out[kind] = f"{out[kind]}; {entry}" if kind in out else entry
+        return out
 
     def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
         """A Q8_0 head (or tied embedding) loads as it is in the file, int8 with groups of 32, on every

@@ -126,6 +126,11 @@ def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None,
     else:
         head = parse_scheme(quantize_head) if quantize_head else None
     plan = make_plan(model, scheme, head)
+    if scheme == ckpt.default_scheme():  # the checkpoint's own grid: no tensor silently re-rounded
+        exact = ckpt.exact_plan(plan)
+        if quantize_head and "output" in plan:
+            exact["output"] = plan["output"]  # a head scheme asked for by name
+        plan = exact
     swap_linears(model, plan)
     tied_head = ckpt.config.tie_embeddings and "output" in plan
     share_tied_embedding(model)
@@ -145,15 +150,25 @@ class LoadedModel:
     load_s: float
     scheme: QuantScheme | None = None
     kernels: Counter[str] = field(default_factory=Counter)
+    #: The quantized scheme a float model's values come from (None: float weights, or quantized ones).
+    dequantized_from: str | None = None
+    #: A GGUF's tensor types and what each became (:meth:`loaders.gguf.GGUFCheckpoint.tensor_import`).
+    tensor_import: dict[str, str] = field(default_factory=dict)
 
     @property
     def scheme_label(self) -> str:
-        return self.scheme.label() if self.scheme else str(self.dtype).removeprefix("torch.")
+        label = self.scheme.label() if self.scheme else dtype_name(self.dtype)
+        return f"{label}, dequantized from {self.dequantized_from}" if self.dequantized_from else label
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of parameters and buffers in memory (a tied tensor counted once; caches excluded)."""
         return weight_bytes(self.model)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """fp32 / fp16 / bf16, as the schemes are named."""
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -216,6 +231,11 @@ def load_model(
     dev = target.device
     ckpt = open_checkpoint(ref, store)
     scheme = choose_scheme(ckpt, quant, group_size)
+    own = ckpt.default_scheme()
+    # A float model made from quantized weights (a Q4 GGUF or an int4 store entry run --quant fp32):
+    # its values are the quantized ones, and every label says so.
+    dequantized_from = own.label() if own is not None and not own.is_float and scheme is not None \
+        and scheme.is_float else None
     if scheme is not None and scheme.is_float:
         if quant is not None and dtype not in ("auto", scheme.name):
             raise LocalLLMError(f"--quant {scheme.name} and --dtype {dtype} disagree", "give one of them")
@@ -225,7 +245,9 @@ def load_model(
     act = resolve_dtype(dtype, dev, quantized=scheme is not None)
     tokenizer = load_tokenizer(ckpt)
     config, source = ckpt.config, ckpt.describe()
-    model, tensors, _ = model_tensors(ckpt, scheme, quantize_head)
+    model, tensors, plan = model_tensors(ckpt, scheme, quantize_head)
+    describe_import = getattr(ckpt, "tensor_import", None)  # a GGUF's tensor types, and what each became
+    imported = describe_import(plan, dtype_name(act)) if describe_import is not None else {}
     if fuse:
         fuse_projections(model)  # on meta: the stream fills the fused tensors' row slices
     model = load_weights(model, tensors, target, act, source, kernel, check_kernels)
@@ -238,5 +260,6 @@ def load_model(
         model.set_decode_attention(cpu_attention.kernel())
         if model.decode_kernel is not None:
             used["attention-cpu"] = len(model.layers)
-    return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme, used)
+    return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme, used,
+                       dequantized_from, imported)
 

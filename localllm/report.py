@@ -45,4 +45,6 @@ def describe_model(lm, ctx: int) -> None:  # type: ignore[no-untyped-def]
     on_cpu = f", {threads} thread{'s' if threads != 1 else ''}" if lm.device.type == "cpu" else ""
     click.echo(f"device:  {lm.device}{on_cpu}, activations {act}", err=True)
     click.echo(f"weights: {lm.scheme_label}, {human_size(lm.weight_bytes)} in memory; kernels: {kernels}", err=True)
+    for kind, became in lm.tensor_import.items():  # a GGUF: what each tensor type became
+        click.echo(f"tensors: {kind}: {became}", err=True)
     click.echo(f"kv cache: {human_size(kv)} for {ctx} tokens", err=True)

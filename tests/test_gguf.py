@@ -17,6 +17,7 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.build import empty_model, load_weights
 from localllm.loaders.gguf import GGUFCheckpoint
 from localllm.loaders.load import load_model
+from localllm.quant.formats import parse_scheme
 from localllm.runtime.config import ModelConfig
 from tests.conftest import TINY, make_hf_model
 
@@ -49,10 +50,32 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_llama_gguf(model, path: Path, rope_freqs: np.ndarray | None = None,
-                     scaling: tuple[gguf.RopeScalingType, float] | None = None) -> Path:
-    """An F32 Llama GGUF of a transformers model, laid out as llama.cpp's converter writes it."""
+                     scaling: tuple[gguf.RopeScalingType, float] | None = None,
+                     types: dict[str, str] | None = None) -> Path:
+    """A Llama GGUF of a transformers model, laid out as llama.cpp's converter writes it: F32, but for
+    the tensors ``types`` names by their GGUF name's suffix (``{"attn_v.weight": "Q8_0"}``)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), "llama")
+    add_tensor = w.add_tensor
+
+    def add(name: str, value: np.ndarray) -> None:
+        kind = next((t for suffix, t in (types or {}).items() if name.endswith(suffix)), "F32")
+        if kind == "F32":
+            return add_tensor(name, value)
+        qtype = gguf.GGMLQuantizationType[kind]
+        add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+
+    w.add_tensor = add  # type: ignore[method-assign]
+    if types:  # a loadable file (load_model reads the tokenizer too): byte-level tokens, no merges
+        from localllm.runtime.tokenizer import bytes_to_unicode
+
+        byte_tokens = sorted(set(bytes_to_unicode().values()))
+        tokens = byte_tokens + ["Ġt"] + [f"<extra_{i}>" for i in range(c.vocab_size - len(byte_tokens) - 1)]
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(tokens)
+        w.add_token_types([1] * (len(byte_tokens) + 1) + [3] * (len(tokens) - len(byte_tokens) - 1))
+        w.add_token_merges(["Ġ t"])
+        w.add_eos_token_id(len(byte_tokens) + 1)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -185,3 +208,33 @@ def test_a_truncated_gguf_is_said_with_its_size(smollm2_path, tmp_path):
         path = tmp_path / f"cut{cut}.gguf"
         path.write_bytes(data[:cut])
         assert f"truncated: {cut} bytes, header says at least {len(data)}" in _one_line_error(path)
+
+
+def test_a_mixed_gguf_keeps_every_tensor_on_its_own_grid_or_16_bit(tmp_path):
+    """Q4_0 blocks beside a Q8_0 and a Q5_0 tensor: each imports exactly into the scheme that holds
+    its grid, the type with no exact import stays float (never re-rounded onto 4 bits), and the
+    load says per type what happened. With fp32 activations the logits are the file's own model."""
+    from torch import nn
+
+    from localllm.loaders.load import load_model
+    from localllm.quant.linear import QuantLinear
+
+    ref = make_hf_model("llama")
+    types = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_0", "attn_output.weight": "Q4_0",
+             "ffn_gate.weight": "Q4_0", "ffn_up.weight": "Q4_0", "attn_v.weight": "Q8_0", "ffn_down.weight": "Q5_0"}
+    path = write_llama_gguf(ref, tmp_path / "mixed.gguf", types=types)
+    lm = load_model(str(path), dtype="fp32")
+    layer = lm.model.layers[0]
+    assert lm.scheme == parse_scheme("int4", 32, symmetric=True)
+    assert layer.attn.qkv is None  # q, k (4-bit) and v (8-bit) are not fused across schemes
+    assert layer.attn.v.scheme == parse_scheme("int8", 32) and layer.attn.q.scheme == lm.scheme
+    assert isinstance(layer.mlp.gate_up, QuantLinear)  # gate and up share Q4_0: fused
+    assert type(layer.mlp.down) is not QuantLinear and isinstance(layer.mlp.down, nn.Linear)
+    assert lm.tensor_import["Q4_0"] == "10 tensors -> int4 (group 32, symmetric), exact"
+    assert lm.tensor_import["Q8_0"] == "2 tensors -> int8 (group 32), exact"
+    assert lm.tensor_import["Q5_0"] == "2 tensors -> fp32, dequantized (no exact import of Q5_0 yet)"
+    exact = load_model(str(path), quant="fp32")  # every tensor dequantized by gguf, in fp32
+    assert exact.scheme_label == "fp32, dequantized from int4 (group 32, symmetric)"
+    ids = torch.tensor([[1, 5, 77, 300, 12, 9, 250, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(lm.model(ids), exact.model(ids), atol=1e-4, rtol=1e-4)

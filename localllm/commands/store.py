@@ -135,6 +135,7 @@ def show_text(facts: dict[str, Any]) -> str:
         "Weights": [("scheme", scheme), ("quantized modules", facts["quantized_modules"]),
                     ("weight bytes", f"{human_size(facts['weight_bytes'])} ({facts['weight_bytes']:,} bytes)"),
                     ("kv cache", kv)],
+        **({"Tensor types (as loaded)": list(facts["tensor_types"].items())} if facts.get("tensor_types") else {}),
         "Source": source_rows + ([("created", _created_text(facts["created"])), ("location", facts["path"])]
                                  if facts["created"] else []),
     }
