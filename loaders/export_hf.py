@@ -45,6 +45,15 @@ def hf_name(ours: str) -> str:
 
 def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """``config.json`` for ``config``: the fields of transformers' Llama / Mistral / Qwen2 configs."""
+    if config.rope_freq_factors is not None:
+        # A Llama 3.x GGUF's rope_freqs: per-frequency divisors that an HF config can only express as
+        # llama3 scaling parameters, which the file does not keep. Written without them, the export
+        # would be another model.
+        raise LocalLLMError(
+            "cannot export a model whose RoPE comes with per-frequency factors (a Llama 3.x GGUF's "
+            "rope_freqs): an HF config.json has no field for them",
+            "export the original HF checkpoint instead, or run this model with localllm",
+        )
     hf: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[config.arch]],
         "model_type": config.arch,

@@ -238,3 +238,13 @@ def test_a_mixed_gguf_keeps_every_tensor_on_its_own_grid_or_16_bit(tmp_path):
     ids = torch.tensor([[1, 5, 77, 300, 12, 9, 250, 3]])
     with torch.no_grad():
         torch.testing.assert_close(lm.model(ids), exact.model(ids), atol=1e-4, rtol=1e-4)
+
+
+def test_export_refuses_a_llama3_gguf_whose_rope_it_cannot_write(llama3_ref, tmp_path):
+    from localllm.loaders.export_hf import export_hf_folder
+
+    factors = converter_rope_factors(TINY["hidden_size"] // TINY["num_attention_heads"], THETA, LLAMA3)
+    path = write_llama_gguf(llama3_ref, tmp_path / "l3.gguf", rope_freqs=factors)
+    with pytest.raises(LocalLLMError, match="per-frequency factors"):
+        export_hf_folder(GGUFCheckpoint(path), tmp_path / "out", "fp32")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
