@@ -139,6 +139,8 @@ class GGUFCheckpoint:
             raise LocalLLMError(f"GGUF file not found: {path}", "check the path")
         self.reader = open_reader(path)
         self.metadata: dict[str, Any] = read_metadata(self.reader)
+        # The reader's own views of the metadata (tens of MB for a large vocabulary): read once above.
+        self.reader.fields.clear()
         tensors = {t.name: t for t in self.reader.tensors}
         # Llama 3.x: llama3 rope scaling as per-frequency divisors (the converter writes no metadata for it).
         freqs = tensors.get("rope_freqs.weight")
@@ -149,6 +151,11 @@ class GGUFCheckpoint:
                                             rope_freq_factors=factors)
         # llama.cpp permutes q/k only for its "llama" rope layout (Llama, Mistral); Qwen2 is left as is.
         self._permuted = self.config.arch in ("llama", "mistral")
+
+    def drop_metadata(self) -> None:
+        """Forget the metadata once the tokenizer and config are made from it: a vocabulary and its
+        merges as Python objects are tens of MB that a load would otherwise hold to its end."""
+        self.metadata = {}
 
     def raw_tensors(self) -> Iterator[tuple[str, gguf.ReaderTensor]]:
         """(our name, reader tensor) pairs, for importers that keep the quantized blocks."""

@@ -244,6 +244,8 @@ def load_model(
         scheme = None
     act = resolve_dtype(dtype, dev, quantized=scheme is not None)
     tokenizer = load_tokenizer(ckpt)
+    if isinstance(ckpt, GGUFCheckpoint):
+        ckpt.drop_metadata()  # made into the tokenizer and config: not held through the load
     config, source = ckpt.config, ckpt.describe()
     model, tensors, plan = model_tensors(ckpt, scheme, quantize_head)
     describe_import = getattr(ckpt, "tensor_import", None)  # a GGUF's tensor types, and what each became
