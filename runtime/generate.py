@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -154,8 +153,12 @@ class Generator:
         gen = make_generator(params.seed, dev)
         stop = frozenset(stop_ids)
         n_recent = params.repeat_last_n
-        # The last repeat_last_n token ids (0: the penalty is off), trimmed as new ones come in.
-        recent = deque(prompt[-n_recent:], maxlen=n_recent) if params.repeat_penalty != 1.0 and n_recent > 0 else None
+        # The last repeat_last_n token ids (0: the penalty is off), (1, n) on the device: each sampled
+        # token joins them there, so no ids cross from the host per token (a blocking upload per token
+        # was a second host sync beside the token's read; the CUDA dry run counts them).
+        recent = None
+        if params.repeat_penalty != 1.0 and n_recent > 0:
+            recent = torch.tensor([list(prompt[-n_recent:])], device=dev, dtype=torch.long)
 
         t0 = time.perf_counter()
         new = torch.tensor([list(prompt[reuse:])], device=dev, dtype=torch.long)
@@ -168,10 +171,7 @@ class Generator:
         limit = max_tokens if max_tokens is not None else self.ctx
         first = True
         while True:
-            recent_t = None
-            if recent is not None:
-                recent_t = torch.tensor([list(recent)], device=dev, dtype=torch.long)
-            token = sample(logits, params, recent_t, gen)  # (1,)
+            token = sample(logits, params, recent, gen)  # (1,)
             tok = int(token.item())  # the one value that crosses to the host each step
             now = time.perf_counter()
             if tok in stop:  # timed neither as prefill nor as a decoded token: it is not yielded
@@ -190,7 +190,7 @@ class Generator:
             stats.generated_tokens += 1
             yield tok
             if recent is not None:
-                recent.append(tok)
+                recent = torch.cat([recent, token.view(1, 1)], dim=1)[:, -n_recent:]
             if stats.generated_tokens >= limit:
                 stats.stop_reason = "max_tokens"
                 return

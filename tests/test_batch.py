@@ -296,6 +296,29 @@ def test_seeded_sampling_is_per_request(fp32):
     assert first[0] == first[2] and first[0] != first[1]  # each request its own generator
 
 
+def test_the_generators_repeat_penalty_window_slides_on_the_device(fp32):
+    """The Generator keeps the penalised ids on the device (no upload per token): its tokens are those
+    of the same loop written out with the window of the last repeat_last_n ids kept on the host."""
+    from collections import deque
+
+    from localllm.runtime.generate import decode_one_token, prefill
+    from localllm.runtime.sampling import sample
+
+    params = SamplingParams(temperature=0, repeat_penalty=3.0, repeat_last_n=4)
+    p, n = PROMPTS[4], 16
+    got = alone(fp32, p, n, params=params)
+    model, window, want = fp32.model, deque(p[-4:], maxlen=4), []
+    cache = model.new_cache(256)
+    logits = prefill(model, cache, torch.tensor([p]))
+    for pos in range(len(p), len(p) + n):
+        token = sample(logits, params, torch.tensor([list(window)]))
+        want.append(int(token))
+        window.append(want[-1])
+        logits = decode_one_token(model, cache, token.view(1, 1), torch.tensor([pos]), pos)
+    assert got == want
+    assert got != alone(fp32, p, n, params=SamplingParams(temperature=0, repeat_penalty=3.0, repeat_last_n=64))
+
+
 def test_background_thread_serves_many_threads(fp32):
     want = [alone(fp32, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     got: dict[int, list[int]] = {}
