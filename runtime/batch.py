@@ -250,15 +250,15 @@ class BatchEngine:
         logits = self.model(ids, step)[0]  # (S_out, vocab)
         picks: list[torch.Tensor | None] = [None] * len(requests)
         plain = [i for i, r in enumerate(requests) if r.params.greedy and r.recent is None]
-        if plain:  # greedy rows in one argmax
-            best = logits[plain].argmax(-1) if len(plain) < len(requests) else logits.argmax(-1)
-            for j, i in enumerate(plain):
-                picks[i] = best[j : j + 1]
+        if plain:  # greedy rows in one argmax, of every row: indexing by a list of rows would upload
+            best = logits.argmax(-1)  # it with a blocking copy (a host sync on CUDA)
+            for i in plain:
+                picks[i] = best[i : i + 1]
         for i, r in enumerate(requests):
             if picks[i] is None:
                 recent = None
-                if r.recent is not None:
-                    recent = torch.tensor([list(r.recent)], device=logits.device, dtype=torch.long)
+                if r.recent is not None:  # non-blocking: a blocking upload waits for the GPU (CUDA)
+                    recent = torch.tensor([list(r.recent)], dtype=torch.long).to(logits.device, non_blocking=True)
                 picks[i] = sample(logits[i : i + 1], r.params, recent, r.generator)  # (1,)
         if not picks:
             return []

@@ -101,9 +101,11 @@ class PagedStep:
             for i, s in enumerate(decode):
                 table[i, : len(s.blocks)] = s.blocks
             self.decode_tables = table
-            self.decode_lens = torch.tensor([s.context for s in decode], dtype=torch.int32, device=device)
+            lens = torch.tensor([s.context for s in decode], dtype=torch.int32)
+            self.decode_lens = lens.to(device, non_blocking=True)  # non-blocking uploads: see build
             if len(decode) != positions.shape[0]:
-                self.decode_rows = torch.tensor([s.row for s in decode], dtype=torch.long, device=device)
+                rows = torch.tensor([s.row for s in decode], dtype=torch.long)
+                self.decode_rows = rows.to(device, non_blocking=True)
 
     @property
     def num_tokens(self) -> int:
@@ -150,7 +152,8 @@ class PagedStep:
         positions: list[int] = []
         wblocks: list[int] = []
         wrows: list[int] = []
-        spans: list[SeqSpan] = []
+        spans_at: list[tuple[int, int, int, int, int]] = []  # row, length, context, first in `tables`, blocks
+        tables: list[int] = []  # every sequence's block ids, one after another
         logits_rows: list[int] = []
         for c in chunks:
             n = len(c.tokens)
@@ -164,14 +167,16 @@ class PagedStep:
                 wblocks.append(c.blocks[p // bs])
                 wrows.append(p % bs)
             used = -(-end // bs)
-            spans.append(SeqSpan(row, n, end, torch.tensor(list(c.blocks[:used]), dtype=torch.long, device=device)))
+            spans_at.append((row, n, end, len(tables), used))
+            tables.extend(c.blocks[:used])
             if c.logits:
                 logits_rows.append(row + n - 1)
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
-        step = cls(
-            pool, pos, cos_table[pos], sin_table[pos],
-            torch.tensor(wblocks, dtype=torch.long, device=device),
-            torch.tensor(wrows, dtype=torch.long, device=device),
-            spans, torch.tensor(logits_rows, dtype=torch.long, device=device), kernel, sliding_window,
-        )
-        return step, torch.tensor([ids], dtype=torch.long, device=device)
+        # Every index of the step goes to the device in one non-blocking copy. A blocking copy per
+        # tensor (torch.tensor(..., device="cuda")) makes the host wait for the GPU at each: 6 and one
+        # per sequence every step (found by the CUDA dry run, tests/test_cuda_dryrun.py).
+        N, S = len(ids), len(logits_rows)
+        host = torch.tensor([*ids, *positions, *wblocks, *wrows, *logits_rows, *tables], dtype=torch.long)
+        ids_t, pos, wb, wr, rows, blocks = host.to(device, non_blocking=True).split([N, N, N, N, S, len(tables)])
+        spans = [SeqSpan(row, n, end, blocks[a : a + used]) for row, n, end, a, used in spans_at]
+        step = cls(pool, pos, cos_table[pos], sin_table[pos], wb, wr, spans, rows, kernel, sliding_window)
+        return step, ids_t.view(1, N)
