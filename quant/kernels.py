@@ -161,7 +161,14 @@ class Int4TinygemmCUDA(Kernel):
     name = "int4-tinygemm-cuda"
     scheme = "int4"
     device_type = "cuda"
-    INNER_K_TILES = 8
+    #: k-tiles of 16 inputs packed together, widest first: 8 (16-byte loads) where the input width is a
+    #: multiple of 128, else 4 or 2 (int4mm.cu takes all three): SmolLM2's 576-wide layers pack by 4.
+    INNER_K_TILES = (8, 4, 2)
+
+    @staticmethod
+    def inner_k_tiles(in_features: int) -> int | None:
+        """The widest packing whose k-tiles divide the input width, or None (not a multiple of 32)."""
+        return next((t for t in Int4TinygemmCUDA.INNER_K_TILES if in_features % (16 * t) == 0), None)
 
     @staticmethod
     def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
@@ -176,9 +183,8 @@ class Int4TinygemmCUDA(Kernel):
             return f"needs a GPU of compute capability 8.0 or newer (this one has {capability[0]}.{capability[1]})"
         if act_dtype != torch.bfloat16:
             return f"needs bfloat16 activations, not {_dtype_name(act_dtype)}"
-        k = 16 * Int4TinygemmCUDA.INNER_K_TILES
-        if layer.in_features % k or layer.out_features % 8:
-            return (f"needs input widths that are multiples of {k} and outputs of 8 "
+        if Int4TinygemmCUDA.inner_k_tiles(layer.in_features) is None or layer.out_features % 8:
+            return (f"needs input widths that are multiples of 32 and outputs of 8 "
                     f"({layer.out_features}x{layer.in_features})")
         return None
 
@@ -186,8 +192,9 @@ class Int4TinygemmCUDA(Kernel):
     def prepare(layer):  # type: ignore[no-untyped-def]
         q = unpack_int4(layer.qweight)  # (out, in) uint8 codes
         hi_first = (q[:, 0::2] << 4) | q[:, 1::2]  # the CUDA packer wants the even column in the high nibble
+        tiles = Int4TinygemmCUDA.inner_k_tiles(layer.in_features)
         return {
-            "packed": torch.ops.aten._convert_weight_to_int4pack(hi_first.contiguous(), Int4TinygemmCUDA.INNER_K_TILES),
+            "packed": torch.ops.aten._convert_weight_to_int4pack(hi_first.contiguous(), tiles),
             "scales_zeros": Int4TinygemmCPU._scales_and_zeros(layer),
         }
 
@@ -287,24 +294,29 @@ class Nf4Bitsandbytes(Kernel):
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
-        return {"qweight": layer.qweight, "absmax": layer.absmax}
+        # The code book goes to the device here, at load, not at a layer's first call (on CUDA a
+        # blocking upload, a host sync, in every layer of the first forward).
+        code = Nf4Bitsandbytes._code(layer.absmax.device)
+        return {"qweight": layer.qweight, "absmax": layer.absmax, "code": code}
 
     @staticmethod
     def _state(layer):  # type: ignore[no-untyped-def]
+        """bitsandbytes' QuantState over the layer's tensors, made once for them (found again by the
+        tensors' identity: no data_ptr, which fake and traced tensors do not have)."""
         from bitsandbytes.functional import QuantState
 
-        state = getattr(layer, "_bnb_state", None)
-        if state is None or state.absmax.data_ptr() != layer.absmax.data_ptr():
+        cached = layer.__dict__.get("_bnb_state")
+        if cached is None or cached[0] is not layer.absmax or cached[1] is not layer.code:
             state = QuantState(
                 absmax=layer.absmax.view(-1),
                 shape=torch.Size((layer.out_features, layer.in_features)),
-                code=Nf4Bitsandbytes._code(layer.absmax.device),
+                code=layer.code,
                 blocksize=layer.scheme.group_size,
                 quant_type="nf4",
                 dtype=layer.act_dtype,
             )
-            layer._bnb_state = state
-        return state
+            cached = layer.__dict__["_bnb_state"] = (layer.absmax, layer.code, state)
+        return cached[2]
 
     @staticmethod
     def _code(device: torch.device) -> torch.Tensor:
