@@ -288,13 +288,14 @@ def test_quieting_bitsandbytes_restores_its_logger():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name,group", [("int4", 32), ("int4", 128), ("int8", None), ("nf4", 64)])
-def test_cuda_kernels_match_the_reference(name, group):
-    layer, _ = make_layer(name, group, out=4096, inp=4096, device="cuda")
+@pytest.mark.parametrize("name,group,inp", [("int4", 32, 4096), ("int4", 128, 4096), ("int8", None, 4096),
+                                            ("nf4", 64, 4096), ("int4", 32, 576)])  # 576: k-tiles packed by 4
+def test_cuda_kernels_match_the_reference(name, group, inp):
+    layer, _ = make_layer(name, group, out=4096, inp=inp, device="cuda")
     want_w = dequantize(layer.canonical(), layer.scheme)
     chosen = layer.prepare(torch.bfloat16)
     assert chosen != "reference"
-    x = torch.randn(4, 4096, device="cuda")
+    x = torch.randn(4, inp, device="cuda")
     want = x.cpu() @ want_w.cpu().t()
     got = layer(x.to(torch.bfloat16)).float().cpu()
     assert (got - want).norm() / want.norm() < 1e-2

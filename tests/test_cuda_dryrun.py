@@ -1,0 +1,590 @@
+"""The CUDA path, checked on any machine (issue 17): a dry run on a fake CUDA device.
+
+No GPU is needed. Under ``FakeTensorMode`` tensors can live on a fake ``cuda`` device and every op
+runs its meta kernel: shapes, dtypes and devices are checked, nothing is computed. The dry run loads
+the supported families in the schemes the CUDA path offers (fp16, bf16, int8, int4, nf4) onto "a CUDA
+device of capability 8.9" (:class:`quant.target.Target`, passed to ``load_model``: the kernel choice
+never asks ``torch.cuda``), runs prefill, cached decode steps and a batch step's paged forward, then
+the Generator's token loop and the batch engine's steps with their sampling, and checks that
+
+* every quantized layer runs the kernel the CUDA selection offers (never the reference), and every
+  parameter, buffer and cache tensor is on the device;
+* logits have the shapes and dtypes the CPU path gives for the same model, and the matmuls, attention
+  and embedding give the activation dtype (no float32 slip);
+* the CUDA kernels' own argument checks hold (the ``TORCH_CHECK`` calls of ``int4mm.cu`` and
+  ``int8mm.cu``, which the meta kernels leave out: a wrong tinygemm layout fails here);
+* a forward (prefill, decode step, batched step) makes no host sync and no copy at all, and the
+  token loops read nothing back beyond the sampled ids: one read per token in the Generator, one
+  transfer at the end of each engine step, no blocking upload (see :class:`Audit`);
+* SmolLM2's real widths (576: not a multiple of 128) keep tinygemm;
+* a 7B-shape Llama's weights (fp16, int4) and KV cache take the bytes the arithmetic says, counted
+  from the fake tensors (nothing real is allocated).
+
+What it cannot see, and ``scripts/gpu_checks.sh`` (which runs this file too) checks on a real GPU:
+numbers (the kernels' check against the reference is skipped: ``check_kernels=False``; what
+``_weight_int4pack_mm``, ``_weight_int8pack_mm`` and SDPA compute), whether torch has a CUDA kernel
+for an op at all (the meta kernel answers for every device), bitsandbytes' CUDA code (its ops'
+registered fakes run instead), which SDPA backend CUDA picks, ``torch.compile``/CUDA graphs
+(``reduce-overhead``), the speed of anything. Sampling with a seed needs a CUDA ``torch.Generator``,
+which a CPU-only torch cannot make: the dry run samples unseeded.
+
+On a CPU-only torch a few Python bindings (``copy_``, indexing, ``bool()``) open a CUDA device guard,
+which such a build lacks; ``tests/csrc/fake_cuda_guard.cpp`` puts c10's fake guard in place for the
+dry run (built with the C++ compiler localllm's kernels use; without one these tests skip, saying so).
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import hashlib
+import os
+import subprocess
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch._subclasses.fake_tensor as fake_tensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from localllm import native
+from localllm.loaders import load as load_module
+from localllm.loaders.build import empty_model, fuse_projections, load_weights
+from localllm.loaders.load import load_model
+from localllm.quant import kernels
+from localllm.quant.formats import parse_scheme
+from localllm.quant.linear import QuantLinear, make_plan, swap_linears
+from localllm.quant.target import Target
+from localllm.runtime.batch import BatchEngine
+from localllm.runtime.config import ModelConfig
+from localllm.runtime.generate import Generator, decode_one_token, prefill
+from localllm.runtime.kv_pool import plan_pool
+from localllm.runtime.paged import PagedStep, SeqChunk
+from localllm.runtime.sampling import SamplingParams
+from tests.conftest import make_hf_model, save_hf_folder
+
+pytestmark = pytest.mark.cuda_dryrun
+
+aten = torch.ops.aten
+#: The device the dry run loads onto: an Ada GPU (tinygemm needs sm80+).
+GPU = Target(torch.device("cuda"), (8, 9))
+SCHEMES = ("fp16", "bf16", "int8", "int4", "nf4")
+#: The kernel the CUDA selection must give each quantized scheme's layers.
+CUDA_KERNEL = {"int8": "int8-weight-only", "int4": "int4-tinygemm-cuda", "nf4": "nf4-bitsandbytes"}
+#: Tiny families wide enough for tinygemm (inputs a multiple of 128); Mistral with a window shorter
+#: than the prompts, so the windowed masks run too.
+FAMILIES = {"llama": {}, "mistral": {"sliding_window": 8}, "qwen2": {}}
+WIDE = dict(hidden_size=256, intermediate_size=512)
+PROMPTS = ([1, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25], [1, 4, 6])  # 12 tokens (past the window) and 3
+
+
+# --------------------------------------------------------------------------- the fake CUDA device
+GUARD_SOURCE = Path(__file__).resolve().parent / "csrc" / "fake_cuda_guard.cpp"
+
+
+def fake_cuda_guard_library(cache_dir: Path) -> ctypes.CDLL:
+    """``tests/csrc/fake_cuda_guard.cpp`` built (about a second, once a session) and loaded."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    key = hashlib.sha256(GUARD_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    out = cache_dir / f"fake_cuda_guard-{key}.so"
+    if not out.exists():
+        cxx = native.compiler()
+        if cxx is None:
+            pytest.skip("the dry run needs a C++ compiler (g++) on a CPU-only torch, for its CUDA device guard")
+        lib = library_paths()[0]
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([*cxx, str(GUARD_SOURCE), "-o", str(tmp), "-shared", "-fPIC", "-O1", "-std=c++17",
+                        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                        *(f"-I{p}" for p in include_paths()), f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10"],
+                       check=True, capture_output=True)
+        os.replace(tmp, out)
+    return ctypes.CDLL(str(out))
+
+
+@pytest.fixture(scope="module")
+def fake_cuda(kernels_dir):
+    """A CUDA device guard where torch has none (see the module's docstring), for this module only."""
+    if torch.backends.cuda.is_built():
+        yield  # a CUDA build: FakeTensorMode puts its own guard in place when no GPU is visible
+        return
+    guard = fake_cuda_guard_library(kernels_dir)
+    assert guard.localllm_fake_cuda_guard(1) == 1, "a CUDA device guard is registered in a CPU-only torch"
+    yield
+    guard.localllm_fake_cuda_guard(0)
+
+
+@pytest.fixture
+def fake(fake_cuda, monkeypatch):
+    """A fresh FakeTensorMode. Constant propagation is off: with it, ``.item()`` of a tensor made from
+    a Python number answers without complaint (a sync that would go unseen), and a one-element
+    ``torch.tensor(..., device="cuda")`` under inference mode runs a real CUDA copy."""
+    monkeypatch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", -1)
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _on_host(items: Iterator) -> Iterator:
+    """Each item made with the fake mode suspended: real CPU tensors, read and quantized on the host."""
+    while True:
+        with unset_fake_temporarily():
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+        yield item
+
+
+@pytest.fixture
+def host_checkpoints(monkeypatch):
+    """``load_model``'s checkpoints read their files (and quantize) on the host, as they do before a
+    real run copies each tensor to the GPU: the fake mode covers the device side only, from
+    ``load_weights``' ``t.to(device)`` on. (A reader's ``torch.empty`` made under the fake mode would
+    be fake, and numpy cannot fill it.) Nothing else of the checkpoint changes."""
+    real = load_module.open_checkpoint
+
+    def open_on_host(ref, store=None):
+        ckpt = real(ref, store)
+        base = type(ckpt)
+        host = type(f"Host{base.__name__}", (base,), {
+            "iter_tensors": lambda self: _on_host(base.iter_tensors(self)),
+            "iter_canonical": lambda self, plan, tied: _on_host(base.iter_canonical(self, plan, tied)),
+        })
+        ckpt = copy.copy(ckpt)
+        ckpt.__class__ = host
+        return ckpt
+
+    monkeypatch.setattr(load_module, "open_checkpoint", open_on_host)
+
+
+# --------------------------------------------------------------------------- what the device sees
+def _arg(func, args, kwargs, name, default=None):
+    """Argument ``name`` of an op call, given by position or keyword."""
+    if name in kwargs:
+        return kwargs[name]
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else default
+    return default
+
+
+#: Ops that move a tensor between devices (what they do depends on the devices).
+TRANSFERS = {aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.to.other, aten.copy_.default}
+#: Ops that read a value back to Python.
+READS = {aten._local_scalar_dense.default, aten.item.default}
+#: Ops whose output dtype is the activation dtype: a float32 slip shows here. (Under inference mode,
+#: as the runtime runs, composite ops such as linear and SDPA reach the mode whole.)
+MATMULS = {"aten.linear.default", "aten._weight_int4pack_mm.default", "aten._weight_int8pack_mm.default",
+           "aten.scaled_dot_product_attention.default", "aten.embedding.default",
+           "bitsandbytes.gemm_4bit.default", "bitsandbytes.gemv_4bit.default"}
+
+
+def _check_cuda_kernel(func, args) -> None:
+    """The argument checks of torch's CUDA kernels (aten/src/ATen/native/cuda/int4mm.cu, int8mm.cu)
+    that their meta kernels leave out: a layout the real kernel would refuse fails the dry run."""
+    if func is aten._convert_weight_to_int4pack.default:
+        w, inner = args
+        assert w.dim() == 2 and w.dtype == torch.uint8 and w.is_contiguous(), "int4pack: w [n][k/2] uint8, contiguous"
+        assert inner in (2, 4, 8), f"int4pack: innerKTiles {inner} not 2, 4 or 8"
+        assert (w.shape[1] * 2) % (inner * 16) == 0, f"int4pack: k={w.shape[1] * 2} not a multiple of {inner * 16}"
+    elif func is aten._weight_int4pack_mm.default:
+        a, b, group, sz = args
+        m, k = a.shape
+        inner = b.shape[3] * 2
+        n = b.shape[0] * 8
+        assert a.device == b.device == sz.device, "int4mm: A, B and scales on one device"
+        assert inner in (2, 4, 8), f"int4mm: B's innerKTiles {inner}"
+        assert a.dtype == torch.bfloat16 and a.is_contiguous() and a.dim() == 2, "int4mm: A bf16, 2D, contiguous"
+        assert b.dtype == torch.int32 and b.is_contiguous() and b.dim() == 4, "int4mm: B int32, 4D, contiguous"
+        assert b.shape[1] == k // (inner * 16) and b.shape[2] == 32, f"int4mm: B {tuple(b.shape)} for k={k}"
+        assert group in (32, 64, 128, 256), f"int4mm: group {group}"
+        k_tiles = -(-k // 16)
+        assert k_tiles * 16 >= group and (k_tiles * 16) % group == 0, f"int4mm: k={k}, group {group}"
+        assert k_tiles % inner == 0, f"int4mm: {k_tiles} k-tiles not a multiple of innerKTiles {inner}"
+        assert sz.dim() == 3 and sz.shape[1] == n and sz.shape[2] == 2, f"int4mm: scales {tuple(sz.shape)}, n={n}"
+        assert sz.shape[0] == k // group and sz.dtype == torch.bfloat16, f"int4mm: scales {tuple(sz.shape)} {sz.dtype}"
+    elif func is aten._weight_int8pack_mm.default:
+        x, w, s = args
+        assert x.dim() == 2 and w.dim() == 2 and s.dim() == 1, "int8mm: x, w 2D, scales 1D"
+        assert x.shape[1] == w.shape[1] and w.shape[0] == s.shape[0], "int8mm: K and N agree"
+
+
+class Audit(TorchDispatchMode):
+    """Every op a block runs, seen just above the fake mode.
+
+    ``events`` (phase, kind, op), kinds:
+
+    * ``read``: a value read back to Python (``.item()``, ``.tolist()`` (one per element), ``bool(t)``):
+      the host waits for the GPU. Answered with ``token`` when it is set (sampling's reads), else the
+      fake mode raises DataDependentOutputException (a forward must have none);
+    * ``h2d``: a blocking copy from the host (``torch.tensor(..., device="cuda")``, ``t.to("cuda")``):
+      a pageable copy synchronises the stream unless ``non_blocking``;
+    * ``h2d-async``: the same, ``non_blocking``;
+    * ``d2h``: a copy to the host;
+    * ``off-device``: a tensor off the GPU in an op (0-dim CPU scalars excepted: they ride as kernel
+      arguments), or on a GPU other than the first;
+    * ``op``: any other op (so that "nothing after the reads" can be checked).
+
+    ``dtypes``: the output dtypes of the matmuls, attention and embedding, by phase.
+    """
+
+    def __init__(self, token: int | None = None) -> None:
+        super().__init__()
+        self.token = token
+        self.phase = ""
+        self.events: list[tuple[str, str, str]] = []
+        self.dtypes: dict[str, set[torch.dtype]] = {}
+
+    @contextmanager
+    def during(self, phase: str) -> Iterator["Audit"]:
+        saved, self.phase = self.phase, phase
+        try:
+            with self:
+                yield self
+        finally:
+            self.phase = saved
+
+    def kinds(self, phase: str | None = None) -> Counter[str]:
+        return Counter(k for p, k, _ in self.events if phase is None or p == phase)
+
+    def of(self, kind: str, phase: str | None = None) -> list[str]:
+        return [op for p, k, op in self.events if k == kind and (phase is None or p == phase)]
+
+    def _add(self, kind: str, func) -> None:
+        self.events.append((self.phase, kind, str(func)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in READS:
+            self._add("read", func)
+            if self.token is not None:
+                return self.token
+            return func(*args, **kwargs)
+        _check_cuda_kernel(func, args)
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out = func(*args, **kwargs)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if func in (aten.lift_fresh.default, torch.ops.prim.device.default) or (
+                func is aten.detach_.default and args[0].device.type == "cpu"):
+            return out  # torch.tensor(data) made on the host: the transfer that follows is what counts
+        if str(func) in MATMULS and outputs:
+            self.dtypes.setdefault(self.phase, set()).add(outputs[0].dtype)
+        if func in TRANSFERS:
+            src = _arg(func, args, kwargs, "src") if func is aten.copy_.default else args[0]
+            dst = args[0] if func is aten.copy_.default else outputs[0]
+            if src.device.type == "cpu" and dst.device.type == "cuda":
+                blocking = not _arg(func, args, kwargs, "non_blocking", False)
+                self._add("h2d" if blocking else "h2d-async", func)
+                return out
+            if src.device.type == "cuda" and dst.device.type == "cpu":
+                self._add("d2h", func)
+                return out
+        off = [t for t in inputs + outputs if t.device != torch.device("cuda", 0) and not (
+            t.device.type == "cpu" and t.dim() == 0)]
+        self._add("off-device" if off else "op", func)
+        return out
+
+
+def assert_on_device(tensors) -> None:
+    bad = [(n, type(t).__name__, str(t.device)) for n, t in tensors
+           if not (isinstance(t, FakeTensor) and t.device == torch.device("cuda", 0))]
+    assert not bad, f"not on the fake CUDA device: {bad[:5]}"
+
+
+def model_tensors_of(model) -> list[tuple[str, torch.Tensor]]:
+    return list(model.named_parameters()) + list(model.named_buffers())
+
+
+def assert_cuda_kernels(model, scheme: str, kernels_used: Counter | None = None) -> None:
+    """Every quantized layer runs the CUDA selection's kernel for its scheme, never the reference."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
+    if scheme in CUDA_KERNEL:
+        assert layers
+        wrong = [(n, m.kernel.name) for n, m in layers if m.kernel.name != CUDA_KERNEL[scheme]]
+        assert not wrong, f"{scheme} layers on another kernel than {CUDA_KERNEL[scheme]}: {wrong[:4]}"
+        assert all(m.kernel.device_type in (None, "cuda") for _, m in layers)
+    else:
+        assert not layers
+    if kernels_used is not None:
+        assert "reference" not in kernels_used and "attention-cpu" not in kernels_used, kernels_used
+
+
+# --------------------------------------------------------------------------- one run of the runtime
+def run_runtime(model, loops: bool = True) -> dict:
+    """Prefill, cached decode steps and a batch step's paged forward on ``model`` (on the fake GPU,
+    inside the fake mode, or for real on the CPU), then with ``loops`` the Generator's token loop
+    (greedy; sampled with a repeat penalty) and the batch engine's steps (chunked prefill, a greedy and
+    a sampled request) with their sampling. Returns the shapes and dtypes of the logits and caches and,
+    on the fake GPU, the :class:`Audit` of the forwards and of the loops."""
+    device = model.device
+    fake = device.type == "cuda"
+    audit, looped = Audit(), Audit(token=3)  # the loops' reads are answered with token id 3
+    forward = audit.during if fake else _nothing
+    out: dict = {"audit": audit if fake else None, "loops": looped if fake and loops else None}
+
+    # prefill and decode steps, the forward alone: no read, no copy at all
+    cache = model.new_cache(64)
+    tokens = torch.tensor([PROMPTS[0]], device=device)
+    input_pos = torch.empty(1, dtype=torch.long, device=device)
+    with forward("prefill"):
+        logits = prefill(model, cache, tokens)
+    out["prefill"] = (tuple(logits.shape), logits.dtype)
+    token = logits.argmax(-1).view(1, 1)
+    for pos in range(len(PROMPTS[0]), len(PROMPTS[0]) + 2):  # past Mistral's window
+        input_pos.fill_(pos)
+        with forward("decode"):
+            logits = decode_one_token(model, cache, token, input_pos, pos)
+        token = logits.argmax(-1).view(1, 1)
+    out["decode"] = (tuple(logits.shape), logits.dtype)
+    out["cache"] = [(tuple(t.shape), t.dtype, t.device.type) for t in cache.tensors()[:2]]
+
+    # the paged forward of a batch step: a 12-token sequence that samples, 2 tokens of one that does not
+    budget = model.config.kv_cache_bytes(128, 2)
+    engine = BatchEngine(model, kv_budget_bytes=budget, max_running=4)
+    specs = [SeqChunk(PROMPTS[0], 0, [0], True), SeqChunk(PROMPTS[1][:2], 0, [1], False)]
+    step, ids = PagedStep.build(engine.pool, specs, engine._cos, engine._sin, engine.kernel,
+                                model.config.sliding_window)
+    with forward("paged"), torch.inference_mode():  # as the engine runs it
+        logits = model(ids, step)
+    out["paged"] = (tuple(logits.shape), logits.dtype)
+    del engine, step
+    if not loops:
+        return out
+
+    # the token loops, sampling included: the reads are the sampled ids
+    loop = looped.during if fake else _nothing
+    gen = Generator(model, 64)
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, repeat_penalty=1.1)
+    with loop("generate"):
+        out["generated"] = len(list(gen.generate(PROMPTS[0], greedy, max_tokens=2)))
+    with loop("generate-sampled"):
+        out["sampled"] = len(list(gen.generate(PROMPTS[1], sampled, max_tokens=2)))
+    engine = BatchEngine(model, kv_budget_bytes=budget, max_running=4, chunk_tokens=8)  # 12 tokens: 2 chunks
+    handles = [engine.submit(PROMPTS[0], greedy, max_tokens=2), engine.submit(PROMPTS[1], sampled, max_tokens=2)]
+    steps = []
+    while True:
+        with loop(f"step{len(steps)}"):
+            n = engine.step()
+        if not n:
+            break
+        steps.append(n)
+    out["steps"] = steps
+    out["engine"] = [(h.stats.finish_reason, h.stats.generated_tokens) for h in handles]
+    return out
+
+
+@contextmanager
+def _nothing(phase: str) -> Iterator[None]:
+    yield
+
+
+def check_audit(run: dict) -> None:
+    """No sync in any forward; the token loops read back only the sampled ids (see :class:`Audit`)."""
+    audit, loops = run["audit"], run["loops"]
+    for phase in ("prefill", "decode", "paged"):
+        kinds = audit.kinds(phase)
+        assert set(kinds) <= {"op"}, f"{phase}: {dict(kinds)}: {[e for e in audit.events if e[1] != 'op'][:6]}"
+        assert audit.dtypes[phase] == {run[phase][1]}, f"{phase}: matmul/attention dtypes {audit.dtypes[phase]}"
+    if loops is None:
+        return
+    assert not loops.of("off-device") and not loops.of("d2h"), loops.of("off-device")[:5] + loops.of("d2h")[:5]
+    # The Generator: the prompt (and a repeat penalty's window) go up before the first token; from
+    # then on one read per token, and nothing else crosses.
+    for phase, tokens in (("generate", run["generated"]), ("generate-sampled", run["sampled"])):
+        events = [k for p, k, _ in loops.events if p == phase]
+        assert events.count("read") == tokens and "read" in events
+        per_token = Counter(events[events.index("read"):])
+        assert set(per_token) == {"read", "op"}, f"{phase}: {dict(per_token)} once the tokens come"
+    # The engine: each step ends in its one read of the sampled ids (one per sampling sequence);
+    # nothing is copied up blocking, and nothing runs on the device after the reads.
+    for i in range(len(run["steps"])):
+        events = [k for p, k, _ in loops.events if p == f"step{i}"]
+        assert "h2d" not in events, f"step {i}: {Counter(events)}"
+        assert events.count("h2d-async") <= 2, f"step {i}: {Counter(events)}"  # the step's indices, recent ids
+        if "read" in events:
+            first = events.index("read")
+            assert set(events[first:]) == {"read"}, f"step {i}: device work after reading the tokens"
+    reads = sum(k == "read" for p, k, _ in loops.events if p.startswith("step"))
+    assert reads == sum(n for _, n in run["engine"]), (reads, run["engine"])  # one per sampled token
+    assert run["engine"] == [("length", 2), ("length", 2)] and run["generated"] == run["sampled"] == 2
+
+
+# --------------------------------------------------------------------------- tiny models of each family
+@pytest.fixture(scope="module")
+def wide_folders(tmp_path_factory):
+    made = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = save_hf_folder(make_hf_model(family, **WIDE, **FAMILIES[family]),
+                                          tmp_path_factory.mktemp(f"wide-{family}"))
+        return made[family]
+
+    return get
+
+
+#: Every scheme on Llama; Mistral (sliding-window masks) and Qwen2 (q/k/v biases, added by float and
+#: quantized layers alike) with a float and a quantized scheme each: what a family changes is
+#: attention and biases, the same code whatever the weights' scheme. (The whole grid takes twice as
+#: long: the file is kept within a minute on two cores.)
+CASES = [("llama", s) for s in SCHEMES] + [("mistral", "bf16"), ("mistral", "int4"), ("qwen2", "fp16"),
+                                           ("qwen2", "int8")]
+
+
+@pytest.mark.parametrize("family,scheme", CASES)
+def test_a_family_runs_its_cuda_path_on_a_fake_gpu(family, scheme, wide_folders, fake, host_checkpoints):
+    folder = str(wide_folders(family))
+    with fake:
+        lm = load_model(folder, device=GPU, quant=scheme, check_kernels=False)
+    assert lm.device.type == "cuda" and lm.dtype == (torch.float16 if scheme == "fp16" else torch.bfloat16)
+    assert_on_device(model_tensors_of(lm.model))
+    assert_cuda_kernels(lm.model, scheme, lm.kernels)
+    assert lm.model.decode_kernel is None  # the CPU attention kernel is not installed on a GPU
+    with fake:
+        got = run_runtime(lm.model)
+    check_audit(got)
+    cpu = load_model(folder, device="cpu", quant=scheme, check_kernels=False)
+    want = run_runtime(cpu.model, loops=False)  # the CPU path's forwards, for real
+    for key in ("prefill", "decode", "paged"):
+        assert got[key] == want[key], (key, got[key], want[key])
+    assert [c[:2] for c in got["cache"]] == [c[:2] for c in want["cache"]] and got["cache"][0][2] == "cuda"
+
+
+# --------------------------------------------------------------------------- real shapes, fake weights
+#: SmolLM2-135M-Instruct's config.json (HuggingFaceTB), the default model: widths 576 and 1536.
+SMOLLM2 = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+           "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000,
+           "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+#: Llama-2-7B's shapes (no GQA, not tied).
+LLAMA2_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+             "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+def fake_checkpoint(config: ModelConfig, plan: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor a checkpoint of ``config`` in ``plan``'s schemes holds (canonical quantized
+    tensors, float ones in fp32), as fake tensors of the right shapes and dtypes: no storage at all."""
+    model = empty_model(config)
+    swap_linears(model, plan)
+    for name, t in model.state_dict().items():
+        yield name, torch.empty(t.shape, dtype=t.dtype)
+
+
+def build_on_fake_gpu(config: ModelConfig, scheme: str, target: Target = GPU):
+    """``config``'s model in ``scheme``, built on meta, fused, and filled from :func:`fake_checkpoint`
+    on the fake GPU as ``load_model`` fills a real one (call inside the fake mode)."""
+    model = empty_model(config)
+    plan = make_plan(model, parse_scheme(scheme)) if scheme in CUDA_KERNEL else {}
+    swap_linears(model, plan)
+    fuse_projections(model)
+    act = torch.float16 if scheme == "fp16" else torch.bfloat16
+    return load_weights(model, fake_checkpoint(config, plan), target, act, "fake weights", check=False)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_smollm2_shapes_run_their_cuda_path_on_a_fake_gpu(scheme, fake):
+    """The default model's real widths (576 inputs: not a multiple of 128) on the CUDA path."""
+    config = ModelConfig.from_hf(SMOLLM2)
+    with fake:
+        model = build_on_fake_gpu(config, scheme)
+        assert_on_device(model_tensors_of(model))
+        assert_cuda_kernels(model, scheme)
+        got = run_runtime(model, loops=False)  # the loops run the same forwards: tested on the tiny models
+    check_audit(got)
+    act = model.dtype
+    assert (got["prefill"], got["decode"], got["paged"]) == (((1, 49152), act), ((1, 49152), act), ((1, 1, 49152), act))
+    assert got["cache"][0] == ((1, 3, 64, 64), act, "cuda")
+
+
+def test_a_7b_llama_takes_the_bytes_the_arithmetic_says(fake):
+    """Llama-2-7B on the fake GPU in fp16 and int4 (group 32): the weights' bytes, counted from the
+    fake tensors, against the parameter count; its KV cache for 4096 tokens and a paged pool against
+    ModelConfig.kv_cache_bytes. No real memory: meta, then fake tensors."""
+    config = ModelConfig.from_hf(LLAMA2_7B)
+    assert config.num_parameters() == 6_738_415_616
+    block = config.n_layers * (config.dim * (config.q_dim + 2 * config.kv_dim) + config.q_dim * config.dim
+                               + 3 * config.dim * config.intermediate_size)
+    rest = config.num_parameters() - block  # embedding, head and norms, 16-bit in both schemes
+    for scheme, want in [("fp16", 2 * config.num_parameters()),
+                         # int4: a code is half a byte; tinygemm's bf16 scale and zero per group of 32
+                         ("int4", block // 2 + block // 32 * 2 * 2 + 2 * rest)]:
+        with fake:
+            model = build_on_fake_gpu(config, scheme)
+            assert_on_device(model_tensors_of(model))
+            assert_cuda_kernels(model, scheme)
+            audit, cache, tokens = Audit(), model.new_cache(16), torch.tensor([[1, 2, 3]], device="cuda")
+            with audit.during("prefill"):
+                logits = prefill(model, cache, tokens)
+            assert set(audit.kinds("prefill")) == {"op"} and logits.shape == (1, 32000)
+        weights = sum(t.numel() * t.element_size() for _, t in model_tensors_of(model))
+        assert weights == want, (scheme, weights, want)
+    assert (2 * config.num_parameters(), want) == (13_476_831_232, 4_047_503_360 + 2 * rest)
+    with fake:
+        cache = model.new_cache(4096)
+        plan = plan_pool(config, 1 << 30, model.dtype)
+        engine = BatchEngine(model, kv_budget_bytes=1 << 30)
+    kv = sum(t.numel() * t.element_size() for t in cache.tensors()[:-2])  # k and v of every layer
+    assert kv == config.kv_cache_bytes(4096, 2) == 2 << 30
+    pool = sum(t.numel() * t.element_size() for t in engine.pool.k + engine.pool.v)
+    assert pool == plan.bytes == plan.n_blocks * config.kv_cache_bytes(plan.block_size, 2) <= 1 << 30
+    assert all(t.device.type == "cuda" for t in cache.tensors() + engine.pool.k + engine.pool.v)
+
+
+# --------------------------------------------------------------------------- the dry run's own checks
+def test_the_device_decision_is_given_not_asked(fake, monkeypatch, wide_folders):
+    """Kernels are chosen for the Target given: torch.cuda is never asked (it would fail here), an
+    sm75 card falls back to the reference with the reason, and ``--device cuda`` typed by a user on a
+    machine without a GPU is still the one-line error."""
+    from localllm.errors import LocalLLMError
+
+    def no_gpu(*args, **kwargs):
+        raise AssertionError("torch.cuda asked about a GPU")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_gpu)
+    kernels.WARNED.clear()
+    with fake, pytest.warns(UserWarning, match="compute capability 8.0 or newer .this one has 7.5"):
+        turing = build_on_fake_gpu(ModelConfig.from_hf({**SMOLLM2, "num_hidden_layers": 1}), "int4",
+                                   Target(torch.device("cuda"), (7, 5)))
+    assert {m.kernel.name for m in turing.modules() if isinstance(m, QuantLinear)} == {"reference"}
+    assert kernels.why_not_fast(turing.layers[0].mlp.down, Target(torch.device("cuda"), (7, 5)), torch.bfloat16) == [
+        "int4-tinygemm-cuda needs a GPU of compute capability 8.0 or newer (this one has 7.5)"]
+    if not torch.cuda.is_available():
+        with pytest.raises(LocalLLMError, match="no CUDA GPU is visible"):
+            load_model(str(wide_folders("llama")), device="cuda")
+
+
+def test_the_audit_sees_syncs_transfers_and_host_tensors(fake):
+    with fake:
+        x = torch.ones(4, 8, device="cuda")
+        audit = Audit()
+        with audit.during("f"):
+            x + torch.tensor([1.0] * 8, device="cuda")  # a blocking upload
+            x + torch.tensor([1.0] * 8).to("cuda", non_blocking=True)
+            x.cpu()
+            x[torch.tensor([0, 2])]  # indices left on the host: copied up inside the op
+            with pytest.raises(fake_tensor.DataDependentOutputException):
+                x.sum().item()
+    assert {k: n for k, n in audit.kinds("f").items() if k != "op"} == {
+        "h2d": 1, "h2d-async": 1, "d2h": 1, "off-device": 1, "read": 1}
+
+
+def test_the_dry_run_catches_a_tinygemm_layout_the_cuda_kernel_refuses(fake, monkeypatch):
+    """Scales and zeros laid out (out, groups, 2) instead of (groups, out, 2): the meta kernel takes
+    them (it checks no scales), the CUDA kernel's TORCH_CHECK does not; the dry run says so."""
+    config = ModelConfig.from_hf({**LLAMA2_7B, "num_hidden_layers": 1, "hidden_size": 256,
+                                  "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4})
+    real = kernels.Int4TinygemmCPU._scales_and_zeros
+    monkeypatch.setattr(kernels.Int4TinygemmCPU, "_scales_and_zeros",
+                        staticmethod(lambda layer: real(layer).transpose(0, 1).contiguous()))
+    with fake:
+        model = build_on_fake_gpu(config, "int4")
+        tokens = torch.tensor([[1, 2, 3]], device="cuda")
+        prefill(model, model.new_cache(8), tokens)  # the meta kernels alone: no complaint
+        with pytest.raises(AssertionError, match="int4mm: scales"), Audit().during("prefill"):
+            prefill(model, model.new_cache(8), tokens)
