@@ -64,6 +64,7 @@ from localllm.runtime.batch import BatchEngine
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.generate import Generator, decode_one_token, prefill
 from localllm.runtime.kv_pool import plan_pool
+from localllm.runtime.model import rope_tables
 from localllm.runtime.paged import PagedStep, SeqChunk
 from localllm.runtime.sampling import SamplingParams
 from tests.conftest import make_hf_model, save_hf_folder
@@ -346,8 +347,8 @@ def run_runtime(model, loops: bool = True) -> dict:
     budget = model.config.kv_cache_bytes(128, 2)
     engine = BatchEngine(model, kv_budget_bytes=budget, max_running=4)
     specs = [SeqChunk(PROMPTS[0], 0, [0], True), SeqChunk(PROMPTS[1][:2], 0, [1], False)]
-    step, ids = PagedStep.build(engine.pool, specs, engine._cos, engine._sin, engine.kernel,
-                                model.config.sliding_window)
+    cos, sin = (t.to(model.dtype) for t in rope_tables(model.config, 64, device))
+    step, ids = PagedStep.build(engine.pool, specs, cos, sin, engine.kernel, model.config.sliding_window)
     with forward("paged"), torch.inference_mode():  # as the engine runs it
         logits = model(ids, step)
     out["paged"] = (tuple(logits.shape), logits.dtype)
