@@ -4,8 +4,9 @@ No GPU is needed. Under ``FakeTensorMode`` tensors can live on a fake ``cuda`` d
 runs its meta kernel: shapes, dtypes and devices are checked, nothing is computed. The dry run loads
 the supported families in the schemes the CUDA path offers (fp16, bf16, int8, int4, nf4) onto "a CUDA
 device of capability 8.9" (:class:`quant.target.Target`, passed to ``load_model``: the kernel choice
-never asks ``torch.cuda``), runs prefill, cached decode steps and a batch step's paged forward, then
-the Generator's token loop and the batch engine's steps with their sampling, and checks that
+never asks ``torch.cuda``), runs prefill, cached decode steps, the static-shape step CUDA graphs
+record (run eagerly) and a batch step's paged forward, then the Generator's token loop and the batch
+engine's steps with their sampling, and checks that
 
 * every quantized layer runs the kernel the CUDA selection offers (never the reference), and every
   parameter, buffer and cache tensor is on the device;
@@ -13,7 +14,7 @@ the Generator's token loop and the batch engine's steps with their sampling, and
   and embedding give the activation dtype (no float32 slip);
 * the CUDA kernels' own argument checks hold (the ``TORCH_CHECK`` calls of ``int4mm.cu`` and
   ``int8mm.cu``, which the meta kernels leave out: a wrong tinygemm layout fails here);
-* a forward (prefill, decode step, batched step) makes no host sync and no copy at all, and the
+* a forward (prefill, decode step, static step, batched step) makes no host sync and no copy, and the
   token loops read nothing back beyond the sampled ids: one read per token in the Generator, one
   transfer at the end of each engine step, no blocking upload (see :class:`Audit`);
 * SmolLM2's real widths (576: not a multiple of 128) keep tinygemm;
@@ -24,9 +25,10 @@ What it cannot see, and ``scripts/gpu_checks.sh`` (which runs this file too) che
 numbers (the kernels' check against the reference is skipped: ``check_kernels=False``; what
 ``_weight_int4pack_mm``, ``_weight_int8pack_mm`` and SDPA compute), whether torch has a CUDA kernel
 for an op at all (the meta kernel answers for every device), bitsandbytes' CUDA code (its ops'
-registered fakes run instead), which SDPA backend CUDA picks, ``torch.compile``/CUDA graphs
-(``reduce-overhead``), the speed of anything. Sampling with a seed needs a CUDA ``torch.Generator``,
-which a CPU-only torch cannot make: the dry run samples unseeded.
+registered fakes run instead), which SDPA backend CUDA picks, ``torch.compile`` and CUDA graphs
+themselves (``reduce-overhead``: only the eager static step they record runs here), the speed of
+anything. Sampling with a seed needs a CUDA ``torch.Generator``, which a CPU-only torch cannot make:
+the dry run samples unseeded.
 
 On a CPU-only torch a few Python bindings (``copy_``, indexing, ``bool()``) open a CUDA device guard,
 which such a build lacks; ``tests/csrc/fake_cuda_guard.cpp`` puts c10's fake guard in place for the
@@ -341,6 +343,10 @@ def run_runtime(model, loops: bool = True) -> dict:
             logits = decode_one_token(model, cache, token, input_pos, pos)
         token = logits.argmax(-1).view(1, 1)
     out["decode"] = (tuple(logits.shape), logits.dtype)
+    input_pos.fill_(pos + 1)
+    with forward("static"), torch.inference_mode():  # the step CUDA graphs record (runtime.compile)
+        logits = model(token, cache, input_pos, static=True)[:, -1]
+    out["static"] = (tuple(logits.shape), logits.dtype)
     out["cache"] = [(tuple(t.shape), t.dtype, t.device.type) for t in cache.tensors()[:2]]
 
     # the paged forward of a batch step: a 12-token sequence that samples, 2 tokens of one that does not
@@ -386,7 +392,7 @@ def _nothing(phase: str) -> Iterator[None]:
 def check_audit(run: dict) -> None:
     """No sync in any forward; the token loops read back only the sampled ids (see :class:`Audit`)."""
     audit, loops = run["audit"], run["loops"]
-    for phase in ("prefill", "decode", "paged"):
+    for phase in ("prefill", "decode", "static", "paged"):
         kinds = audit.kinds(phase)
         assert set(kinds) <= {"op"}, f"{phase}: {dict(kinds)}: {[e for e in audit.events if e[1] != 'op'][:6]}"
         assert audit.dtypes[phase] == {run[phase][1]}, f"{phase}: matmul/attention dtypes {audit.dtypes[phase]}"
@@ -450,7 +456,7 @@ def test_a_family_runs_its_cuda_path_on_a_fake_gpu(family, scheme, wide_folders,
     check_audit(got)
     cpu = load_model(folder, device="cpu", quant=scheme, check_kernels=False)
     want = run_runtime(cpu.model, loops=False)  # the CPU path's forwards, for real
-    for key in ("prefill", "decode", "paged"):
+    for key in ("prefill", "decode", "static", "paged"):
         assert got[key] == want[key], (key, got[key], want[key])
     assert [c[:2] for c in got["cache"]] == [c[:2] for c in want["cache"]] and got["cache"][0][2] == "cuda"
 
@@ -498,7 +504,8 @@ def test_smollm2_shapes_run_their_cuda_path_on_a_fake_gpu(scheme, fake):
         got = run_runtime(model, loops=False)  # the loops run the same forwards: tested on the tiny models
     check_audit(got)
     act = model.dtype
-    assert (got["prefill"], got["decode"], got["paged"]) == (((1, 49152), act), ((1, 49152), act), ((1, 1, 49152), act))
+    assert (got["prefill"], got["decode"], got["static"], got["paged"]) == (
+        ((1, 49152), act), ((1, 49152), act), ((1, 49152), act), ((1, 1, 49152), act))
     assert got["cache"][0] == ((1, 3, 64, 64), act, "cuda")
 
 
