@@ -369,7 +369,10 @@ def test_show_a_gguf_file_without_storing_it(smollm2_path: Path, home: Path) -> 
     result = in_process("show", str(smollm2_path), "--json")
     assert result.exit_code == 0, result.output
     facts = json.loads(result.stdout)
-    assert set(facts) == SHOW_KEYS and facts["name"] is None and facts["created"] is None
+    assert set(facts) == SHOW_KEYS | {"tensor_types"} and facts["name"] is None and facts["created"] is None
+    assert facts["tensor_types"] == {"F32": "61 tensors -> 16-bit",
+                                     "Q4_1": "210 tensors -> int4 (group 32, asymmetric), exact",
+                                     "Q8_0": "1 tensor -> int8 (group 32), exact"}
     assert facts["quant"] == {"name": "int4", "group_size": 32, "symmetric": False}  # its Q4_1 grid
     # 30 layers x 7 linears, and the output head: the GGUF's Q8_0 head is kept as it is
     assert (facts["weight_bytes"], facts["quantized_modules"]) == (smollm2_path.stat().st_size, 211)
