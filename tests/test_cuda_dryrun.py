@@ -228,16 +228,16 @@ class Audit(TorchDispatchMode):
       a pageable copy synchronises the stream unless ``non_blocking``;
     * ``h2d-async``: the same, ``non_blocking``;
     * ``d2h``: a copy to the host;
-    * ``off-device``: a tensor off the GPU in an op (0-dim CPU scalars excepted: they ride as kernel
-      arguments), or on a GPU other than the first;
+    * ``off-device``: a tensor off the model's GPU in an op (0-dim CPU scalars excepted: they ride as
+      kernel arguments), another GPU included;
     * ``op``: any other op (so that "nothing after the reads" can be checked).
 
     ``dtypes``: the output dtypes of the matmuls, attention and embedding, by phase.
     """
 
-    def __init__(self, token: int | None = None) -> None:
+    def __init__(self, token: int | None = None, device: torch.device = torch.device("cuda", 0)) -> None:
         super().__init__()
-        self.token = token
+        self.token, self.device = token, device
         self.phase = ""
         self.events: list[tuple[str, str, str]] = []
         self.dtypes: dict[str, set[torch.dtype]] = {}
@@ -286,15 +286,15 @@ class Audit(TorchDispatchMode):
             if src.device.type == "cuda" and dst.device.type == "cpu":
                 self._add("d2h", func)
                 return out
-        off = [t for t in inputs + outputs if t.device != torch.device("cuda", 0) and not (
+        off = [t for t in inputs + outputs if t.device != self.device and not (
             t.device.type == "cpu" and t.dim() == 0)]
         self._add("off-device" if off else "op", func)
         return out
 
 
-def assert_on_device(tensors) -> None:
+def assert_on_device(tensors, device: torch.device = torch.device("cuda", 0)) -> None:
     bad = [(n, type(t).__name__, str(t.device)) for n, t in tensors
-           if not (isinstance(t, FakeTensor) and t.device == torch.device("cuda", 0))]
+           if not (isinstance(t, FakeTensor) and t.device == device)]
     assert not bad, f"not on the fake CUDA device: {bad[:5]}"
 
 
@@ -325,7 +325,7 @@ def run_runtime(model, loops: bool = True) -> dict:
     on the fake GPU, the :class:`Audit` of the forwards and of the loops."""
     device = model.device
     fake = device.type == "cuda"
-    audit, looped = Audit(), Audit(token=3)  # the loops' reads are answered with token id 3
+    audit, looped = Audit(device=device), Audit(token=3, device=device)  # reads answered with token id 3
     forward = audit.during if fake else _nothing
     out: dict = {"audit": audit if fake else None, "loops": looped if fake and loops else None}
 
@@ -347,7 +347,7 @@ def run_runtime(model, loops: bool = True) -> dict:
     with forward("static"), torch.inference_mode():  # the step CUDA graphs record (runtime.compile)
         logits = model(token, cache, input_pos, static=True)[:, -1]
     out["static"] = (tuple(logits.shape), logits.dtype)
-    out["cache"] = [(tuple(t.shape), t.dtype, t.device.type) for t in cache.tensors()[:2]]
+    out["cache"] = [(tuple(t.shape), t.dtype, str(t.device)) for t in cache.tensors()[:2]]
 
     # the paged forward of a batch step: a 12-token sequence that samples, 2 tokens of one that does not
     budget = model.config.kv_cache_bytes(128, 2)
@@ -437,18 +437,21 @@ def wide_folders(tmp_path_factory):
 #: Every scheme on Llama; Mistral (sliding-window masks) and Qwen2 (q/k/v biases, added by float and
 #: quantized layers alike) with a float and a quantized scheme each: what a family changes is
 #: attention and biases, the same code whatever the weights' scheme. (The whole grid takes twice as
-#: long: the file is kept within a minute on two cores.)
+#: long: the file is kept within a minute on two cores.) One case runs on the second GPU, cuda:1: a
+#: tensor put on the default GPU instead of the model's would show there.
 CASES = [("llama", s) for s in SCHEMES] + [("mistral", "bf16"), ("mistral", "int4"), ("qwen2", "fp16"),
-                                           ("qwen2", "int8")]
+                                           ("qwen2", "int8:1")]
 
 
-@pytest.mark.parametrize("family,scheme", CASES)
-def test_a_family_runs_its_cuda_path_on_a_fake_gpu(family, scheme, wide_folders, fake, host_checkpoints):
+@pytest.mark.parametrize("family,case", CASES)
+def test_a_family_runs_its_cuda_path_on_a_fake_gpu(family, case, wide_folders, fake, host_checkpoints):
+    scheme, _, index = case.partition(":")
+    device = torch.device("cuda", int(index or 0))
     folder = str(wide_folders(family))
     with fake:
-        lm = load_model(folder, device=GPU, quant=scheme, check_kernels=False)
+        lm = load_model(folder, device=Target(device, GPU.capability), quant=scheme, check_kernels=False)
     assert lm.device.type == "cuda" and lm.dtype == (torch.float16 if scheme == "fp16" else torch.bfloat16)
-    assert_on_device(model_tensors_of(lm.model))
+    assert_on_device(model_tensors_of(lm.model), device)
     assert_cuda_kernels(lm.model, scheme, lm.kernels)
     assert lm.model.decode_kernel is None  # the CPU attention kernel is not installed on a GPU
     with fake:
@@ -458,7 +461,7 @@ def test_a_family_runs_its_cuda_path_on_a_fake_gpu(family, scheme, wide_folders,
     want = run_runtime(cpu.model, loops=False)  # the CPU path's forwards, for real
     for key in ("prefill", "decode", "static", "paged"):
         assert got[key] == want[key], (key, got[key], want[key])
-    assert [c[:2] for c in got["cache"]] == [c[:2] for c in want["cache"]] and got["cache"][0][2] == "cuda"
+    assert [c[:2] for c in got["cache"]] == [c[:2] for c in want["cache"]] and got["cache"][0][2] == str(device)
 
 
 # --------------------------------------------------------------------------- real shapes, fake weights
@@ -506,7 +509,7 @@ def test_smollm2_shapes_run_their_cuda_path_on_a_fake_gpu(scheme, fake):
     act = model.dtype
     assert (got["prefill"], got["decode"], got["static"], got["paged"]) == (
         ((1, 49152), act), ((1, 49152), act), ((1, 49152), act), ((1, 1, 49152), act))
-    assert got["cache"][0] == ((1, 3, 64, 64), act, "cuda")
+    assert got["cache"][0] == ((1, 3, 64, 64), act, "cuda:0")
 
 
 def test_a_7b_llama_takes_the_bytes_the_arithmetic_says(fake):
