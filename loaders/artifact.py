@@ -62,6 +62,13 @@ class ArtifactCheckpoint:
         self.stored = stored
         self.folder = stored.path
         m = stored.manifest
+        version = m.get("format_version")
+        if not isinstance(version, int) or version > store_mod.FORMAT_VERSION:
+            raise LocalLLMError(
+                f"model '{stored.ref}' was stored in format {version}, newer than this localllm reads "
+                f"(up to {store_mod.FORMAT_VERSION})",
+                "upgrade localllm, or pull the model again with this one",
+            )
         try:
             self.config = ModelConfig.from_dict(m["config"])
             q = m["quant"]

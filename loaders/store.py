@@ -43,7 +43,9 @@ from localllm.paths import home
 __all__ = ["FORMAT_VERSION", "Store", "StoredModel", "check_local_path", "default_entry", "human_size",
            "looks_like_path", "missing_path_error", "name_from_repo", "parse_model_ref", "read_entry", "verify"]
 
-FORMAT_VERSION = 1
+#: The artifact format. 2: a tied model whose head is int8 stores no 16-bit embedding (the head's
+#: table serves as it); 1 entries still load. An entry newer than this is refused with a hint.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 PREFERRED_SCHEME = "int4"
 _TMP_PREFIX = ".tmp-"

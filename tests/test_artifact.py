@@ -74,6 +74,21 @@ def test_loading_does_not_requantize(store, tiny_folder, monkeypatch):
     load_model("tiny:int4", store=store)
 
 
+def test_an_entry_from_a_newer_format_is_refused_in_one_line(store, tiny_folder):
+    import json
+
+    from localllm.loaders.store import FORMAT_VERSION, MANIFEST
+
+    entry, _ = stored_tiny(store, tiny_folder)
+    manifest = json.loads((entry.path / MANIFEST).read_text())
+    assert manifest["format_version"] == FORMAT_VERSION
+    load_model("tiny:int4", store=store)  # its own format loads
+    manifest["format_version"] = FORMAT_VERSION + 1
+    (entry.path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(LocalLLMError, match=f"stored in format {FORMAT_VERSION + 1}, newer than this localllm reads"):
+        load_model("tiny:int4", store=store)
+
+
 def test_first_load_verifies_then_trusts_the_stamp(store, tiny_folder, monkeypatch):
     entry, _ = stored_tiny(store, tiny_folder)
     load_model("tiny:int4", store=store)
