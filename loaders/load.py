@@ -19,7 +19,7 @@ from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from localllm.loaders.gguf import GGUFCheckpoint
 from localllm.loaders.store import MANIFEST, Store, read_entry
-from localllm.quant.formats import QuantScheme, parse_scheme
+from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme, parse_scheme
 from localllm.quant.convert import Plan
 from localllm.quant.linear import make_plan, prepare_model, share_tied_embedding, swap_linears
 from localllm.quant.target import Target
@@ -167,8 +167,8 @@ class LoadedModel:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """fp32 / fp16 / bf16, as the schemes are named."""
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
+    """fp32 / fp16 / bf16, as the float schemes are named (quant.formats.FLOAT_SCHEMES)."""
+    return next((name for name, d in FLOAT_SCHEMES.items() if d == dtype), str(dtype).removeprefix("torch."))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -248,8 +248,8 @@ def load_model(
         ckpt.drop_metadata()  # made into the tokenizer and config: not held through the load
     config, source = ckpt.config, ckpt.describe()
     model, tensors, plan = model_tensors(ckpt, scheme, quantize_head)
-    describe_import = getattr(ckpt, "tensor_import", None)  # a GGUF's tensor types, and what each became
-    imported = describe_import(plan, dtype_name(act)) if describe_import is not None else {}
+    # A GGUF's tensor types, and what each became.
+    imported = ckpt.tensor_import(plan, dtype_name(act)) if isinstance(ckpt, GGUFCheckpoint) else {}
     if fuse:
         fuse_projections(model)  # on meta: the stream fills the fused tensors' row slices
     model = load_weights(model, tensors, target, act, source, kernel, check_kernels)
