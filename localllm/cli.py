@@ -88,10 +88,12 @@ def main() -> None:
 
 
 def _register() -> None:
-    from localllm.commands import bench, run, store
+    from localllm.commands import bench, export, run, serve, store
 
     main.add_command(run.run)
     main.add_command(bench.bench)
+    main.add_command(serve.serve)
+    main.add_command(export.export)
     for command in (store.pull, store.list_models, store.show, store.rm):
         main.add_command(command)
 

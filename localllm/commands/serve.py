@@ -1,0 +1,124 @@
+"""``localllm serve``: the OpenAI- and Ollama-compatible HTTP server (:mod:`localllm.server`)."""
+
+from __future__ import annotations
+
+import socket
+
+import click
+
+from localllm.commands.common import note, threads_option
+from localllm.errors import LocalLLMError
+from localllm.quant.formats import ALL_SCHEMES
+from localllm.server.config import DEFAULT_MAX_BODY, DEFAULT_PORT, ServerConfig, is_loopback, \
+    parse_duration, parse_size
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host``:``port`` (0: a free port), or a one-line error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise LocalLLMError(f"cannot resolve the host '{host}' ({e.strerror})", "give an address such as 127.0.0.1") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise LocalLLMError(f"cannot listen on {host}:{port} ({e.strerror})",
+                            "is another server using that port? give --port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning for a server reachable from other machines with no key, or None."""
+    if is_loopback(host) or api_key:
+        return None
+    return (f"warning: listening on {host} without an API key: anyone who can reach this machine can use "
+            "the server; give --api-key (or LOCALLLM_API_KEY), or bind 127.0.0.1")
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True, help="Port (0: any free port).")
+@click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True,
+              help="Sequences one model runs at once (one batch).")
+@click.option("--kv-memory", default="256MB", show_default=True, help="KV cache pool of each loaded model.")
+@click.option("--queue", type=click.IntRange(0, 100000), default=32, show_default=True,
+              help="Requests that may wait per model; more get 503 with Retry-After.")
+@click.option("--keep-alive", default="5m", show_default=True,
+              help="How long an idle model stays loaded (5m, 1h, 30s; -1: forever; 0: unload at once).")
+@click.option("--api-key", envvar="LOCALLLM_API_KEY", help="Require 'Authorization: Bearer KEY' (or LOCALLLM_API_KEY).")
+@click.option("--models-memory", help="Memory for loaded models (weights + KV); the least recently used idle model "
+                                      "is unloaded to make room. Default: no limit.")
+@click.option("--max-body", default=str(DEFAULT_MAX_BODY), show_default=True, help="Largest request body, in bytes.")
+@click.option("--quant", "-q", type=click.Choice(ALL_SCHEMES), help="Weight scheme models are loaded in "
+                                                                    "(default: each model's own).")
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
+@click.option("--dtype", default="auto", show_default=True, help="Activations: auto, fp32, fp16, bf16.")
+@threads_option
+@click.option("--preload", multiple=True, metavar="MODEL", help="Load MODEL before serving (repeatable).")
+def serve(host: str, port: int, parallel: int, kv_memory: str, queue: int, keep_alive: str, api_key: str | None,
+          models_memory: str | None, max_body: str, quant: str | None, device: str, dtype: str, threads: int | None,
+          preload: tuple[str, ...]) -> None:
+    """Serve models over HTTP: OpenAI's API under /v1, Ollama's under /api, Prometheus /metrics.
+
+    Models are named as `localllm run` takes them, loaded on first use and kept alive while used.
+    Ctrl-C or SIGTERM stops accepting, lets requests in flight finish (10 s), cancels the rest and exits.
+    """
+    import asyncio
+
+    import uvicorn
+
+    from localllm.server.app import create_app
+    from localllm.threads import set_threads
+
+    try:
+        keep = parse_duration(keep_alive)
+    except LocalLLMError as e:
+        raise LocalLLMError(f"--keep-alive: {e.message}", e.hint) from None
+    config = ServerConfig(host=host, port=port, parallel=parallel, kv_memory=parse_size(kv_memory), queue=queue,
+                          keep_alive_s=keep, api_key=api_key or None,
+                          models_memory=parse_size(models_memory) if models_memory else None,
+                          max_body_bytes=parse_size(max_body), quant=quant, device=device, dtype=dtype)
+    set_threads(threads)
+    warning = exposure_warning(host, config.api_key)
+    if warning:
+        click.echo(warning, err=True)
+    sock = bind(host, port)
+    config.port = sock.getsockname()[1]
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=config.graceful_s,
+                                           lifespan="on", access_log=False))
+
+    failed: list[BaseException] = []
+
+    async def announce() -> None:
+        while not server.started:
+            await asyncio.sleep(0.02)
+        manager = app.state.server.manager
+        try:
+            for name in preload:
+                note(f"loading {name}...")
+                slot, _ = await manager.acquire(name)
+                manager.release(slot)
+        except Exception as e:  # noqa: BLE001 - reported once the server has stopped
+            failed.append(e)
+            server.should_exit = True
+            return
+        note(f"localllm serving on {config.url}  (OpenAI: {config.url}/v1  Ollama: {config.url}/api)")
+
+    async def main() -> None:
+        task = asyncio.create_task(announce())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            task.cancel()
+
+    asyncio.run(main())
+    if failed:
+        raise failed[0]
+    note("server stopped")

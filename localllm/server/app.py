@@ -1,0 +1,87 @@
+"""The Starlette app: the two route sets, ``/metrics``, bearer-key authentication on every
+endpoint, errors in each API's shape for unknown routes and methods, and the models' lifecycle
+(started with the app, everything cancelled and unloaded when it stops)."""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from localllm.server import ollama_routes, openai_routes
+from localllm.server.common import ServerState, state
+from localllm.server.config import ServerConfig
+from localllm.server.errors import ApiError, api_of_path, error_response
+from localllm.server.metrics import CONTENT_TYPE, Metrics
+from localllm.server.models import ModelManager
+
+
+class BearerAuth:
+    """Every HTTP request must carry ``Authorization: Bearer <key>``; else 401 in the path's API shape."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error_response(err, api_of_path(scope["path"]))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def metrics(request: Request) -> Response:
+    st = state(request)
+    engines = [(name, slot.engine.usage(), slot.engine.plan.bytes) for name, slot in list(st.manager.slots.items())]
+    return PlainTextResponse(st.metrics.render(engines), media_type=CONTENT_TYPE)
+
+
+async def root(request: Request) -> Response:
+    return PlainTextResponse("localllm is running")
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 / 405 in the API's shape."""
+    assert isinstance(exc, HTTPException)
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    err = ApiError(exc.status_code, message.get(exc.status_code, str(exc.detail)), headers=dict(exc.headers or {}))
+    return error_response(err, api_of_path(request.url.path))
+
+
+def create_app(config: ServerConfig) -> Starlette:
+    """The ASGI app for ``config`` (serve it with uvicorn; the CLI's ``serve`` does)."""
+    metrics_ = Metrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        manager = ModelManager(config, metrics_)
+        app.state.server = ServerState(config, manager, metrics_, time.time())
+        manager.start()
+        try:
+            yield
+        finally:
+            await manager.close()
+
+    routes = [
+        Route("/", root, methods=["GET", "HEAD"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        *openai_routes.ROUTES,
+        *ollama_routes.ROUTES,
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    if config.api_key:
+        app.add_middleware(BearerAuth, key=config.api_key)
+    return app

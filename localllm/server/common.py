@@ -1,0 +1,81 @@
+"""What both route sets share: the server's state, the endpoint wrapper that turns every failure
+into the API's own error body (and counts requests), and the prompt checks."""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from localllm.server.config import ServerConfig
+from localllm.server.errors import ApiError, error_response, from_exception
+from localllm.server.metrics import Metrics
+from localllm.server.models import ModelManager, ModelSlot
+from localllm.server.streaming import ClientGone
+
+#: Status logged for a client that left before its answer (nginx's convention).
+CLIENT_CLOSED = 499
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    manager: ModelManager
+    metrics: Metrics
+    started: float
+
+
+def state(request: Request) -> ServerState:
+    return request.app.state.server  # type: ignore[no-any-return]
+
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def endpoint(api: str, route: str) -> Callable[[Endpoint], Endpoint]:
+    """Wrap a route: errors become ``api``'s error body (never a traceback), and every answer is counted."""
+
+    def wrap(fn: Endpoint) -> Endpoint:
+        @functools.wraps(fn)
+        async def run(request: Request) -> Response:
+            metrics = state(request).metrics
+            try:
+                response = await fn(request)
+            except ClientGone:
+                metrics.request(route, CLIENT_CLOSED)
+                return Response(status_code=CLIENT_CLOSED)
+            except Exception as e:  # noqa: BLE001 - every failure is answered in the API's shape
+                err = from_exception(e)
+                metrics.request(route, err.status)
+                return error_response(err, api)
+            metrics.request(route, response.status_code)
+            return response
+
+        return run
+
+    return wrap
+
+
+def check_prompt(ids: Sequence[int], slot: ModelSlot, ctx: int | None = None, param: str = "prompt") -> int:
+    """Refuse an empty prompt or one with no room for a reply in the context; the context used."""
+    limit = min(ctx, slot.context_length) if ctx else slot.context_length
+    if not ids:
+        raise ApiError(400, "the prompt is empty; give some text", param=param)
+    if len(ids) >= limit:
+        raise ApiError(400, f"the prompt is {len(ids)} tokens and the context holds {limit} "
+                       f"(prompt and reply together); shorten the prompt to at most {limit - 1} tokens",
+                       param=param, code="context_length_exceeded")
+    return limit
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now_s() -> int:
+    return int(time.time())

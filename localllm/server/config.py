@@ -1,0 +1,94 @@
+"""The server's settings, and the sizes (``512MB``) and durations (``5m``) its flags and requests use."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from localllm.errors import LocalLLMError
+
+DEFAULT_PORT = 11435
+#: Request bodies larger than this are refused (413): a chat of a few hundred thousand words.
+DEFAULT_MAX_BODY = 8 << 20
+#: How long an idle model stays loaded (Ollama's default).
+DEFAULT_KEEP_ALIVE_S = 300.0
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_size(text: str) -> int:
+    """``256MB``, ``1.5GiB``, ``512m``, ``1000000`` -> bytes (1000-based unless ``iB``)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise LocalLLMError(f"cannot read the size '{text}'", "write it like 512MB, 2GB or 1GiB")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_duration(value: object) -> float | None:
+    """A keep-alive as Ollama takes it: seconds as a number, or a Go-style duration (``5m``, ``1h30m``,
+    ``90s``, ``-1``). A negative duration means forever (None); 0 means unload at once."""
+    if isinstance(value, bool):
+        raise LocalLLMError(f"cannot read the duration {value!r}", "give seconds, or a duration like 5m or 1h")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"-?\d+(\.\d+)?", text):
+            seconds = float(text)
+        else:
+            m = re.fullmatch(r"(-?)((?:\d+(?:\.\d+)?(?:ms|s|m|h))+)", text)
+            if not m:
+                raise LocalLLMError(f"cannot read the duration '{value}'", "give seconds, or a duration like 5m or 1h")
+            seconds = sum(float(n) * _DURATION_UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", m.group(2)))
+            seconds = -seconds if m.group(1) else seconds
+    else:
+        raise LocalLLMError(f"cannot read the duration {value!r}", "give seconds, or a duration like 5m or 1h")
+    return None if seconds < 0 else seconds
+
+
+@dataclass
+class ServerConfig:
+    """What ``localllm serve`` was started with."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    #: Sequences one model's engine runs at once (the batch).
+    parallel: int = 4
+    #: KV cache pool of each loaded model, in bytes (None: the engine's default).
+    kv_memory: int | None = None
+    #: Requests that may wait for a slot per model; beyond it, 503 with Retry-After.
+    queue: int = 32
+    #: Default keep-alive of a loaded model (None: forever).
+    keep_alive_s: float | None = DEFAULT_KEEP_ALIVE_S
+    api_key: str | None = None
+    #: Memory for loaded models (weights + KV pool); the least recently used idle one is unloaded
+    #: to make room. None: no limit.
+    models_memory: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    #: Prompt tokens prefilled per engine step (all sequences together).
+    chunk_tokens: int = 256
+    #: How every model is loaded (``run``'s --quant, --device, --dtype).
+    quant: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    #: Seconds that in-flight requests get to finish at shutdown before they are cancelled.
+    graceful_s: float = 10.0
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server on this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

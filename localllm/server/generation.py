@@ -1,0 +1,123 @@
+"""One request on a model's batch engine, bridged from the engine's thread to asyncio.
+
+The engine runs steps on its own thread; a :class:`RequestHandle` blocks the thread that iterates it.
+So each generation gets a small pump thread that iterates the handle, decodes the text (incremental
+UTF-8, stop strings cut without showing any part of one) and hands each piece to the event loop
+with ``call_soon_threadsafe``. The event loop never waits on a model step. Cancelling (a client that
+went away, a stop string) calls ``handle.cancel()``: the engine retires the sequence and frees its
+KV blocks at its next step, and the pump ends as the handle does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from localllm.runtime.batch import RequestHandle
+from localllm.runtime.textstream import StopStringFilter
+from localllm.runtime.tokenizer import Tokenizer
+
+
+@dataclass
+class Outcome:
+    """How a generation ended, with its figures (times from ``time.perf_counter()``)."""
+
+    finish_reason: str  # "stop", "length", "cancelled", "error"
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    submitted_at: float
+    first_token_at: float | None
+    finished_at: float
+    error: BaseException | None = None
+
+
+class Generation:
+    """Text pieces of one submitted request, as an async iterator; :attr:`outcome` once it has ended."""
+
+    def __init__(self, handle: RequestHandle, tokenizer: Tokenizer, stop: Sequence[str],
+                 on_end: "callable[[Outcome], None] | None" = None) -> None:  # type: ignore[valid-type]
+        self.handle = handle
+        self._tokenizer = tokenizer
+        self._stop = list(stop)
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[str | Outcome] = asyncio.Queue()
+        self._cancelled = threading.Event()
+        self._on_end = on_end
+        self.outcome: Outcome | None = None
+        self.tokens = 0  # token ids taken from the engine so far
+        self._thread = threading.Thread(target=self._pump, name=f"localllm-req-{handle.id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ engine side (pump thread)
+    def _put(self, item: str | Outcome) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self._cancelled.set()
+            self.handle.cancel()
+            return False
+
+    def _pump(self) -> None:
+        decoder = self._tokenizer.stream(skip_special=True)
+        cut = StopStringFilter(self._stop)
+        reason: str | None = None
+        error: BaseException | None = None
+        try:
+            for token in self.handle:
+                self.tokens += 1
+                if self._cancelled.is_set():
+                    break
+                piece = cut.feed(decoder.feed(token))
+                if piece and not self._put(piece):
+                    break
+                if cut.stopped:
+                    self.handle.cancel()  # the stop string ends it: free its blocks now
+                    reason = "stop"
+                    break
+            else:
+                tail = cut.feed(decoder.flush()) + cut.flush()
+                if tail:
+                    self._put(tail)
+        except BaseException as e:  # noqa: BLE001 - the engine's error, delivered to the client
+            error = e
+        stats = self.handle.stats
+        if reason is None:
+            if error is not None:
+                reason = "error"
+            elif self._cancelled.is_set():
+                reason = "cancelled"
+            else:
+                reason = stats.finish_reason or "stop"
+        outcome = Outcome(reason, stats.prompt_tokens, max(0, stats.cached_tokens), self.tokens,
+                          stats.submitted_at, stats.first_token_at, time.perf_counter(), error)
+        if self._on_end is not None:
+            self._on_end(outcome)
+        self._put(outcome)
+
+    # ------------------------------------------------------------------ asyncio side
+    def cancel(self) -> None:
+        """Stop generating (safe to call more than once, and after the end)."""
+        self._cancelled.set()
+        self.handle.cancel()
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The text as it comes; a cancelled consumer (a disconnect) cancels the request."""
+        try:
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, Outcome):
+                    self.outcome = item
+                    return
+                yield item
+        finally:
+            if self.outcome is None:
+                self.cancel()
+
+    async def text(self) -> str:
+        """All of the text, waiting for the end."""
+        return "".join([piece async for piece in self.pieces()])

@@ -1,0 +1,255 @@
+"""Loaded models: each on its own :class:`BatchEngine` (one background thread), loaded on first use
+(concurrent first requests share one load), kept alive per ``keep_alive`` after its last request,
+and unloaded when that runs out or when a memory budget needs room for another model (the least
+recently used idle model goes first). A model with requests in flight is never unloaded, except at
+shutdown, which cancels them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import anyio
+
+from localllm.errors import LocalLLMError
+from localllm.loaders.load import LoadedModel, release_freed_memory
+from localllm.runtime.batch import DEFAULT_KV_BUDGET, BatchEngine
+from localllm.runtime.sampling import SamplingParams
+from localllm.runtime.scheduler import EngineBusy
+from localllm.server.config import ServerConfig
+from localllm.server.errors import ModelNotFound
+from localllm.server.generation import Generation
+from localllm.server.metrics import Metrics
+
+log = logging.getLogger("localllm.server")
+
+#: "keep the server's default" (None already means "forever").
+DEFAULT = object()
+
+
+@dataclass(eq=False)
+class ModelSlot:
+    """A loaded model and its engine."""
+
+    name: str
+    lm: LoadedModel
+    engine: BatchEngine
+    stop_ids: list[int]
+    size_bytes: int
+    load_s: float
+    keep_alive_s: float | None
+    loaded_at: float = field(default_factory=time.time)
+    active: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    generations: set[Generation] = field(default_factory=set)
+
+    @property
+    def context_length(self) -> int:
+        """Positions one sequence may hold (the model's context, capped by the KV pool)."""
+        return self.engine.max_seq_len
+
+    @property
+    def expires_at(self) -> float | None:
+        """``time.monotonic()`` when an idle model is unloaded (None: never, or busy now)."""
+        if self.keep_alive_s is None:
+            return None
+        return self.last_used + self.keep_alive_s
+
+    def expires_at_wall(self) -> datetime:
+        """The expiry as a wall-clock time (far in the future when kept forever), as ``/api/ps`` shows it."""
+        now = datetime.now(timezone.utc)
+        if self.keep_alive_s is None:
+            return now + timedelta(days=365 * 100)
+        left = self.keep_alive_s if self.active else max(0.0, self.expires_at - time.monotonic())  # type: ignore[operator]
+        return now + timedelta(seconds=left)
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None,
+               stop: Sequence[str], metrics: Metrics) -> Generation:
+        """Queue a generation on this model's engine; raises EngineBusy (queue full) or LocalLLMError."""
+        try:
+            handle = self.engine.submit(prompt_ids, params, max_tokens, self.stop_ids)
+        except EngineBusy:
+            metrics.rejected()
+            raise
+        gen = Generation(handle, self.lm.tokenizer, stop, on_end=metrics.outcome)
+        self.generations.add(gen)
+        return gen
+
+
+def estimate_bytes(ref: str) -> int:
+    """What loading ``ref`` will take, roughly, before loading it: its files' size (0 if unknown)."""
+    path = Path(ref).expanduser()
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        if path.is_dir():
+            return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        from localllm.loaders.store import Store
+
+        return Store().resolve(ref).size_bytes
+    except (OSError, LocalLLMError):
+        return 0
+
+
+class ModelManager:
+    """The loaded models of one server (all calls from the event loop)."""
+
+    def __init__(self, config: ServerConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.slots: dict[str, ModelSlot] = {}
+        self._loading: dict[str, asyncio.Task[ModelSlot]] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def close(self) -> None:
+        """Cancel what is in flight and unload everything (shutdown)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for task in list(self._loading.values()):
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - a failed load leaves nothing to unload
+                pass
+        for slot in list(self.slots.values()):
+            for gen in list(slot.generations):
+                gen.cancel()
+            await self._unload(slot)
+
+    # ------------------------------------------------------------------ use
+    async def acquire(self, name: str, keep_alive: object = DEFAULT) -> tuple[ModelSlot, float]:
+        """The loaded model ``name`` (loading it if needed), marked in use; and the seconds this call
+        spent loading it (0 when it was loaded already). Pair with :meth:`release`."""
+        if not isinstance(name, str) or not name.strip():
+            raise LocalLLMError("no model named", "give 'model'")
+        waited = 0.0
+        while True:
+            slot = self.slots.get(name)
+            if slot is not None:
+                slot.active += 1
+                if keep_alive is not DEFAULT:
+                    slot.keep_alive_s = keep_alive  # type: ignore[assignment]
+                return slot, waited
+            task = self._loading.get(name)
+            if task is None:
+                task = asyncio.create_task(self._load(name))
+                self._loading[name] = task
+                task.add_done_callback(lambda t, n=name: self._loading.pop(n, None))
+            t0 = time.perf_counter()
+            await asyncio.shield(task)  # a client that leaves does not stop the load others wait for
+            waited += time.perf_counter() - t0
+
+    def release(self, slot: ModelSlot, gen: Generation | None = None) -> None:
+        """A request is done with ``slot``; its keep-alive starts now (0: unload at once when idle)."""
+        slot.active -= 1
+        slot.last_used = time.monotonic()
+        if gen is not None:
+            slot.generations.discard(gen)
+        if slot.active == 0 and slot.keep_alive_s == 0:
+            asyncio.get_running_loop().create_task(self._unload(slot))
+
+    async def unload(self, name: str) -> bool:
+        """Unload ``name`` now if it is loaded and idle (``keep_alive: 0`` with no prompt)."""
+        slot = self.slots.get(name)
+        if slot is None:
+            return False
+        if slot.active:
+            slot.keep_alive_s = 0  # unloaded when its last request ends
+            return True
+        await self._unload(slot)
+        return True
+
+    async def forget(self, name: str) -> None:
+        """Unload every loaded model that came from the store entry ``name`` (it is being deleted)."""
+        for key in [k for k in self.slots if k == name]:
+            slot = self.slots[key]
+            for gen in list(slot.generations):
+                gen.cancel()
+            await self._unload(slot)
+
+    # ------------------------------------------------------------------ loading
+    async def _load(self, name: str) -> ModelSlot:
+        need = estimate_bytes(name) + (self.config.kv_memory or DEFAULT_KV_BUDGET)
+        await self._make_room(need, keep=None)
+        slot = await anyio.to_thread.run_sync(self._load_blocking, name)
+        self.slots[name] = slot
+        self.metrics.models_loaded_total += 1
+        await self._make_room(0, keep=slot)
+        log.info("loaded %s in %.1f s (%d MB)", name, slot.load_s, slot.size_bytes // 10**6)
+        return slot
+
+    def _load_blocking(self, name: str) -> ModelSlot:
+        """On a worker thread: resolve ``name`` as ``run`` does, load it, start its engine."""
+        from localllm.loaders.load import load_model
+        from localllm.loaders.pull import looks_like_repo, pull_if_missing
+        from localllm.loaders.store import Store, check_local_path, looks_like_path
+        from localllm.paths import DEFAULT_MODEL
+
+        t0 = time.perf_counter()
+        cfg = self.config
+        check_local_path(name)
+        ref = name
+        if looks_like_repo(name) and not Path(name).exists():
+            try:
+                ref = pull_if_missing(name, cfg.quant)
+            except LocalLLMError as e:
+                if "not found" in e.message:
+                    raise ModelNotFound(e.message, e.hint) from None
+                raise
+        elif not looks_like_path(name) and name != DEFAULT_MODEL and not Path(name).exists():
+            try:
+                Store().resolve(name)
+            except LocalLLMError as e:
+                raise ModelNotFound(e.message, e.hint) from None
+        lm = load_model(ref, device=cfg.device, dtype=cfg.dtype, quant=cfg.quant)
+        engine = BatchEngine(lm.model, kv_budget_bytes=cfg.kv_memory or DEFAULT_KV_BUDGET,
+                             max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens)
+        engine.start()
+        stop_ids = list(dict.fromkeys([*lm.tokenizer.eos_ids, *lm.config.eos_token_ids]))
+        return ModelSlot(name, lm, engine, stop_ids, lm.weight_bytes + engine.plan.bytes,
+                         time.perf_counter() - t0, cfg.keep_alive_s)
+
+    async def _make_room(self, need: int, keep: ModelSlot | None) -> None:
+        """Unload idle models, least recently used first, until ``need`` more bytes fit the budget."""
+        budget = self.config.models_memory
+        if budget is None:
+            return
+        while sum(s.size_bytes for s in self.slots.values()) + need > budget:
+            idle = [s for s in self.slots.values() if s.active == 0 and s is not keep]
+            if not idle:
+                return  # what is loaded is busy (or alone): over budget until it is idle
+            victim = min(idle, key=lambda s: s.last_used)
+            log.info("unloading %s to make room (memory budget %d MB)", victim.name, budget // 10**6)
+            await self._unload(victim)
+
+    async def _unload(self, slot: ModelSlot) -> None:
+        if self.slots.get(slot.name) is not slot:
+            return
+        del self.slots[slot.name]
+        self.metrics.models_unloaded_total += 1
+        await anyio.to_thread.run_sync(slot.engine.stop)
+        slot.generations.clear()
+        del slot.engine, slot.lm
+        gc.collect()
+        release_freed_memory()
+        log.info("unloaded %s", slot.name)
+
+    async def _reap(self) -> None:
+        """Unload idle models whose keep-alive ran out (checked twice a second)."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for slot in list(self.slots.values()):
+                expires = slot.expires_at
+                if slot.active == 0 and expires is not None and expires <= now:
+                    await self._unload(slot)

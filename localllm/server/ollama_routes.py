@@ -1,0 +1,393 @@
+"""Ollama-compatible routes: ``/api/generate`` and ``/api/chat`` (NDJSON streaming by default,
+``stream: false`` for one object), ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/pull`` (NDJSON
+progress of the real pull), ``/api/delete``, ``/api/version``.
+
+Statistics are Ollama's names and units (nanoseconds). ``prompt_eval_count`` counts the prompt
+tokens actually run through the model: those the prefix cache served are left out, as Ollama's
+own runner does with its cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import localllm
+from localllm.errors import LocalLLMError
+from localllm.runtime.chat import encode_chat
+from localllm.runtime.sampling import SamplingParams
+from localllm.server.common import check_prompt, endpoint, state
+from localllm.server.config import parse_duration
+from localllm.server.errors import OLLAMA, ApiError, ModelNotFound, from_exception
+from localllm.server.generation import Generation, Outcome
+from localllm.server.models import DEFAULT, ModelSlot
+from localllm.server.streaming import ndjson_line, ndjson_response, unless_disconnected
+from localllm.server.validate import Fields, messages, read_json
+
+_DEFAULTS = SamplingParams()
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def iso_now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _ns(seconds: float) -> int:
+    return max(0, int(seconds * 1e9))
+
+
+@dataclass
+class Run:
+    """A generate/chat request's settings."""
+
+    model: str
+    params: SamplingParams
+    max_tokens: int | None
+    num_ctx: int | None
+    stop: list[str]
+    stream: bool
+    keep_alive: object
+
+
+def _run(f: Fields) -> Run:
+    model = f.string("model", required=True)
+    assert model is not None
+    if not model.strip():
+        raise ApiError(400, "'model' is empty", param="model")
+    for key in ("format", "images", "template", "suffix", "context", "tools"):
+        if f.raw(key) not in (None, "", []):
+            raise ApiError(400, f"'{key}' is not supported by this server", param=key)
+    o = f.obj("options") or Fields({}, "options.")
+    temperature = o.number("temperature", 0)
+    top_k = o.integer("top_k", 0)
+    top_p = o.number("top_p", 0, 1)
+    min_p = o.number("min_p", 0, 1)
+    repeat_penalty = o.number("repeat_penalty")
+    repeat_last_n = o.integer("repeat_last_n", -1)
+    seed = o.integer("seed", *_SEED_RANGE)
+    num_ctx = o.integer("num_ctx", 1)
+    num_predict = o.integer("num_predict", -2)
+    stop = o.stop("stop")
+    if num_predict == 0:
+        raise ApiError(400, "'options.num_predict' is 0; give -1 (no limit), -2 (fill the context) or more than 0",
+                       param="options.num_predict")
+    try:
+        params = SamplingParams(
+            temperature=_DEFAULTS.temperature if temperature is None else temperature,
+            top_k=_DEFAULTS.top_k if top_k is None else top_k,
+            top_p=_DEFAULTS.top_p if top_p is None else top_p,
+            min_p=_DEFAULTS.min_p if min_p is None else min_p,
+            repeat_penalty=_DEFAULTS.repeat_penalty if repeat_penalty is None else repeat_penalty,
+            repeat_last_n=_DEFAULTS.repeat_last_n if repeat_last_n is None else
+            (num_ctx or 4096) if repeat_last_n == -1 else repeat_last_n,
+            seed=seed)
+    except LocalLLMError as e:
+        raise ApiError(400, e.one_line(), param="options") from None
+    keep_alive: object = DEFAULT
+    if f.raw("keep_alive") is not None:
+        try:
+            keep_alive = parse_duration(f.raw("keep_alive"))
+        except LocalLLMError as e:
+            raise ApiError(400, f"'keep_alive': {e.one_line()}", param="keep_alive") from None
+    max_tokens = num_predict if num_predict is not None and num_predict > 0 else None
+    return Run(model, params, max_tokens, num_ctx, stop, f.boolean("stream", True), keep_alive)
+
+
+def _stats(o: Outcome, started: float, load_s: float) -> dict[str, Any]:
+    first = o.first_token_at if o.first_token_at is not None else o.finished_at
+    return {
+        "total_duration": _ns(time.perf_counter() - started),
+        "load_duration": _ns(load_s),
+        "prompt_eval_count": max(0, o.prompt_tokens - o.cached_tokens),
+        "prompt_eval_duration": _ns(first - o.submitted_at),
+        "eval_count": o.completion_tokens,
+        "eval_duration": _ns(o.finished_at - first),
+    }
+
+
+def _done_reason(o: Outcome) -> str:
+    return "length" if o.finish_reason == "length" else "stop"
+
+
+async def _load_or_unload(request: Request, run: Run) -> Response | None:
+    """A request with nothing to generate loads the model (or with ``keep_alive: 0`` unloads it)."""
+    manager = state(request).manager
+    if run.keep_alive == 0:
+        await manager.unload(run.model)
+        return None
+    slot, _ = await manager.acquire(run.model, run.keep_alive)
+    manager.release(slot)
+    return None
+
+
+async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Response:
+    st = state(request)
+    started = time.perf_counter()
+    if not prompt:  # load (or unload) only
+        await _load_or_unload(request, run)
+        done = {"model": run.model, "created_at": iso_now(), "done": True,
+                "done_reason": "unload" if run.keep_alive == 0 else "load"}
+        done.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
+        return JSONResponse(done)
+    slot, load_s = await st.manager.acquire(run.model, run.keep_alive)
+    try:
+        tok = slot.lm.tokenizer
+        ids = await anyio.to_thread.run_sync(lambda: encode_chat(tok, prompt) if isinstance(prompt, list)
+                                             else tok.encode(prompt))
+        ctx = check_prompt(ids, slot, run.num_ctx, param="messages" if chat else "prompt")
+        max_tokens = run.max_tokens
+        if run.num_ctx is not None:  # the reply ends where the asked-for context is full
+            room = ctx - len(ids)
+            max_tokens = room if max_tokens is None else min(max_tokens, room)
+        gen = slot.submit(ids, run.params, max_tokens, run.stop, st.metrics)
+    except BaseException:
+        st.manager.release(slot)
+        raise
+
+    def piece_obj(text: str) -> dict[str, Any]:
+        base: dict[str, Any] = {"model": run.model, "created_at": iso_now()}
+        base.update({"message": {"role": "assistant", "content": text}} if chat else {"response": text})
+        return base
+
+    def final(o: Outcome, text: str) -> dict[str, Any]:
+        body = piece_obj(text)
+        body.update({"done": True, "done_reason": _done_reason(o), **_stats(o, started, load_s)})
+        return body
+
+    if run.stream:
+        async def lines() -> AsyncIterator[str]:
+            try:
+                async for piece in gen.pieces():
+                    yield ndjson_line({**piece_obj(piece), "done": False})
+                o = gen.outcome
+                assert o is not None
+                if o.finish_reason == "error":
+                    yield ndjson_line({"error": from_exception(o.error or RuntimeError("failed")).message})
+                else:
+                    yield ndjson_line(final(o, ""))
+            finally:
+                st.manager.release(slot, gen)
+
+        return ndjson_response(lines())
+    try:
+        text = await unless_disconnected(request, gen.text)
+    finally:
+        st.manager.release(slot, gen)
+    o = gen.outcome
+    assert o is not None
+    if o.finish_reason == "error":
+        raise from_exception(o.error or RuntimeError("generation failed"))
+    return JSONResponse(final(o, text))
+
+
+@endpoint(OLLAMA, "/api/generate")
+async def generate(request: Request) -> Response:
+    f = Fields(await read_json(request, state(request).config.max_body_bytes))
+    run = _run(f)
+    prompt = f.string("prompt", default="") or ""
+    system = f.string("system")
+    if prompt and not f.boolean("raw", False):
+        chat = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        return await _generate(request, run, chat, chat=False)
+    return await _generate(request, run, prompt, chat=False)
+
+
+@endpoint(OLLAMA, "/api/chat")
+async def chat(request: Request) -> Response:
+    f = Fields(await read_json(request, state(request).config.max_body_bytes))
+    run = _run(f)
+    msgs = messages(f.raw("messages") or [])
+    return await _generate(request, run, msgs, chat=True)
+
+
+# --------------------------------------------------------------------------- models
+def _digest(manifest: dict[str, Any], ref: str) -> str:
+    weights = (manifest.get("files") or {}).get("model.safetensors") or {}
+    return weights.get("sha256") or hashlib.sha256(ref.encode()).hexdigest()
+
+
+def _details(config: dict[str, Any] | Any, fmt: str, level: str) -> dict[str, Any]:
+    from localllm.format import human_count
+    from localllm.runtime.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(config) if isinstance(config, dict) else config
+    return {"parent_model": "", "format": fmt, "family": cfg.arch, "families": [cfg.arch],
+            "parameter_size": human_count(cfg.num_parameters()), "quantization_level": level.upper()}
+
+
+def _tags() -> list[dict[str, Any]]:
+    from localllm.loaders.store import Store
+
+    out = []
+    for e in Store().list():
+        out.append({"name": e.ref, "model": e.ref, "modified_at": e.modified.isoformat(), "size": e.size_bytes,
+                    "digest": _digest(e.manifest, e.ref),
+                    "details": _details(e.manifest["config"], "safetensors", e.scheme)})
+    return out
+
+
+@endpoint(OLLAMA, "/api/tags")
+async def tags(request: Request) -> Response:
+    return JSONResponse({"models": await anyio.to_thread.run_sync(_tags)})
+
+
+def _show(name: str) -> dict[str, Any]:
+    from localllm.loaders.describe import describe_ref
+
+    try:
+        facts, entry = describe_ref(name)
+    except LocalLLMError as e:
+        if "not found" in e.message or "does not exist" in e.message or "no such" in e.message:
+            raise ModelNotFound(e.message, e.hint) from None
+        raise
+    template = ""
+    if entry is not None:
+        from localllm.runtime.tokenizer import Tokenizer
+
+        template = Tokenizer.from_folder(entry.path).chat_template or ""
+    arch = facts["architecture"]
+    info = {"general.architecture": arch, "general.parameter_count": facts["parameters"],
+            f"{arch}.context_length": facts["context_length"], f"{arch}.embedding_length": facts["embedding_length"],
+            f"{arch}.block_count": facts["layers"], f"{arch}.attention.head_count": facts["heads"],
+            f"{arch}.attention.head_count_kv": facts["kv_heads"], "general.file_type": facts["scheme"]}
+    from localllm.runtime.config import ModelConfig  # noqa: F401 - _details reads the config below
+
+    details = {"parent_model": "", "format": "gguf" if str(facts["path"]).endswith(".gguf") else "safetensors",
+               "family": arch, "families": [arch], "parameter_size": _count(facts["parameters"]),
+               "quantization_level": str(facts["scheme"]).upper()}
+    return {"modelfile": f"# localllm model {facts['name'] or name}\nFROM {facts['path']}\n",
+            "parameters": "", "template": template, "details": details, "model_info": info,
+            "capabilities": ["completion"], "modified_at": facts.get("created") or iso_now()}
+
+
+def _count(n: int) -> str:
+    from localllm.format import human_count
+
+    return human_count(n)
+
+
+@endpoint(OLLAMA, "/api/show")
+async def show(request: Request) -> Response:
+    f = Fields(await read_json(request, state(request).config.max_body_bytes))
+    name = f.string("model") or f.string("name")
+    if not name:
+        raise ApiError(400, "'model' is required", param="model")
+    return JSONResponse(await anyio.to_thread.run_sync(_show, name))
+
+
+@endpoint(OLLAMA, "/api/ps")
+async def ps(request: Request) -> Response:
+    models = []
+    for name, slot in list(state(request).manager.slots.items()):
+        level = slot.lm.scheme_label
+        models.append({
+            "name": name, "model": name, "size": slot.size_bytes,
+            "digest": hashlib.sha256(name.encode()).hexdigest(),
+            "details": _details(slot.lm.config, "gguf" if name.endswith(".gguf") else "safetensors", level),
+            "expires_at": slot.expires_at_wall().isoformat(),
+            "size_vram": slot.size_bytes if slot.lm.device.type == "cuda" else 0,
+            "context_length": slot.context_length,
+        })
+    return JSONResponse({"models": models})
+
+
+@endpoint(OLLAMA, "/api/delete")
+async def delete(request: Request) -> Response:
+    from localllm.loaders.store import Store
+
+    f = Fields(await read_json(request, state(request).config.max_body_bytes))
+    name = f.string("model") or f.string("name")
+    if not name:
+        raise ApiError(400, "'model' is required", param="model")
+
+    def remove() -> str:
+        try:
+            return Store().remove(name).ref
+        except LocalLLMError as e:
+            raise ModelNotFound(e.message, e.hint) from None
+
+    ref = await anyio.to_thread.run_sync(remove)
+    for key in {name, ref}:
+        await state(request).manager.forget(key)
+    return Response(status_code=200)
+
+
+@endpoint(OLLAMA, "/api/pull")
+async def pull(request: Request) -> Response:
+    from localllm.loaders.pull import DEFAULT_PULL_SCHEME, PULL_SCHEMES, PullOptions, parse_source, pull_model
+
+    st = state(request)
+    f = Fields(await read_json(request, st.config.max_body_bytes))
+    name = f.string("model") or f.string("name")
+    if not name:
+        raise ApiError(400, "'model' is required", param="model")
+    stream = f.boolean("stream", True)
+    f.boolean("insecure", False)
+    quant = st.config.quant if st.config.quant in PULL_SCHEMES else DEFAULT_PULL_SCHEME
+    source = parse_source(name)  # a malformed name is a 400 before anything starts
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    def notify(message: str) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, {"status": message})
+
+    def work() -> None:
+        try:
+            result = pull_model(source, PullOptions(quant), notify=notify)
+            loop.call_soon_threadsafe(queue.put_nowait, {"status": "success", "model": result.entry.ref})
+        except BaseException as e:  # noqa: BLE001 - reported to the client
+            err = from_exception(e)
+            loop.call_soon_threadsafe(queue.put_nowait, {"error": err.message, "_status": err.status})
+
+    # The pull runs to its end on a worker thread even if the client leaves: the store stays consistent.
+    task = asyncio.ensure_future(anyio.to_thread.run_sync(work))
+
+    async def messages_() -> AsyncIterator[dict[str, Any]]:
+        while True:
+            item = await queue.get()
+            yield item
+            if "error" in item or item.get("status") == "success":
+                await task
+                return
+
+    if stream:
+        async def lines() -> AsyncIterator[str]:
+            async for item in messages_():
+                item.pop("_status", None)
+                item.pop("model", None)
+                yield ndjson_line(item)
+
+        return ndjson_response(lines())
+    last: dict[str, Any] = {}
+    async for item in messages_():
+        last = item
+    if "error" in last:
+        raise ApiError(int(last["_status"]), str(last["error"]))
+    return JSONResponse({"status": "success"})
+
+
+@endpoint(OLLAMA, "/api/version")
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": localllm.__version__})
+
+
+ROUTES = [
+    Route("/api/generate", generate, methods=["POST"]),
+    Route("/api/chat", chat, methods=["POST"]),
+    Route("/api/tags", tags, methods=["GET"]),
+    Route("/api/show", show, methods=["POST"]),
+    Route("/api/ps", ps, methods=["GET"]),
+    Route("/api/pull", pull, methods=["POST"]),
+    Route("/api/delete", delete, methods=["DELETE"]),
+    Route("/api/version", version, methods=["GET"]),
+]

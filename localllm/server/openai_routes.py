@@ -1,0 +1,237 @@
+"""OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming
+ending in ``[DONE]``, or one JSON answer), ``GET /v1/models``."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from localllm.runtime.chat import encode_chat
+from localllm.runtime.sampling import SamplingParams
+from localllm.server.common import check_prompt, endpoint, now_s, request_id, state
+from localllm.server.errors import OPENAI, ApiError, from_exception, openai_body
+from localllm.server.generation import Generation, Outcome
+from localllm.server.models import ModelSlot
+from localllm.server.streaming import SSE_DONE, sse_event, sse_response, unless_disconnected
+from localllm.server.validate import Fields, messages, read_json
+
+#: The legacy completions API's default reply length (OpenAI's own).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+#: Fields this server does not implement, and the values that ask for nothing (accepted).
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
+    "tools": ([],), "response_format": ({"type": "text"},),
+}
+
+
+@dataclass
+class Ask:
+    """The fields both completion routes share."""
+
+    model: str
+    params: SamplingParams
+    max_tokens: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def _ask(f: Fields, default_max_tokens: int | None) -> Ask:
+    model = f.string("model", required=True)
+    n = f.integer("n")
+    if n is not None and n != 1:
+        raise ApiError(400, f"'n' is {n}: this server generates one choice per request (n = 1 only)", param="n")
+    for key, allowed in _UNSUPPORTED.items():
+        value = f.raw(key)
+        if value is not None and value not in allowed:
+            raise ApiError(400, f"'{key}' is not supported by this server", param=key)
+    max_tokens = f.integer("max_completion_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = f.integer("max_tokens", minimum=1)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    temperature = f.number("temperature", 0, 2)
+    top_p = f.number("top_p", 0, 1)
+    if top_p == 0:
+        top_p = None if temperature == 0 else 1e-9  # "only the most likely token": greedy in effect
+    seed = f.integer("seed")
+    options = f.obj("stream_options")
+    stream = f.boolean("stream", False)
+    include_usage = options.boolean("include_usage", False) if options is not None else False
+    params = SamplingParams(temperature=1.0 if temperature is None else temperature, top_k=0,
+                            top_p=1.0 if top_p is None else top_p, seed=seed)
+    return Ask(model, params, max_tokens, f.stop("stop", most=4), stream, include_usage)  # type: ignore[arg-type]
+
+
+def usage(o: Outcome) -> dict[str, Any]:
+    return {"prompt_tokens": o.prompt_tokens, "completion_tokens": o.completion_tokens,
+            "total_tokens": o.prompt_tokens + o.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": o.cached_tokens}}
+
+
+def finish_reason(o: Outcome) -> str:
+    return "length" if o.finish_reason == "length" else "stop"
+
+
+def _raise_if_failed(o: Outcome) -> None:
+    if o.finish_reason == "error":
+        raise from_exception(o.error or RuntimeError("generation failed"))
+
+
+async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> tuple[ModelSlot, Generation]:
+    """Load the model, encode the prompt (on a worker thread: templates and long prompts take time),
+    check it fits, and queue it."""
+    st = state(request)
+    slot, _ = await st.manager.acquire(ask.model)
+    try:
+        tok = slot.lm.tokenizer
+        if chat:
+            ids = await anyio.to_thread.run_sync(encode_chat, tok, prompt)
+        elif isinstance(prompt, str):
+            ids = await anyio.to_thread.run_sync(tok.encode, prompt)
+        else:
+            ids = list(prompt)
+            if any(not 0 <= i < tok.vocab_size for i in ids):
+                raise ApiError(400, f"'prompt' has token ids outside the vocabulary (0..{tok.vocab_size - 1})",
+                               param="prompt")
+        check_prompt(ids, slot, param="messages" if chat else "prompt")
+        return slot, slot.submit(ids, ask.params, ask.max_tokens, ask.stop, st.metrics)
+    except BaseException:
+        st.manager.release(slot)
+        raise
+
+
+def _prompt_of(f: Fields) -> str | list[int]:
+    value = f.raw("prompt")
+    if value is None:
+        raise ApiError(400, "'prompt' is required", param="prompt")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        return value
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(s, str) for s in value):
+        raise ApiError(400, "'prompt' holds several prompts: send one per request", param="prompt")
+    raise ApiError(400, "'prompt' must be a string or an array of token ids", param="prompt")
+
+
+async def _respond(request: Request, ask: Ask, slot: ModelSlot, gen: Generation, chat: bool) -> Response:
+    st = state(request)
+    rid = request_id("chatcmpl" if chat else "cmpl")
+    created = now_s()
+    kind = "chat.completion" if chat else "text_completion"
+
+    def choice(text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+
+    def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created,
+                                "model": ask.model, "system_fingerprint": None, "choices": choices}
+        if ask.include_usage:
+            body["usage"] = use
+        return body
+
+    if ask.stream:
+        async def events() -> AsyncIterator[str]:
+            try:
+                if chat:
+                    yield sse_event(chunk([choice("", None, first=True)]))
+                async for piece in gen.pieces():
+                    yield sse_event(chunk([choice(piece, None)]))
+                o = gen.outcome
+                assert o is not None
+                if o.finish_reason == "error":
+                    yield sse_event(openai_body(from_exception(o.error or RuntimeError("generation failed"))))
+                else:
+                    yield sse_event(chunk([choice(None if chat else "", finish_reason(o))]))
+                    if ask.include_usage:
+                        yield sse_event(chunk([], usage(o)))
+                yield SSE_DONE
+            finally:
+                st.manager.release(slot, gen)
+
+        return sse_response(events())
+
+    try:
+        text = await unless_disconnected(request, gen.text)
+    finally:
+        st.manager.release(slot, gen)
+    o = gen.outcome
+    assert o is not None
+    _raise_if_failed(o)
+    if chat:
+        answer = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
+                  "logprobs": None, "finish_reason": finish_reason(o)}
+    else:
+        answer = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(o)}
+    return JSONResponse({"id": rid, "object": kind, "created": created, "model": ask.model,
+                         "system_fingerprint": None, "choices": [answer], "usage": usage(o)})
+
+
+@endpoint(OPENAI, "/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    body = await read_json(request, state(request).config.max_body_bytes)
+    f = Fields(body)
+    ask = _ask(f, None)
+    if f.raw("messages") is None:
+        raise ApiError(400, "'messages' is required", param="messages")
+    msgs = messages(f.raw("messages"))
+    if not msgs:
+        raise ApiError(400, "'messages' is empty; give at least one message", param="messages")
+    slot, gen = await _start(request, ask, msgs, chat=True)
+    return await _respond(request, ask, slot, gen, chat=True)
+
+
+@endpoint(OPENAI, "/v1/completions")
+async def completions(request: Request) -> Response:
+    body = await read_json(request, state(request).config.max_body_bytes)
+    f = Fields(body)
+    ask = _ask(f, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    prompt = _prompt_of(f)
+    slot, gen = await _start(request, ask, prompt, chat=False)
+    return await _respond(request, ask, slot, gen, chat=False)
+
+
+def model_names() -> list[tuple[str, int]]:
+    """(name, created unix time) of every model a request can name without a path: the store's
+    entries and the embedded default model."""
+    from localllm.loaders.store import Store
+    from localllm.paths import DEFAULT_MODEL, default_model_gguf
+
+    names = [(e.ref, int(e.modified.timestamp())) for e in Store().list()]
+    gguf = default_model_gguf()
+    if gguf is not None and not any(n.split(":")[0] == DEFAULT_MODEL for n, _ in names):
+        names.append((DEFAULT_MODEL, int(gguf.stat().st_mtime)))
+    return names
+
+
+@endpoint(OPENAI, "/v1/models")
+async def list_models(request: Request) -> Response:
+    names = dict(await anyio.to_thread.run_sync(model_names))
+    for name, slot in state(request).manager.slots.items():
+        names.setdefault(name, int(slot.loaded_at))
+    data = [{"id": n, "object": "model", "created": c, "owned_by": "localllm"} for n, c in sorted(names.items())]
+    return JSONResponse({"object": "list", "data": data})
+
+
+ROUTES = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+]
