@@ -17,7 +17,8 @@ from localllm.loaders.checkpoint import rename
 from localllm.loaders.gguf_meta import read_metadata
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme, parse_scheme
-from localllm.quant.gguf_blocks import BLOCK, EXACT, exact_import, to_canonical
+from localllm.quant.formats import GGUF_BLOCKS, gguf_scheme
+from localllm.quant.gguf_blocks import EXACT, exact_import, exact_scheme, to_canonical
 from localllm.runtime.config import ModelConfig
 
 _LAYER_MAP = {
@@ -189,10 +190,11 @@ class GGUFCheckpoint:
                 del w
 
     def default_scheme(self) -> QuantScheme | None:
-        """The scheme that holds this file's block weights as they are: int4 group 32 for Q4_0/Q4_1
-        files, int8 group 32 for Q8_0 ones, and None (float) otherwise: F16/BF16/F32 files, and types
-        with no exact import yet (K-quants...), which are dequantized to 16 bits rather than put on a
-        coarser grid. :meth:`exact_plan` keeps each module's own tensor type exact in a mixed file."""
+        """The scheme that holds this file's most common block type as it is: int4 group 32 for Q4_0/Q4_1
+        files, int8 group 32 for Q8_0 ones, the file's own blocks (the ``gguf`` scheme) for the other
+        quantized types (Q5_0, K-quants, IQ4_NL...), and None (float) for F16/BF16/F32 files and types
+        localllm cannot keep, which are dequantized rather than put on a coarser grid.
+        :meth:`exact_plan` keeps each module's own tensor type exact in a mixed file."""
         types = Counter(t.tensor_type.name for t in self.reader.tensors if t.name.startswith("blk.") and
                         t.name.endswith("weight") and len(t.shape) == 2)
         main = types.most_common(1)[0][0] if types else "F32"
@@ -200,12 +202,16 @@ class GGUFCheckpoint:
             return parse_scheme("int8", 32)
         if main in ("Q4_0", "Q4_1"):
             return parse_scheme("int4", 32, symmetric=main == "Q4_0")
+        if main in GGUF_BLOCKS and main not in ("F32", "F16", "BF16"):
+            return gguf_scheme(main)
         return None
 
     def exact_plan(self, plan: Plan) -> Plan:
-        """``plan`` (module -> scheme, the file's own) without the modules whose tensor has no exact
-        import into their scheme: those stay 16-bit, never re-rounded onto another grid. (A scheme the
-        user names with ``--quant`` re-quantizes every module: that is asked for, not silent.)"""
+        """``plan`` (module -> scheme, the file's own) with each module in the scheme its own tensor
+        imports into exactly (:func:`quant.gguf_blocks.exact_scheme`: a Q8_0 tensor in a Q4_1 file int8,
+        a Q6_K one in its blocks, an F16 one in a quantized file its F16 rows); a type localllm cannot
+        keep is left out (float, dequantized), never re-rounded onto another grid. (A scheme the user
+        names with ``--quant`` re-quantizes every module: that is asked for, not silent.)"""
         types = {ours.rpartition(".")[0]: t.tensor_type.name for ours, t in self.raw_tensors()
                  if ours.endswith(".weight")}
         if self.config.tie_embeddings:
@@ -215,9 +221,8 @@ class GGUFCheckpoint:
             kind = types.get(m, "")
             if exact_import(kind, scheme):
                 exact[m] = scheme
-            elif kind in EXACT:  # blocks of another exact grid (a Q8_0 tensor in a Q4_1 file): theirs
-                name, symmetric = EXACT[kind]
-                exact[m] = parse_scheme(name, BLOCK, symmetric if name == "int4" else False)
+            elif (own := exact_scheme(kind)) is not None:  # blocks of another type: their own scheme
+                exact[m] = own
         return exact
 
     def tensor_import(self, plan: Plan, float_dtype: str) -> dict[str, str]:
@@ -240,6 +245,8 @@ class GGUFCheckpoint:
                 became[(kind, float_dtype)] += 1
             elif kind in EXACT:
                 became[(kind, f"{float_dtype}, dequantized")] += 1
+            elif kind in GGUF_BLOCKS:
+                became[(kind, f"{float_dtype}, dequantized")] += 1
             else:
                 became[(kind, f"{float_dtype}, dequantized (no exact import of {kind} yet)")] += 1
         out: dict[str, str] = {}
@@ -251,14 +258,21 @@ class GGUFCheckpoint:
     def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
         """A Q8_0 head (or tied embedding) loads as it is in the file, int8 with groups of 32, on every
         device (re-rounding it per channel doubled SmolLM2's KLD; a 16-bit copy would round q * d).
-        Other heads stay 16-bit unless asked otherwise (``--quant-head``)."""
+        An untied head of another quantized type (a Q4_K_M file's Q6_K ``output.weight``) keeps its
+        blocks. Other heads stay 16-bit unless asked otherwise (``--quant-head``): a tied table in
+        blocks would need a 16-bit embedding beside it."""
         if scheme is None:
             return None
         names = {ours: t for ours, t in self.raw_tensors() if ours in ("output.weight", "embed.weight")}
         head = names.get("output.weight", names.get("embed.weight") if self.config.tie_embeddings else None)
-        if head is None or head.tensor_type.name != "Q8_0" or self.config.dim % 32:
+        if head is None:
             return None
-        return parse_scheme("int8", 32)
+        kind = head.tensor_type.name
+        if kind == "Q8_0":
+            return parse_scheme("int8", 32) if self.config.dim % 32 == 0 else None
+        if "output.weight" in names and kind in GGUF_BLOCKS and kind not in ("F32", "F16", "BF16"):
+            return gguf_scheme(kind)
+        return None
 
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors for a model whose modules hold the schemes of ``plan``: Q4_0/Q4_1/Q8_0 blocks that
@@ -297,7 +311,7 @@ class GGUFCheckpoint:
 
             for module, ours, t in exact:
                 raw = read_array(f, t.data_offset, t.data.shape, t.data.dtype, t.name)
-                canonical = to_canonical(t.tensor_type.name, raw)
+                canonical = to_canonical(t.tensor_type.name, raw, plan[module])
                 del raw
                 while canonical:
                     k, v = canonical.popitem()

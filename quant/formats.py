@@ -11,6 +11,10 @@ Canonical layouts (what artifacts store; kernels repack at load time):
 * ``nf4``   bitsandbytes' 4-bit NormalFloat: ``qweight`` uint8 (out, in/2) as bitsandbytes packs it
   (high nibble first), ``absmax`` fp32 (out, in/blocksize); ``w = NF4[q] * absmax``.
 * ``fp32`` / ``fp16`` / ``bf16``: plain ``weight``.
+* ``gguf``  a GGUF tensor in its file's own blocks, for any type of :data:`GGUF_BLOCKS` (the scheme's
+  ``gguf_type``): ``blocks`` uint8 (out, in / block * bytes), the file's bytes as they are. Its values
+  are the ones ``gguf.quants.dequantize`` gives (K-quants' product scales formed in fp32, where they are
+  exact); the kernels decode the blocks as they multiply (``quant/csrc/gguf_blocks_mm.cpp``).
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ ALL_SCHEMES = (*FLOAT_SCHEMES, *QUANT_SCHEMES)
 DEFAULT_GROUP = {"int4": 32, "int8": None, "nf4": 64}
 #: The group sizes int4 takes and the block sizes nf4 takes (int8 takes any multiple of 16, or none).
 GROUP_SIZES = (32, 64, 128, 256)
+#: GGUF tensor types the ``gguf`` scheme keeps as they are: name -> (ggml type id, weights a block,
+#: bytes a block). The layouts are ggml's (see quant/csrc/gguf_blocks_mm.cpp for each).
+GGUF_BLOCKS = {
+    "F32": (0, 1, 4), "F16": (1, 1, 2), "BF16": (30, 1, 2),
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24), "Q8_0": (8, 32, 34),
+    "IQ4_NL": (20, 32, 18),
+    "Q2_K": (10, 256, 84), "Q3_K": (11, 256, 110), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+}
 
 # bitsandbytes' NF4 code book (the quantiles of a unit normal, scaled to [-1, 1]).
 NF4_CODE = torch.tensor([
@@ -48,16 +61,22 @@ class QuantScheme:
     name: str
     group_size: int | None = None  # int4: group; int8: None = per output channel; nf4: blocksize
     symmetric: bool = False  # int4 only
+    gguf_type: str | None = None  # gguf only: the GGUF tensor type whose blocks it keeps ("Q4_K")
 
     @property
     def is_float(self) -> bool:
         return self.name in FLOAT_SCHEMES
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["gguf_type"] is None:
+            del d["gguf_type"]  # the manifests of the other schemes, as they were
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "QuantScheme":
+        if d["name"] == "gguf":
+            return gguf_scheme(d["gguf_type"])
         return parse_scheme(d["name"], d.get("group_size"), d.get("symmetric", False))
 
     def label(self) -> str:
@@ -67,6 +86,8 @@ class QuantScheme:
             return f"int8 ({'per channel' if self.group_size is None else f'group {self.group_size}'})"
         if self.name == "nf4":
             return f"nf4 (block {self.group_size})"
+        if self.name == "gguf":
+            return f"{self.gguf_type} blocks (as in the file)"
         return self.name
 
     def check_layer(self, name: str, in_features: int) -> None:
@@ -99,6 +120,20 @@ def parse_scheme(name: str, group_size: int | None = None, symmetric: bool = Fal
     return QuantScheme(name, group, symmetric if name == "int4" else False)
 
 
+def gguf_scheme(type_name: str) -> QuantScheme:
+    """The scheme that keeps a GGUF tensor of ``type_name`` in its own blocks (group = block width)."""
+    if type_name not in GGUF_BLOCKS:
+        raise LocalLLMError(f"GGUF tensor type {type_name} is not supported",
+                            f"supported: {', '.join(GGUF_BLOCKS)}")
+    return QuantScheme("gguf", GGUF_BLOCKS[type_name][1], False, type_name)
+
+
+def gguf_row_bytes(type_name: str, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` weights in GGUF type ``type_name``."""
+    _, block, nbytes = GGUF_BLOCKS[type_name]
+    return in_features // block * nbytes
+
+
 @contextmanager
 def quiet_bitsandbytes() -> Iterator[None]:
     """Import (or first use) bitsandbytes without its CPU backend's warning about the optional
@@ -127,6 +162,20 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- quantize
+def _gguf_quantize(w, type_name: str):  # type: ignore[no-untyped-def]
+    """(out, in) float32 numpy -> (out, bytes) uint8 blocks, by the ``gguf`` package's quantizers (which
+    have none for the K-quants and IQ4_NL: such a scheme holds imported blocks only)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    try:
+        raw = gguf.quants.quantize(w, qtype)
+    except NotImplementedError:
+        raise LocalLLMError(f"localllm cannot quantize weights to {type_name}",
+                            "use int4 or int8; GGUF files keep their own blocks") from None
+    return raw.view("uint8").reshape(w.shape[0], -1)
+
+
 def quantize(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
     """Round-to-nearest quantization of one weight (out, in) to the scheme's canonical tensors."""
     if scheme.is_float:
@@ -163,6 +212,8 @@ def quantize(w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
 
         packed, state = bnbf.quantize_4bit(w, blocksize=scheme.group_size, quant_type="nf4")
         return {"qweight": packed.view(out, inp // 2), "absmax": state.absmax.float().view(out, -1)}
+    if scheme.name == "gguf":
+        return {"blocks": torch.from_numpy(_gguf_quantize(w.numpy(), scheme.gguf_type))}  # type: ignore[arg-type]
     raise LocalLLMError(f"unknown quantization scheme '{scheme.name}'")
 
 
@@ -190,6 +241,13 @@ def dequantize(t: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dty
         vals = NF4_CODE.to(packed.device)[codes]  # (out, in)
         absmax = t["absmax"].float()
         return (vals.view(out, absmax.shape[1], -1) * absmax[..., None]).view(out, -1).to(dtype)
+    if scheme.name == "gguf":
+        import gguf
+
+        blocks = t["blocks"]
+        qtype = gguf.GGMLQuantizationType[scheme.gguf_type]  # type: ignore[misc]
+        w = torch.from_numpy(gguf.quants.dequantize(blocks.cpu().numpy(), qtype))  # (out, in) fp32
+        return w.to(device=blocks.device, dtype=dtype)
     raise LocalLLMError(f"unknown quantization scheme '{scheme.name}'")
 
 
@@ -204,4 +262,6 @@ def canonical_shapes(scheme: QuantScheme, out: int, inp: int) -> dict[str, tuple
     if scheme.name == "int8":
         return {"qweight": ((out, inp), torch.int8),
                 "scales": (((out,) if g is None else (out, inp // g)), torch.float16)}
+    if scheme.name == "gguf":
+        return {"blocks": ((out, gguf_row_bytes(scheme.gguf_type, inp)), torch.uint8)}  # type: ignore[arg-type]
     return {"qweight": ((out, inp // 2), torch.uint8), "absmax": ((out, inp // g), torch.float32)}  # type: ignore[operator]

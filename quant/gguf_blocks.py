@@ -1,4 +1,11 @@
-"""GGUF's 32-wide Q4_0, Q4_1 and Q8_0 blocks as canonical int4/int8 tensors, exactly (no re-rounding).
+"""GGUF tensors imported exactly: every type keeps the values its file defines.
+
+* Q4_0, Q4_1 and Q8_0 (32-wide blocks, fp16 scales) become canonical int4/int8 tensors with group 32.
+* Every other type of :data:`quant.formats.GGUF_BLOCKS` (Q5_0, Q5_1, IQ4_NL, the K-quants Q2_K..Q6_K,
+  and F16/BF16/F32 linear weights in a quantized file) keeps its file's block bytes as they are, in
+  the ``gguf`` scheme: K-quants' scales are products of an fp16 super-block scale and a 4-8-bit
+  sub-scale, exact only in fp32, so no 16-bit canonical grid could hold them; the kernel forms them in
+  fp32 as it decodes (``quant/csrc/gguf_blocks_mm.cpp``). Memory is the file's bytes, 1.0x.
 
 ggml block layouts (little-endian, one block = 32 consecutive weights of a row):
 
@@ -15,7 +22,7 @@ import gguf
 import numpy as np
 import torch
 
-from localllm.quant.formats import QuantScheme, pack_int4
+from localllm.quant.formats import GGUF_BLOCKS, QuantScheme, gguf_scheme, pack_int4, parse_scheme
 
 BLOCK = 32
 #: Rows dequantized at a time: the quantized types' numpy temporaries are a few times the float32
@@ -26,7 +33,10 @@ EXACT = {"Q4_0": ("int4", True), "Q4_1": ("int4", False), "Q8_0": ("int8", True)
 
 
 def exact_import(type_name: str, scheme: QuantScheme) -> bool:
-    """Whether a tensor of this GGUF type holds exactly in ``scheme`` (same grid, group 32)."""
+    """Whether a tensor of this GGUF type holds exactly in ``scheme`` (its own blocks, or the same grid
+    with group 32)."""
+    if scheme.name == "gguf":
+        return scheme.gguf_type == type_name
     if type_name not in EXACT or scheme.group_size != BLOCK:
         return False
     target, symmetric = EXACT[type_name]
@@ -34,6 +44,17 @@ def exact_import(type_name: str, scheme: QuantScheme) -> bool:
         return False
     # Q4_0 is symmetric, so it also fits the asymmetric grid; Q4_1 fits only the asymmetric one.
     return scheme.name != "int4" or symmetric or not scheme.symmetric
+
+
+def exact_scheme(type_name: str) -> QuantScheme | None:
+    """The scheme a tensor of this GGUF type imports into exactly (None: a type localllm cannot keep,
+    such as the IQ2/IQ3 grids): Q4_0/Q4_1 int4 group 32, Q8_0 int8 group 32, else its own blocks."""
+    if type_name in EXACT:
+        name, symmetric = EXACT[type_name]
+        return parse_scheme(name, BLOCK, symmetric if name == "int4" else False)
+    if type_name in GGUF_BLOCKS:
+        return gguf_scheme(type_name)
+    return None
 
 
 def dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType, rows: int = DEQUANT_ROWS) -> np.ndarray:
@@ -60,8 +81,15 @@ def _codes4(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([lo, hi], axis=-1).reshape(qs.shape[0], -1)
 
 
-def to_canonical(type_name: str, data: np.ndarray) -> dict[str, torch.Tensor]:
-    """Canonical tensors of one GGUF tensor's raw blocks ``data`` (out, bytes per row) uint8."""
+def to_canonical(type_name: str, data: np.ndarray, scheme: QuantScheme | None = None) -> dict[str, torch.Tensor]:
+    """Canonical tensors of one GGUF tensor's raw data (out, bytes per row as the reader shapes it:
+    uint8 blocks, or float16/float32 for F16/F32) in ``scheme`` (default: :func:`exact_scheme`)."""
+    scheme = scheme or exact_scheme(type_name)
+    if scheme is not None and scheme.name == "gguf":
+        if scheme.gguf_type != type_name:
+            raise ValueError(f"GGUF {type_name} blocks do not fit {scheme.label()}")
+        rows = data.shape[0]
+        return {"blocks": torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1))}  # (out, bytes)
     if type_name == "Q4_1":
         b = _blocks(data, 20)
         d = b[..., 0:2].copy().view(np.float16)[..., 0]  # (out, in/32), contiguous: its own buffer

@@ -15,6 +15,7 @@ int4-tinygemm-cpu      int4    CPU (``torch._weight_int4pack_mm_for_cpu``)   bf1
 int4-tinygemm-cuda     int4    CUDA sm80+ (``torch._weight_int4pack_mm``)    bf16
 int8-weight-only       int8    per-channel (``torch._weight_int8pack_mm``)   bf16 / fp16 / fp32
 int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf16 / fp16 / fp32
+gguf-blocks-cpu        gguf    CPU (``localllm::gguf_mm``): a GGUF's blocks  bf16 / fp16 / fp32
 nf4-bitsandbytes       nf4     bitsandbytes ``matmul_4bit`` (CPU and CUDA)   bf16 / fp16 / fp32
 reference              all     dequantize one layer, ``F.linear``            any
 =====================  ======  ============================================  =====================
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from localllm import native
-from localllm.quant.formats import dequantize, quiet_bitsandbytes, unpack_int4
+from localllm.quant.formats import GGUF_BLOCKS, dequantize, quiet_bitsandbytes, unpack_int4
 from localllm.quant.target import Target
 
 if TYPE_CHECKING:
@@ -277,6 +278,78 @@ class Int8GroupCPU(Kernel):
         return torch.ops.localllm.int8_group_mm(x, layer.qweight, layer.scales, layer.scheme.group_size)
 
 
+def _register_gguf_fakes() -> None:
+    @torch.library.register_fake("localllm::gguf_mm")
+    def _mm(x: torch.Tensor, blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], blocks.shape[0]))
+
+    @torch.library.register_fake("localllm::gguf_dequant")
+    def _dq(blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
+        return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.float32)
+
+
+#: localllm's matmul on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``).
+GGUF_LIBRARY = native.NativeLibrary(
+    "localllm_gguf", (Path(__file__).resolve().parent / "csrc" / "gguf_blocks_mm.cpp",), ("gguf_mm", "gguf_dequant"),
+    _register_gguf_fakes,
+)
+
+
+def gguf_dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+    """(rows, bytes) uint8 blocks of a GGUF type -> (rows, in_features) fp32 weights, by the C++ decoder
+    the matmul uses (bit for bit ``gguf.quants.dequantize``; the tests compare)."""
+    if not native.available(GGUF_LIBRARY):
+        raise RuntimeError(f"localllm's CPU kernels are not built ({native.unavailable_reason()})")
+    return torch.ops.localllm.gguf_dequant(blocks, GGUF_BLOCKS[type_name][0], in_features)
+
+
+class GGUFBlocksCPU(Kernel):
+    """A GGUF tensor's blocks as the file has them (the ``gguf`` scheme: Q4_K, Q5_0, Q6_K...): decode
+    steps (a few rows of activations) run localllm's C++ kernel, which decodes each block as it
+    multiplies; longer inputs (a prefill) dequantize :data:`PREFILL_ELEMENTS` weights at a time to fp32
+    by the same decoder and multiply them with a GEMM. No copy of the whole weight is ever made, and
+    the scales stay as exact as the file's (fp32 products, never rounded to 16 bits)."""
+
+    name = "gguf-blocks-cpu"
+    scheme = "gguf"
+    device_type = "cpu"
+    #: Activation rows up to which the block-decoding kernel runs; above, slices and a GEMM.
+    GEMV_ROWS = 8
+    #: Weights a prefill dequantizes at a time (1M: 4 MB of fp32, in cache).
+    PREFILL_ELEMENTS = 1 << 20
+
+    @staticmethod
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        if layer.scheme.name != "gguf":
+            return "runs GGUF blocks only"
+        if target.type != "cpu":
+            return "runs on the CPU only"
+        if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            return f"needs bfloat16, float16 or float32 activations, not {_dtype_name(act_dtype)}"
+        if not native.available(GGUF_LIBRARY):
+            return f"needs localllm's CPU kernels, which could not be built ({native.unavailable_reason()})"
+        return None
+
+    @staticmethod
+    def prepare(layer):  # type: ignore[no-untyped-def]
+        if not native.available(GGUF_LIBRARY):
+            raise RuntimeError("localllm's CPU kernels are not built")
+        return {"blocks": layer.blocks}  # the file's bytes as they are
+
+    @staticmethod
+    def matmul(layer, x):  # type: ignore[no-untyped-def]
+        kind = GGUF_BLOCKS[layer.scheme.gguf_type][0]
+        if x.shape[0] <= GGUFBlocksCPU.GEMV_ROWS:
+            return torch.ops.localllm.gguf_mm(x, layer.blocks, kind, layer.in_features)
+        rows = max(1, GGUFBlocksCPU.PREFILL_ELEMENTS // layer.in_features)
+        xf = x.float()
+        y = x.new_empty((x.shape[0], layer.out_features))
+        for a in range(0, layer.out_features, rows):
+            w = torch.ops.localllm.gguf_dequant(layer.blocks[a : a + rows], kind, layer.in_features)
+            y[:, a : a + rows] = F.linear(xf, w)
+        return y
+
+
 class Nf4Bitsandbytes(Kernel):
     name = "nf4-bitsandbytes"
     scheme = "nf4"
@@ -334,7 +407,7 @@ class Nf4Bitsandbytes(Kernel):
 
 #: In order of preference; the first that supports a layer (and passes its check) is used.
 KERNELS: tuple[type[Kernel], ...] = (
-    Int4TinygemmCUDA, Int4TinygemmCPU, Int8WeightOnly, Int8GroupCPU, Nf4Bitsandbytes, Reference
+    Int4TinygemmCUDA, Int4TinygemmCPU, Int8WeightOnly, Int8GroupCPU, GGUFBlocksCPU, Nf4Bitsandbytes, Reference
 )
 BY_NAME = {k.name: k for k in KERNELS}
 
@@ -369,7 +442,7 @@ def agrees_with_reference(layer: "QuantLinear", kernel: type[Kernel], tensors: d
     spread over them (first and last included): a wrong layout shows in any of them, and a
     vocabulary head is not dequantized whole at every start."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(3, layer.in_features, generator=g).to(device=layer.qweight.device, dtype=layer.act_dtype)
+    x = torch.randn(3, layer.in_features, generator=g).to(device=layer.device, dtype=layer.act_dtype)
     canonical = layer.canonical()
     rows = None
     if layer.out_features > REFERENCE_ROWS:

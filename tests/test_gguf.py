@@ -210,13 +210,12 @@ def test_a_truncated_gguf_is_said_with_its_size(smollm2_path, tmp_path):
         assert f"truncated: {cut} bytes, header says at least {len(data)}" in _one_line_error(path)
 
 
-def test_a_mixed_gguf_keeps_every_tensor_on_its_own_grid_or_16_bit(tmp_path):
+def test_a_mixed_gguf_keeps_every_tensor_on_its_own_grid(tmp_path):
     """Q4_0 blocks beside a Q8_0 and a Q5_0 tensor: each imports exactly into the scheme that holds
-    its grid, the type with no exact import stays float (never re-rounded onto 4 bits), and the
-    load says per type what happened. With fp32 activations the logits are the file's own model."""
-    from torch import nn
-
+    its grid (Q5_0 in its own blocks, never re-rounded onto 4 bits nor widened to 16), and the load
+    says per type what happened. With fp32 activations the logits are the file's own model."""
     from localllm.loaders.load import load_model
+    from localllm.quant.formats import gguf_scheme
     from localllm.quant.linear import QuantLinear
 
     ref = make_hf_model("llama")
@@ -229,10 +228,10 @@ def test_a_mixed_gguf_keeps_every_tensor_on_its_own_grid_or_16_bit(tmp_path):
     assert layer.attn.qkv is None  # q, k (4-bit) and v (8-bit) are not fused across schemes
     assert layer.attn.v.scheme == parse_scheme("int8", 32) and layer.attn.q.scheme == lm.scheme
     assert isinstance(layer.mlp.gate_up, QuantLinear)  # gate and up share Q4_0: fused
-    assert type(layer.mlp.down) is not QuantLinear and isinstance(layer.mlp.down, nn.Linear)
+    assert isinstance(layer.mlp.down, QuantLinear) and layer.mlp.down.scheme == gguf_scheme("Q5_0")
     assert lm.tensor_import["Q4_0"] == "10 tensors -> int4 (group 32, symmetric), exact"
     assert lm.tensor_import["Q8_0"] == "2 tensors -> int8 (group 32), exact"
-    assert lm.tensor_import["Q5_0"] == "2 tensors -> fp32, dequantized (no exact import of Q5_0 yet)"
+    assert lm.tensor_import["Q5_0"] == "2 tensors -> Q5_0 blocks (as in the file), exact"
     exact = load_model(str(path), quant="fp32")  # every tensor dequantized by gguf, in fp32
     assert exact.scheme_label == "fp32, dequantized from int4 (group 32, symmetric)"
     ids = torch.tensor([[1, 5, 77, 300, 12, 9, 250, 3]])

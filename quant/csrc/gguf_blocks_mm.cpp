@@ -1,0 +1,475 @@
+// y = x W^T where W is a GGUF tensor kept in its file's own block bytes (localllm's "gguf" scheme):
+// Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, and F16 / BF16 / F32 rows.
+//
+// Every block is decoded as it is read into integer codes q (int8) and, per sub-block, an fp32
+// scale and offset with w = q * scale + offset. Scales that are products (a K-quant's fp16
+// super-block scale times its 4/6/8-bit sub-scale) are formed in fp32, where they are exact, as
+// ggml forms them; nothing is rounded to 16 bits on the way. The weights therefore are the values
+// gguf.quants.dequantize gives, bit for bit (gguf_dequant returns them; the tests compare).
+//
+// The matmul never builds the weight: per output row it decodes one block at a time into a small
+// buffer, dots each sub-block's codes with the fp32 activations, scales the partial sum once, and adds
+// offset * (sum of the sub-block's activations), precomputed once per call. It is made for decode
+// (a few activation rows); a long prefill dequantizes slices of rows with gguf_dequant and uses a GEMM
+// (see quant/kernels.py). Output rows are split across threads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t VS = Vec::size();
+
+// ggml's type ids (gguf.GGMLQuantizationType).
+enum Type : int64_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, BF16 = 30,
+};
+
+struct Layout {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+  int64_t sub;    // weights per sub-block (one scale and offset each)
+};
+
+bool layout_of(int64_t type, Layout& l) {
+  switch (type) {
+    case F32: l = {1, 4, 1}; return true;
+    case F16: l = {1, 2, 1}; return true;
+    case BF16: l = {1, 2, 1}; return true;
+    case Q4_0: l = {32, 18, 32}; return true;
+    case Q4_1: l = {32, 20, 32}; return true;
+    case Q5_0: l = {32, 22, 32}; return true;
+    case Q5_1: l = {32, 24, 32}; return true;
+    case Q8_0: l = {32, 34, 32}; return true;
+    case IQ4_NL: l = {32, 18, 32}; return true;
+    case Q2_K: l = {256, 84, 16}; return true;
+    case Q3_K: l = {256, 110, 16}; return true;
+    case Q4_K: l = {256, 144, 32}; return true;
+    case Q5_K: l = {256, 176, 32}; return true;
+    case Q6_K: l = {256, 210, 16}; return true;
+    default: return false;
+  }
+}
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Q4_K / Q5_K: eight 6-bit scales and mins packed in 12 bytes.
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// 16 bytes -> their 32 nibbles: low nibbles to q[0..15], high ones to q[16..31], minus ``bias``.
+inline void nibbles(const uint8_t* src, int8_t* q, int bias) {
+#if defined(__SSE2__)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m128i mask = _mm_set1_epi8(0x0F), b = _mm_set1_epi8(static_cast<char>(bias));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_sub_epi8(_mm_and_si128(v, mask), b));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), mask), b));
+#else
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>((src[j] & 0x0F) - bias);
+    q[j + 16] = static_cast<int8_t>((src[j] >> 4) - bias);
+  }
+#endif
+}
+
+// SPREAD[byte]: its 8 bits as 8 bytes of 0 or 16 (bit i -> byte i), the fifth bits of Q5_0 / Q5_1.
+struct Spread {
+  uint64_t v[256];
+  constexpr Spread() : v() {
+    for (int x = 0; x < 256; ++x)
+      for (int i = 0; i < 8; ++i)
+        if (x >> i & 1) v[x] |= uint64_t{16} << (8 * i);
+  }
+};
+constexpr Spread SPREAD;
+
+// q[0..31] += 16 * (bit j of the 4 little-endian bytes h), then - bias.
+inline void fifth_bits(const uint8_t* h, int8_t* q, int bias) {
+  uint64_t add[4] = {SPREAD.v[h[0]], SPREAD.v[h[1]], SPREAD.v[h[2]], SPREAD.v[h[3]]};
+#if defined(__SSE2__)
+  const __m128i b = _mm_set1_epi8(static_cast<char>(bias));
+  for (int k = 0; k < 2; ++k) {
+    __m128i* p = reinterpret_cast<__m128i*>(q + 16 * k);
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(add + 2 * k));
+    _mm_storeu_si128(p, _mm_sub_epi8(_mm_or_si128(_mm_loadu_si128(p), a), b));
+  }
+#else
+  uint8_t bytes[32];
+  std::memcpy(bytes, add, 32);
+  for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>((q[j] | bytes[j]) - bias);
+#endif
+}
+
+// One block -> codes q[block], scale[block / sub], offset[block / sub] (w = q * scale + offset).
+// Returns whether the type has offsets (so callers may skip them).
+inline bool decode(int64_t type, const uint8_t* b, int8_t* q, float* scale, float* offset) {
+  switch (type) {
+    case Q4_0: {  // d, 16 bytes: weight j in the low nibble of byte j, j + 16 in its high nibble
+      nibbles(b + 2, q, 8);
+      scale[0] = f16(b);
+      return false;
+    }
+    case IQ4_NL: {  // d, 16 bytes of indices into a 16-value code book
+#if defined(__SSSE3__)
+      const __m128i book = _mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES));
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), mask = _mm_set1_epi8(0x0F);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_shuffle_epi8(book, _mm_and_si128(v, mask)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_shuffle_epi8(book, _mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+#else
+      int8_t idx[32];
+      nibbles(b + 2, idx, 0);
+      for (int j = 0; j < 32; ++j) q[j] = IQ4_NL_VALUES[idx[j]];
+#endif
+      scale[0] = f16(b);
+      return false;
+    }
+    case Q4_1: {  // d, m, 16 bytes
+      nibbles(b + 4, q, 0);
+      scale[0] = f16(b);
+      offset[0] = f16(b + 2);
+      return true;
+    }
+    case Q5_0:
+    case Q5_1: {  // d, (m), 32 fifth bits (bit j of a little-endian uint32 for weight j), 16 bytes
+      const bool has_min = type == Q5_1;
+      const uint8_t* hb = b + (has_min ? 4 : 2);
+      nibbles(hb + 4, q, 0);
+      fifth_bits(hb, q, has_min ? 0 : 16);
+      scale[0] = f16(b);
+      if (has_min) offset[0] = f16(b + 2);
+      return has_min;
+    }
+    case Q8_0: {
+      std::memcpy(q, b + 2, 32);
+      scale[0] = f16(b);
+      return false;
+    }
+    case Q2_K: {  // scales[16] (low nibble scale, high nibble min), qs[64], d, dmin
+      uint8_t sc[16], qs[64];
+      std::memcpy(sc, b, 16);
+      std::memcpy(qs, b + 16, 64);
+      const float d = f16(b + 80), dmin = f16(b + 82);
+      for (int h = 0; h < 2; ++h)
+        for (int s = 0; s < 4; ++s)
+          for (int l = 0; l < 32; ++l) q[h * 128 + s * 32 + l] = static_cast<int8_t>((qs[h * 32 + l] >> (2 * s)) & 3);
+      for (int i = 0; i < 16; ++i) {
+        scale[i] = d * static_cast<float>(sc[i] & 0x0F);
+        offset[i] = -(dmin * static_cast<float>(sc[i] >> 4));
+      }
+      return true;
+    }
+    case Q3_K: {  // hmask[32], qs[64], scales[12] (16 6-bit signed), d
+      uint8_t hm[32], qs[64], sc[12];
+      std::memcpy(hm, b, 32);
+      std::memcpy(qs, b + 32, 64);
+      std::memcpy(sc, b + 96, 12);
+      const float d = f16(b + 108);
+      for (int h = 0; h < 2; ++h)
+        for (int s = 0; s < 4; ++s)
+          for (int l = 0; l < 32; ++l) {
+            // hmask bit (4h + s) of byte l: set, no offset; clear, -4
+            const int high = (hm[l] >> (4 * h + s)) & 1;
+            q[h * 128 + s * 32 + l] = static_cast<int8_t>(((qs[h * 32 + l] >> (2 * s)) & 3) - 4 + 4 * high);
+          }
+      for (int i = 0; i < 16; ++i) {
+        const int low = i < 8 ? (sc[i] & 0x0F) : (sc[i - 8] >> 4);
+        const int high = (sc[8 + (i % 4)] >> (2 * (i / 4))) & 3;
+        scale[i] = d * static_cast<float>((low | (high << 4)) - 32);
+      }
+      return false;
+    }
+    case Q4_K:
+    case Q5_K: {  // d, dmin, scales[12], (qh[32]), qs[128]
+      const bool five = type == Q5_K;
+      const float d = f16(b), dmin = f16(b + 2);
+      uint8_t sc[12], qh[32], qs[128];
+      std::memcpy(sc, b + 4, 12);
+      std::memcpy(qs, b + (five ? 48 : 16), 128);
+      for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) {
+          q[c * 64 + l] = static_cast<int8_t>(qs[c * 32 + l] & 0x0F);
+          q[c * 64 + 32 + l] = static_cast<int8_t>(qs[c * 32 + l] >> 4);
+        }
+      if (five) {
+        std::memcpy(qh, b + 16, 32);
+        for (int bit = 0; bit < 8; ++bit)  // bit `bit` of qh[l] is the fifth bit of weight 32 * bit + l
+          for (int l = 0; l < 32; ++l) q[bit * 32 + l] = static_cast<int8_t>(q[bit * 32 + l] | (((qh[l] >> bit) & 1) << 4));
+      }
+      for (int j = 0; j < 8; ++j) {
+        int s, m;
+        k_scale_min(sc, j, s, m);
+        scale[j] = d * static_cast<float>(s);
+        offset[j] = -(dmin * static_cast<float>(m));
+      }
+      return true;
+    }
+    case Q6_K: {  // ql[128], qh[64], scales[16] int8, d
+      uint8_t ql[128], qh[64];
+      int8_t sc[16];
+      std::memcpy(ql, b, 128);
+      std::memcpy(qh, b + 128, 64);
+      std::memcpy(sc, b + 192, 16);
+      const float d = f16(b + 208);
+      for (int h = 0; h < 2; ++h)
+        for (int s = 0; s < 4; ++s)
+          for (int l = 0; l < 32; ++l) {
+            const int low = (ql[h * 64 + (s % 2) * 32 + l] >> (4 * (s / 2))) & 0x0F;
+            const int high = (qh[h * 32 + l] >> (2 * s)) & 3;
+            q[h * 128 + s * 32 + l] = static_cast<int8_t>((low | (high << 4)) - 32);
+          }
+      for (int i = 0; i < 16; ++i) scale[i] = d * static_cast<float>(sc[i]);
+      return false;
+    }
+    default: return false;
+  }
+}
+
+// Vec::size() int8 values from p, as fp32.
+inline Vec load_int8(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float f[VS];
+  for (const auto i : c10::irange(VS)) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+inline float hsum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// A float row's K values (F32 / F16 / BF16) as fp32.
+inline void float_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
+  if (type == F32) {
+    std::memcpy(out, row, K * 4);
+  } else if (type == F16) {
+    const c10::Half* h = reinterpret_cast<const c10::Half*>(row);
+    for (int64_t i = 0; i < K; ++i) out[i] = static_cast<float>(h[i]);
+  } else {
+    const c10::BFloat16* h = reinterpret_cast<const c10::BFloat16*>(row);
+    for (int64_t i = 0; i < K; ++i) out[i] = static_cast<float>(h[i]);
+  }
+}
+
+constexpr int64_t MAX_M = 8;  // activation rows handled together (each decoded block serves them all)
+
+// The sub-block's dot product q . x, in fp32 (SUB a multiple of Vec::size()).
+template <int64_t SUB>
+inline Vec sub_dot(const int8_t* q, const float* x) {
+  Vec t = load_int8(q) * Vec::loadu(x);
+  for (int64_t j = VS; j < SUB; j += VS) t = at::vec::fmadd(load_int8(q + j), Vec::loadu(x + j), t);
+  return t;
+}
+
+// x (M, K) fp32, blocks (N, K / block * bytes) -> y (M, N) fp32. xsum (M, K / sub): sums of x per
+// sub-block, for the offsets. The layout is a compile-time constant, so the loops over a block's
+// sub-blocks unroll and the decoding vectorizes.
+template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB>
+void mm_blocks(const float* x, const float* xsum, const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y) {
+  constexpr int64_t NS = BLOCK / SUB;
+  const int64_t nb = K / BLOCK, row_bytes = nb * BYTES, nsub = K / SUB;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) int8_t q[BLOCK];
+    float scale[NS], offset[NS];
+    if (M == 1) {  // decode: one activation row, accumulators in registers
+      for (const auto n : c10::irange(begin, end)) {
+        const uint8_t* wn = w + n * row_bytes;
+        Vec a0(0.f), a1(0.f);  // two chains, so consecutive FMAs need not wait on each other
+        float off = 0.f;
+        for (int64_t bi = 0; bi < nb; ++bi) {
+          const bool has_offset = decode(TYPE, wn + bi * BYTES, q, scale, offset);
+          const float* xb = x + bi * BLOCK;
+          for (int64_t s = 0; s < NS; ++s) {
+            const Vec t = sub_dot<SUB>(q + s * SUB, xb + s * SUB);
+            if (s % 2) a1 = at::vec::fmadd(t, Vec(scale[s]), a1);
+            else a0 = at::vec::fmadd(t, Vec(scale[s]), a0);
+          }
+          if (has_offset)
+            for (int64_t s = 0; s < NS; ++s) off += offset[s] * xsum[bi * NS + s];
+        }
+        y[n] = hsum(a0 + a1) + off;
+      }
+      return;
+    }
+    Vec acc[MAX_M];
+    float off_acc[MAX_M];
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+      const int64_t mc = std::min(MAX_M, M - m0);
+      for (const auto n : c10::irange(begin, end)) {
+        const uint8_t* wn = w + n * row_bytes;
+        for (int64_t m = 0; m < mc; ++m) {
+          acc[m] = Vec(0.f);
+          off_acc[m] = 0.f;
+        }
+        for (int64_t bi = 0; bi < nb; ++bi) {
+          const bool has_offset = decode(TYPE, wn + bi * BYTES, q, scale, offset);
+          for (int64_t m = 0; m < mc; ++m) {
+            const float* xb = x + (m0 + m) * K + bi * BLOCK;
+            Vec a = acc[m];
+            for (int64_t s = 0; s < NS; ++s) a = at::vec::fmadd(sub_dot<SUB>(q + s * SUB, xb + s * SUB), Vec(scale[s]), a);
+            acc[m] = a;
+            if (has_offset) {
+              const float* xsm = xsum + (m0 + m) * nsub + bi * NS;
+              for (int64_t s = 0; s < NS; ++s) off_acc[m] += offset[s] * xsm[s];
+            }
+          }
+        }
+        for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n] = hsum(acc[m]) + off_acc[m];
+      }
+    }
+  });
+}
+
+void mm_dispatch(int64_t type, const float* x, const float* xsum, const uint8_t* w, int64_t M, int64_t K, int64_t N,
+                 float* y) {
+  switch (type) {
+#define LOCALLLM_CASE(T, B, BY, S) \
+  case T: mm_blocks<T, B, BY, S>(x, xsum, w, M, K, N, y); break;
+    LOCALLLM_CASE(Q4_0, 32, 18, 32)
+    LOCALLLM_CASE(Q4_1, 32, 20, 32)
+    LOCALLLM_CASE(Q5_0, 32, 22, 32)
+    LOCALLLM_CASE(Q5_1, 32, 24, 32)
+    LOCALLLM_CASE(Q8_0, 32, 34, 32)
+    LOCALLLM_CASE(IQ4_NL, 32, 18, 32)
+    LOCALLLM_CASE(Q2_K, 256, 84, 16)
+    LOCALLLM_CASE(Q3_K, 256, 110, 16)
+    LOCALLLM_CASE(Q4_K, 256, 144, 32)
+    LOCALLLM_CASE(Q5_K, 256, 176, 32)
+    LOCALLLM_CASE(Q6_K, 256, 210, 16)
+#undef LOCALLLM_CASE
+    default: TORCH_CHECK(false, "gguf_mm: GGML type ", type, " has no block kernel");
+  }
+}
+
+void mm_float(int64_t type, const float* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, int64_t elem,
+              float* y) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    for (const auto n : c10::irange(begin, end)) {
+      float_row(type, w + n * K * elem, K, row.data());
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K;
+        Vec a(0.f);
+        int64_t k = 0;
+        for (; k + VS <= K; k += VS) a = at::vec::fmadd(Vec::loadu(row.data() + k), Vec::loadu(xm + k), a);
+        float s = hsum(a);
+        for (; k < K; ++k) s += row[k] * xm[k];
+        y[m * N + n] = s;
+      }
+    }
+  });
+}
+
+Layout checked_layout(int64_t type, const at::Tensor& blocks, int64_t K, const char* op) {
+  Layout L;
+  TORCH_CHECK(layout_of(type, L), op, ": GGML type ", type, " is not supported");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte, op, ": blocks must be 2-D uint8");
+  TORCH_CHECK(K > 0 && K % L.block == 0, op, ": width ", K, " is not a multiple of the block ", L.block);
+  TORCH_CHECK(blocks.size(1) == K / L.block * L.bytes, op, ": blocks have ", blocks.size(1), " bytes a row, width ",
+              K, " needs ", K / L.block * L.bytes);
+  return L;
+}
+
+at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t K) {
+  const Layout L = checked_layout(type, blocks, K, "gguf_mm");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "gguf_mm: x must be (M, ", K, ")");
+  TORCH_CHECK(L.block == 1 || L.sub % VS == 0, "gguf_mm: sub-blocks of ", L.sub, " are not a multiple of ", VS);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor bc = blocks.contiguous();
+  const int64_t M = x.size(0), N = blocks.size(0);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  if (L.block == 1) {
+    mm_float(type, xp, bc.data_ptr<uint8_t>(), M, K, N, L.bytes, y.data_ptr<float>());
+  } else {
+    const int64_t nsub = K / L.sub;
+    std::vector<float> xsum(M * nsub);  // per activation row and sub-block: for the offsets
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t s = 0; s < nsub; ++s) {
+        float a = 0.f;
+        for (int64_t j = 0; j < L.sub; ++j) a += xp[m * K + s * L.sub + j];
+        xsum[m * nsub + s] = a;
+      }
+    mm_dispatch(type, xp, xsum.data(), bc.data_ptr<uint8_t>(), M, K, N, y.data_ptr<float>());
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+at::Tensor gguf_dequant(const at::Tensor& blocks, int64_t type, int64_t K) {
+  const Layout L = checked_layout(type, blocks, K, "gguf_dequant");
+  const at::Tensor bc = blocks.contiguous();
+  const int64_t N = blocks.size(0), nb = K / L.block, row_bytes = nb * L.bytes;
+  at::Tensor out = at::empty({N, K}, blocks.options().dtype(at::kFloat));
+  const uint8_t* w = bc.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) int8_t q[256];
+    float scale[16], offset[16];
+    for (const auto n : c10::irange(begin, end)) {
+      if (L.block == 1) {
+        float_row(type, w + n * row_bytes, K, o + n * K);
+        continue;
+      }
+      for (int64_t bi = 0; bi < nb; ++bi) {
+        const bool has_offset = decode(type, w + n * row_bytes + bi * L.bytes, q, scale, offset);
+        float* ob = o + n * K + bi * L.block;
+        for (int64_t j = 0; j < L.block; ++j) {
+          const int64_t s = j / L.sub;
+          // q * scale is exact in fp32 (at most 8 + 17 significant bits), so one rounding, as in ggml.
+          ob[j] = has_offset ? static_cast<float>(q[j]) * scale[s] + offset[s] : static_cast<float>(q[j]) * scale[s];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(localllm, m) {
+  m.def("gguf_mm(Tensor x, Tensor blocks, int type, int in_features) -> Tensor");
+  m.def("gguf_dequant(Tensor blocks, int type, int in_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(localllm, CPU, m) {
+  m.impl("gguf_mm", &gguf_mm);
+  m.impl("gguf_dequant", &gguf_dequant);
+}

@@ -1,0 +1,219 @@
+"""Every common GGUF tensor type imported exactly: the dequantized weight of each is
+``gguf.quants.dequantize`` of the same bytes, bit for bit; its matmul is ``x @ W^T`` to fp32 rounding;
+K-quants' product scales are never rounded to 16 bits; a mixed K-quant file loads each tensor in its
+own type, in the file's bytes."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from localllm import native
+from localllm.quant import kernels
+from localllm.quant.formats import GGUF_BLOCKS, QuantScheme, dequantize, gguf_scheme
+from localllm.quant.gguf_blocks import exact_import, exact_scheme, to_canonical
+from localllm.quant.linear import QuantLinear
+
+needs_native = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
+
+#: Byte offsets of each block's fp16 fields (d, and dmin / m where the type has one).
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
+               "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+BLOCK_TYPES = list(FP16_FIELDS)
+FLOAT_TYPES = ["F32", "F16", "BF16"]
+
+
+def random_blocks(type_name: str, out: int, inp: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
+    """(out, bytes) uint8: random codes and sub-scales, with finite fp16 super-block scales."""
+    rng = np.random.default_rng(seed)
+    _, block, nbytes = GGUF_BLOCKS[type_name]
+    raw = rng.integers(0, 256, (out, inp // block, nbytes), dtype=np.uint8)
+    for at in FP16_FIELDS[type_name]:
+        d = (rng.standard_normal((out, inp // block, 1)) * scale).astype(np.float16)
+        raw[..., at : at + 2] = d.view(np.uint8)
+    return raw.reshape(out, -1)
+
+
+def file_bytes(type_name: str, w: np.ndarray) -> np.ndarray:
+    """(out, bytes) uint8 of ``w`` in a float type, as a GGUF file stores it."""
+    if type_name == "F32":
+        return w.astype(np.float32).view(np.uint8)
+    if type_name == "F16":
+        return w.astype(np.float16).view(np.uint8)
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType.BF16).reshape(w.shape[0], -1)
+
+
+def type_bytes(type_name: str, out: int, inp: int, seed: int = 0) -> np.ndarray:
+    if type_name in FLOAT_TYPES:
+        w = np.random.default_rng(seed).standard_normal((out, inp)).astype(np.float32) * 0.05
+        return file_bytes(type_name, w)
+    return random_blocks(type_name, out, inp, seed)
+
+
+def gguf_values(type_name: str, raw: np.ndarray) -> np.ndarray:
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+
+
+@pytest.mark.parametrize("type_name", BLOCK_TYPES + FLOAT_TYPES)
+def test_every_type_imports_to_the_values_gguf_gives(type_name):
+    raw = type_bytes(type_name, 16, 512)
+    want = gguf_values(type_name, raw)
+    scheme = exact_scheme(type_name)
+    assert scheme is not None and exact_import(type_name, scheme)
+    canonical = to_canonical(type_name, raw)
+    np.testing.assert_array_equal(dequantize(canonical, scheme).numpy(), want)
+    if scheme.name == "gguf":  # the file's bytes as they are: 1.0x its memory
+        assert canonical["blocks"].numel() == raw.nbytes
+
+
+@needs_native
+@pytest.mark.parametrize("type_name", BLOCK_TYPES + FLOAT_TYPES)
+def test_the_kernels_decoder_is_bit_exact(type_name):
+    """The C++ decoder the matmul uses gives gguf's values bit for bit, on random bytes and on blocks
+    gguf's own quantizer wrote (where it has one)."""
+    raw = type_bytes(type_name, 24, 768, seed=1)
+    got = kernels.gguf_dequantize(torch.from_numpy(raw), type_name, 768).numpy()
+    np.testing.assert_array_equal(got, gguf_values(type_name, raw))
+    w = np.random.default_rng(2).standard_normal((8, 256)).astype(np.float32)
+    try:
+        written = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    except NotImplementedError:
+        return  # no quantizer in the gguf package for this type (the K-quants, IQ4_NL)
+    written = written.view(np.uint8).reshape(8, -1)
+    got = kernels.gguf_dequantize(torch.from_numpy(written), type_name, 256).numpy()
+    np.testing.assert_array_equal(got, gguf_values(type_name, written))
+
+
+def gguf_layer(type_name: str, out: int, inp: int, seed: int = 0) -> tuple[QuantLinear, torch.Tensor]:
+    raw = type_bytes(type_name, out, inp, seed)
+    layer = QuantLinear(inp, out, gguf_scheme(type_name))
+    layer.blocks = to_canonical(type_name, raw, gguf_scheme(type_name))["blocks"]
+    return layer, torch.from_numpy(gguf_values(type_name, raw).copy())
+
+
+@needs_native
+@pytest.mark.parametrize("type_name", BLOCK_TYPES + FLOAT_TYPES)
+def test_the_matmul_is_x_times_the_exact_weight(type_name):
+    """Decode-sized inputs (the block kernel) and a prefill (slices dequantized, then a GEMM) equal
+    ``x @ W^T`` with gguf's W to fp32 rounding."""
+    layer, w = gguf_layer(type_name, 80, 512, seed=3)
+    assert layer.prepare(torch.float32) == "gguf-blocks-cpu"
+    assert {n for n, _ in layer.named_buffers()} == {"blocks"}  # no other copy of the weight
+    for rows in (1, 3, 8, 21):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        want = x.double() @ w.double().t()
+        got = layer(x).double()
+        assert ((got - want).abs().max() / want.abs().max()) < 2e-6, rows
+
+
+@needs_native
+def test_bf16_activations_run_the_same_kernel():
+    layer, w = gguf_layer("Q4_K", 64, 1024)
+    assert layer.prepare(torch.bfloat16) == "gguf-blocks-cpu"
+    x = torch.randn(2, 1024).to(torch.bfloat16)
+    want = x.double() @ w.double().t()
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs().max() / want.abs().max()) < 1e-2  # the bf16 output's rounding
+
+
+def test_k_quant_product_scales_are_not_rounded_to_16_bits():
+    """A Q4_K block whose d * sc (and dmin * m) are not representable in fp16 or bf16: the imported
+    weight holds the fp32 products, as gguf computes them. (The test can fail: a 16-bit scale moves them.)"""
+    raw = random_blocks("Q4_K", 1, 256, seed=5)
+    raw[0, 0:2] = np.array([0.0123], dtype=np.float16).view(np.uint8)  # d: 11 significant bits
+    raw[0, 4:16] = 0b10111101  # every 6-bit sub-scale 61, min 61: d * 61 needs 17 bits
+    want = gguf_values("Q4_K", raw)
+    d = np.float32(np.float16(0.0123))
+    assert np.float32(np.float16(d * 61)) != d * 61 and float(torch.tensor(float(d * 61)).bfloat16()) != d * 61
+    got = dequantize(to_canonical("Q4_K", raw), gguf_scheme("Q4_K")).numpy()
+    np.testing.assert_array_equal(got, want)
+    codes = raw[0, 16:48] & 0x0F  # the first sub-block's codes
+    np.testing.assert_array_equal(want[0, :32], codes.astype(np.float32) * (d * np.float32(61))
+                                  - np.float32(np.float16(raw[0, 2:4].view(np.float16)[0])) * np.float32(61))
+
+
+def test_real_tensors_of_smollm2_import_exactly(smollm2_path):
+    """Rows of SmolLM2's real Q4_1 and Q8_0 tensors: as int4 / int8 (their canonical grids) and in
+    their own blocks, both gguf's values bit for bit."""
+    reader = gguf.GGUFReader(str(smollm2_path))
+    seen = set()
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in ("Q4_1", "Q8_0") or kind in seen or len(t.shape) != 2:
+            continue
+        seen.add(kind)
+        raw = np.array(t.data[:64])  # 64 rows
+        want = gguf_values(kind, raw)
+        np.testing.assert_array_equal(dequantize(to_canonical(kind, raw), exact_scheme(kind)).numpy(), want)
+        blocks = to_canonical(kind, raw, gguf_scheme(kind))
+        np.testing.assert_array_equal(dequantize(blocks, gguf_scheme(kind)).numpy(), want)
+        if native.compiler() is not None:
+            got = kernels.gguf_dequantize(blocks["blocks"], kind, want.shape[1]).numpy()
+            np.testing.assert_array_equal(got, want)
+    assert seen == {"Q4_1", "Q8_0"}
+
+
+def test_the_scheme_survives_a_manifest_round_trip():
+    for kind in BLOCK_TYPES + FLOAT_TYPES:
+        s = gguf_scheme(kind)
+        assert QuantScheme.from_dict(s.to_dict()) == s and s.label() == f"{kind} blocks (as in the file)"
+    assert "gguf_type" not in exact_scheme("Q8_0").to_dict()  # the other schemes' manifests as they were
+
+
+# ------------------------------------------------------------------ a mixed K-quant file, end to end
+K_TYPES = {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_0", "attn_v.weight": "Q8_0",
+           "attn_output.weight": "Q4_K", "ffn_gate.weight": "Q5_0", "ffn_up.weight": "Q5_0",
+           "ffn_down.weight": "Q6_K", "output.weight": "Q6_K"}
+
+
+def write_k_quant_gguf(tmp_path, monkeypatch):
+    """A tiny Llama laid out like a Q4_K_M file (Q5_0, Q8_0, Q4_K, Q6_K; F32 norms and embedding).
+    gguf has no K-quant quantizer: those tensors get random blocks at the weights' scale (the model
+    is what the file says, which is what is compared)."""
+    from tests.conftest import make_hf_model
+    from tests.test_gguf import write_llama_gguf
+
+    real = gguf.quants.quantize
+
+    def quantize(value, qtype):
+        if qtype.name in ("Q4_K", "Q6_K"):
+            seed = int(abs(value).sum() * 1000) % 2**32
+            return random_blocks(qtype.name, value.shape[0], value.shape[1], seed=seed, scale=0.002)
+        return real(value, qtype)
+
+    monkeypatch.setattr(gguf.quants, "quantize", quantize)
+    ref = make_hf_model("llama", hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2)
+    return write_llama_gguf(ref, tmp_path / "q4_k_m.gguf", types=K_TYPES)
+
+
+@needs_native
+def test_a_mixed_k_quant_file_loads_each_tensor_in_its_own_blocks(tmp_path, monkeypatch):
+    from localllm.loaders.gguf import GGUFCheckpoint
+    from localllm.loaders.load import load_model, weight_bytes
+
+    path = write_k_quant_gguf(tmp_path, monkeypatch)
+    ckpt = GGUFCheckpoint(path)
+    assert ckpt.default_scheme() == gguf_scheme("Q5_0")  # the most common block type
+    assert ckpt.default_head(ckpt.default_scheme()) == gguf_scheme("Q6_K")  # untied: its own blocks
+    lm = load_model(str(path), dtype="fp32")
+    layer = lm.model.layers[0]
+    assert layer.attn.o.scheme == gguf_scheme("Q4_K") and layer.mlp.down.scheme == gguf_scheme("Q6_K")
+    assert layer.attn.v.scheme.name == "int8" and lm.model.output.scheme == gguf_scheme("Q6_K")
+    assert lm.kernels["gguf-blocks-cpu"] >= 4 and "reference" not in lm.kernels
+    assert lm.tensor_import["Q4_K"] == "1 tensor -> Q4_K blocks (as in the file), exact"
+    assert lm.tensor_import["Q6_K"] == "2 tensors -> Q6_K blocks (as in the file), exact"
+    # The quantized layers hold exactly the file's bytes of their tensors.
+    reader = gguf.GGUFReader(str(path))
+    quantized = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name in ("Q5_0", "Q8_0", "Q4_K", "Q6_K"))
+    held = sum(weight_bytes(m) for m in lm.model.modules() if isinstance(m, QuantLinear))
+    assert held == quantized
+    exact = load_model(str(path), quant="fp32")  # every tensor dequantized by gguf, in fp32
+    ids = torch.tensor([[1, 5, 77, 300, 12, 9, 250, 3]])
+    with torch.no_grad():
+        want = exact.model(ids)
+        assert want.std() > 0.1
+        torch.testing.assert_close(lm.model(ids), want, atol=1e-4, rtol=1e-4)
