@@ -31,9 +31,11 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
-        body = json.loads(raw)
+        text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ApiError(400, "the request body is not UTF-8 text") from None
+    try:
+        body = json.loads(text)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except RecursionError:

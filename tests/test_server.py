@@ -1,0 +1,298 @@
+"""``localllm serve`` with SmolLM2 (fp32) through real HTTP on 127.0.0.1: the ``openai`` and ``ollama``
+client packages, raw HTTP for errors, disconnects, the queue limit and ``/metrics``.
+
+One server for the module (uvicorn in a thread of this process, so that the tests can read the
+engine's KV pool), SmolLM2 loaded once. Every load and fault test sends a bounded number of requests
+and stops by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from localllm.server.config import ServerConfig
+from tests.answers import WIDE_MARGIN
+from tests.server_fixtures import ServerThread, rss_bytes, running_server, wait_for
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parents[1]
+MODEL = "smollm2"
+FRANCE = "What is the capital of France?"
+PARALLEL = 2
+#: A raw prompt SmolLM2 continues for hundreds of tokens (it keeps counting): streams that last.
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
+QUEUE = 3
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("serve-home")))
+        config = ServerConfig(parallel=PARALLEL, queue=QUEUE, kv_memory=64 << 20, quant="fp32", device="cpu")
+        with running_server(config) as srv:
+            r = httpx.post(f"{srv.url}/api/generate", json={"model": MODEL}, timeout=120)  # loads it
+            assert r.status_code == 200 and r.json()["done_reason"] == "load", r.text
+            yield srv
+
+
+@pytest.fixture
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def engine_usage(server: ServerThread) -> dict[str, int]:
+    return server.manager.slots[MODEL].engine.usage()
+
+
+def idle(server: ServerThread) -> bool:
+    u = engine_usage(server)
+    return u["running"] == 0 and u["waiting"] == 0 and u["blocks_used"] == 0
+
+
+# --------------------------------------------------------------------------- OpenAI
+def test_openai_chat_greedy_equals_localllm_run(server: ServerThread, france_fp32) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": FRANCE}],
+                                           temperature=0, max_tokens=12)
+    text = reply.choices[0].message.content
+    env = {**os.environ, "LOCALLLM_DEBUG": ""}
+    run = subprocess.run([sys.executable, "-m", "localllm", "run", MODEL, FRANCE, "--quant", "fp32", "--temperature",
+                          "0", "--max-tokens", "12"], capture_output=True, text=True, env=env, cwd=ROOT,
+                         stdin=subprocess.DEVNULL, timeout=300)
+    assert run.returncode == 0, run.stderr
+    # Compared where every step up to the answer's end was decided by a wide fp32 margin.
+    if min(france_fp32.margins) >= WIDE_MARGIN:
+        assert text == run.stdout.strip() == france_fp32.text
+    else:
+        assert "Paris" in text and "Paris" in run.stdout
+    assert reply.choices[0].finish_reason == ("stop" if len(france_fp32.pieces) < 12 else "length")
+    assert reply.usage.prompt_tokens > 20 and reply.usage.completion_tokens == len(france_fp32.pieces)
+
+
+def test_openai_streaming_chat_usage_and_prefix_cache(server: ServerThread) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    messages = [{"role": "system", "content": "You are a helpful assistant who answers in one short sentence."},
+                {"role": "user", "content": FRANCE}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    # The second identical prompt found its full blocks in the prefix cache.
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 16 * (usage.prompt_tokens // 16) - 16 > 0
+
+
+def test_openai_completions_stream_and_not(server: ServerThread) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    whole = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 5
+    stream = list(client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                            max_tokens=5, stream=True))
+    assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+    assert stream[-1].choices[0].finish_reason == "length"
+    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20, stop=[" 7"])
+    assert cut.choices[0].finish_reason == "stop" and " 7" not in cut.choices[0].text
+    seeded = [client.completions.create(model=MODEL, prompt="Once upon a time", temperature=1.0, seed=7,
+                                        max_tokens=6).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    models = [m.id for m in client.models.list().data]
+    assert MODEL in models
+
+
+# --------------------------------------------------------------------------- Ollama
+def test_ollama_client_generate_chat_list_show_ps(server: ServerThread) -> None:
+    ollama = pytest.importorskip("ollama")
+    client = ollama.Client(host=server.url)
+    options = {"temperature": 0, "num_predict": 6, "top_k": 40, "top_p": 0.9, "min_p": 0.0, "repeat_penalty": 1.0,
+               "seed": 1, "num_ctx": 512}
+    done = client.generate(model=MODEL, prompt=FRANCE, options=options)
+    assert done.done and done.done_reason in ("stop", "length") and done.response
+    assert done.eval_count == len(done.response) or done.eval_count >= 1
+    assert done.total_duration >= done.prompt_eval_duration + done.eval_duration > 0
+    assert done.prompt_eval_count >= 1
+    pieces = list(client.generate(model=MODEL, prompt=FRANCE, options=options, stream=True))
+    assert "".join(p.response for p in pieces) == done.response
+    assert pieces[-1].done and not any(p.done for p in pieces[:-1])
+    chat = client.chat(model=MODEL, messages=[{"role": "user", "content": FRANCE}], options=options)
+    assert chat.message.role == "assistant" and chat.message.content == done.response
+    streamed = list(client.chat(model=MODEL, messages=[{"role": "user", "content": FRANCE}], options=options,
+                                stream=True))
+    assert "".join(c.message.content for c in streamed) == chat.message.content
+    loaded = client.ps().models
+    assert [m.model for m in loaded] == [MODEL] and loaded[0].size > 100e6 and loaded[0].expires_at is not None
+    shown = client.show(MODEL)
+    assert shown.details.family == "llama" and shown.modelinfo["llama.context_length"] == 8192
+    assert client.list().models == []  # nothing in this test's store: smollm2 is the embedded model
+    with pytest.raises(ollama.ResponseError) as e:
+        client.show("no-such-model")
+    assert e.value.status_code == 404
+
+
+def test_ollama_num_ctx_caps_the_reply(server: ServerThread, http: httpx.Client) -> None:
+    r = http.post("/api/generate", json={"model": MODEL, "prompt": "Count: 1, 2, 3,", "raw": True, "stream": False,
+                                         "options": {"temperature": 0, "num_ctx": 12}})
+    body = r.json()
+    assert r.status_code == 200 and body["done_reason"] == "length"
+    assert body["prompt_eval_count"] + body["eval_count"] <= 12
+
+
+# --------------------------------------------------------------------------- bad requests
+BAD = [
+    ("POST", "/v1/chat/completions", b"{not json", 400, "not valid JSON"),
+    ("POST", "/v1/chat/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "'messages' must be an array"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                      "temperature": "hot"}, 400, "'temperature' must be a number"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 2},
+     400, "n = 1 only"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                      "max_tokens": 0}, 400, "'max_tokens' is 0"),
+    ("POST", "/v1/chat/completions", {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+     404, "not found"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "word " * 6000}, 400, "the context holds"),
+    ("POST", "/v1/completions", {"model": MODEL}, 400, "'prompt' is required"),
+    ("GET", "/v1/chat/completions", None, 405, "not allowed"),
+    ("GET", "/v1/nothing", None, 404, "no route"),
+    ("POST", "/api/generate", b"\xff\xfe", 400, "not UTF-8"),
+    ("POST", "/api/generate", {"model": MODEL, "prompt": "hi", "options": {"top_k": 1.5}}, 400,
+     "'options.top_k' must be an integer"),
+    ("POST", "/api/generate", {"model": MODEL, "prompt": "hi", "options": {"top_p": 0}}, 400, "top-p"),
+    ("POST", "/api/generate", {"model": MODEL, "prompt": "hi", "keep_alive": "soon"}, 400, "keep_alive"),
+    ("POST", "/api/chat", {"model": MODEL, "messages": [{"role": "user"}], "stream": "yes"}, 400,
+     "'stream' must be true or false"),
+    ("POST", "/api/chat", {"model": "no-such-model:int4", "messages": [{"role": "user", "content": "x"}]}, 404,
+     "not found"),
+    ("POST", "/api/generate", {"model": MODEL, "prompt": "word " * 6000, "stream": False}, 400, "the context holds"),
+    ("DELETE", "/api/delete", {"model": "no-such-model"}, 404, "not found"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,needle", BAD, ids=[f"{b[1]}-{b[3]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_the_api_error_shape(http: httpx.Client, method: str, path: str, body: object, status: int,
+                                              needle: str) -> None:
+    content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    r = http.request(method, path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    if path.startswith("/v1/"):
+        assert set(error) == {"message", "type", "param", "code"} and needle in error["message"], error
+    else:
+        assert isinstance(error, str) and needle in error, error
+    assert "Traceback" not in r.text
+
+
+def test_body_size_limit(server: ServerThread, http: httpx.Client) -> None:
+    big = b'{"model": "x", "prompt": "' + b"a" * (server.config.max_body_bytes + 10) + b'"}'
+    r = http.post("/api/generate", content=big)
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(server.config.max_body_bytes // (1 << 20) + 1):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunks())
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("the request body is over")
+
+
+# --------------------------------------------------------------------------- load and faults
+def _open_stream(url: str, max_tokens: int = 400, client: httpx.Client | None = None
+                 ) -> tuple[httpx.Client, httpx.Response]:
+    client = client or httpx.Client(timeout=60)
+    request = client.build_request("POST", f"{url}/v1/completions", json={
+        "model": MODEL, "prompt": COUNTING, "max_tokens": max_tokens, "temperature": 0, "stream": True})
+    return client, client.send(request, stream=True)
+
+
+def test_disconnect_cancels_and_frees_blocks(server: ServerThread) -> None:
+    wait_for(lambda: idle(server), what="an idle engine")
+    client, response = _open_stream(server.url)
+    assert response.status_code == 200
+    next(response.iter_lines())  # generating
+    assert engine_usage(server)["blocks_used"] > 0
+    response.close()
+    client.close()
+    wait_for(lambda: idle(server), timeout=5, what="the cancelled sequence's blocks to be freed")
+
+
+def test_queue_limit_answers_503_with_retry_after(server: ServerThread) -> None:
+    wait_for(lambda: idle(server), what="an idle engine")
+    streams = [_open_stream(server.url) for _ in range(PARALLEL + QUEUE)]
+    try:
+        assert all(r.status_code == 200 for _, r in streams)
+        wait_for(lambda: engine_usage(server)["running"] == PARALLEL and engine_usage(server)["waiting"] == QUEUE,
+                 what="a full batch and a full queue")
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30)
+        assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+        assert "busy" in r.json()["error"]["message"]
+        r = httpx.post(f"{server.url}/api/generate", json={"model": MODEL, "prompt": "hi"}, timeout=30)
+        assert r.status_code == 503 and "busy" in r.json()["error"]
+    finally:
+        for client, response in streams:
+            response.close()
+            client.close()
+    wait_for(lambda: idle(server), timeout=10, what="every cancelled stream to be retired")
+
+
+def test_many_cancelled_streams_leave_no_memory_behind(server: ServerThread) -> None:
+    shared = httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0))
+
+    def one() -> None:
+        _, response = _open_stream(server.url, max_tokens=50, client=shared)
+        try:
+            next(response.iter_lines())
+        finally:
+            response.close()  # the connection goes with it: the server sees a disconnect
+
+    def burst(n: int) -> None:
+        for _ in range(n // 4):
+            threads = [threading.Thread(target=one) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+        wait_for(lambda: idle(server), timeout=10, what="the cancelled streams to be retired")
+
+    try:
+        burst(12)  # warm-up: allocator pools, thread stacks, the prefix cache's blocks
+        baseline = rss_bytes()
+        burst(40)
+    finally:
+        shared.close()
+    growth = rss_bytes() - baseline
+    assert growth < 40e6, f"RSS grew by {growth / 1e6:.1f} MB over 40 cancelled streams"
+    assert not server.manager.slots[MODEL].generations  # nothing kept per request
+
+
+def test_metrics(server: ServerThread, http: httpx.Client) -> None:
+    text = http.get("/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["localllm_generated_tokens_total"] > 0
+    assert values["localllm_prompt_tokens_total"] > 0
+    assert values["localllm_prompt_cached_tokens_total"] > 0
+    assert values["localllm_queue_rejections_total"] >= 2
+    assert values[f'localllm_requests_running{{model="{MODEL}"}}'] == 0
+    assert values[f'localllm_kv_blocks_total{{model="{MODEL}"}}'] > 0
+    assert f'localllm_kv_blocks{{model="{MODEL}",state="used"}}' in values
+    assert values['localllm_generations_total{reason="cancelled"}'] > 0
+    assert "# TYPE localllm_requests_waiting gauge" in text
