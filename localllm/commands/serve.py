@@ -33,6 +33,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server_class(uvicorn):  # type: ignore[no-untyped-def]
+    """uvicorn's Server, except that a SIGINT/SIGTERM ends ``serve`` normally (exit code 0, "server
+    stopped") once shut down, instead of being raised again at the process; a second one forces the
+    shutdown (in-flight requests cancelled at once)."""
+
+    class Server(uvicorn.Server):  # type: ignore[misc, name-defined]
+        def handle_exit(self, sig: int, frame: object) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+
+    return Server
+
+
 def exposure_warning(host: str, api_key: str | None) -> str | None:
     """The warning for a server reachable from other machines with no key, or None."""
     if is_loopback(host) or api_key:
@@ -91,7 +105,7 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, queue: int, keep_
     sock = bind(host, port)
     config.port = sock.getsockname()[1]
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=config.graceful_s,
+    server = _server_class(uvicorn)(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=config.graceful_s,
                                            lifespan="on", access_log=False))
 
     failed: list[BaseException] = []
