@@ -230,17 +230,27 @@ class Int8WeightOnly(Kernel):
 
 
 def _register_fakes() -> None:
-    """The op's output shape for tracing (torch.export, torch.compile), without running it."""
+    """The ops' output shapes for tracing (torch.export, torch.compile), without running them."""
 
     @torch.library.register_fake("localllm::int8_group_mm")
     def _mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], qweight.shape[0]))
 
+    @torch.library.register_fake("localllm::gguf_mm")
+    def _gguf_mm(x: torch.Tensor, blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], blocks.shape[0]))
 
-#: localllm's grouped int8 matmul (``csrc/int8_group_mm.cpp``), built by :mod:`localllm.native`.
+    @torch.library.register_fake("localllm::gguf_dequant")
+    def _gguf_dequant(blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
+        return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.float32)
+
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+#: localllm's quantized CPU matmuls, built by :mod:`localllm.native` as one library: the grouped int8
+#: matmul (``csrc/int8_group_mm.cpp``) and the one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``).
 LIBRARY = native.NativeLibrary(
-    "localllm_int8", (Path(__file__).resolve().parent / "csrc" / "int8_group_mm.cpp",), ("int8_group_mm",),
-    _register_fakes,
+    "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "gguf_blocks_mm.cpp"),
+    ("int8_group_mm", "gguf_mm", "gguf_dequant"), _register_fakes,
 )
 
 
@@ -278,27 +288,10 @@ class Int8GroupCPU(Kernel):
         return torch.ops.localllm.int8_group_mm(x, layer.qweight, layer.scales, layer.scheme.group_size)
 
 
-def _register_gguf_fakes() -> None:
-    @torch.library.register_fake("localllm::gguf_mm")
-    def _mm(x: torch.Tensor, blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], blocks.shape[0]))
-
-    @torch.library.register_fake("localllm::gguf_dequant")
-    def _dq(blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
-        return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.float32)
-
-
-#: localllm's matmul on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``).
-GGUF_LIBRARY = native.NativeLibrary(
-    "localllm_gguf", (Path(__file__).resolve().parent / "csrc" / "gguf_blocks_mm.cpp",), ("gguf_mm", "gguf_dequant"),
-    _register_gguf_fakes,
-)
-
-
 def gguf_dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
     """(rows, bytes) uint8 blocks of a GGUF type -> (rows, in_features) fp32 weights, by the C++ decoder
     the matmul uses (bit for bit ``gguf.quants.dequantize``; the tests compare)."""
-    if not native.available(GGUF_LIBRARY):
+    if not native.available(LIBRARY):
         raise RuntimeError(f"localllm's CPU kernels are not built ({native.unavailable_reason()})")
     return torch.ops.localllm.gguf_dequant(blocks, GGUF_BLOCKS[type_name][0], in_features)
 
@@ -326,13 +319,13 @@ class GGUFBlocksCPU(Kernel):
             return "runs on the CPU only"
         if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"needs bfloat16, float16 or float32 activations, not {_dtype_name(act_dtype)}"
-        if not native.available(GGUF_LIBRARY):
+        if not native.available(LIBRARY):
             return f"needs localllm's CPU kernels, which could not be built ({native.unavailable_reason()})"
         return None
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
-        if not native.available(GGUF_LIBRARY):
+        if not native.available(LIBRARY):
             raise RuntimeError("localllm's CPU kernels are not built")
         return {"blocks": layer.blocks}  # the file's bytes as they are
 
