@@ -37,9 +37,29 @@ TOP_MAP = {
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
 }
+#: Per-head q/k norms (Qwen3, Gemma 3).
+_QK_NORM_MAP = {"self_attn.q_norm.weight": "attn.q_norm.weight", "self_attn.k_norm.weight": "attn.k_norm.weight"}
+#: Gemma 3's four norms: its ``post_attention_layernorm`` follows attention (Llama's precedes the MLP).
+_GEMMA3_MAP = {
+    **{k: v for k, v in LAYER_MAP.items() if k != "post_attention_layernorm.weight"},
+    **_QK_NORM_MAP,
+    "post_attention_layernorm.weight": "post_attn_norm.weight",
+    "pre_feedforward_layernorm.weight": "mlp_norm.weight",
+    "post_feedforward_layernorm.weight": "post_mlp_norm.weight",
+}
+#: Per-architecture layer tables (the others use LAYER_MAP).
+_ARCH_LAYER_MAPS = {"qwen3": {**LAYER_MAP, **_QK_NORM_MAP}, "gemma3": _GEMMA3_MAP}
+#: Phi-3's fused projections -> the parts they stack, in row order (split as they are read).
+FUSED = {"self_attn.qkv_proj.weight": ("attn.q.weight", "attn.k.weight", "attn.v.weight"),
+         "mlp.gate_up_proj.weight": ("mlp.gate.weight", "mlp.up.weight")}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers some checkpoints carry that we compute ourselves.
 _IGNORED_RE = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
+# A multimodal Gemma 3 checkpoint: its language model's names under a prefix (transformers 4.x / 5.x),
+# beside a vision tower and projector that a text runtime leaves out.
+_NESTED = (("language_model.model.", "model."), ("model.language_model.", "model."),
+           ("language_model.lm_head.", "lm_head."))
+_VISION_RE = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 
 
 def rename(name: str, top: dict[str, str], layer_re: re.Pattern[str], layer: dict[str, str]) -> str | None:
@@ -53,14 +73,35 @@ def rename(name: str, top: dict[str, str], layer_re: re.Pattern[str], layer: dic
     return None
 
 
-def map_hf_name(name: str) -> str | None:
-    """Our parameter name for an HF checkpoint name; None for entries we recompute (rope buffers)."""
-    ours = rename(name, TOP_MAP, _LAYER_RE, LAYER_MAP)
+def map_hf_name(name: str, arch: str = "llama") -> str | None:
+    """Our parameter name for an HF checkpoint name of an ``arch`` model; None for entries we recompute
+    (rope buffers) or do not run (a multimodal checkpoint's vision tower)."""
+    if _VISION_RE.match(name):
+        return None
+    for prefix, plain in _NESTED:
+        if name.startswith(prefix):
+            name = plain + name[len(prefix):]
+            break
+    ours = rename(name, TOP_MAP, _LAYER_RE, _ARCH_LAYER_MAPS.get(arch, LAYER_MAP))
     if ours is not None:
         return ours
     if _IGNORED_RE.search(name):
         return None
-    raise LocalLLMError(f"unexpected tensor '{name}' in the checkpoint", "is this a Llama, Mistral or Qwen2 model?")
+    raise LocalLLMError(f"unexpected tensor '{name}' in the checkpoint", f"is this really a {arch} model?")
+
+
+def split_fused(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]] | None:
+    """A fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) as our separate ones: row slices
+    (views, no copy); None for any other tensor."""
+    m = _LAYER_RE.match(name)
+    if m is None or m.group(2) not in FUSED:
+        return None
+    parts = FUSED[m.group(2)]
+    rows = [config.q_dim, config.kv_dim, config.kv_dim] if len(parts) == 3 else [config.intermediate_size] * 2
+    if tensor.shape[0] != sum(rows):
+        raise LocalLLMError(f"tensor '{name}' has {tensor.shape[0]} rows, the config implies {sum(rows)}",
+                            "the checkpoint does not match its config")
+    return [(f"layers.{m.group(1)}.{p}", t) for p, t in zip(parts, tensor.split(rows, dim=0))]
 
 
 def _read_json(path: Path) -> dict:
@@ -117,9 +158,16 @@ class HFCheckpoint:
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(our name, tensor) pairs, one tensor in memory at a time."""
+        arch = self.config.arch
         for path in self.files:
             for key, tensor in iter_safetensors(path):
-                ours = map_hf_name(key)
+                for nested, plain in _NESTED:
+                    key = plain + key[len(nested):] if key.startswith(nested) else key
+                parts = split_fused(key, tensor, self.config)
+                if parts is not None:
+                    yield from parts
+                    continue
+                ours = map_hf_name(key, arch)
                 if ours is not None:
                     yield ours, tensor
 

@@ -34,7 +34,17 @@ _LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate.weight",
     "ffn_up.weight": "mlp.up.weight",
     "ffn_down.weight": "mlp.down.weight",
+    # Qwen3 and Gemma 3: per-head q/k norms; Gemma 3: norms after attention and after the MLP.
+    "attn_q_norm.weight": "attn.q_norm.weight",
+    "attn_k_norm.weight": "attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attn_norm.weight",
+    "post_ffw_norm.weight": "post_mlp_norm.weight",
 }
+#: Phi-3's fused tensors (our name of the first part -> every part, in row order): ``attn_qkv`` is
+#: q, k, v; its ``ffn_up`` holds gate then up (it has no ``ffn_gate``).
+_FUSED = {"attn_qkv.weight": ("attn.q.weight", "attn.k.weight", "attn.v.weight")}
+#: Tensors that are no parameters: llama3's and Phi-3's RoPE factors (read into the config).
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_short.weight", "rope_factors_long.weight")
 _TOP_MAP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight", "output.weight": "output.weight"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -45,9 +55,29 @@ def map_gguf_name(name: str) -> str | None:
     ours = rename(name, _TOP_MAP, _LAYER_RE, _LAYER_MAP)
     if ours is not None:
         return ours
-    if name == "rope_freqs.weight":
+    m = _LAYER_RE.match(name)
+    if m and m.group(2) in _FUSED:
+        return f"layers.{m.group(1)}.{_FUSED[m.group(2)][0]}"
+    if name in _ROPE_TENSORS:
         return None
-    raise LocalLLMError(f"unexpected tensor '{name}' in the GGUF file", "is this a Llama, Mistral or Qwen2 model?")
+    raise LocalLLMError(f"unexpected tensor '{name}' in the GGUF file",
+                        "is this a Llama, Mistral, Qwen2, Qwen3, Gemma 3 or Phi-3 model?")
+
+
+def _row_slices(t: gguf.ReaderTensor, rows: list[int]) -> list[gguf.ReaderTensor]:
+    """A tensor's row ranges as tensors of their own (views of the same bytes; rows are whole, so this
+    holds for float and block-quantized types alike)."""
+    out = []
+    start = 0
+    row_bytes = t.n_bytes // int(t.data.shape[0])
+    per_row = t.n_elements // int(t.data.shape[0])
+    for n in rows:
+        shape = t.shape.copy()
+        shape[-1] = n  # GGUF dims run innermost first: the last is the row count
+        out.append(t._replace(shape=shape, n_elements=per_row * n, n_bytes=row_bytes * n,
+                              data_offset=t.data_offset + row_bytes * start, data=t.data[start : start + n]))
+        start += n
+    return out
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -148,10 +178,18 @@ class GGUFCheckpoint:
         factors = None
         if freqs is not None:
             factors = [float(f) for f in gguf.quants.dequantize(freqs.data, freqs.tensor_type).reshape(-1)]
+        # Phi-3's longrope: its short and long factors as tensors.
+        short, long = tensors.get("rope_factors_short.weight"), tensors.get("rope_factors_long.weight")
+        longrope = None
+        if short is not None and long is not None:
+            longrope = tuple([float(f) for f in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)]
+                             for t in (short, long))
         self.config = ModelConfig.from_gguf(self.metadata, tie_embeddings="output.weight" not in tensors,
-                                            rope_freq_factors=factors)
-        # llama.cpp permutes q/k only for its "llama" rope layout (Llama, Mistral); Qwen2 is left as is.
+                                            rope_freq_factors=factors, longrope_factors=longrope)  # type: ignore[arg-type]
+        # llama.cpp permutes q/k only for its "llama" rope layout (Llama, Mistral); the others are left as is.
         self._permuted = self.config.arch in ("llama", "mistral")
+        # llama.cpp's converter stores Gemma's norm weights as 1 + w: ours are w (runtime.model.RMSNorm).
+        self._norm_offset = self.config.norm_offset
 
     def drop_metadata(self) -> None:
         """Forget the metadata once the tokenizer and config are made from it: a vocabulary and its
@@ -160,13 +198,28 @@ class GGUFCheckpoint:
 
     def raw_tensors(self) -> Iterator[tuple[str, gguf.ReaderTensor]]:
         """(our name, reader tensor) pairs, for importers that keep the quantized blocks."""
+        c = self.config
         for t in self.reader.tensors:
             ours = map_gguf_name(t.name)
-            if ours is not None:
+            if ours is None:
+                continue
+            if t.name.endswith(".attn_qkv.weight"):  # Phi-3: q, k, v as row ranges of their own
+                layer = ours.rsplit(".", 3)[0]
+                parts = _row_slices(t, [c.q_dim, c.kv_dim, c.kv_dim])
+                yield from ((f"{layer}.attn.{p}.weight", part) for p, part in zip("qkv", parts))
+            elif ours.endswith("mlp.up.weight") and int(t.data.shape[0]) == 2 * c.intermediate_size:
+                layer = ours.rsplit(".", 3)[0]  # Phi-3: gate then up in one ffn_up
+                gate, up = _row_slices(t, [c.intermediate_size] * 2)
+                yield f"{layer}.mlp.gate.weight", gate
+                yield ours, up
+            else:
                 yield ours, t
 
     def fix_rows(self, ours: str, rows: np.ndarray) -> np.ndarray:
-        """Undo the converter's q/k permutation on an array whose first axis is output rows."""
+        """Undo the converter's changes: its q/k permutation on an array whose first axis is output
+        rows, and Gemma's ``1 + w`` norm weights."""
+        if self._norm_offset and ours.endswith("norm.weight"):
+            return rows - np.float32(self._norm_offset)
         if not self._permuted:
             return rows
         if ours.endswith(("attn.q.weight", "attn.q.bias")):

@@ -34,6 +34,33 @@ DEFAULT_TEMPLATE = (
 )
 
 
+#: Gemma's turn format, for a Gemma GGUF that ships no template (the Gemma 3 270M file does not):
+#: ``<start_of_turn>user\n...<end_of_turn>\n`` and ``model`` for the assistant. Gemma has no system
+#: role: a system prompt opens the first user turn, followed by a blank line. Contents are trimmed.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% set ns.system = ns.system + (message['content'] | trim) + '\n\n' %}"
+    "{% else %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + ns.system + (message['content'] | trim) + '<end_of_turn>\n' }}"
+    "{% set ns.system = '' %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def builtin_template(has_token: Any) -> str | None:
+    """A template for a vocabulary whose file ships none, recognised by its turn tokens
+    (``has_token(text) -> bool``): Gemma's; None for any other (then :data:`DEFAULT_TEMPLATE` applies)."""
+    if has_token("<start_of_turn>") and has_token("<end_of_turn>"):
+        return GEMMA_TEMPLATE
+    return None
+
+
 class _GenerationTag(jinja2.ext.Extension):
     """Accept ``{% generation %}...{% endgeneration %}`` (used by transformers to mark assistant text)."""
 

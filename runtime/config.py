@@ -9,8 +9,24 @@ from typing import Any
 from localllm.errors import LocalLLMError
 
 #: HF ``model_type`` / GGUF ``general.architecture`` values this runtime runs. They share one
-#: block: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP; they differ only in config fields.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+#: block: RMSNorm, RoPE, grouped-query attention, a gated MLP; they differ only in config fields
+#: (Qwen3 and Gemma 3 add per-head q/k norms, Gemma 3 four norms per block, GeGLU, local layers;
+#: Phi-3 partial rotary and longrope).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
+
+#: Other spellings of the same architectures: HF's text-only Gemma 3 ``model_type``.
+_ALIASES = {"gemma3_text": "gemma3"}
+
+#: Layer kinds of :attr:`ModelConfig.layer_types`.
+SLIDING, FULL = "sliding", "full"
+
+#: Rope scalings :func:`runtime.model.rope_inv_freq` applies.
+ROPE_SCALINGS = ("llama3", "linear", "longrope")
+
+
+def _unsupported(what: str) -> LocalLLMError:
+    return LocalLLMError(f"unsupported architecture {what}",
+                         f"localllm runs {', '.join(SUPPORTED_ARCHITECTURES)} models")
 
 
 @dataclass
@@ -35,17 +51,45 @@ class ModelConfig:
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     attention_bias: bool = False
-    #: Mistral-style local attention window (tokens), or None for full attention.
+    #: Local attention window (tokens), or None for full attention: every layer's (Mistral, Phi-3), or
+    #: with :attr:`layer_types` the sliding layers' only (Gemma 3).
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    #: Per layer, "sliding" or "full" (Gemma 3's pattern); None: every layer alike.
+    layer_types: list[str] | None = None
+    #: RoPE base of the sliding layers (Gemma 3's local base); None: :attr:`rope_theta`. Rope scaling
+    #: applies to the full layers only when this is set.
+    rope_local_theta: float | None = None
+    #: Fraction of each head's dims that RoPE rotates (Phi-3.5/Phi-4-mini); the rest pass through.
+    partial_rotary: float = 1.0
+    #: RMSNorm on each query and key head (over head_dim) before RoPE (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    #: Gemma's RMSNorm: ``x * (1 + w)`` in fp32, then cast (0 = Llama's ``w * x``).
+    norm_offset: float = 0.0
+    #: Gemma 3's four norms per block: after attention and after the MLP too.
+    post_norms: bool = False
+    #: Gate activation of the MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh-approximated GELU).
+    mlp_act: str = "silu"
+    #: Embeddings multiplied by this (Gemma: sqrt(dim), rounded to the activation dtype); None: not.
+    embed_scale: float | None = None
+    #: Attention's score scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5).
+    attn_scale: float | None = None
+    #: Gemma 2 style soft-capping ``cap * tanh(x / cap)`` of attention scores / final logits, or None.
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
     def __post_init__(self) -> None:
+        self.arch = _ALIASES.get(self.arch, self.arch)
         if self.arch not in SUPPORTED_ARCHITECTURES:
-            raise LocalLLMError(
-                f"unsupported architecture '{self.arch}'",
-                f"localllm runs {', '.join(SUPPORTED_ARCHITECTURES)} models",
-            )
+            raise _unsupported(f"'{self.arch}'")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= {SLIDING, FULL}:
+                raise LocalLLMError(f"bad config: layer types {self.layer_types!r} for {self.n_layers} layers",
+                                    "the model's config is damaged")
+        if self.mlp_act not in ("silu", "gelu_tanh"):
+            raise LocalLLMError(f"unsupported MLP activation '{self.mlp_act}'",
+                                "localllm runs SwiGLU (silu) and GeGLU (gelu_pytorch_tanh) MLPs")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
@@ -64,8 +108,31 @@ class ModelConfig:
             if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "llama3":
                 raise LocalLLMError("bad model: llama3 rope scaling given twice (as a setting and as frequency "
                                     "factors)", "convert the model again")
+        s = self.rope_scaling
+        if s is not None and s.get("rope_type") == "longrope":
+            n = self.rotary_dim // 2
+            if any(len(s.get(f) or []) != n for f in ("short_factor", "long_factor")):
+                raise LocalLLMError(f"bad config: longrope scaling needs short_factor and long_factor of {n} "
+                                    f"values each (rotary dims {self.rotary_dim})", "the model's config is damaged")
 
     # Derived sizes -------------------------------------------------------------------------
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of ``layer`` (tokens; None: it sees the whole context)."""
+        if self.layer_types is not None and self.layer_types[layer] != SLIDING:
+            return None
+        return self.sliding_window
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (even)."""
+        return int(self.head_dim * self.partial_rotary) // 2 * 2  # type: ignore[operator]
+
+    def sequence_cache_bytes(self, tokens: int, bytes_per_value: int, batch: int = 1) -> int:
+        """Bytes of one sequence's contiguous KV cache of ``tokens`` positions: a sliding layer holds
+        at most its window (:class:`runtime.cache.KVCache` as a ring)."""
+        per_layer = [min(tokens, w) if (w := self.layer_window(i)) else tokens for i in range(self.n_layers)]
+        return 2 * sum(per_layer) * self.kv_dim * bytes_per_value * batch
+
     @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim  # type: ignore[operator]
@@ -84,7 +151,8 @@ class ModelConfig:
             self.dim * (self.q_dim + 2 * self.kv_dim)
             + self.q_dim * self.dim
             + 3 * self.dim * self.intermediate_size
-            + 2 * self.dim
+            + (4 if self.post_norms else 2) * self.dim
+            + (2 * self.head_dim if self.qk_norm else 0)  # type: ignore[operator]
             + (self.q_dim + 2 * self.kv_dim if self.attention_bias else 0)
         )
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
@@ -101,36 +169,34 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
-        """From an HF ``config.json`` dict (Llama, Mistral, Qwen2; transformers 4.x and 5.x keys)."""
-        arch = hf.get("model_type", "")
+        """From an HF ``config.json`` dict (transformers 4.x and 5.x keys). A multimodal Gemma 3 config
+        nests its language model under ``text_config``: that part is read (the vision tower is not run)."""
+        outer = hf
+        if isinstance(hf.get("text_config"), dict) and hf.get("model_type") == "gemma3":
+            hf = {"model_type": "gemma3_text", **hf["text_config"]}
+        arch = _ALIASES.get(hf.get("model_type", ""), hf.get("model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
-            archs = hf.get("architectures") or [arch or "unknown"]
-            raise LocalLLMError(
-                f"unsupported architecture '{archs[0]}' (model_type '{arch}')",
-                f"localllm runs {', '.join(SUPPORTED_ARCHITECTURES)} models",
-            )
-        # transformers 5 moved rope settings into 'rope_parameters'; 4.x has rope_theta + rope_scaling.
-        rope = dict(hf.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise LocalLLMError(
-                    f"unsupported rope scaling '{kind}'", "localllm supports llama3 and linear rope scaling"
-                )
-            scaling["rope_type"] = kind
-            if kind == "default":
-                scaling = None
-        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
+            archs = outer.get("architectures") or [arch or "unknown"]
+            raise _unsupported(f"'{archs[0]}' (model_type '{hf.get('model_type', '')}')")
+        n_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+        theta, local_theta, scaling = _hf_rope(hf, arch)
+        partial = hf.get("partial_rotary_factor") or (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
         eos: list[int] = []
-        for src in (generation_config or {}, hf):
+        for src in (generation_config or {}, hf, outer):
             e = src.get("eos_token_id")
             for i in e if isinstance(e, list) else [e] if e is not None else []:
                 if i not in eos:
                     eos.append(int(i))
-        n_heads = hf["num_attention_heads"]
+        gemma = arch == "gemma3"
+        layer_types = _hf_layer_types(hf) if gemma else None
+        if gemma:
+            sliding = hf.get("sliding_window", 4096)
+        elif arch == "phi3":
+            sliding = hf.get("sliding_window")
+        else:
+            sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
@@ -138,34 +204,46 @@ class ModelConfig:
             n_layers=hf["num_hidden_layers"],
             n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            head_dim=head_dim,
             intermediate_size=hf["intermediate_size"],
             norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
             max_seq_len=hf.get("max_position_embeddings", 4096),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; Llama configs say so with attention_bias.
+            tie_embeddings=bool(hf.get("tie_word_embeddings", outer.get("tie_word_embeddings", gemma))),
+            # Qwen2 always has q/k/v bias; Llama and Qwen3 configs say so with attention_bias.
             attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
             sliding_window=sliding,
-            bos_token_id=hf.get("bos_token_id"),
+            bos_token_id=hf.get("bos_token_id", outer.get("bos_token_id")),
             eos_token_ids=eos,
+            layer_types=layer_types,
+            rope_local_theta=local_theta,
+            partial_rotary=float(partial or 1.0),
+            qk_norm=arch in ("qwen3", "gemma3"),
+            norm_offset=1.0 if gemma else 0.0,
+            post_norms=gemma,
+            mlp_act={"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act, act),
+            embed_scale=float(hf["hidden_size"]) ** 0.5 if gemma else None,
+            attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+            # Gemma 3 keeps attn_logit_softcapping in its config but neither transformers nor llama.cpp
+            # applies it (Gemma 2 did): the model's path for it stays unused here.
+            attn_softcap=None,
+            final_softcap=hf.get("final_logit_softcapping") if gemma else None,
         )
 
     @classmethod
     def from_gguf(cls, meta: dict[str, Any], *, tie_embeddings: bool,
-                  rope_freq_factors: list[float] | None = None) -> "ModelConfig":
+                  rope_freq_factors: list[float] | None = None,
+                  longrope_factors: tuple[list[float], list[float]] | None = None) -> "ModelConfig":
         """From GGUF metadata (see :func:`loaders.gguf_meta.read_metadata`).
 
-        ``tie_embeddings`` and ``rope_freq_factors`` are tensors, not metadata: the first is true when
-        the file has no ``output.weight``, the second is the ``rope_freqs.weight`` tensor's values.
+        ``tie_embeddings``, ``rope_freq_factors`` and ``longrope_factors`` are tensors, not metadata: the
+        first is true when the file has no ``output.weight``, the second is the ``rope_freqs.weight``
+        tensor's values, the third Phi-3's ``rope_factors_short.weight`` and ``rope_factors_long.weight``.
         """
         arch = meta.get("general.architecture", "")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise LocalLLMError(
-                f"unsupported GGUF architecture '{arch}'",
-                f"localllm runs {', '.join(SUPPORTED_ARCHITECTURES)} models",
-            )
+            raise _unsupported(f"'{arch}' in the GGUF")
 
         def key(name: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{name}", default)
@@ -181,20 +259,47 @@ class ModelConfig:
                 raise LocalLLMError(f"bad GGUF: linear rope scaling with factor {factor!r}",
                                     "convert the model again with llama.cpp's converter")
             scaling = {"rope_type": "linear", "factor": float(factor)}
-        elif kind != "none":
+        elif kind not in ("none", "longrope") or (kind == "longrope" and longrope_factors is None):
             raise LocalLLMError(
                 f"unsupported rope scaling '{kind}' in the GGUF",
-                "localllm supports linear rope scaling and llama3's frequency factors (rope_freqs)",
+                "localllm supports linear rope scaling, llama3's frequency factors (rope_freqs) and "
+                "Phi-3's longrope factors (rope_factors_short/long)",
             )
+        if longrope_factors is not None:
+            scaling = {"rope_type": "longrope", "short_factor": list(longrope_factors[0]),
+                       "long_factor": list(longrope_factors[1]),
+                       "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                       "max_position_embeddings": key("context_length")}
+            if key("rope.scaling.attn_factor") is not None:
+                scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
+        head_dim = key("attention.key_length") or dim // n_heads
+        n_layers = key("block_count")
+        gemma = arch == "gemma3"
+        extra: dict[str, Any] = {}
+        if gemma:
+            pattern = key("attention.sliding_window_pattern", 6)
+            if isinstance(pattern, list):  # newer converters: one flag per layer (true = sliding)
+                types = [SLIDING if p else FULL for p in pattern]
+            else:
+                types = [SLIDING if (i + 1) % int(pattern) else FULL for i in range(n_layers)]
+            # llama.cpp's values for Gemma 3 (not in the file): local base 10000; the 27B model (62
+            # layers) scales attention by (dim / heads) ** -0.5, the others by head_dim ** -0.5.
+            pre_attn = dim / n_heads if n_layers == 62 else head_dim
+            extra = dict(layer_types=types, rope_local_theta=10000.0, norm_offset=1.0, post_norms=True,
+                         mlp_act="gelu_tanh", embed_scale=float(dim) ** 0.5, attn_scale=float(pre_attn) ** -0.5,
+                         final_softcap=key("final_logit_softcapping"))
+        rot = key("rope.dimension_count")
+        if rot and rot != head_dim:
+            extra["partial_rotary"] = rot / head_dim
         eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
         return cls(
             arch=arch,
             vocab_size=int(vocab),
             dim=dim,
-            n_layers=key("block_count"),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=key("attention.head_count_kv", n_heads),
-            head_dim=key("attention.key_length") or dim // n_heads,
+            head_dim=head_dim,
             intermediate_size=key("feed_forward_length"),
             norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=float(key("rope.freq_base", 10000.0)),
@@ -203,7 +308,51 @@ class ModelConfig:
             max_seq_len=key("context_length", 4096),
             tie_embeddings=tie_embeddings,
             attention_bias=arch == "qwen2",
-            sliding_window=key("attention.sliding_window"),
+            sliding_window=key("attention.sliding_window") or None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=list(dict.fromkeys(int(e) for e in eos)),
+            qk_norm=arch in ("qwen3", "gemma3"),
+            **extra,
         )
+
+
+def _hf_layer_types(hf: dict[str, Any]) -> list[str]:
+    """Gemma 3's per-layer kinds: ``layer_types`` when the config lists them, else every
+    ``sliding_window_pattern``-th layer (default 6) is global."""
+    named = hf.get("layer_types")
+    if named:
+        return [SLIDING if t == "sliding_attention" else FULL for t in named]
+    pattern = int(hf.get("sliding_window_pattern") or 6)
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(hf["num_hidden_layers"])]
+
+
+def _hf_rope(hf: dict[str, Any], arch: str) -> tuple[float, float | None, dict[str, Any] | None]:
+    """(global base, local base or None, scaling dict or None) from transformers 4.x keys
+    (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``) or 5.x ``rope_parameters`` (per layer
+    kind for Gemma 3: ``{"full_attention": {...}, "sliding_attention": {...}}``)."""
+    params = dict(hf.get("rope_parameters") or {})
+    local: dict[str, Any] = {}
+    if isinstance(params.get("full_attention"), dict):
+        local = dict(params.get("sliding_attention") or {})
+        params = dict(params["full_attention"])
+    theta = params.pop("rope_theta", None) or hf.get("rope_theta") or (1e6 if arch == "gemma3" else 10000.0)
+    local_theta = None
+    if arch == "gemma3":
+        local_theta = float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0)
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling is None:
+        return float(theta), local_theta, None
+    scaling = {k: v for k, v in dict(scaling).items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kind = scaling.pop("type", None) or scaling.get("rope_type", "default")
+    kind = {"su": "longrope"}.get(kind, kind)
+    if kind == "default":
+        return float(theta), local_theta, None
+    if kind not in ROPE_SCALINGS:
+        raise LocalLLMError(f"unsupported rope scaling '{kind}'",
+                            "localllm supports llama3, linear and longrope rope scaling")
+    scaling["rope_type"] = kind
+    if kind == "longrope":
+        scaling.setdefault("original_max_position_embeddings",
+                           hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings"))
+        scaling.setdefault("max_position_embeddings", hf.get("max_position_embeddings"))
+    return float(theta), local_theta, scaling

@@ -148,6 +148,7 @@ class Generator:
         reuse = _common_prefix(cache.tokens, prompt)
         if reuse == len(prompt):
             reuse -= 1  # at least one token must run to give the next logits
+        reuse = cache.reusable(len(cache.tokens), reuse)  # a sliding layer's ring may have moved on
         stats.cached_tokens = reuse
         dev = self.device
         gen = make_generator(params.seed, dev)

@@ -1,15 +1,22 @@
-"""The Llama-family transformer (Llama, Mistral, Qwen2).
+"""The Llama-family transformer (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3).
 
 Parameter names (the checkpoint loaders map to these)::
 
     embed.weight
     layers.{i}.attn_norm.weight
     layers.{i}.attn.{q,k,v}.weight  (+ .bias when config.attention_bias)
+    layers.{i}.attn.{q,k}_norm.weight  (config.qk_norm: Qwen3, Gemma 3)
     layers.{i}.attn.o.weight
+    layers.{i}.post_attn_norm.weight   (config.post_norms: Gemma 3)
     layers.{i}.mlp_norm.weight
     layers.{i}.mlp.{gate,up,down}.weight
+    layers.{i}.post_mlp_norm.weight    (config.post_norms)
     norm.weight
     output.weight                   (the same tensor as embed.weight when tied)
+
+A layer with a sliding window (Mistral, Phi-3: every layer; Gemma 3: five of every six) attends to
+the last ``window`` positions only; its cache is a ring of the window's size when the sequence is
+longer (:class:`runtime.cache.KVCache`).
 
 No device or dtype is hard-wired: build on ``meta``, ``load_state_dict(assign=True)``.
 
@@ -24,13 +31,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localllm.runtime.cache import KVCache, SequenceCache
-from localllm.runtime.config import ModelConfig
+from localllm.runtime.cache import KVCache, SequenceCache, attention_mask
+from localllm.runtime.config import SLIDING, ModelConfig
 from localllm.runtime.kv_pool import gather
 from localllm.runtime.paged import PagedLayer, PagedStep
 
@@ -57,23 +65,40 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """RMSNorm in fp32. ``offset`` 0: Llama's ``w * x`` (cast before the product); 1: Gemma's
+    ``x * (1 + w)`` (product in fp32, then cast)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
+        self.offset = offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the activation dtype (as the reference implementations do).
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (self.weight.float() + self.offset)).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) in fp32, with a GGUF's frequency factors, llama3 or linear
-    scaling applied."""
-    hd = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+def _uses_local_rope(config: ModelConfig, layer: int) -> bool:
+    """Whether ``layer`` takes the sliding layers' RoPE base (Gemma 3's local layers)."""
+    return config.rope_local_theta is not None and config.layer_types is not None and \
+        config.layer_types[layer] == SLIDING
+
+
+def rope_inv_freq(config: ModelConfig, local: bool = False, max_seq: int | None = None) -> torch.Tensor:
+    """Inverse frequencies (rotary_dim/2,) in fp32, with a GGUF's frequency factors, llama3, linear or
+    longrope scaling applied. ``local``: the sliding layers' base (Gemma 3), never scaled.
+    ``max_seq``: the longest sequence the table serves; longrope takes its long factors beyond the
+    original context (as transformers does for such a sequence), its short ones otherwise."""
+    hd = config.rotary_dim
+    base = config.rope_local_theta if local and config.rope_local_theta is not None else config.rope_theta
+    inv = 1.0 / (base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if local and config.rope_local_theta is not None:
+        return inv.float()
     if config.rope_freq_factors is not None:  # llama.cpp: theta_i = pos * base^(-2i/d) / factors[i]
         inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
     s = config.rope_scaling
@@ -81,6 +106,10 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         return inv.float()
     if s["rope_type"] == "linear":
         return (inv / float(s["factor"])).float()
+    if s["rope_type"] == "longrope":
+        long = max_seq is not None and max_seq > int(s["original_max_position_embeddings"])
+        factors = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float64)
+        return (inv / factors).float()
     # llama3: leave high frequencies, divide low ones by `factor`, blend in between.
     factor = float(s["factor"])
     low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
@@ -93,24 +122,94 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(mid, blended, out).float()
 
 
-def rope_tables(config: ModelConfig, max_seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (max_seq, head_dim) in fp32, in the half-split (rotate_half) layout."""
-    inv = rope_inv_freq(config).to(device)
-    t = torch.arange(max_seq, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, inv)  # (S, hd/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (S, hd)
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor longrope multiplies cos and sin by (1 for every other RoPE)."""
+    s = config.rope_scaling
+    if s is None or s["rope_type"] != "longrope":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    original = float(s["original_max_position_embeddings"])
+    factor = s.get("factor") or float(s.get("max_position_embeddings") or config.max_seq_len) / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_rows(config: ModelConfig, positions: torch.Tensor, max_seq: int,
+              local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (N, rotary_dim) in fp32 for ``positions`` (N,), in the half-split (rotate_half) layout."""
+    inv = rope_inv_freq(config, local, max_seq).to(positions.device)
+    freqs = torch.outer(positions.float(), inv)  # (N, rot/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (N, rot)
+    scale = 1.0 if local else rope_attention_factor(config)
+    if scale != 1.0:
+        return emb.cos() * scale, emb.sin() * scale
     return emb.cos(), emb.sin()
 
 
+def rope_tables(config: ModelConfig, max_seq: int, device: torch.device,
+                local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (max_seq, rotary_dim) in fp32 (the global layers' unless ``local``)."""
+    return rope_rows(config, torch.arange(max_seq, device=device), max_seq, local)
+
+
+def _both_tables(config: ModelConfig, max_seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global tables, and beside them (last axis) the local ones when the sliding layers have a
+    base of their own: what a :class:`SequenceCache` carries."""
+    cos, sin = rope_tables(config, max_seq, device)
+    if config.rope_local_theta is None:
+        return cos, sin
+    lcos, lsin = rope_tables(config, max_seq, device, local=True)
+    return torch.cat([cos, lcos], dim=-1), torch.cat([sin, lsin], dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, hd); cos/sin (T, hd) already in x's dtype."""
-    half = x.shape[-1] // 2
+    """x (B, H, T, hd); cos/sin (T, rot) already in x's dtype, rot <= hd: the first rot dims rotate."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:  # partial rotary (Phi-3.5/Phi-4-mini): the rest passes through
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+    half = rot // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
 
 
+def attend(
+    q: torch.Tensor,  # (B, H, T, hd)
+    k: torch.Tensor,  # (B, KV, L, hd)
+    v: torch.Tensor,  # (B, KV, L, hd)
+    mask: torch.Tensor | None,  # (T, L) bool, True = attend; None: causal from 0 (T > 1) / all (T == 1)
+    scale: float | None,  # None: hd ** -0.5
+    softcap: float | None,
+) -> torch.Tensor:
+    """Softmax attention -> (B, H, T, hd): SDPA, or written out when the scores are soft-capped."""
+    H, KV, T = q.shape[1], k.shape[1], q.shape[2]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                              scale=scale, enable_gqa=H != KV)
+    if H != KV:
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap  # (B, H, T, L)
+    if mask is None and T > 1:
+        mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1).to(v.dtype) @ v
+
+
+@dataclass
+class _Pass:
+    """What every layer of one (non-paged) forward shares."""
+
+    rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # local? -> cos, sin (T, rot)
+    input_pos: torch.Tensor | None  # (T,) with a cache
+    start: int
+    kv_len: int  # keys a whole-sequence cache attends to: positions [0, kv_len)
+    masks: dict[int | None, torch.Tensor | None]  # window -> mask over [0, kv_len)
+    static: bool  # whole-cache attention with masks from input_pos alone
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
@@ -120,55 +219,78 @@ class Attention(nn.Module):
         self.k = Linear(config.dim, config.kv_dim, bias=bias)
         self.v = Linear(config.dim, config.kv_dim, bias=bias)
         self.o = Linear(config.q_dim, config.dim, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset) if config.qk_norm else None
         #: q, k and v as one matmul, set by loaders.build.fuse_projections (then q, k, v are removed).
         self.qkv: nn.Module | None = None
         self.q_dim, self.kv_dim = config.q_dim, config.kv_dim
+        #: This layer's attention window (None: the whole context) and RoPE tables (local or global).
+        self.window = config.layer_window(layer)
+        self.local_rope = _uses_local_rope(config, layer)
+        default = config.head_dim ** -0.5  # type: ignore[operator]
+        self.scale = config.attn_scale if config.attn_scale not in (None, default) else None
+        #: What q is multiplied by before a kernel that scales by head_dim ** -0.5 (1.0: nothing).
+        self.q_prescale = (self.scale / default) if self.scale is not None else 1.0
+        self.softcap = config.attn_softcap
         #: Attention of one query position, ``fn(q (B, KV, G, hd), k, v (B, KV, kv_len, hd)) -> (B, KV, G, hd)``,
         #: used instead of SDPA when set (see Transformer.set_decode_attention).
         self.decode_kernel: DecodeAttention | None = None
 
-    def forward(
-        self,
-        x: torch.Tensor,  # (B, T, D)
-        cos: torch.Tensor,  # (T, hd)
-        sin: torch.Tensor,  # (T, hd)
-        kv: KVCache | PagedLayer | None,  # this layer's cache, None = no cache
-        input_pos: torch.Tensor | None,  # (T,) positions (with a cache)
-        kv_len: int,  # keys to attend to: positions [0, kv_len)
-        mask: torch.Tensor | None,  # (T, kv_len) bool, or None for "causal from 0" / "all"
-    ) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, T, hd), k, v (B, KV, T, hd): projected, q/k-normed per head, rotated."""
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         if self.qkv is not None:
             qkv = self.qkv(x)  # (B, T, (H + 2 KV) hd)
-            # q and k are adjacent: rotate them in one go.
-            qk = apply_rope(qkv[..., : (H + KV) * hd].view(B, T, H + KV, hd).transpose(1, 2), cos, sin)
-            q, k = qk[:, :H], qk[:, H:]  # (B, H, T, hd), (B, KV, T, hd)
-            v = qkv[..., (H + KV) * hd :].view(B, T, KV, hd).transpose(1, 2)
+            if self.q_norm is None:  # q and k are adjacent: rotate them in one go.
+                qk = apply_rope(qkv[..., : (H + KV) * hd].view(B, T, H + KV, hd).transpose(1, 2), cos, sin)
+                v = qkv[..., (H + KV) * hd :].view(B, T, KV, hd).transpose(1, 2)
+                return qk[:, :H], qk[:, H:], v
+            q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
         else:
-            q = apply_rope(self.q(x).view(B, T, H, hd).transpose(1, 2), cos, sin)  # (B, H, T, hd)
-            k = apply_rope(self.k(x).view(B, T, KV, hd).transpose(1, 2), cos, sin)  # (B, KV, T, hd)
-            v = self.v(x).view(B, T, KV, hd).transpose(1, 2)
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q, k = q.view(B, T, H, hd), k.view(B, T, KV, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
+        return q, k, v.reshape(B, T, KV, hd).transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, D)
+        kv: KVCache | PagedLayer | None,  # this layer's cache, None = no cache
+        ps: _Pass | None,  # the forward's shared tensors (None: paged, see kv)
+        cos: torch.Tensor,  # (T, rot)
+        sin: torch.Tensor,  # (T, rot)
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self._project(x, cos, sin)
         if isinstance(kv, PagedLayer):
-            return self.o(paged_attention(q, k, v, kv))
-        if kv is not None and input_pos is not None:
-            k_all, v_all = kv.update(input_pos, k, v)
-            k, v = k_all[:, :, :kv_len], v_all[:, :, :kv_len]  # (B, KV, kv_len, hd)
-        gqa = self.n_heads != self.n_kv_heads
-        if T == 1:
+            return self.o(paged_attention(q, k, v, kv, self.q_prescale, self.scale, self.softcap))
+        assert ps is not None
+        mask = ps.masks.get(self.window) if ps.masks else None
+        if kv is not None and ps.input_pos is not None:
+            if kv.window is None:
+                k_all, v_all = kv.update(ps.input_pos, k, v)
+                k, v = k_all[:, :, : ps.kv_len], v_all[:, :, : ps.kv_len]  # (B, KV, kv_len, hd)
+            elif ps.static:
+                k, v, mask = kv.update_ring_static(ps.input_pos, k, v)  # (B, KV, W, hd)
+            else:
+                k, v, mask = kv.update_ring(ps.start, ps.input_pos, k, v)
+        if T == 1 and self.softcap is None:
             # One query: fold the query heads of each kv group into the "sequence" axis so GQA
             # needs no expanded keys; a (1, kv_len) mask, if any, applies to every folded row.
             g = self.n_heads // self.n_kv_heads
             qg = q.reshape(B, self.n_kv_heads, g, self.head_dim)  # (B, KV, G, hd)
             if self.decode_kernel is not None and mask is None:
-                y = self.decode_kernel(qg, k, v)
+                y = self.decode_kernel(qg * self.q_prescale if self.q_prescale != 1.0 else qg, k, v)
             else:
-                y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+                y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
             y = y.view(B, self.n_heads, 1, self.head_dim)
         else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
-            )  # (B, H, T, hd)
+            y = attend(q, k, v, mask, self.scale, self.softcap)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o(y)
 
@@ -178,14 +300,21 @@ def paged_attention(
     k: torch.Tensor,  # (1, KV, N, hd): their new keys
     v: torch.Tensor,  # (1, KV, N, hd)
     layer: PagedLayer,
+    q_prescale: float = 1.0,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened batch over the paged pool -> (1, N, H * hd).
 
     The new keys/values are written to their slots first; then each sequence's queries attend over
     its own context: single queries through the step's paged kernel (one call for all of them) when it
-    has one, the rest through SDPA over keys/values gathered from their blocks.
+    has one, the rest through SDPA over keys/values gathered from their blocks. In a sliding-window
+    layer a sequence whose context the window cuts goes to SDPA, over the blocks that hold its window
+    with a mask (the pool keeps every block of the context: the window saves compute, not memory).
+    Soft-capped scores (Gemma 2 style) never take the kernel.
     """
     step = layer.step
+    split = step.split(layer.window, softcap is None)
     _, H, N, hd = q.shape
     KV = k.shape[1]
     kp, vp = layer.k, layer.v  # (n_blocks, KV, block, hd)
@@ -193,27 +322,28 @@ def paged_attention(
     vp[step.write_blocks, :, step.write_rows] = v[0].transpose(0, 1)
     qt = q[0].transpose(0, 1)  # (N, H, hd)
     decode = None
-    if step.decode_tables is not None:
-        assert step.kernel is not None and step.decode_lens is not None
-        qd = qt if step.decode_rows is None else qt.index_select(0, step.decode_rows)  # (S_d, H, hd)
-        decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, step.decode_tables, step.decode_lens)
-        if step.decode_rows is None:
+    if split.decode_tables is not None:
+        assert step.kernel is not None and split.decode_lens is not None
+        qd = qt if split.decode_rows is None else qt.index_select(0, split.decode_rows)  # (S_d, H, hd)
+        if q_prescale != 1.0:
+            qd = qd * q_prescale
+        decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, split.decode_tables, split.decode_lens)
+        if split.decode_rows is None:
             return decode.reshape(1, N, H * hd)  # (S_d, KV, G, hd), S_d == N: every row in order
     y = q.new_empty(N, H, hd)
     if decode is not None:
-        y.index_copy_(0, step.decode_rows, decode.reshape(-1, H, hd))
-    for span in step.sdpa_spans:
-        ks, vs = gather(kp, vp, span.blocks, span.context)  # (1, KV, ctx, hd)
+        y.index_copy_(0, split.decode_rows, decode.reshape(-1, H, hd))
+    for span in split.sdpa_spans:
+        first = step.first_block(span, layer.window)  # blocks before it hold no key the queries see
+        ks, vs = gather(kp, vp, span.blocks[first:], span.context - first * step.pool.block_size)
         qs = q[:, :, span.row : span.row + span.length]  # (1, H, n, hd)
-        mask = step.mask(span)
-        if span.length == 1 and mask is None:
+        mask = step.mask(span, layer.window, first)
+        if span.length == 1 and mask is None and softcap is None:
             # one query: fold each kv group's heads into the query axis, as the one-sequence decode does
-            ys = F.scaled_dot_product_attention(qs.reshape(1, KV, H // KV, hd), ks, vs)  # (1, KV, G, hd)
+            ys = F.scaled_dot_product_attention(qs.reshape(1, KV, H // KV, hd), ks, vs, scale=scale)  # (1, KV, G, hd)
             y[span.row] = ys.reshape(H, hd)
         else:
-            ys = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=KV != H
-            )  # (1, H, n, hd)
+            ys = attend(qs, ks, vs, mask, scale, softcap)  # (1, H, n, hd)
             y[span.row : span.row + span.length] = ys[0].transpose(0, 1)
     return y.view(1, N, H * hd)
 
@@ -226,25 +356,35 @@ class MLP(nn.Module):
         self.down = Linear(config.intermediate_size, config.dim, bias=False)
         #: gate and up as one matmul, set by loaders.build.fuse_projections.
         self.gate_up: nn.Module | None = None
+        self.gelu = config.mlp_act == "gelu_tanh"
+
+    def _act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(F.silu(gate) * up)
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+            return self.down(self._act(gate) * up)
+        return self.down(self._act(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attn = Attention(config)
-        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        norm = config.norm_offset
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps, norm)
+        self.attn = Attention(config, layer)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps, norm)
         self.mlp = MLP(config)
+        self.post_attn_norm = RMSNorm(config.dim, config.norm_eps, norm) if config.post_norms else None
+        self.post_mlp_norm = RMSNorm(config.dim, config.norm_eps, norm) if config.post_norms else None
 
-    def forward(self, x, cos, sin, kv, input_pos, kv_len, mask):  # type: ignore[no-untyped-def]
-        h = x + self.attn(self.attn_norm(x), cos, sin, kv, input_pos, kv_len, mask)
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(self, x: torch.Tensor, kv: KVCache | PagedLayer | None, ps: _Pass | None,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        a = self.attn(self.attn_norm(x), kv, ps, cos, sin)
+        h = x + (self.post_attn_norm(a) if self.post_attn_norm is not None else a)
+        m = self.mlp(self.mlp_norm(h))
+        return h + (self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
 
 
 class Transformer(nn.Module):
@@ -252,9 +392,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_offset)
         self.output = Linear(config.dim, config.vocab_size, bias=False)
+        #: Whether any layer rotates with the local base (its tables sit beside the global ones).
+        self._local_rope = any(layer.attn.local_rope for layer in self.layers)
 
     @property
     def device(self) -> torch.device:
@@ -270,13 +412,18 @@ class Transformer(nn.Module):
         self.output.weight = self.embed.weight
 
     def new_cache(self, max_seq: int, batch: int = 1, cache_dtype: torch.dtype | None = None) -> SequenceCache:
-        """A sequence's KV caches and RoPE tables for ``max_seq`` positions on the model's device."""
+        """A sequence's KV caches and RoPE tables for ``max_seq`` positions on the model's device. A
+        sliding-window layer whose window is shorter than ``max_seq`` gets a ring of the window's size."""
         c = self.config
         device, dtype = self.device, cache_dtype or self.dtype
-        shape = (batch, c.n_kv_heads, max_seq, c.head_dim)
-        layers = [KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                          torch.zeros(shape, dtype=dtype, device=device)) for _ in self.layers]
-        cos, sin = rope_tables(c, max_seq, device)
+        layers = []
+        for i in range(c.n_layers):
+            window = c.layer_window(i)
+            ring = window is not None and window < max_seq
+            shape = (batch, c.n_kv_heads, window if ring else max_seq, c.head_dim)
+            layers.append(KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                                  torch.zeros(shape, dtype=dtype, device=device), window if ring else None))
+        cos, sin = _both_tables(c, max_seq, device)
         return SequenceCache(layers, cos.to(self.dtype), sin.to(self.dtype))
 
     @property
@@ -326,55 +473,80 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if cache is None:
             start, input_pos = 0, None
-            cos, sin = rope_tables(self.config, T, tokens.device)
-            cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # (T, hd)
+            cos, sin = _both_tables(self.config, T, tokens.device)
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # (T, rot[*2])
         else:
             if input_pos is None:
                 input_pos = torch.arange(start, start + T, device=tokens.device)
             if static:
                 return self._forward_static(tokens, cache, input_pos)
             # positions start .. start + T - 1: a view, no gather
-            cos, sin = cache.cos[start : start + T], cache.sin[start : start + T]  # (T, hd)
+            cos, sin = cache.cos[start : start + T], cache.sin[start : start + T]  # (T, rot[*2])
         kv_len = start + T
-        mask = self._mask(start, T, kv_len, tokens.device)
-        x = self.embed(tokens)  # (B, T, D)
+        windows = {layer.attn.window for layer in self.layers}
+        masks = {w: attention_mask(start, T, kv_len, w, tokens.device) for w in windows}
+        ps = _Pass(self._split_rope(cos, sin), input_pos, start, kv_len, masks, False)
+        x = self._embed(tokens)  # (B, T, D)
         kvs = cache.layers if cache is not None else [None] * len(self.layers)
         for layer, kv in zip(self.layers, kvs):
-            x = layer(x, cos, sin, kv, input_pos, kv_len, mask)
+            x = layer(x, kv, ps, *ps.rope[layer.attn.local_rope])
         if last_only:
             x = x[:, -1:]  # (B, 1, D)
-        return self.output(self.norm(x))
+        return self._head(x)
+
+    def _split_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """local? -> (cos, sin) from tables that carry the local ones beside the global ones."""
+        if not self._local_rope:
+            return {False: (cos, sin)}
+        rot = self.config.rotary_dim
+        return {False: (cos[..., :rot], sin[..., :rot]), True: (cos[..., rot:], sin[..., rot:])}
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embeddings (B, T, D), times Gemma's sqrt(dim) rounded to the activation dtype first."""
+        x = self.embed(tokens)
+        if self.config.embed_scale is None:
+            return x
+        # A Python scalar rounded to x's dtype: the product equals transformers' (a tensor of that dtype).
+        return x * float(torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the final hidden states (soft-capped when the model says so)."""
+        logits = self.output(self.norm(x))
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward_paged(self, tokens: torch.Tensor, step: PagedStep) -> torch.Tensor:
         """Logits (1, S_out, vocab) of ``step.logits_rows`` for the flattened batch ``tokens`` (1, N):
-        every linear layer runs once over all N rows, attention per sequence (:func:`paged_attention`)."""
-        x = self.embed(tokens)  # (1, N, D)
+        every linear layer runs once over all N rows, attention per sequence (:func:`paged_attention`).
+        Each layer attends with its own window; the local layers' RoPE rows are made here from the
+        step's positions (the step carries the global ones)."""
+        x = self._embed(tokens)  # (1, N, D)
+        rope = {False: (step.cos, step.sin)}
+        if self._local_rope:
+            lcos, lsin = rope_rows(self.config, step.positions, self.config.max_seq_len, local=True)
+            rope[True] = (lcos.to(self.dtype), lsin.to(self.dtype))
         for i, layer in enumerate(self.layers):
-            x = layer(x, step.cos, step.sin, step.layer(i), None, 0, None)
+            x = layer(x, step.layer(i, layer.attn.window), None, *rope[layer.attn.local_rope])
         x = x[:, step.logits_rows]  # (1, S_out, D)
-        return self.output(self.norm(x))
+        return self._head(x)
 
     def _forward_static(self, tokens: torch.Tensor, cache: SequenceCache, input_pos: torch.Tensor) -> torch.Tensor:
-        cos, sin = cache.cos[input_pos], cache.sin[input_pos]  # (T, hd)
+        cos, sin = cache.cos[input_pos], cache.sin[input_pos]  # (T, rot[*2])
         k_pos = torch.arange(cache.max_seq, device=tokens.device)[None, :]
         q_pos = input_pos[:, None]
-        mask = k_pos <= q_pos  # (T, max_seq)
-        if self.config.sliding_window is not None:
-            mask &= k_pos > q_pos - self.config.sliding_window
-        x = self.embed(tokens)
+        masks: dict[int | None, torch.Tensor | None] = {}
+        for w in {layer.attn.window for layer in self.layers}:
+            mask = k_pos <= q_pos  # (T, max_seq)
+            if w is not None:
+                mask &= k_pos > q_pos - w
+            masks[w] = mask
+        ps = _Pass(self._split_rope(cos, sin), input_pos, 0, cache.max_seq, masks, True)
+        x = self._embed(tokens)
         for layer, kv in zip(self.layers, cache.layers):
-            x = layer(x, cos, sin, kv, input_pos, cache.max_seq, mask)
-        return self.output(self.norm(x))
+            x = layer(x, kv, ps, *ps.rope[layer.attn.local_rope])
+        return self._head(x)
 
     def _mask(self, start: int, T: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
-        """None when SDPA needs no explicit mask; else a (T, kv_len) bool mask (True = attend)."""
-        window = self.config.sliding_window
-        windowed = window is not None and kv_len > window
-        if not windowed and (start == 0 or T == 1):
-            return None  # plain causal from position 0, or one query that sees everything
-        q_pos = torch.arange(start, start + T, device=device)[:, None]
-        k_pos = torch.arange(kv_len, device=device)[None, :]
-        mask = k_pos <= q_pos
-        if windowed:
-            mask &= k_pos > q_pos - window
-        return mask
+        """None when SDPA needs no explicit mask; else a (T, kv_len) bool mask (True = attend), with
+        the model's window (every layer's: Mistral)."""
+        return attention_mask(start, T, kv_len, self.config.sliding_window, device)

@@ -53,12 +53,27 @@ class SeqSpan:
 
 
 class PagedLayer:
-    """A :class:`PagedStep` seen from one layer: the step's metadata and that layer's pool tensors."""
+    """A :class:`PagedStep` seen from one layer: the step's metadata, that layer's pool tensors and its
+    attention window (None: the whole context)."""
 
-    __slots__ = ("step", "k", "v")
+    __slots__ = ("step", "k", "v", "window")
 
-    def __init__(self, step: "PagedStep", k: torch.Tensor, v: torch.Tensor) -> None:
-        self.step, self.k, self.v = step, k, v
+    def __init__(self, step: "PagedStep", k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> None:
+        self.step, self.k, self.v, self.window = step, k, v, window
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which spans of a step one layer runs through the paged kernel, and which through SDPA."""
+
+    decode_rows: torch.Tensor | None  # (S_d,) long, None when every row is decode
+    decode_tables: torch.Tensor | None  # (S_d, max_blocks) int32, None: no span takes the kernel
+    decode_lens: torch.Tensor | None  # (S_d,) int32
+    sdpa_spans: list[SeqSpan]  # spans run through SDPA over their gathered blocks
+
+
+#: ``PagedStep.layer``'s default window: the step's own.
+_STEP_WINDOW = -1
 
 
 class PagedStep:
@@ -84,28 +99,38 @@ class PagedStep:
         self.logits_rows = logits_rows
         self.kernel = kernel
         self.sliding_window = sliding_window
-        device = positions.device
-        # Spans the kernel takes: one query, and (with a window) a context the window does not cut.
-        fits = [s.length == 1 and (sliding_window is None or s.context <= sliding_window) for s in spans]
-        if kernel is None:
+        self._splits: dict[tuple[int | None, bool], Split] = {}
+        own = self.split(sliding_window)
+        #: The split under the step's own window (see :meth:`split` for a layer's).
+        self.sdpa_spans = own.sdpa_spans
+        self.decode_rows, self.decode_tables, self.decode_lens = own.decode_rows, own.decode_tables, own.decode_lens
+
+    def split(self, window: int | None, use_kernel: bool = True) -> Split:
+        """The spans a layer with ``window`` runs through the kernel (one query, and a context the
+        window does not cut) and through SDPA (made once per step and window)."""
+        key = (window, use_kernel)
+        if key in self._splits:
+            return self._splits[key]
+        spans = self.spans
+        fits = [s.length == 1 and (window is None or s.context <= window) for s in spans]
+        if self.kernel is None or not use_kernel:
             fits = [False] * len(spans)
         decode = [s for s, f in zip(spans, fits) if f]
-        #: Spans run through SDPA over their gathered blocks.
-        self.sdpa_spans = [s for s, f in zip(spans, fits) if not f]
-        self.decode_rows: torch.Tensor | None = None  # (S_d,) long, None when every row is decode
-        self.decode_tables: torch.Tensor | None = None  # (S_d, max_blocks) int32
-        self.decode_lens: torch.Tensor | None = None  # (S_d,) int32
+        rows = tables = lens = None
         if decode:
+            device = self.positions.device
             width = max(len(s.blocks) for s in decode)
-            table = torch.zeros(len(decode), width, dtype=torch.int32, device=device)
+            tables = torch.zeros(len(decode), width, dtype=torch.int32, device=device)
             for i, s in enumerate(decode):
-                table[i, : len(s.blocks)] = s.blocks
-            self.decode_tables = table
-            lens = torch.tensor([s.context for s in decode], dtype=torch.int32)
-            self.decode_lens = lens.to(device, non_blocking=True)  # non-blocking uploads: see build
-            if len(decode) != positions.shape[0]:
-                rows = torch.tensor([s.row for s in decode], dtype=torch.long)
-                self.decode_rows = rows.to(device, non_blocking=True)
+                tables[i, : len(s.blocks)] = s.blocks
+            host_lens = torch.tensor([s.context for s in decode], dtype=torch.int32)
+            lens = host_lens.to(device, non_blocking=True)  # non-blocking uploads: see build
+            if len(decode) != self.positions.shape[0]:
+                host_rows = torch.tensor([s.row for s in decode], dtype=torch.long)
+                rows = host_rows.to(device, non_blocking=True)
+        split = Split(rows, tables, lens, [s for s, f in zip(spans, fits) if not f])
+        self._splits[key] = split
+        return split
 
     @property
     def num_tokens(self) -> int:
@@ -116,20 +141,30 @@ class PagedStep:
         """Every row is one sequence's single query, all run by the kernel."""
         return self.decode_tables is not None and self.decode_rows is None
 
-    def layer(self, index: int) -> PagedLayer:
-        return PagedLayer(self, self.pool.k[index], self.pool.v[index])
+    def layer(self, index: int, window: int | None = _STEP_WINDOW) -> PagedLayer:
+        """Layer ``index``'s view of the step, attending with ``window`` (default: the step's own)."""
+        own = self.sliding_window if window == _STEP_WINDOW else window
+        return PagedLayer(self, self.pool.k[index], self.pool.v[index], own)
 
-    def mask(self, span: SeqSpan) -> torch.Tensor | None:
-        """SDPA's mask for ``span``'s queries over its context: None for plain causal attention from
-        position 0 (or one query seeing everything), else (length, context) bool, True = attend."""
-        window = self.sliding_window
+    def first_block(self, span: SeqSpan, window: int | None) -> int:
+        """The first of ``span``'s blocks that holds a key its queries see under ``window`` (0 without one)."""
+        if window is None or span.context <= window:
+            return 0
+        oldest = max(0, span.context - span.length - window + 1)  # the first query's oldest key
+        return oldest // self.pool.block_size
+
+    def mask(self, span: SeqSpan, window: int | None = _STEP_WINDOW, first: int = 0) -> torch.Tensor | None:
+        """SDPA's mask for ``span``'s queries over its context from block ``first`` on: None for plain
+        causal attention from position 0 (or one query seeing everything), else (length, keys) bool,
+        True = attend."""
+        window = self.sliding_window if window == _STEP_WINDOW else window
         windowed = window is not None and span.context > window
         start = span.context - span.length
         if not windowed and (start == 0 or span.length == 1):
             return None
         device = self.positions.device
         q_pos = torch.arange(start, span.context, device=device)[:, None]
-        k_pos = torch.arange(span.context, device=device)[None, :]
+        k_pos = torch.arange(first * self.pool.block_size, span.context, device=device)[None, :]
         mask = k_pos <= q_pos
         if windowed:
             mask &= k_pos > q_pos - window

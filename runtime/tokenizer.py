@@ -158,7 +158,15 @@ class Tokenizer:
         bos_id = token_id("bos_token_id")
         eos_ids = [i for i in (token_id("eos_token_id"), token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
         add_bos = meta.get("tokenizer.ggml.add_bos_token", default_add_bos)
-        return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=bool(add_bos), chat_template=meta.get("tokenizer.chat_template"))
+        template = meta.get("tokenizer.chat_template")
+        if template is None:  # a file without its template (Gemma 3 270M): the family's turn format
+            from localllm.runtime.chat import builtin_template
+
+            template = builtin_template(lambda t: backend.token_to_id(t) is not None)
+        end_of_turn = backend.token_to_id("<end_of_turn>")  # Gemma ends a turn with it (llama.cpp's EOT)
+        if end_of_turn is not None:
+            eos_ids.append(end_of_turn)
+        return cls(backend, bos_id=bos_id, eos_ids=eos_ids, add_bos=bool(add_bos), chat_template=template)
 
     def save(self, folder: str | Path) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json``; :meth:`from_folder` reads them back identically.

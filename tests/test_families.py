@@ -1,0 +1,355 @@
+"""The families people download (Gemma 3, Qwen3, Phi-3): tiny random-weight models against transformers
+(fp32), prefill + cached decode against the full forward, the batch engine against the model alone, and
+GGUF files written from the same weights against the same logits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.loaders.build import empty_model, fuse_projections, load_weights
+from localllm.loaders.checkpoint import HFCheckpoint
+from localllm.runtime.config import ModelConfig
+from localllm.runtime.generate import decode_one_token, prefill
+from tests.conftest import TINY, write_tiny_tokenizer
+
+#: Logits tolerance against transformers (fp32): the tightest every family meets on any CPU.
+ATOL = RTOL = 1e-4
+WINDOW = 8  # sliding window of the tiny Gemma 3: shorter than the test sequences, so it cuts
+
+
+def _widen(model: torch.nn.Module) -> torch.nn.Module:
+    """Random weights wide enough that logits are not near zero; norms (Gemma's start at 0) too."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.08 if p.dim() == 2 else 0.1)
+            if p.dim() == 1 and "norm" in name and "gemma" not in type(model).__name__.lower():
+                p.add_(1.0)
+    return model.eval()
+
+
+def gemma3_model(**overrides):
+    import transformers
+
+    kw = {**TINY, "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+          "num_hidden_layers": 4, "pad_token_id": 0,
+          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+    kw.update(overrides)
+    torch.manual_seed(0)
+    return _widen(transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**kw)))
+
+
+def qwen3_model(**overrides):
+    import transformers
+
+    kw = {**TINY, "head_dim": 24, **overrides}  # head_dim != hidden / heads: it must be read, not derived
+    torch.manual_seed(0)
+    return _widen(transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kw)))
+
+
+def phi3_model(**overrides):
+    import transformers
+
+    kw = {**TINY, "max_position_embeddings": 128, "original_max_position_embeddings": 32,
+          "pad_token_id": 0, "partial_rotary_factor": 0.75,
+          "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                              "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                              "long_factor": [1.5 + 0.5 * i for i in range(6)],
+                              "original_max_position_embeddings": 32}}
+    kw.update(overrides)
+    torch.manual_seed(0)
+    return _widen(transformers.Phi3ForCausalLM(transformers.Phi3Config(**kw)))
+
+
+MAKERS = {"gemma3": gemma3_model, "qwen3": qwen3_model, "phi3": phi3_model}
+FAMILIES = list(MAKERS)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """arch -> (transformers model, its HF folder), made once per module."""
+    made: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in made:
+            ref = MAKERS[arch]()
+            folder = tmp_path_factory.mktemp(f"fam-{arch}")
+            ref.save_pretrained(folder, safe_serialization=True)
+            write_tiny_tokenizer(folder, ref.config.vocab_size)
+            made[arch] = (ref, folder)
+        return made[arch]
+
+    return get
+
+
+def ours_from(folder: Path, dtype: torch.dtype = torch.float32):
+    ckpt = HFCheckpoint(folder)
+    return load_weights(empty_model(ckpt.config), ckpt.iter_tensors(), torch.device("cpu"), dtype, str(folder))
+
+
+def tokens(n: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, TINY["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(ref, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(ids).logits
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_logits_match_transformers(family, arch):
+    ref, folder = family(arch)
+    model = ours_from(folder)
+    ids = tokens(24)  # past the Gemma window (8) and below Phi-3's original context (32)
+    want = _reference(ref, ids)
+    got = model(ids)
+    assert want.abs().max() > 0.5
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+def test_config_fields_read(family):
+    c = ours_from(family("gemma3")[1]).config
+    assert c.arch == "gemma3" and c.layer_types == ["sliding", "full", "sliding", "sliding"]
+    assert (c.sliding_window, c.rope_theta, c.rope_local_theta) == (WINDOW, 100000.0, 10000.0)
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}  # global layers only
+    assert c.attn_scale == 24 ** -0.5 and c.embed_scale == 64 ** 0.5 and c.tie_embeddings
+    q = ours_from(family("qwen3")[1]).config
+    assert q.qk_norm and q.head_dim == 24 and not q.attention_bias and q.sliding_window is None
+    p = ours_from(family("phi3")[1]).config
+    assert p.rotary_dim == 12 and p.rope_scaling["rope_type"] == "longrope"
+
+
+def test_phi3_long_factors_beyond_the_original_context(family):
+    """Beyond original_max_position_embeddings longrope takes its long factors (transformers does the
+    same for a sequence that long); the attention factor scales cos/sin either way."""
+    ref, folder = family("phi3")
+    model = ours_from(folder)
+    ids = tokens(48, seed=9)
+    torch.testing.assert_close(model(ids), _reference(ref, ids), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_prefill_then_cached_decode_equals_full_forward(family, arch):
+    model = ours_from(family(arch)[1])
+    ids = tokens(30, seed=2)
+    full = model(ids)
+    cache = model.new_cache(30)  # Gemma: its sliding layers get a ring of 8 rows
+    n = 13  # the prefill chunk itself wraps the ring; so does a second chunk
+    last = prefill(model, cache, ids[:, :n])
+    torch.testing.assert_close(last, full[:, n - 1], atol=1e-5, rtol=1e-5)
+    last = prefill(model, cache, ids[:, n : n + 6], start=n)
+    torch.testing.assert_close(last, full[:, n + 5], atol=1e-5, rtol=1e-5)
+    for pos in range(n + 6, ids.shape[1]):
+        logits = decode_one_token(model, cache, ids[:, pos : pos + 1], torch.tensor([pos]), pos)
+        torch.testing.assert_close(logits, full[:, pos], atol=1e-5, rtol=1e-5)
+
+
+def test_gemma3_sliding_layers_cache_only_the_window(family):
+    model = ours_from(family("gemma3")[1])
+    cache = model.new_cache(64)
+    rows = [layer.k.shape[2] for layer in cache.layers]
+    assert rows == [WINDOW, 64, WINDOW, WINDOW]
+    c = model.config
+    assert cache.nbytes() == c.sequence_cache_bytes(64, 4) < c.kv_cache_bytes(64, 4)
+
+
+def test_gemma3_static_decode_over_the_ring(family):
+    """The fixed-shape decode step (CUDA graphs) over ring caches: masks from input_pos alone."""
+    model = ours_from(family("gemma3")[1])
+    ids = tokens(24, seed=3)
+    full = model(ids)
+    cache = model.new_cache(32)
+    prefill(model, cache, ids[:, :5])
+    for pos in range(5, 24):
+        with torch.no_grad():
+            logits = model(ids[:, pos : pos + 1], cache, torch.tensor([pos]), static=True)[:, -1]
+        torch.testing.assert_close(logits, full[:, pos], atol=1e-5, rtol=1e-5)
+
+
+def test_gemma3_final_softcapping_matches_transformers(tmp_path):
+    """Gemma 2 style soft-capping of the final logits (off in Gemma 3's checkpoints, kept as a path)."""
+    ref = gemma3_model(final_logit_softcapping=3.0)
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    model = ours_from(tmp_path)
+    assert model.config.final_softcap == 3.0
+    ids = tokens(20, seed=4)
+    want = _reference(ref, ids)
+    assert want.abs().max() < 3.0  # the cap bites
+    torch.testing.assert_close(model(ids), want, atol=ATOL, rtol=RTOL)
+
+
+def test_attention_softcapping_matches_gemma2s_attention():
+    """Soft-capped attention scores (Gemma 2; transformers' Gemma 3 leaves the config's value unused,
+    as llama.cpp does, so the model is given it directly) against transformers' Gemma 2 attention."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from localllm.runtime.model import attend
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, h, 10, 16, generator=g) * 2 for h in (4, 2, 2))
+    causal = torch.ones(10, 10, dtype=torch.bool).tril()
+    module = SimpleNamespace(head_dim=16, num_key_value_groups=2, training=False)
+    additive = torch.zeros(10, 10).masked_fill(~causal, float("-inf"))[None, None]
+    want, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.2, softcap=1.5)  # (1, T, H, hd)
+    got = attend(q, k, v, None, 0.2, 1.5).transpose(1, 2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (attend(q, k, v, None, 0.2, None).transpose(1, 2) - want).abs().max() > 1e-2  # the cap bites
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_fused_projections_change_nothing(family, arch):
+    folder = family(arch)[1]
+    plain, fused = ours_from(folder), fuse_projections(ours_from(folder))
+    ids = tokens(16, seed=7)
+    torch.testing.assert_close(fused(ids), plain(ids), atol=1e-5, rtol=1e-5)
+
+
+def test_multimodal_gemma3_checkpoint_runs_its_language_model(family, tmp_path):
+    """A Gemma 3 checkpoint as the multimodal repos ship it: config under text_config, weights under a
+    language-model prefix, a vision tower beside them (left out)."""
+    from safetensors.torch import save_file
+
+    ref, folder = family("gemma3")
+    hf = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": hf}))
+    sd = {f"language_model.{k}": v.contiguous() for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+    sd["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(4)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    ids = tokens(12, seed=5)
+    torch.testing.assert_close(ours_from(tmp_path)(ids), _reference(ref, ids), atol=ATOL, rtol=RTOL)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(LocalLLMError) as e:
+        ModelConfig.from_hf({"model_type": "mamba", "architectures": ["MambaForCausalLM"]})
+    assert "MambaForCausalLM" in str(e.value)
+    for arch in ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"):
+        assert arch in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------- GGUF
+def write_gguf(ref, arch: str, path: Path) -> Path:
+    """A GGUF of a transformers model laid out as llama.cpp's converter writes ``arch`` (F32 tensors):
+    Gemma's norms stored as 1 + w, Phi-3's fused qkv and gate/up, its longrope factors as tensors."""
+    import gguf
+
+    c = ref.config
+    sd = {k: v.detach().float().numpy() for k, v in ref.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    norm = (lambda a: a + 1) if arch == "gemma3" else (lambda a: a)
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
+    if arch == "phi3":
+        rot = int(hd * c.rope_parameters["partial_rotary_factor"])
+        w.add_rope_dimension_count(rot)
+        orig = c.rope_parameters["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(
+            float(np.sqrt(1 + np.log(c.max_position_embeddings / orig) / np.log(orig))))
+        w.add_tensor("rope_factors_long.weight", np.array(c.rope_parameters["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(c.rope_parameters["short_factor"], dtype=np.float32))
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        w.add_tensor(b + "attn_norm.weight", norm(sd[p + "input_layernorm.weight"]))
+        if arch == "phi3":
+            w.add_tensor(b + "attn_qkv.weight", sd[p + "self_attn.qkv_proj.weight"])
+            w.add_tensor(b + "ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"])
+        else:
+            for ours, hf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+                w.add_tensor(b + f"attn_{ours}.weight", sd[p + f"self_attn.{hf}.weight"])
+            w.add_tensor(b + "attn_q_norm.weight", norm(sd[p + "self_attn.q_norm.weight"]))
+            w.add_tensor(b + "attn_k_norm.weight", norm(sd[p + "self_attn.k_norm.weight"]))
+            w.add_tensor(b + "ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+            w.add_tensor(b + "ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        w.add_tensor(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        w.add_tensor(b + "ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+        if arch == "gemma3":
+            w.add_tensor(b + "post_attention_norm.weight", norm(sd[p + "post_attention_layernorm.weight"]))
+            w.add_tensor(b + "ffn_norm.weight", norm(sd[p + "pre_feedforward_layernorm.weight"]))
+            w.add_tensor(b + "post_ffw_norm.weight", norm(sd[p + "post_feedforward_layernorm.weight"]))
+        else:
+            w.add_tensor(b + "ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+    w.add_tensor("output_norm.weight", norm(sd["model.norm.weight"]))
+    if not c.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _gguf_reference(arch: str):
+    """The transformers model a GGUF of ``arch`` can describe: Gemma 3 with llama.cpp's fixed layer
+    pattern (every sixth layer global), local base and head_dim-based attention scale."""
+    if arch == "gemma3":
+        return gemma3_model(num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16)
+    return MAKERS[arch]()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_gguf_of_the_same_weights_gives_the_same_logits(family, arch, tmp_path):
+    from localllm.loaders.gguf import GGUFCheckpoint
+
+    ref = family(arch)[0] if arch != "gemma3" else _gguf_reference(arch)
+    ckpt = GGUFCheckpoint(write_gguf(ref, arch, tmp_path / f"{arch}.gguf"))
+    c = ckpt.config
+    assert c.arch == arch and c.qk_norm == (arch != "phi3")
+    if arch == "gemma3":
+        assert c.layer_types == ["sliding"] * 5 + ["full"] and c.rope_local_theta == 10000.0
+    model = load_weights(empty_model(c), ckpt.iter_tensors(), torch.device("cpu"), torch.float32, arch)
+    ids = tokens(24, seed=11)
+    torch.testing.assert_close(model(ids), _reference(ref, ids), atol=ATOL, rtol=RTOL)
+
+
+# ------------------------------------------------------------------------------ the batch engine
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])
+def test_gemma3_batches_like_alone(family, attention):
+    """Gemma 3 in the paged engine: each layer with its own window and RoPE base, chunked prefill and
+    decode past the window, against the same requests alone (ring caches) and the cache-less forward."""
+    from localllm.loaders.load import load_model
+    from localllm.runtime.batch import BatchEngine
+    from localllm.runtime.generate import Generator
+    from localllm.runtime.sampling import SamplingParams
+
+    lm = load_model(str(family("gemma3")[1]), quant="fp32")
+    greedy = SamplingParams(temperature=0)
+    prompts = [tokens(n, seed=20 + n)[0].tolist() for n in (3, 11, 30)]
+    eng = BatchEngine(lm.model, kv_budget_bytes=1 << 20, chunk_tokens=8, attention=attention)
+    handles = [eng.submit(p, greedy, 14) for p in prompts]
+    eng.run_until_done()
+    for p, h in zip(prompts, handles):
+        want = list(Generator(lm.model, 64).generate(p, greedy, max_tokens=14))
+        with torch.inference_mode():
+            forced = lm.model(torch.tensor([p + want[:-1]]))[0, len(p) - 1 :]
+        top2 = forced.topk(2, dim=-1)
+        assert top2.indices[:, 0].tolist() == want  # alone (ring caches) = the cache-less forward
+        assert (top2.values[:, 0] - top2.values[:, 1]).min() > 1e-4  # decided: CPUs agree
+        assert h.result() == want
