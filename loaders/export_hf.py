@@ -160,3 +160,162 @@ def _save_tokenizer(tokenizer: Any, folder: Path, config: ModelConfig) -> None:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- quantized (compressed-tensors)
+#: The ``quantization_config`` format names of compressed-tensors (read by vLLM, SGLang, TGI and transformers).
+_CT_FORMATS = {"int4": "pack-quantized", "int8": "int-quantized"}
+
+
+def _ct_weights(scheme: Any) -> dict[str, Any]:
+    """compressed-tensors' QuantizationArgs for ``scheme`` (symmetric integer weights)."""
+    grouped = scheme.group_size is not None
+    return {"num_bits": 4 if scheme.name == "int4" else 8, "type": "int", "symmetric": True,
+            "strategy": "group" if grouped else "channel", "group_size": scheme.group_size if grouped else None,
+            "dynamic": False, "observer": "minmax", "actorder": None, "block_structure": None}
+
+
+def ct_quantization_config(scheme: Any, quantized_head: bool) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` for weights of ``scheme`` in every Linear (the head too
+    only when ``quantized_head``), activations left in the model's dtype (W4A16 / W8A16)."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": _CT_FORMATS[scheme.name],
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": _ct_weights(scheme),
+                                      "input_activations": None, "output_activations": None,
+                                      "format": _CT_FORMATS[scheme.name]}},
+        "ignore": [] if quantized_head else ["lm_head"],
+        "kv_cache_scheme": None,
+    }
+
+
+def _exact_scales(scales: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """``scales`` in ``dtype``, refused unless every value survives the conversion unchanged."""
+    converted = scales.to(dtype)
+    if not torch.equal(converted.float(), scales.float()):
+        bad = int((converted.float() != scales.float()).sum())
+        raise LocalLLMError(
+            f"{where}: {bad} of {scales.numel()} scales are not exact in {_TORCH_NAMES[dtype]}, so the exported "
+            "weights would differ from the stored ones",
+            "export with --dtype fp32 (exact), or without --keep-quant (float weights)")
+    return converted
+
+
+def ct_tensors(module_hf: str, parts: dict[str, torch.Tensor], scheme: Any, dtype: torch.dtype
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One quantized module's canonical tensors as compressed-tensors writes them, exactly, or a refusal.
+
+    int4: ours is ``w = q * scale + offset`` (q in 0..15); compressed-tensors' symmetric int4 is
+    ``w = s * scale`` with s in -8..7, stored as ``s + 8`` packed eight to an int32, low bits first
+    (``weight_packed``). That is ours exactly when ``offset == -8 * scale`` (a symmetric grid: GGUF
+    Q4_0, ``--quant int4`` with symmetric groups); an asymmetric grid would need a zero point per
+    group that is an integer, which it is not in general, so it is refused. int8: ``w = q * scale``
+    per channel or group, the same in both.
+    """
+    from localllm.quant.formats import unpack_int4
+
+    scales = parts["scales"]
+    if scheme.name == "int4":
+        if not torch.equal(parts["offsets"].float(), -8 * scales.float()):
+            raise LocalLLMError(
+                f"{module_hf}: the int4 grid is asymmetric (w = q*scale + offset with free offsets), which "
+                "compressed-tensors' integer zero points cannot hold exactly",
+                "pull with a symmetric int4 grid, export int8, or export without --keep-quant (float weights)")
+        q = unpack_int4(parts["qweight"]).to(torch.int32)  # (out, in) codes 0..15 = s + 8
+        out, inp = q.shape
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+        packed = (q.view(out, inp // 8, 8) << shifts).sum(-1, dtype=torch.int64)
+        packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the int32 bit pattern
+        yield f"{module_hf}.weight_packed", packed
+        yield f"{module_hf}.weight_shape", torch.tensor([out, inp], dtype=torch.int32)
+        yield f"{module_hf}.weight_scale", _exact_scales(scales, dtype, module_hf)
+    else:
+        yield f"{module_hf}.weight", parts["qweight"].to(torch.int8)
+        s = scales if scales.dim() == 2 else scales[:, None]
+        yield f"{module_hf}.weight_scale", _exact_scales(s, dtype, module_hf)
+
+
+def _ct_layout(config: ModelConfig, plan: dict[str, Any], dtype: torch.dtype
+               ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for ours, t in empty_model(config).state_dict().items():
+        if config.tie_embeddings and ours == "output.weight":
+            continue
+        module, _, leaf = ours.rpartition(".")
+        hf = hf_name(ours)
+        if module in plan and leaf == "weight":
+            scheme = plan[module]
+            out, inp = t.shape
+            base = hf.removesuffix(".weight")
+            groups = (inp // scheme.group_size,) if scheme.group_size else (1,)
+            if scheme.name == "int4":
+                layout[f"{base}.weight_packed"] = ((out, inp // 8), torch.int32)
+                layout[f"{base}.weight_shape"] = ((2,), torch.int32)
+            else:
+                layout[f"{base}.weight"] = ((out, inp), torch.int8)
+            layout[f"{base}.weight_scale"] = ((out, *groups), dtype)
+        else:
+            layout[hf] = (tuple(t.shape), dtype)
+    return layout
+
+
+def export_quantized_folder(source: Union[str, Path, Any], folder: Path, dtype: str = "bf16") -> Path:
+    """Write a stored int4/int8 model as an HF folder whose quantized layers stay quantized, in the
+    compressed-tensors format (``quantization_config`` in ``config.json``) that vLLM, SGLang and TGI
+    load. Refused, naming the module and the reason, wherever the stored values would not come out
+    exactly (an asymmetric int4 grid; scales that ``dtype`` cannot hold); float export has no such limit."""
+    from localllm.loaders.artifact import ArtifactCheckpoint
+    from localllm.loaders.load import load_tokenizer, open_checkpoint
+
+    if dtype not in EXPORT_DTYPES:
+        raise LocalLLMError(f"cannot export in '{dtype}'", f"use one of {', '.join(EXPORT_DTYPES)}")
+    torch_dtype = EXPORT_DTYPES[dtype]
+    ckpt = open_checkpoint(str(source)) if isinstance(source, (str, Path)) else source
+    plan = ckpt.plan if isinstance(ckpt, ArtifactCheckpoint) else {}
+    schemes = {s for s in plan.values()}
+    if not plan or any(s.name not in _CT_FORMATS for s in schemes):
+        what = ", ".join(sorted(s.label() for s in schemes)) or "float weights"
+        raise LocalLLMError(f"{ckpt.describe()} holds {what}: --keep-quant exports stored int4 or int8 weights",
+                            "pull the model with --quant int4 or int8 first, or export without --keep-quant")
+    if len(schemes) > 1:
+        raise LocalLLMError(f"{ckpt.describe()} mixes {', '.join(sorted(s.label() for s in schemes))}: one "
+                            "quantization config cannot describe it exactly", "export without --keep-quant")
+    scheme = next(iter(schemes))
+    if ckpt.config.tie_embeddings and "output" in plan:
+        raise LocalLLMError(f"{ckpt.describe()} stores its tied head quantized (it doubles as the embedding), "
+                            "which an HF folder cannot tie back", "pull it with --quant-head none, or export without --keep-quant")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = hf_config(ckpt.config, torch_dtype)
+    config["quantization_config"] = ct_quantization_config(scheme, "output" in plan)
+    layout = _ct_layout(ckpt.config, plan, torch_dtype)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in ckpt.iter_canonical(plan, False):
+            module, _, leaf = key.rpartition(".")
+            if module not in plan or leaf == "bias":
+                if not (ckpt.config.tie_embeddings and key == "output.weight"):
+                    yield hf_name(key), t
+                continue
+            parts = pending.setdefault(module, {})
+            parts[leaf] = t
+            if {"qweight", "scales"} <= set(parts) and (scheme.name == "int8" or "offsets" in parts):
+                yield from ct_tensors(hf_name(module + ".weight").removesuffix(".weight"), pending.pop(module),
+                                      scheme, torch_dtype)
+
+    path = folder / WEIGHTS
+    metadata = {"format": "pt", "producer": f"localllm {localllm.__version__}"}
+    try:
+        write_safetensors(path, layout, tensors(), metadata)
+    except ValueError as e:
+        path.unlink(missing_ok=True)
+        raise LocalLLMError(f"{ckpt.describe()}: {e}", "the stored model does not match its config") from e
+    except LocalLLMError:
+        path.unlink(missing_ok=True)
+        raise
+    _write_json(folder / "config.json", config)
+    _write_json(folder / "generation_config.json", generation_config(ckpt.config))
+    _save_tokenizer(load_tokenizer(ckpt), folder, ckpt.config)
+    return folder
