@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from localllm.errors import LocalLLMError
+from localllm.heap import trim_heap
 from localllm.quant.linear import QuantLinear, TiedInt8Embedding, concat_linears
 from localllm.quant.target import Target
 from localllm.runtime.config import ModelConfig
@@ -108,6 +109,7 @@ def load_weights(
         waiting.setdefault(id(target.module), set()).add(name)
     verdicts: dict[tuple, bool] = {}
     arrived: set[str] = set()
+    block = ""  # the transformer block the stream is in ("layers.3."): its temporaries are freed after it
 
     def complete(target: _Target) -> None:
         left = waiting[id(target.module)]
@@ -116,6 +118,10 @@ def load_weights(
             target.module.prepare(dtype, kernel, verdicts, where, check)
 
     for name, t in tensors:
+        here = name[: name.index(".", 7) + 1] if name.startswith("layers.") else ""
+        if here != block:  # a block is complete: its conversions' freed pages go back (see localllm.heap)
+            trim_heap()
+            block = here
         if tied and name == "output.weight":
             continue  # some tied checkpoints still store lm_head: the embedding's tensor serves
         if shared_embedding and name == "embed.weight":

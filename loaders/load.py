@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from typing import Union
 import torch
 
 from localllm.errors import LocalLLMError
+from localllm.heap import trim_heap
 from localllm.paths import DEFAULT_MODEL, default_model_gguf
 from localllm.loaders.artifact import ArtifactCheckpoint
 from localllm.loaders.build import empty_model, fuse_projections, load_weights
@@ -182,16 +182,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def release_freed_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere).
-
-    Loading frees many tensors of a few MB (a reader's metadata, conversion temporaries) between the
-    ones it keeps; glibc raises its mmap threshold after the first large free, so those come from
-    the heap, and the free gaps between kept tensors would stay resident (~250 MB for SmolLM2 int4)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
+    """Give the C heap's free pages back to the system (:func:`localllm.heap.trim_heap`)."""
+    trim_heap()
 
 
 def load_model(
