@@ -31,7 +31,7 @@ SCHEME_KEYS = {"label", "activation_dtype", "kernels", "weight_bytes", "read_byt
                "kv_cache", "ttft_s", "prefill_tps", "decode_tps", "inter_token_s", "runs", "roofline", "quality",
                "ratios"}
 MEMORY_KEYS = {"method", "peak_bytes", "peak_reserved_bytes", "after_load_bytes", "weights_kv_bytes",
-               "ratio_to_weights_kv", "bound_bytes", "within_bound"}
+               "ratio_to_weights_kv", "bound_bytes", "within_bound", "process", "library_bytes"}
 KV_KEYS = {"bytes_per_token", "ctx", "ctx_bytes", "max_seq_len", "max_seq_len_bytes"}
 SPREAD_KEYS = {"median", "min", "max"}
 RUN_KEYS = {"ttft_s", "prefill_tps", "decode_s", "decode_tps", "inter_token_s"}
@@ -152,6 +152,11 @@ def test_tiny_bench_returns_every_field(tiny_run):
     assert data["settings"]["threads"] == 2 and data["machine"]["threads"] == 2
     assert data["machine"]["torch_version"] == torch.__version__ and data["machine"]["cpu_model"]
     assert data["device"] == "cpu" and "VmRSS" in data["schemes"]["fp32"]["memory"]["method"]
+    # each scheme's memory in a process of its own (the order of --quant does not change it); the
+    # kernels' build is a fixed cost taken before the baseline, reported beside it
+    for f in data["schemes"].values():
+        assert f["memory"]["process"] == "fresh" and "kernels" in f["memory"]["library_bytes"]
+    assert "bitsandbytes" in data["schemes"]["nf4"]["memory"]["library_bytes"]
 
 
 def test_tiny_figures_are_positive_and_consistent(tiny_run):

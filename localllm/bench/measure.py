@@ -11,9 +11,10 @@ For each scheme, one at a time (the previous scheme's model is freed first):
   tokens of the evaluation text) and ``gen_tokens`` greedy tokens with end-of-sequence ignored;
 * memory while loading and running: on CUDA the growth of ``torch.cuda.max_memory_allocated`` (and
   ``max_memory_reserved``) over what was allocated before the load, the peak statistics reset per
-  scheme; on the CPU the growth of the process's resident set (VmRSS) over its size before the
-  load, sampled every few milliseconds by a background thread (VmHWM cannot serve: it is
-  process-wide and only grows, so after the first scheme it says nothing about the next);
+  scheme; on the CPU the growth of the resident set (VmRSS) over its size before the load, sampled
+  every few milliseconds by a background thread, in a fresh process per scheme for checkpoints
+  (:mod:`localllm.bench.memprobe`: in one process the allocator's leftovers of the previous scheme
+  change the next one's figure), in this process otherwise;
 * with ``kv_compare`` (``--no-cache``), for the first scheme only (the cache's effect comes from
   the sequence length, not from the weight format), decode with and without the KV cache
   (:func:`runtime.kvcompare.decode_latencies`) after a 16-token prompt, the per-step latency at
@@ -24,10 +25,10 @@ Quality runs after the speed runs, against the highest-precision scheme of the r
 model stays loaded while each other scheme is loaded next to it, compared over the whole text
 (:func:`runtime.quality.compare`) and freed, so at most two models are in memory at once.
 
-JSON schema (``SCHEMA`` = "localllm.bench/3"; keys are always present, a figure that was not
+JSON schema (``SCHEMA`` = "localllm.bench/4"; keys are always present, a figure that was not
 measured is ``null``; durations in seconds, sizes in bytes, rates per second)::
 
-    schema            "localllm.bench/3"
+    schema            "localllm.bench/4"
     model             what was benchmarked (path, stored name, or "random <shape>")
     device            "cpu" | "cuda" | "cuda:N"
     settings          schemes [str], baseline str, prompt_tokens, gen_tokens, ctx, runs,
@@ -50,7 +51,10 @@ measured is ``null``; durations in seconds, sizes in bytes, rates per second)::
         memory                method, peak_bytes, peak_reserved_bytes (CUDA; null on CPU),
                               after_load_bytes, weights_kv_bytes (weight_bytes + kv_cache.ctx_bytes),
                               ratio_to_weights_kv (peak_bytes / weights_kv_bytes), bound_bytes
-                              (1.15 x weights_kv_bytes + 64 MB: the target), within_bound (bool)
+                              (1.15 x weights_kv_bytes + 64 MB: the target), within_bound (bool),
+                              process ("fresh": measured in a process of its own, "shared": in the
+                              bench's), library_bytes ({library: bytes} of fixed per-process costs
+                              taken before the baseline: kernel builds, bitsandbytes' import)
         kv_cache              bytes_per_token, ctx, ctx_bytes, max_seq_len, max_seq_len_bytes
         ttft_s, prefill_tps, decode_tps, inter_token_s     {median, min, max} over the runs
         runs                  [{ttft_s, prefill_tps, decode_s, decode_tps, inter_token_s}]
@@ -77,7 +81,7 @@ import torch
 
 from localllm.bench.machine import busy_warning, describe_machine, machine_info, measure_bandwidth
 from localllm.bench.quality import measure_quality
-from localllm.bench.runs import measure_scheme
+from localllm.bench.runs import MemoryProbe, measure_scheme
 from localllm.bench.settings import (
     MEMORY_BOUND_FACTOR,
     MEMORY_BOUND_SLACK,
@@ -94,7 +98,7 @@ from localllm.bench.settings import (
 from localllm.format import human_size
 from localllm.threads import set_threads
 
-SCHEMA = "localllm.bench/3"
+SCHEMA = "localllm.bench/4"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -129,8 +133,10 @@ def run_bench(
     text_tokens: int,
     quality_skipped: str | None = None,
     log: Log = log_stderr,
+    probe: MemoryProbe | None = None,
 ) -> dict[str, Any]:
     """Measure every scheme of ``s`` with ``load(scheme) -> LoadedModel``; the JSON-ready result.
+    ``probe(scheme)``: the scheme's memory figures from a process of its own (else metered in this one).
 
     Shared by ``localllm bench`` (checkpoints) and ``scripts/bench_gpu.py`` (random weights, no quality).
     """
@@ -146,7 +152,8 @@ def run_bench(
     schemes: dict[str, Figures] = {}
     kv = None
     for i, name in enumerate(s.schemes):
-        schemes[name], got = measure_scheme(load, name, prompt_ids, s, log, kv_compare=s.kv_compare and i == 0)
+        schemes[name], got = measure_scheme(load, name, prompt_ids, s, log, kv_compare=s.kv_compare and i == 0,
+                                            probe=probe)
         kv = kv or got
     if s.quality and quality_ids is not None and quality_skipped is None:
         qualities = measure_quality(load, s.schemes, s.baseline, quality_ids, s.device, log)
@@ -220,6 +227,7 @@ def bench_checkpoint(
     ``quant_head``: the output head's scheme for the quantized schemes (None: as ``run`` chooses,
     False: 16-bit); float schemes keep a float head. ``compile``: time the compiled decode step.
     """
+    from localllm.bench.memprobe import probe_memory
     from localllm.loaders.load import load_model, load_tokenizer, open_checkpoint, resolve_device
     from localllm.quant.formats import QUANT_SCHEMES
 
@@ -241,4 +249,11 @@ def bench_checkpoint(
         head = quant_head if name in QUANT_SCHEMES else None
         return load_model(ref, device=str(dev), quant=name, quantize_head=head)
 
-    return run_bench(load, ckpt.describe(), ids[:prompt_tokens], ids, s, source, len(ids), log=log)
+    probe = None
+    if dev.type == "cpu":  # each scheme's memory in a fresh process: figures that do not depend on the order
+
+        def probe(name: str) -> dict[str, Any]:
+            head = quant_head if name in QUANT_SCHEMES else None
+            return probe_memory(ref, name, prompt_tokens, gen_tokens, s.context, str(dev), head, threads)
+
+    return run_bench(load, ckpt.describe(), ids[:prompt_tokens], ids, s, source, len(ids), log=log, probe=probe)

@@ -3,12 +3,13 @@ and handing freed memory back between schemes so the next baseline does not hide
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import threading
 from typing import Any
 
 import torch
+
+from localllm.heap import trim_heap
 
 
 def sync(device: torch.device) -> None:
@@ -21,10 +22,7 @@ def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # glibc keeps freed heap pages otherwise
-    except (OSError, AttributeError):
-        pass
+    trim_heap()  # glibc keeps freed heap pages otherwise
 
 
 def rss_bytes() -> int:

@@ -105,9 +105,18 @@ def kv_comparison(model: Any, prompt_ids: Sequence[int], scheme: str, steps: int
     return {"scheme": scheme, "prompt_tokens": T, "steps": rows}
 
 
+MemoryProbe = Callable[[str], dict[str, Any]]
+
+
 def measure_scheme(load: Callable[[str], Any], name: str, prompt_ids: Sequence[int], s: Settings, log: Log,
-                   kv_compare: bool = False) -> tuple[Figures, dict[str, Any] | None]:
-    """Load ``name`` and time it; the figures of one column (quality, roofline and ratios come later)."""
+                   kv_compare: bool = False, probe: MemoryProbe | None = None) -> tuple[Figures, dict[str, Any] | None]:
+    """Load ``name`` and time it; the figures of one column (quality, roofline and ratios come later).
+
+    ``probe``: measures the scheme's memory in a process of its own (:mod:`localllm.bench.memprobe`),
+    whose figures replace the in-process meter's (which depend on the schemes measured before)."""
+    if probe is not None:
+        log(f"{name}: memory, in a fresh process")
+        probed = probe(name)
     release_memory(s.device)
     meter = memory_meter(s.device)
     meter.start()
@@ -117,7 +126,10 @@ def measure_scheme(load: Callable[[str], Any], name: str, prompt_ids: Sequence[i
         + (f"; kernels: {', '.join(f'{k} x{n}' for k, n in sorted(lm.kernels.items()))}" if lm.kernels else ""))
     runs = timed_runs(lm.model, prompt_ids, s, log, name)
     kv_cache = kv_cache_figures(lm.config, lm.model.dtype, s.context)
-    memory = memory_figures({**meter.stop(), "after_load_bytes": after_load}, lm.weight_bytes, kv_cache["ctx_bytes"])
+    memory = memory_figures({**meter.stop(), "after_load_bytes": after_load, "process": "shared",
+                             "library_bytes": {}}, lm.weight_bytes, kv_cache["ctx_bytes"])
+    if probe is not None:
+        memory = probed
     figures: Figures = {
         "label": lm.scheme_label,
         "activation_dtype": str(lm.dtype).removeprefix("torch."),
