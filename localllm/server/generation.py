@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from localllm.runtime.batch import RequestHandle
@@ -39,7 +39,7 @@ class Generation:
     """Text pieces of one submitted request, as an async iterator; :attr:`outcome` once it has ended."""
 
     def __init__(self, handle: RequestHandle, tokenizer: Tokenizer, stop: Sequence[str],
-                 on_end: "callable[[Outcome], None] | None" = None) -> None:  # type: ignore[valid-type]
+                 on_end: Callable[[Outcome], None] | None = None) -> None:
         self.handle = handle
         self._tokenizer = tokenizer
         self._stop = list(stop)

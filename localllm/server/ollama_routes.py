@@ -29,8 +29,8 @@ from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, state
 from localllm.server.config import parse_duration
 from localllm.server.errors import OLLAMA, ApiError, ModelNotFound, from_exception
-from localllm.server.generation import Generation, Outcome
-from localllm.server.models import DEFAULT, ModelSlot
+from localllm.server.generation import Outcome
+from localllm.server.models import DEFAULT
 from localllm.server.streaming import ndjson_line, ndjson_response, unless_disconnected
 from localllm.server.validate import Fields, messages, read_json
 
@@ -260,8 +260,6 @@ def _show(name: str) -> dict[str, Any]:
             f"{arch}.context_length": facts["context_length"], f"{arch}.embedding_length": facts["embedding_length"],
             f"{arch}.block_count": facts["layers"], f"{arch}.attention.head_count": facts["heads"],
             f"{arch}.attention.head_count_kv": facts["kv_heads"], "general.file_type": facts["scheme"]}
-    from localllm.runtime.config import ModelConfig  # noqa: F401 - _details reads the config below
-
     details = {"parent_model": "", "format": "gguf" if str(facts["path"]).endswith(".gguf") else "safetensors",
                "family": arch, "families": [arch], "parameter_size": _count(facts["parameters"]),
                "quantization_level": str(facts["scheme"]).upper()}
