@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("runtime", "quant", "loaders")
-TOP = ("commands", "bench", "cli", "report", "threads", "__main__")  # localllm's CLI and bench
+TOP = ("commands", "bench", "server", "cli", "report", "threads", "__main__")  # the CLI, the server and the bench
 #: Which layer may import which (besides itself).
 ALLOWED = {
     "base": set(),
