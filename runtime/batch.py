@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +51,8 @@ class RequestStats:
     finished_at: float | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     preemptions: int = 0
+    #: When each generated token was sampled (its step's end): inter-token latencies are the gaps.
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float | None:
@@ -91,6 +93,11 @@ class RequestHandle:
         r = self._request
         return r.finished and not r.out
 
+    def take(self) -> list[int]:
+        """The tokens produced so far and not yet taken, without waiting or stepping (for a caller
+        that drives :meth:`BatchEngine.step` itself and polls many requests)."""
+        return self._engine._take(self._request)
+
     def cancel(self) -> None:
         """Stop generating; the request ends with ``finish_reason == "cancelled"`` at the next step
         (tokens already produced can still be read). Safe from any thread."""
@@ -129,7 +136,8 @@ class BatchEngine:
     pool); ``chunk_tokens``: prompt tokens prefilled per step, all sequences together (decode tokens
     come on top); ``max_running``: sequences in a step at most; ``max_waiting``: the queue's bound.
     ``attention``: "auto" runs single-query attention with localllm's paged CPU kernel where it can,
-    "sdpa" always gathers blocks and runs SDPA (the reference).
+    "sdpa" always gathers blocks and runs SDPA (the reference). ``prefix_cache=False``: no prompt
+    reuses another's blocks (the baseline the prefix cache is measured against).
     """
 
     def __init__(
@@ -143,6 +151,7 @@ class BatchEngine:
         max_running: int = 32,
         max_waiting: int = 64,
         attention: str = "auto",
+        prefix_cache: bool = True,
     ) -> None:
         if attention not in ("auto", "sdpa"):
             raise ValueError(f"attention must be 'auto' or 'sdpa', not {attention!r}")
@@ -151,7 +160,7 @@ class BatchEngine:
         self.device = model.device
         self.plan: PoolPlan = plan_pool(config, kv_budget_bytes, model.dtype, block_size)
         self.pool = KVPool.allocate(config, self.plan, self.device)
-        self.blocks = BlockManager(self.plan.n_blocks, block_size)
+        self.blocks = BlockManager(self.plan.n_blocks, block_size, prefix_cache)
         self.scheduler = Scheduler(self.blocks, max_waiting, max_running, chunk_tokens)
         self.max_seq_len = min(max_seq_len or config.max_seq_len, self.plan.tokens)
         cos, sin = rope_tables(config, self.max_seq_len, self.device)
@@ -275,6 +284,7 @@ class BatchEngine:
             return
         if stats.first_token_at is None:
             stats.first_token_at = now
+        stats.token_times.append(now)
         seq.token_ids.append(tok)
         stats.generated_tokens += 1
         r.out.append(tok)
@@ -301,6 +311,14 @@ class BatchEngine:
             pass
 
     # Delivery ------------------------------------------------------------------------------------
+    def _take(self, r: _Request) -> list[int]:
+        with self._cond:
+            out = list(r.out)
+            r.out.clear()
+            if not out and r.finished and r.error is not None:
+                raise r.error
+            return out
+
     def _next_token(self, r: _Request) -> int:
         while True:
             with self._cond:

@@ -49,11 +49,15 @@ class BlockTable:
 
 
 class BlockManager:
-    """Block bookkeeping for a pool of ``n_blocks`` blocks of ``block_size`` tokens."""
+    """Block bookkeeping for a pool of ``n_blocks`` blocks of ``block_size`` tokens.
 
-    def __init__(self, n_blocks: int, block_size: int) -> None:
+    ``prefix_cache=False`` keys no block and reuses none: every prompt is computed whole (the
+    baseline the prefix cache is measured against)."""
+
+    def __init__(self, n_blocks: int, block_size: int, prefix_cache: bool = True) -> None:
         self.n_blocks = n_blocks
         self.block_size = block_size
+        self.prefix_cache = prefix_cache
         self.refs = [0] * n_blocks
         self._free = list(range(n_blocks - 1, -1, -1))  # popped from the end: block 0 first
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced blocks, oldest first
@@ -95,7 +99,7 @@ class BlockManager:
     def _match(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """The cached blocks (and their keys) of the longest reusable prefix of ``token_ids``."""
         bs = self.block_size
-        limit = (len(token_ids) - 1) // bs  # leave at least one token to compute
+        limit = (len(token_ids) - 1) // bs if self.prefix_cache else 0  # leave at least one token to compute
         hits: list[int] = []
         keys: list[bytes] = []
         parent = ROOT_KEY
@@ -167,6 +171,8 @@ class BlockManager:
         sequences can reuse them. A block whose key another block already has stays unkeyed (two
         sequences computed the same prefix at once): the first stays the cached one."""
         bs = self.block_size
+        if not self.prefix_cache:
+            return
         for i in range(len(table.keys), computed // bs):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             key = block_key(table.keys[-1] if table.keys else ROOT_KEY, chunk)

@@ -138,9 +138,11 @@ def require_writable(*paths: str | Path | None) -> None:
 
 
 def report(result: dict[str, Any], json_path: str | Path | None = None, plot_path: str | Path | None = None,
-           log: Log = log_stderr) -> None:
-    """The table on stdout (stderr when the JSON goes to stdout), notes on stderr, files if asked."""
-    table = format_table(result)
+           log: Log = log_stderr, table_of: Callable[[dict[str, Any]], str] = format_table,
+           plot: Callable[[dict[str, Any], str | Path], None] = write_plot) -> None:
+    """The table on stdout (stderr when the JSON goes to stdout), notes on stderr, files if asked.
+    ``table_of``/``plot``: the serving bench passes its own."""
+    table = table_of(result)
     to_stdout = str(json_path) != "-"
     print(table, file=sys.stdout if to_stdout else sys.stderr, flush=True)
     for note in result["notes"]:
@@ -150,5 +152,5 @@ def report(result: dict[str, Any], json_path: str | Path | None = None, plot_pat
         if to_stdout:
             log(f"wrote {json_path}")
     if plot_path is not None:
-        write_plot(result, plot_path)
+        plot(result, plot_path)
         log(f"wrote {plot_path}")

@@ -16,8 +16,8 @@ from localllm.quant.formats import ALL_SCHEMES
               help=f"Comma-separated schemes among {', '.join(ALL_SCHEMES)}. Default: "
                    f"{','.join(DEFAULT_SCHEMES['cpu'])} on the CPU, {','.join(DEFAULT_SCHEMES['cuda'])} on CUDA.")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
-@click.option("--prompt-tokens", type=int, default=512, show_default=True,
-              help="Prompt length, cut from the evaluation text.")
+@click.option("--prompt-tokens", type=int,
+              help="Prompt length, cut from the evaluation text. Default: 512; 128 with --concurrency.")
 @click.option("--gen-tokens", type=int, default=128, show_default=True,
               help="Tokens generated per run (greedy, end-of-sequence ignored).")
 @click.option("--ctx", type=int, help="KV cache length. Default: prompt + generated tokens.")
@@ -34,6 +34,15 @@ from localllm.quant.formats import ALL_SCHEMES
 @click.option("--compile", "compile_", is_flag=True,
               help="Time the compiled decode step (AOTInductor on the CPU, torch.compile on CUDA; compiled before "
                    "the runs, not timed).")
+@click.option("--concurrency", metavar="LEVELS",
+              help="Serving mode: drive the batch engine with this many concurrent streams per level, e.g. "
+                   "1,2,4,8,16 (one scheme: --quant SCHEME or the model's own). Reports TTFT, inter-token "
+                   "latency, throughput, prefix-cache hits. Default levels per workload: uniform 1,2,4,8,16, "
+                   "mixed 8 slots, agent 4 agents.")
+@click.option("--workload", type=click.Choice(["uniform", "mixed", "agent"]),
+              help="Serving mode's workload (implies serving mode; default uniform): same-length requests; "
+                   "32 short and long replies, continuous vs static batching; agents resending a growing "
+                   "history, with and without the prefix cache.")
 def bench(
     model: str,
     quant: str | None,
@@ -50,6 +59,8 @@ def bench(
     no_quality: bool,
     quant_head: str | bool | None,
     compile_: bool,
+    concurrency: str | None,
+    workload: str | None,
 ) -> None:
     """Benchmark MODEL (a model folder, a .gguf file, a stored NAME or 'smollm2') in each weight scheme:
     weight bytes, load time, peak memory, KV cache size, TTFT, prefill and decode speed, decode bandwidth
@@ -66,6 +77,31 @@ def bench(
     if plot_path is not None:
         require_matplotlib()
     require_writable(json_path, plot_path)
+    if concurrency is not None or workload is not None:
+        serving(model, quant, device, prompt_tokens, gen_tokens, threads, json_path, plot_path, text_path,
+                concurrency, workload or "uniform", compile_ or kv_compare)
+        return
+    prompt_tokens = 512 if prompt_tokens is None else prompt_tokens
     result = bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
                               kv_compare, not no_quality, quant_head, compile_)
     report(result, json_path, plot_path)
+
+
+def serving(model: str, quant: str | None, device: str, prompt_tokens: int | None, gen_tokens: int,
+            threads: int | None, json_path: str | None, plot_path: str | None, text_path: str | None,
+            concurrency: str | None, workload: str, single_stream_flags: bool) -> None:
+    """``bench --concurrency/--workload``: the serving figures of one scheme on the batch engine."""
+    from localllm.bench.report import report
+    from localllm.bench.serving import ServingSettings, bench_serving, parse_levels
+    from localllm.bench.serving_report import format_serving, write_serving_plot
+    from localllm.errors import LocalLLMError
+
+    if single_stream_flags:
+        raise LocalLLMError("--compile and --no-cache time single-stream decoding, not the serving mode",
+                            "drop them, or drop --concurrency/--workload")
+    if quant is not None and "," in quant:
+        raise LocalLLMError(f"serving mode measures one scheme, not '{quant}'", "give one --quant SCHEME")
+    s = ServingSettings(workload, parse_levels(concurrency, workload),
+                        prompt_tokens=128 if prompt_tokens is None else prompt_tokens, gen_tokens=gen_tokens)
+    result = bench_serving(model, s, quant, device, threads, text_path)
+    report(result, json_path, plot_path, table_of=format_serving, plot=write_serving_plot)

@@ -1,0 +1,375 @@
+"""Serving benchmark: many concurrent streams on one :class:`runtime.batch.BatchEngine`.
+
+``localllm bench MODEL --concurrency 1,2,4,8,16 --workload uniform|mixed|agent`` drives the engine
+from this thread (submit, :meth:`BatchEngine.step`, poll every handle) and reports, per concurrency
+level, the four serving figures: time to first token (p50, p99, from submission), inter-token
+latency (p50, p99: the gaps between a request's consecutive tokens), total throughput (generated
+tokens over the level's wall time, all streams together) and the concurrency itself, plus prompt
+tokens prefilled and served by the prefix cache, and the KV pool's peak use.
+
+Workloads (prompts are slices of the evaluation text at different offsets, so that no two share a
+first block unless the workload means them to; end-of-sequence is ignored, every request runs to its
+token budget):
+
+* ``uniform``: ``level`` requests at once, each ``prompt_tokens`` long and generating ``gen_tokens``.
+  Then, at the highest level, the same again while a long prompt (``long_prompt_tokens``) arrives
+  after the streams' first tokens: the inter-token latency that chunked prefill protects.
+* ``mixed``: 32 requests, half generating 8 tokens and half 256, over ``level`` slots: continuous
+  batching (a finished sequence's slot is taken at the next step) against static batching (the next
+  ``level`` requests start only when the whole batch is done).
+* ``agent``: ``level`` agents at once, each ``AGENT_TURNS`` turns; a turn sends the agent's history
+  (a ``AGENT_HISTORY``-token start, then every earlier reply and a ``AGENT_TOOL``-token tool result
+  per turn) and asks for ``AGENT_REPLY`` tokens; with the prefix cache and without it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from localllm.bench.settings import Log, log_stderr, read_text
+from localllm.errors import LocalLLMError
+
+SCHEMA = "localllm.bench.serving/1"
+WORKLOADS = ("uniform", "mixed", "agent")
+DEFAULT_LEVELS = {"uniform": (1, 2, 4, 8, 16), "mixed": (8,), "agent": (4,)}
+MIXED_REQUESTS = 32
+MIXED_SHORT, MIXED_LONG = 8, 256
+AGENT_TURNS = 6
+AGENT_HISTORY = 1000
+AGENT_TOOL = 200
+AGENT_REPLY = 16
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """p50 and p99 (nearest rank on the sorted values); None for no values."""
+    if not values:
+        return {"p50": None, "p99": None}
+    v = sorted(values)
+    rank = lambda q: v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]  # noqa: E731
+    return {"p50": statistics.median(v), "p99": rank(0.99)}
+
+
+@dataclass
+class Request:
+    """One request of a workload: its prompt, its token budget, and when it may be submitted."""
+
+    prompt: list[int]
+    max_tokens: int
+    #: Submitted only once this returns True (None: at once). Agents' later turns wait for earlier ones.
+    ready: Callable[[], bool] | None = None
+    #: Called with the reply's tokens when it finishes (the agent builds its next turn from it).
+    done: Callable[[list[int]], None] | None = None
+    handle: Any = None
+    tokens: list[int] = field(default_factory=list)
+
+
+class TextSlicer:
+    """Prompt ids cut from the evaluation text's ids, cyclically, at offsets of its own."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        if len(ids) < 64:
+            raise LocalLLMError(f"the text is {len(ids)} tokens long", "give a text of at least 64 tokens")
+        self.ids = list(ids)
+        self.offset = 0
+
+    def take(self, n: int) -> list[int]:
+        L = len(self.ids)
+        out = [self.ids[(self.offset + i) % L] for i in range(n)]
+        self.offset = (self.offset + n + 7) % L  # the next slice starts elsewhere (+7: never block-aligned)
+        return out
+
+
+def drive(engine: Any, requests: list[Request], max_in_flight: int | None = None,
+          static: bool = False, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Run ``requests`` on ``engine`` until every one is done; the level's figures.
+
+    ``max_in_flight``: requests submitted at once at most (None: all that are ready). ``static``: a new
+    batch of ``max_in_flight`` starts only when the previous one has finished entirely.
+    ``on_step(step_index)``: called after each step (to inject a request mid-run).
+    """
+    pending = list(requests)
+    active: list[Request] = []
+    finished: list[Request] = []
+    peak_blocks = 0
+    t0 = time.perf_counter()
+    step = 0
+    while pending or active:
+        room = (max_in_flight or len(requests)) - len(active)
+        if static and active:
+            room = 0
+        for r in [r for r in pending if r.ready is None or r.ready()][: max(0, room)]:
+            r.handle = engine.submit(r.prompt, _greedy(), max_tokens=r.max_tokens, stop_ids=())
+            pending.remove(r)
+            active.append(r)
+        if not active:
+            raise RuntimeError("no request can start: a workload's turns wait on each other")
+        engine.step()
+        step += 1
+        peak_blocks = max(peak_blocks, engine.usage()["blocks_used"])
+        for r in list(active):
+            r.tokens += r.handle.take()
+            if r.handle.stats.finish_reason is not None:
+                r.tokens += r.handle.take()
+                active.remove(r)
+                finished.append(r)
+                if r.done is not None:
+                    r.done(r.tokens)
+        if on_step is not None:
+            on_step(step)
+    wall = time.perf_counter() - t0
+    return summarize(finished, wall, peak_blocks, engine)
+
+
+def summarize(finished: list[Request], wall_s: float, peak_blocks: int, engine: Any) -> dict[str, Any]:
+    stats = [r.handle.stats for r in finished]
+    for st in stats:
+        if st.finish_reason not in ("length", "stop"):
+            raise RuntimeError(f"a request ended with '{st.finish_reason}'")
+    generated = sum(st.generated_tokens for st in stats)
+    gaps = [b - a for st in stats for a, b in zip(st.token_times, st.token_times[1:])]
+    prompt = sum(st.prompt_tokens for st in stats)
+    cached = sum(st.cached_tokens for st in stats)
+    ttfts = [st.ttft_s for st in stats if st.ttft_s is not None]
+    return {
+        "requests": len(stats),
+        "wall_s": wall_s,
+        "generated_tokens": generated,
+        "throughput_tok_s": generated / wall_s if wall_s > 0 else None,
+        "ttft_ms": {k: (v * 1e3 if v is not None else None) for k, v in percentiles(ttfts).items()},
+        "ttft_mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else None,
+        "itl_ms": {k: (v * 1e3 if v is not None else None) for k, v in percentiles(gaps).items()},
+        "prompt_tokens": prompt,
+        "cached_prompt_tokens": cached,
+        "prefill_tokens": prompt - cached,
+        "preemptions": sum(st.preemptions for st in stats),
+        "kv_blocks_peak": peak_blocks,
+        "kv_blocks": engine.usage()["blocks"],
+    }
+
+
+def _greedy() -> Any:
+    from localllm.runtime.sampling import SamplingParams
+
+    return SamplingParams(temperature=0)
+
+
+@dataclass
+class ServingSettings:
+    workload: str
+    levels: list[int]
+    prompt_tokens: int = 128
+    gen_tokens: int = 128
+    long_prompt_tokens: int = 2000
+    kv_budget_bytes: int | None = None
+    chunk_tokens: int = 256
+
+
+def check_serving(s: ServingSettings) -> None:
+    if s.workload not in WORKLOADS:
+        raise LocalLLMError(f"unknown workload '{s.workload}'", f"use one of {', '.join(WORKLOADS)}")
+    if not s.levels or any(n < 1 for n in s.levels):
+        raise LocalLLMError(f"--concurrency {','.join(map(str, s.levels))} needs positive levels",
+                            "give a comma-separated list such as 1,2,4,8,16")
+    if s.prompt_tokens < 1 or s.gen_tokens < 2:
+        raise LocalLLMError("--prompt-tokens must be at least 1 and --gen-tokens at least 2",
+                            "give larger values")
+
+
+def parse_levels(text: str | None, workload: str) -> list[int]:
+    if text is None:
+        return list(DEFAULT_LEVELS.get(workload, (1,)))
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise LocalLLMError(f"--concurrency '{text}' is not a list of numbers",
+                            "give a comma-separated list such as 1,2,4,8,16") from None
+    return list(dict.fromkeys(levels))
+
+
+def make_engine(model: Any, s: ServingSettings, slots: int, prefix_cache: bool = True) -> Any:
+    """A fresh engine per measurement: nothing cached from the previous one."""
+    from localllm.runtime.batch import DEFAULT_KV_BUDGET, BatchEngine
+
+    return BatchEngine(model, kv_budget_bytes=s.kv_budget_bytes or DEFAULT_KV_BUDGET, max_running=slots,
+                       max_waiting=max(64, 2 * MIXED_REQUESTS), chunk_tokens=s.chunk_tokens,
+                       prefix_cache=prefix_cache)
+
+
+def warm_up(model: Any, s: ServingSettings, text: TextSlicer) -> None:
+    """One short batched run, so that no level pays for first-call set-up (kernels, allocator)."""
+    engine = make_engine(model, s, 2)
+    drive(engine, [Request(text.take(min(32, s.prompt_tokens)), 4) for _ in range(2)])
+
+
+def uniform(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
+    rows = []
+    for level in s.levels:
+        engine = make_engine(model, s, level)
+        figures = drive(engine, [Request(text.take(s.prompt_tokens), s.gen_tokens) for _ in range(level)])
+        rows.append({"level": level, **figures})
+        log(f"  uniform c={level}: {figures['throughput_tok_s']:.1f} tok/s, TTFT p50 "
+            f"{figures['ttft_ms']['p50']:.0f} ms, ITL p50 {figures['itl_ms']['p50']:.1f} ms")
+    # The highest level again, with a long prompt arriving once every stream has its first tokens.
+    level = max(s.levels)
+    engine = make_engine(model, s, level + 1)
+    streams = [Request(text.take(s.prompt_tokens), s.gen_tokens) for _ in range(level)]
+    long = Request(text.take(min(s.long_prompt_tokens, engine.max_seq_len - 3)), 2)  # a model's context caps it
+    arrived: list[bool] = []
+
+    def inject(step: int) -> None:
+        if not arrived and all(len(r.tokens) >= 4 for r in streams):
+            long.handle = engine.submit(long.prompt, _greedy(), max_tokens=long.max_tokens, stop_ids=())
+            arrived.append(True)
+
+    figures = drive(engine, streams, on_step=inject)
+    if long.handle is not None:
+        long.handle.result()  # its prefill may outlast the streams: finished here, for its TTFT
+    with_long = {"level": level, "long_prompt_tokens": len(long.prompt),
+                 "long_prompt_ttft_ms": long.handle.stats.ttft_s * 1e3 if long.handle else None,
+                 "itl_ms": figures["itl_ms"], "throughput_tok_s": figures["throughput_tok_s"]}
+    base = next((r for r in rows if r["level"] == 1), None)
+    at8 = next((r for r in rows if r["level"] == 8), None)
+    comparison = {
+        "throughput_c8_over_c1": at8["throughput_tok_s"] / base["throughput_tok_s"] if at8 and base else None,
+        "itl_p99_c8_over_p50_c1": at8["itl_ms"]["p99"] / base["itl_ms"]["p50"] if at8 and base else None,
+        "itl_p99_with_long_prompt_over_p50_c1":
+            with_long["itl_ms"]["p99"] / base["itl_ms"]["p50"] if base else None,
+        "with_long_prompt": with_long,
+    }
+    return {"concurrency": rows, "comparison": comparison}
+
+
+def mixed(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
+    rows = []
+    for level in s.levels:
+        prompts = [text.take(s.prompt_tokens) for _ in range(MIXED_REQUESTS)]
+        budgets = [MIXED_SHORT if i % 2 == 0 else MIXED_LONG for i in range(MIXED_REQUESTS)]
+        runs = {}
+        for kind in ("continuous", "static"):
+            engine = make_engine(model, s, level)
+            reqs = [Request(list(p), n) for p, n in zip(prompts, budgets)]
+            runs[kind] = drive(engine, reqs, max_in_flight=level, static=kind == "static")
+            log(f"  mixed {kind} slots={level}: {runs[kind]['throughput_tok_s']:.1f} tok/s")
+        rows.append({"level": level, **runs["continuous"], "static": runs["static"],
+                     "continuous_over_static": runs["continuous"]["throughput_tok_s"]
+                     / runs["static"]["throughput_tok_s"]})
+    return {"concurrency": rows, "comparison": {
+        "continuous_over_static": {str(r["level"]): r["continuous_over_static"] for r in rows}}}
+
+
+def agent_requests(text: TextSlicer, agents: int) -> list[Request]:
+    """``agents`` conversations of AGENT_TURNS turns; a turn is submitted once the previous one has
+    replied, with the previous prompt, the reply and a new tool result as its prompt."""
+    requests: list[Request] = []
+    for _ in range(agents):
+        history = text.take(AGENT_HISTORY)
+        tools = [text.take(AGENT_TOOL) for _ in range(AGENT_TURNS)]
+        turns = [Request([], AGENT_REPLY) for _ in range(AGENT_TURNS)]
+        turns[0].prompt = history + tools[0]
+        for t, turn in enumerate(turns):
+            turn.ready = partial(_has_prompt, turn)
+            if t + 1 < AGENT_TURNS:
+                turn.done = partial(_next_turn, turn, turns[t + 1], tools[t + 1])
+        requests += turns
+    return requests
+
+
+def _has_prompt(r: Request) -> bool:
+    return bool(r.prompt)
+
+
+def _next_turn(turn: Request, following: Request, tool: list[int], reply: list[int]) -> None:
+    following.prompt = turn.prompt + reply + tool
+
+
+def agent(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
+    longest = AGENT_HISTORY + AGENT_TURNS * AGENT_TOOL + AGENT_TURNS * AGENT_REPLY
+    if longest > model.config.max_seq_len:
+        raise LocalLLMError(f"the agent workload's last turn is {longest} tokens, beyond the model's context of "
+                            f"{model.config.max_seq_len}", "use the uniform or mixed workload with this model")
+    rows = []
+    for level in s.levels:
+        runs = {}
+        for kind in ("cache", "no_cache"):
+            start = text.offset
+            engine = make_engine(model, s, level, prefix_cache=kind == "cache")
+            runs[kind] = drive(engine, agent_requests(text, level))
+            text.offset = start  # the same conversations both ways
+            log(f"  agent {kind} agents={level}: prefilled {runs[kind]['prefill_tokens']} of "
+                f"{runs[kind]['prompt_tokens']} prompt tokens, mean TTFT {runs[kind]['ttft_mean_ms']:.0f} ms")
+        c, n = runs["cache"], runs["no_cache"]
+        rows.append({"level": level, **c, "no_cache": n,
+                     "prefill_fraction": c["prefill_tokens"] / n["prefill_tokens"],
+                     "ttft_mean_speedup": n["ttft_mean_ms"] / c["ttft_mean_ms"]})
+    return {"concurrency": rows, "comparison": {
+        "prefill_fraction": {str(r["level"]): r["prefill_fraction"] for r in rows},
+        "ttft_mean_speedup": {str(r["level"]): r["ttft_mean_speedup"] for r in rows}}}
+
+
+RUNNERS = {"uniform": uniform, "mixed": mixed, "agent": agent}
+
+
+def run_serving(model: Any, ids: Sequence[int], s: ServingSettings, log: Log) -> dict[str, Any]:
+    """The workload's figures (the JSON's ``concurrency`` list and ``comparison``)."""
+    check_serving(s)
+    text = TextSlicer(ids)
+    warm_up(model, s, text)
+    return RUNNERS[s.workload](model, s, text, log)
+
+
+def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device: str = "auto",
+                  threads: int | None = None, text: str | None = None, log: Log = log_stderr) -> dict[str, Any]:
+    """``localllm bench MODEL --concurrency ... --workload ...``: the JSON-ready result."""
+    from localllm.bench.machine import busy_warning, describe_machine, machine_info
+    from localllm.loaders.load import load_model, resolve_device
+    from localllm.threads import set_threads
+
+    check_serving(s)
+    dev = resolve_device(device)
+    set_threads(threads)
+    machine = machine_info(dev)
+    log(describe_machine(machine))
+    busy = busy_warning(machine)
+    if busy:
+        log(f"warning: {busy}")
+    source, body = read_text(text)
+    lm = load_model(ref, device=str(dev), quant=quant)
+    ids = lm.tokenizer.encode(body)
+    log(f"{lm.source}: {lm.scheme_label}; workload {s.workload}, concurrency {','.join(map(str, s.levels))}")
+    figures = run_serving(lm.model, ids, s, log)
+    import torch
+
+    return {
+        "schema": SCHEMA,
+        "model": lm.source,
+        "scheme": lm.scheme_label,
+        "device": str(dev),
+        "workload": s.workload,
+        "settings": {"levels": s.levels, "prompt_tokens": s.prompt_tokens, "gen_tokens": s.gen_tokens,
+                     "long_prompt_tokens": s.long_prompt_tokens, "chunk_tokens": s.chunk_tokens,
+                     "kv_budget_bytes": s.kv_budget_bytes, "threads": torch.get_num_threads(), "text": source},
+        "machine": machine,
+        **figures,
+        "notes": [
+            "TTFT from submission (queueing included); ITL = gaps between a request's consecutive tokens; "
+            "throughput = generated tokens of all streams / the level's wall time",
+            "greedy, end-of-sequence ignored; prompts are slices of the text at distinct offsets",
+            f"workload: {WORKLOAD_NOTES[s.workload]}",
+            *([f"warning: {busy}"] if busy else []),
+        ],
+    }
+
+
+WORKLOAD_NOTES = {
+    "uniform": "N requests at once, same prompt and reply lengths; then the highest N again while a long "
+               "prompt is prefilled in chunks",
+    "mixed": f"{MIXED_REQUESTS} requests, half {MIXED_SHORT} and half {MIXED_LONG} tokens, over N slots: "
+             "continuous vs static batching",
+    "agent": f"N agents x {AGENT_TURNS} turns: a {AGENT_HISTORY}-token start, +{AGENT_TOOL}-token tool result "
+             f"and the {AGENT_REPLY}-token reply per turn; with and without the prefix cache",
+}

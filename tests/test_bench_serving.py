@@ -1,0 +1,109 @@
+"""``localllm bench --concurrency/--workload``: the serving benchmark's figures on a tiny model, through
+the CLI (JSON, table, PNG). Counts are asserted exactly (tokens generated, prompt tokens, prefix-cache
+hits); no test asserts a time beyond its sign and order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from localllm.bench.serving import (
+    AGENT_REPLY,
+    AGENT_TURNS,
+    MIXED_LONG,
+    MIXED_REQUESTS,
+    MIXED_SHORT,
+    SCHEMA,
+    percentiles,
+)
+from localllm.cli import main
+
+ROW_KEYS = {"level", "requests", "wall_s", "generated_tokens", "throughput_tok_s", "ttft_ms", "ttft_mean_ms", "itl_ms",
+            "prompt_tokens", "cached_prompt_tokens", "prefill_tokens", "preemptions", "kv_blocks_peak", "kv_blocks"}
+
+
+def serving(folder, out, workload: str, levels: str, *extra: str) -> tuple[dict, str]:  # type: ignore[no-untyped-def]
+    path = out / f"{workload}.json"
+    result = CliRunner().invoke(main, ["bench", str(folder), "--workload", workload, "--concurrency", levels,
+                                       "--device", "cpu", "--threads", "2", "--json", str(path), *extra],
+                                env={"LOCALLLM_DEBUG": ""})
+    assert result.exit_code == 0, result.output
+    return json.loads(path.read_text()), result.stdout
+
+
+def assert_row(row: dict) -> None:
+    assert ROW_KEYS <= set(row)
+    assert row["throughput_tok_s"] > 0 and row["wall_s"] > 0
+    for key in ("ttft_ms", "itl_ms"):
+        assert 0 <= row[key]["p50"] <= row[key]["p99"]
+    assert row["prefill_tokens"] == row["prompt_tokens"] - row["cached_prompt_tokens"]
+    assert 0 < row["kv_blocks_peak"] <= row["kv_blocks"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama whose context holds the agent workload's longest turn (and the long prompt)."""
+    from tests.conftest import make_hf_model, save_hf_folder
+
+    return save_hf_folder(make_hf_model("llama", max_position_embeddings=4096), tmp_path_factory.mktemp("tiny-4k"))
+
+
+def test_percentiles_are_nearest_rank():
+    assert percentiles([]) == {"p50": None, "p99": None}
+    values = list(range(1, 101))  # 1..100
+    assert percentiles(values) == {"p50": 50.5, "p99": 99}
+
+
+def test_uniform_levels_with_a_long_prompt_and_a_plot(llama, tmp_path):
+    data, stdout = serving(llama, tmp_path, "uniform", "1,2", "--prompt-tokens", "24", "--gen-tokens", "6",
+                           "--plot", str(tmp_path / "serving.png"))
+    assert data["schema"] == SCHEMA and data["workload"] == "uniform"
+    assert [r["level"] for r in data["concurrency"]] == [1, 2]
+    for row in data["concurrency"]:
+        assert_row(row)
+        assert row["requests"] == row["level"] and row["generated_tokens"] == 6 * row["level"]
+        assert row["prompt_tokens"] == 24 * row["level"] and row["cached_prompt_tokens"] == 0  # distinct prompts
+    long = data["comparison"]["with_long_prompt"]
+    assert long["level"] == 2 and long["long_prompt_tokens"] == 2000 and long["long_prompt_ttft_ms"] > 0 and long["itl_ms"]["p99"] >= long["itl_ms"]["p50"]
+    assert data["comparison"]["itl_p99_with_long_prompt_over_p50_c1"] > 0
+    assert stdout.splitlines()[1].split()[:3] == ["level", "tok/s", "TTFT"]
+    assert (tmp_path / "serving.png").stat().st_size > 10_000
+
+
+def test_mixed_runs_continuous_and_static_batching_on_the_same_requests(llama, tmp_path):
+    data, stdout = serving(llama, tmp_path, "mixed", "4", "--prompt-tokens", "16")
+    [row] = data["concurrency"]
+    assert_row(row)
+    want = MIXED_REQUESTS // 2 * (MIXED_SHORT + MIXED_LONG)
+    assert row["generated_tokens"] == row["static"]["generated_tokens"] == want
+    assert row["requests"] == row["static"]["requests"] == MIXED_REQUESTS
+    assert row["continuous_over_static"] == pytest.approx(row["throughput_tok_s"] / row["static"]["throughput_tok_s"])
+    assert "continuous" in stdout and "static" in stdout
+
+
+def test_agent_turns_reuse_their_history_only_with_the_prefix_cache(llama, tmp_path):
+    data, _ = serving(llama, tmp_path, "agent", "2")
+    [row] = data["concurrency"]
+    cold = row["no_cache"]
+    assert_row(row)
+    assert row["requests"] == cold["requests"] == 2 * AGENT_TURNS
+    assert row["generated_tokens"] == cold["generated_tokens"] == 2 * AGENT_TURNS * AGENT_REPLY
+    # greedy on the same model: the same replies, so the same conversations both ways
+    assert row["prompt_tokens"] == cold["prompt_tokens"]
+    assert cold["cached_prompt_tokens"] == 0
+    # every turn after the first finds its history (all but the last, partial block) in the cache
+    assert row["cached_prompt_tokens"] > 0.8 * (row["prompt_tokens"] - cold["prompt_tokens"] / AGENT_TURNS)
+    assert row["prefill_fraction"] == pytest.approx(row["prefill_tokens"] / cold["prefill_tokens"])
+    assert row["prefill_fraction"] < 0.5
+
+
+def test_serving_mode_refuses_single_stream_flags_and_scheme_lists(llama):
+    for args, needle in ((["--compile"], "--compile and --no-cache"), (["--quant", "int4,int8"], "one scheme"),
+                         (["--concurrency", "0"], "positive levels"), (["--concurrency", "a,b"], "not a list")):
+        result = CliRunner().invoke(main, ["bench", str(llama), "--workload", "uniform", *args],
+                                    env={"LOCALLLM_DEBUG": ""})
+        assert result.exit_code == 1, result.output
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("Error: ") and needle in lines[0], result.stderr
