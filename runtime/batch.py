@@ -137,7 +137,8 @@ class BatchEngine:
     come on top); ``max_running``: sequences in a step at most; ``max_waiting``: the queue's bound.
     ``attention``: "auto" runs single-query attention with localllm's paged CPU kernel where it can,
     "sdpa" always gathers blocks and runs SDPA (the reference). ``prefix_cache=False``: no prompt
-    reuses another's blocks (the baseline the prefix cache is measured against).
+    reuses another's blocks (the baseline the prefix cache is measured against). ``kv_dtype``: "16bit"
+    (the activations' dtype) or "int8" (int8 codes and per-token, per-head scales: half the bytes).
     """
 
     def __init__(
@@ -152,13 +153,14 @@ class BatchEngine:
         max_waiting: int = 64,
         attention: str = "auto",
         prefix_cache: bool = True,
+        kv_dtype: str = "16bit",
     ) -> None:
         if attention not in ("auto", "sdpa"):
             raise ValueError(f"attention must be 'auto' or 'sdpa', not {attention!r}")
         self.model = model
         config = model.config
         self.device = model.device
-        self.plan: PoolPlan = plan_pool(config, kv_budget_bytes, model.dtype, block_size)
+        self.plan: PoolPlan = plan_pool(config, kv_budget_bytes, model.dtype, block_size, kv_dtype)
         self.pool = KVPool.allocate(config, self.plan, self.device)
         self.blocks = BlockManager(self.plan.n_blocks, block_size, prefix_cache)
         self.scheduler = Scheduler(self.blocks, max_waiting, max_running, chunk_tokens)

@@ -9,7 +9,110 @@ disturb a live one.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from localllm.errors import LocalLLMError
+
+#: What a KV cache stores: "16bit" the keys and values as they are (the model's activation dtype: bf16,
+#: or fp32 for an unquantized model on the CPU), "int8" an int8 code per value and an fp32 scale per
+#: token and kv head (:class:`QuantKV`), half the bytes of a bf16 cache.
+#:
+#: An int8 cache holds each key rotated, ``k @ R`` with ``R`` orthogonal (:func:`key_rotation`), and
+#: attention over it takes the query rotated alike: ``(q R) . (k R) = q . k``. Keys have a few
+#: outlier channels that set a row's absmax and leave the rest a coarse grid; rotated, the energy is
+#: spread over every channel. On SmolLM2 this cuts the KL divergence an int8 cache adds by ~3x
+#: (keys' quantization is most of it; values are stored as they are).
+KV_DTYPES = ("16bit", "int8")
+DEFAULT_KV_DTYPE = "16bit"
+#: The largest int8 code of the symmetric grid: codes are -127 .. 127, x ~= code * absmax / 127.
+Q8_MAX = 127.0
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    """``kv_dtype`` when it is one of :data:`KV_DTYPES`; else the user-facing error."""
+    if kv_dtype not in KV_DTYPES:
+        raise LocalLLMError(f"unknown KV cache type {kv_dtype!r}", f"use one of: {', '.join(KV_DTYPES)}")
+    return kv_dtype
+
+
+class QuantKV(NamedTuple):
+    """Keys or values of an int8 cache: ``codes`` (..., L, hd) int8 and ``scales`` (..., L) fp32, one
+    per row (a token of one kv head); a row's values are ``codes * scale``. A view of a cache (or of the
+    paged pool) is a pair of views, so slicing rows copies nothing."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def rows(self, end: int) -> "QuantKV":
+        """The first ``end`` rows (axis 2) of a (B, KV, L, hd) cache: views."""
+        return QuantKV(self.codes[:, :, :end], self.scales[:, :, :end])
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The values (..., L, hd) in ``dtype``: a new tensor of these rows only."""
+        return (self.codes.to(torch.float32) * self.scales.unsqueeze(-1)).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+_rotations: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def key_rotation(hd: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The orthogonal (hd, hd) matrix an int8 cache rotates keys (and queries) by: the normalised
+    Sylvester Hadamard matrix when ``hd`` is a power of two, else a fixed (seeded) random orthogonal one."""
+    key = (hd, dtype, torch.device(device))
+    if key not in _rotations:
+        if hd & (hd - 1) == 0:
+            h = torch.ones(1, 1, dtype=torch.float64)
+            while h.shape[0] < hd:
+                h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+            r = h / hd ** 0.5
+        else:
+            gen = torch.Generator().manual_seed(hd)
+            r, _ = torch.linalg.qr(torch.randn(hd, hd, generator=gen, dtype=torch.float64))
+        _rotations[key] = r.to(dtype=dtype, device=key[2])
+    return _rotations[key]
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., hd) times :func:`key_rotation`, computed in fp32, returned in x's dtype."""
+    r = key_rotation(x.shape[-1], torch.float32, x.device)
+    return (x.to(torch.float32) @ r).to(x.dtype)
+
+
+def quantize_kv(x: torch.Tensor) -> QuantKV:
+    """Symmetric absmax int8 of each row of ``x`` (..., hd): codes (..., hd) int8, scales (...) fp32
+    (0 for a row of zeros, whose codes are 0)."""
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=-1)  # (...)
+    scales = amax / Q8_MAX
+    inv = torch.where(amax > 0, Q8_MAX / amax, torch.zeros_like(amax))
+    codes = (xf * inv.unsqueeze(-1)).round_().clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)
+    return QuantKV(codes, scales)
+
+
+def empty_kv(shape: tuple[int, ...], kv_dtype: str, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor | QuantKV:
+    """Zeroed storage for keys or values of ``shape`` (..., rows, hd): a tensor of ``dtype``, or for an
+    int8 cache the codes and their (..., rows) scales."""
+    if kv_dtype == "int8":
+        return QuantKV(torch.zeros(shape, dtype=torch.int8, device=device),
+                       torch.zeros(shape[:-1], dtype=torch.float32, device=device))
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def readable(x: torch.Tensor | QuantKV, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values as SDPA takes them: a float tensor as it is, int8 rows dequantized to ``dtype``."""
+    return x.dequantize(dtype) if isinstance(x, QuantKV) else x
+
+
+def kv_rows(x: torch.Tensor | QuantKV, end: int) -> torch.Tensor | QuantKV:
+    """The first ``end`` rows (axis 2) of a (B, KV, L, hd) cache: views."""
+    return x.rows(end) if isinstance(x, QuantKV) else x[:, :, :end]
 
 
 def attention_mask(start: int, T: int, kv_len: int, window: int | None,
@@ -33,59 +136,91 @@ class KVCache:
     sliding-window layer whose window is shorter than the sequence, a ring of (B, kv_heads, window,
     head_dim): position ``p`` lives in row ``p % window`` (:meth:`update_ring`).
 
-    Allocated once, written in place: decoding allocates nothing per token. Its size is known
-    before allocation (:meth:`runtime.config.ModelConfig.sequence_cache_bytes`).
+    ``k`` and ``v`` are tensors of the activation dtype (a "16bit" cache) or :class:`QuantKV` pairs (an
+    "int8" cache: int8 codes of that shape and fp32 scales (B, kv_heads, rows)); new rows are
+    quantized as they are written. The update methods return what attention reads in the same form
+    (QuantKV views of an int8 cache, for the decode kernel; see :func:`readable` for SDPA).
+
+    Allocated once, written in place: decoding allocates nothing per token but the new rows' codes.
+    Its size is known before allocation (:meth:`runtime.config.ModelConfig.sequence_cache_bytes`).
     """
 
     __slots__ = ("k", "v", "window")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> None:
+    def __init__(self, k: torch.Tensor | QuantKV, v: torch.Tensor | QuantKV, window: int | None = None) -> None:
         self.k, self.v = k, v
         #: The ring's size (= the layer's attention window), or None for a whole-sequence cache.
         self.window = window
 
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.k, QuantKV)
+
+    @property
+    def rows(self) -> int:
+        """Positions it holds (max_seq, or a ring's window)."""
+        return self.k.shape[2] if isinstance(self.k, torch.Tensor) else self.k.codes.shape[2]
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor | QuantKV:
+        """New rows ``x`` (B, kv_heads, T, hd) in the cache's form (quantized for an int8 cache)."""
+        return quantize_kv(x) if self.quantized else x
+
+    @staticmethod
+    def _write(dst: torch.Tensor | QuantKV, rows: torch.Tensor, src: torch.Tensor | QuantKV) -> None:
+        """``dst``'s rows ``rows`` (n,) (axis 2) = ``src`` (B, kv_heads, n, hd), in place."""
+        if isinstance(dst, QuantKV):
+            assert isinstance(src, QuantKV)
+            dst.codes.index_copy_(2, rows, src.codes)
+            dst.scales.index_copy_(2, rows, src.scales)
+        else:
+            dst.index_copy_(2, rows, src)  # type: ignore[arg-type]
+
     def update(
         self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | QuantKV, torch.Tensor | QuantKV]:
         """Write ``k``, ``v`` (B, kv_heads, T, head_dim) at positions ``input_pos`` (T,).
 
         Returns the whole buffers (B, kv_heads, max_seq, head_dim); the caller reads the prefix it needs.
         """
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
+        self._write(self.k, input_pos, self._encode(k))
+        self._write(self.v, input_pos, self._encode(v))
         return self.k, self.v
 
     def update_ring(
         self, start: int, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | QuantKV, torch.Tensor | QuantKV, torch.Tensor | None]:
         """A ring's step: ``k``, ``v`` (B, kv_heads, T, head_dim) at positions ``start .. start + T - 1``
         (``input_pos``). Returns the keys and values the queries attend over and their mask (as
         :func:`attention_mask`): the filled prefix while nothing has wrapped; the whole ring for one
         query (it then holds exactly the window); for a chunk that wraps, the ring as it was before
-        the chunk followed by the chunk's own keys (a copy), masked by the position each row holds.
+        the chunk followed by the chunk's own keys (a copy, dequantized for an int8 cache), masked by
+        the position each row holds.
         """
-        W = self.k.shape[2]
+        W = self.rows
         T = k.shape[2]
         end = start + T
+        kq, vq = self._encode(k), self._encode(v)
         if end <= W:
-            self.k.index_copy_(2, input_pos, k)
-            self.v.index_copy_(2, input_pos, v)
-            return self.k[:, :, :end], self.v[:, :, :end], attention_mask(start, T, end, None, k.device)
+            self._write(self.k, input_pos, kq)
+            self._write(self.v, input_pos, vq)
+            return kv_rows(self.k, end), kv_rows(self.v, end), attention_mask(start, T, end, None, k.device)
         if T == 1:
-            slot = start % W
-            self.k[:, :, slot : slot + 1].copy_(k)
-            self.v[:, :, slot : slot + 1].copy_(v)
+            slot = input_pos.remainder(W)
+            self._write(self.k, slot, kq)
+            self._write(self.v, slot, vq)
             return self.k, self.v, None  # rows hold positions start - W + 1 .. start: the window
         rows = torch.arange(W, device=k.device)
         held = (start - 1) - torch.remainder(start - 1 - rows, W)  # (W,) position in each row; < 0: empty
         k_pos = torch.cat([held, input_pos])[None, :]  # (1, W + T)
         q_pos = input_pos[:, None]  # (T, 1)
         mask = (k_pos <= q_pos) & (k_pos > q_pos - W) & (k_pos >= 0)  # (T, W + T)
-        k_ctx, v_ctx = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        dtype = k.dtype
+        k_ctx = torch.cat([readable(self.k, dtype), readable(kq, dtype)], dim=2)  # (B, KV, W + T, hd)
+        v_ctx = torch.cat([readable(self.v, dtype), readable(vq, dtype)], dim=2)
         keep = min(T, W)  # the chunk's last W keys stay
         slots = input_pos[-keep:].remainder(W)
-        self.k.index_copy_(2, slots, k[:, :, -keep:])
-        self.v.index_copy_(2, slots, v[:, :, -keep:])
+        self._write(self.k, slots, kv_tail(kq, keep))
+        self._write(self.v, slots, kv_tail(vq, keep))
         return k_ctx, v_ctx, mask
 
     def update_ring_static(
@@ -95,6 +230,9 @@ class KVCache:
         ring and a (1, W) mask of the rows that hold a position (all of them once the ring is full)."""
         if k.shape[2] != 1:
             raise ValueError("a sliding-window ring cache's fixed-shape step takes one token at a time")
+        if self.quantized:
+            raise ValueError("the fixed-shape (compiled) step does not take an int8 KV cache")
+        assert isinstance(self.k, torch.Tensor) and isinstance(self.v, torch.Tensor)
         W = self.k.shape[2]
         slot = input_pos.remainder(W)
         self.k.index_copy_(2, slot, k)
@@ -102,6 +240,17 @@ class KVCache:
         rows = torch.arange(W, device=k.device)
         held = input_pos[:, None] - torch.remainder(input_pos[:, None] - rows[None, :], W)  # (1, W)
         return self.k, self.v, held >= 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.k, self.v))
+
+
+def kv_tail(x: torch.Tensor | QuantKV, n: int) -> torch.Tensor | QuantKV:
+    """The last ``n`` rows (axis 2) of new keys or values (B, KV, T, hd)."""
+    if isinstance(x, QuantKV):
+        return QuantKV(x.codes[:, :, -n:], x.scales[:, :, -n:])
+    return x[:, :, -n:]
 
 
 class SequenceCache:
@@ -126,8 +275,16 @@ class SequenceCache:
     def max_seq(self) -> int:
         return self.cos.shape[0]
 
+    @property
+    def kv_dtype(self) -> str:
+        """"int8" or "16bit" (see :data:`KV_DTYPES`)."""
+        return "int8" if self.layers and self.layers[0].quantized else "16bit"
+
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor, in a fixed order: k and v of each layer, then cos and sin."""
+        """Every tensor, in a fixed order: k and v of each layer, then cos and sin (a 16-bit cache only:
+        the fixed-shape step that takes them does not read int8 caches)."""
+        if self.kv_dtype != "16bit":
+            raise ValueError("an int8 KV cache has no fixed-shape (compiled) form")
         out = [t for c in self.layers for t in (c.k, c.v)]
         return [*out, self.cos, self.sin]
 
@@ -144,7 +301,7 @@ class SequenceCache:
 
     def nbytes(self) -> int:
         """Bytes of the keys and values (rings hold their window only)."""
-        return sum(c.k.nbytes + c.v.nbytes for c in self.layers)
+        return sum(c.nbytes for c in self.layers)
 
     def reusable(self, held: int, shared: int) -> int:
         """Of ``shared`` leading positions that a new prompt has in common with the ``held`` positions

@@ -127,11 +127,23 @@ class ModelConfig:
         """Dims of each head that RoPE rotates (even)."""
         return int(self.head_dim * self.partial_rotary) // 2 * 2  # type: ignore[operator]
 
-    def sequence_cache_bytes(self, tokens: int, bytes_per_value: int, batch: int = 1) -> int:
-        """Bytes of one sequence's contiguous KV cache of ``tokens`` positions: a sliding layer holds
-        at most its window (:class:`runtime.cache.KVCache` as a ring)."""
+    def kv_row_bytes(self, kv: int | str) -> int:
+        """Bytes of one token's keys (or values) in one layer. ``kv``: the element size of a float cache
+        in bytes ("16bit": 2), or "int8": a byte per value plus an fp32 scale per kv head."""
+        if kv == "int8":
+            return self.n_kv_heads * (self.head_dim + 4)  # type: ignore[operator]
+        if kv == "16bit":
+            kv = 2
+        if not isinstance(kv, int):
+            raise ValueError(f"a KV cache element is a size in bytes, '16bit' or 'int8', not {kv!r}")
+        return self.kv_dim * kv
+
+    def sequence_cache_bytes(self, tokens: int, bytes_per_value: int | str, batch: int = 1) -> int:
+        """Bytes of one sequence's contiguous KV cache of ``tokens`` positions (``bytes_per_value``: as
+        :meth:`kv_row_bytes` takes it): a sliding layer holds at most its window
+        (:class:`runtime.cache.KVCache` as a ring)."""
         per_layer = [min(tokens, w) if (w := self.layer_window(i)) else tokens for i in range(self.n_layers)]
-        return 2 * sum(per_layer) * self.kv_dim * bytes_per_value * batch
+        return 2 * sum(per_layer) * self.kv_row_bytes(bytes_per_value) * batch
 
     @property
     def q_dim(self) -> int:
@@ -141,9 +153,11 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim  # type: ignore[operator]
 
-    def kv_cache_bytes(self, tokens: int, bytes_per_value: int, batch: int = 1) -> int:
-        """Bytes of a KV cache of ``tokens`` positions: ``2 * layers * kv_heads * head_dim * bytes``."""
-        return 2 * self.n_layers * self.kv_dim * bytes_per_value * tokens * batch
+    def kv_cache_bytes(self, tokens: int, bytes_per_value: int | str, batch: int = 1) -> int:
+        """Bytes of a KV cache of ``tokens`` positions: ``2 * layers * kv_heads * head_dim * bytes`` for
+        an element size in bytes (or "16bit"); for "int8" a byte per value plus an fp32 scale per token
+        and kv head (:meth:`kv_row_bytes`)."""
+        return 2 * self.n_layers * self.kv_row_bytes(bytes_per_value) * tokens * batch
 
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""

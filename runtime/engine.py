@@ -26,10 +26,11 @@ class Engine:
     """A model, its tokenizer and a :class:`Generator` of its own, whose KV cache of ``ctx`` positions
     is kept across calls. Engines sharing one model do not see each other's caches."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, compile: bool = False) -> None:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, compile: bool = False,
+                 kv_dtype: str = "16bit") -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self.generator = Generator(model, ctx, compile=compile)
+        self.generator = Generator(model, ctx, compile=compile, kv_dtype=kv_dtype)
         # Stop on the tokenizer's end tokens and the model config's (generation_config.json's).
         self.stop_ids = list(dict.fromkeys([*tokenizer.eos_ids, *model.config.eos_token_ids]))
 

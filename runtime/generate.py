@@ -84,11 +84,15 @@ class Generator:
     generators can share one model: each reads and writes its own cache alone.
     """
 
-    def __init__(self, model: Transformer, ctx: int, compile: bool = False) -> None:
+    def __init__(self, model: Transformer, ctx: int, compile: bool = False, kv_dtype: str = "16bit") -> None:
+        if compile and kv_dtype != "16bit":
+            raise LocalLLMError(f"the compiled decode step does not support a {kv_dtype} KV cache",
+                                f"leave out --compile or --kv-cache {kv_dtype}")
         self.model = model
         self.ctx = ctx
         self.device = model.device
-        self.cache = model.new_cache(ctx)
+        self.kv_dtype = kv_dtype
+        self.cache = model.new_cache(ctx, kv_dtype=kv_dtype)
         self._decode = decode_one_token
         self._run: object | None = None  # the generate() call that owns the cache now
         self.stats = GenerationStats()

@@ -37,13 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localllm.runtime.cache import KVCache, SequenceCache, attention_mask
+from localllm.runtime.cache import (DEFAULT_KV_DTYPE, KVCache, QuantKV, SequenceCache, attention_mask,
+                                    check_kv_dtype, empty_kv, kv_rows, quantize_kv, readable, rotate)
 from localllm.runtime.config import SLIDING, ModelConfig
 from localllm.runtime.kv_pool import gather
 from localllm.runtime.paged import PagedLayer, PagedStep
 
-#: One-query attention: q (B, KV, G, hd), the G query heads sharing each kv head; k, v (B, KV, L, hd).
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: One-query attention: q (B, KV, G, hd), the G query heads sharing each kv head; k, v (B, KV, L, hd),
+#: tensors of q's dtype or an int8 cache's :class:`runtime.cache.QuantKV` views.
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor | QuantKV, torch.Tensor | QuantKV], torch.Tensor]
 
 
 class Linear(nn.Linear):
@@ -271,10 +273,12 @@ class Attention(nn.Module):
             return self.o(paged_attention(q, k, v, kv, self.q_prescale, self.scale, self.softcap))
         assert ps is not None
         mask = ps.masks.get(self.window) if ps.masks else None
+        if kv is not None and kv.quantized:  # an int8 cache holds keys rotated: rotate the queries alike
+            q, k = rotate(q), rotate(k)
         if kv is not None and ps.input_pos is not None:
             if kv.window is None:
                 k_all, v_all = kv.update(ps.input_pos, k, v)
-                k, v = k_all[:, :, : ps.kv_len], v_all[:, :, : ps.kv_len]  # (B, KV, kv_len, hd)
+                k, v = kv_rows(k_all, ps.kv_len), kv_rows(v_all, ps.kv_len)  # (B, KV, kv_len, hd)
             elif ps.static:
                 k, v, mask = kv.update_ring_static(ps.input_pos, k, v)  # (B, KV, W, hd)
             else:
@@ -285,12 +289,14 @@ class Attention(nn.Module):
             g = self.n_heads // self.n_kv_heads
             qg = q.reshape(B, self.n_kv_heads, g, self.head_dim)  # (B, KV, G, hd)
             if self.decode_kernel is not None and mask is None:
+                # an int8 cache's codes and scales go to the kernel as they are (no dequantized copy)
                 y = self.decode_kernel(qg * self.q_prescale if self.q_prescale != 1.0 else qg, k, v)
             else:
-                y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.scale)
+                y = F.scaled_dot_product_attention(qg, readable(k, q.dtype), readable(v, q.dtype),
+                                                   attn_mask=mask, scale=self.scale)
             y = y.view(B, self.n_heads, 1, self.head_dim)
-        else:
-            y = attend(q, k, v, mask, self.scale, self.softcap)  # (B, H, T, hd)
+        else:  # SDPA: an int8 cache's rows read here (the filled prefix, or the window) dequantized
+            y = attend(q, readable(k, q.dtype), readable(v, q.dtype), mask, self.scale, self.softcap)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.o(y)
 
@@ -314,12 +320,14 @@ def paged_attention(
     Soft-capped scores (Gemma 2 style) never take the kernel.
     """
     step = layer.step
+    if isinstance(layer.k, QuantKV):  # an int8 pool holds keys rotated (runtime.cache.key_rotation)
+        q, k = rotate(q), rotate(k)
     split = step.split(layer.window, softcap is None)
     _, H, N, hd = q.shape
     KV = k.shape[1]
-    kp, vp = layer.k, layer.v  # (n_blocks, KV, block, hd)
-    kp[step.write_blocks, :, step.write_rows] = k[0].transpose(0, 1)  # (N, KV, hd) into the slots
-    vp[step.write_blocks, :, step.write_rows] = v[0].transpose(0, 1)
+    kp, vp = layer.k, layer.v  # (n_blocks, KV, block, hd), or int8 codes + (n_blocks, KV, block) scales
+    _write_slots(kp, step, k[0].transpose(0, 1))  # (N, KV, hd) into the slots
+    _write_slots(vp, step, v[0].transpose(0, 1))
     qt = q[0].transpose(0, 1)  # (N, H, hd)
     decode = None
     if split.decode_tables is not None:
@@ -335,7 +343,7 @@ def paged_attention(
         y.index_copy_(0, split.decode_rows, decode.reshape(-1, H, hd))
     for span in split.sdpa_spans:
         first = step.first_block(span, layer.window)  # blocks before it hold no key the queries see
-        ks, vs = gather(kp, vp, span.blocks[first:], span.context - first * step.pool.block_size)
+        ks, vs = gather(kp, vp, span.blocks[first:], span.context - first * step.pool.block_size, q.dtype)
         qs = q[:, :, span.row : span.row + span.length]  # (1, H, n, hd)
         mask = step.mask(span, layer.window, first)
         if span.length == 1 and mask is None and softcap is None:
@@ -346,6 +354,16 @@ def paged_attention(
             ys = attend(qs, ks, vs, mask, scale, softcap)  # (1, H, n, hd)
             y[span.row : span.row + span.length] = ys[0].transpose(0, 1)
     return y.view(1, N, H * hd)
+
+
+def _write_slots(pool: torch.Tensor | QuantKV, step: PagedStep, x: torch.Tensor) -> None:
+    """New keys or values ``x`` (N, KV, hd) into their slots of ``pool``, quantized for an int8 pool."""
+    if isinstance(pool, QuantKV):
+        q = quantize_kv(x)  # codes (N, KV, hd), scales (N, KV)
+        pool.codes[step.write_blocks, :, step.write_rows] = q.codes
+        pool.scales[step.write_blocks, :, step.write_rows] = q.scales
+    else:
+        pool[step.write_blocks, :, step.write_rows] = x
 
 
 class MLP(nn.Module):
@@ -411,18 +429,21 @@ class Transformer(nn.Module):
         """Make the output head share the embedding's tensor (no copy)."""
         self.output.weight = self.embed.weight
 
-    def new_cache(self, max_seq: int, batch: int = 1, cache_dtype: torch.dtype | None = None) -> SequenceCache:
+    def new_cache(self, max_seq: int, batch: int = 1, cache_dtype: torch.dtype | None = None,
+                  kv_dtype: str = DEFAULT_KV_DTYPE) -> SequenceCache:
         """A sequence's KV caches and RoPE tables for ``max_seq`` positions on the model's device. A
-        sliding-window layer whose window is shorter than ``max_seq`` gets a ring of the window's size."""
+        sliding-window layer whose window is shorter than ``max_seq`` gets a ring of the window's size.
+        ``kv_dtype`` "int8": int8 codes and per-row scales (:class:`runtime.cache.QuantKV`)."""
         c = self.config
         device, dtype = self.device, cache_dtype or self.dtype
+        check_kv_dtype(kv_dtype)
         layers = []
         for i in range(c.n_layers):
             window = c.layer_window(i)
             ring = window is not None and window < max_seq
             shape = (batch, c.n_kv_heads, window if ring else max_seq, c.head_dim)
-            layers.append(KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                                  torch.zeros(shape, dtype=dtype, device=device), window if ring else None))
+            layers.append(KVCache(empty_kv(shape, kv_dtype, dtype, device), empty_kv(shape, kv_dtype, dtype, device),
+                                  window if ring else None))
         cos, sin = _both_tables(c, max_seq, device)
         return SequenceCache(layers, cos.to(self.dtype), sin.to(self.dtype))
 
@@ -531,6 +552,8 @@ class Transformer(nn.Module):
         return self._head(x)
 
     def _forward_static(self, tokens: torch.Tensor, cache: SequenceCache, input_pos: torch.Tensor) -> torch.Tensor:
+        if cache.kv_dtype != "16bit":
+            raise ValueError("the fixed-shape (compiled) step does not take an int8 KV cache")
         cos, sin = cache.cos[input_pos], cache.sin[input_pos]  # (T, rot[*2])
         k_pos = torch.arange(cache.max_seq, device=tokens.device)[None, :]
         q_pos = input_pos[:, None]

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
+from localllm.runtime.cache import QuantKV
 from localllm.runtime.kv_pool import KVPool
 
 #: Attention of one query per sequence over its blocks: ``fn(q (S, KV, G, hd), k_pool, v_pool
-#: (n_blocks, KV, block, hd), block_tables (S, max_blocks) int32, context_lens (S,) int32)
-#: -> (S, KV, G, hd)``.
+#: (n_blocks, KV, block, hd) (tensors, or an int8 pool's QuantKV), block_tables (S, max_blocks) int32,
+#: context_lens (S,) int32) -> (S, KV, G, hd)``.
 PagedDecodeAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    [torch.Tensor, torch.Tensor | QuantKV, torch.Tensor | QuantKV, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,12 @@ class SeqSpan:
 
 class PagedLayer:
     """A :class:`PagedStep` seen from one layer: the step's metadata, that layer's pool tensors and its
-    attention window (None: the whole context)."""
+    attention window (None: the whole context). ``k``, ``v``: tensors, or QuantKV for an int8 pool."""
 
     __slots__ = ("step", "k", "v", "window")
 
-    def __init__(self, step: "PagedStep", k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> None:
+    def __init__(self, step: "PagedStep", k: torch.Tensor | QuantKV, v: torch.Tensor | QuantKV,
+                 window: int | None = None) -> None:
         self.step, self.k, self.v, self.window = step, k, v, window
 
 

@@ -14,6 +14,12 @@
 //
 // paged_decode_attention is the same for the batch engine: one query per sequence over keys and
 // values held in the paged KV pool's blocks, each sequence with its own block table and length.
+//
+// The _q8 ops read an 8-bit KV cache: int8 codes (.., L, hd) and an fp32 scale per row (.., L), a row
+// being one token of one kv head (x ~= code * scale). Nothing is dequantized into a buffer: a key's
+// scale multiplies its dot product with the query (s_l = (q . c_l) * scale_l * sc) and a value's
+// scale its softmax weight (acc += (p_l * scale_l) * c_l), so a row is read as int8 only, converted
+// to fp32 in registers.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,6 +28,8 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/irange.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -44,11 +52,29 @@ inline Vec load_f(const T* p) {
   }
 }
 
+// Vec::size() int8 codes from p, as fp32.
+template <>
+inline Vec load_f<int8_t>(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  float tmp[VS];
+  for (int64_t i = 0; i < VS; ++i) tmp[i] = static_cast<float>(p[i]);
+  return Vec::loadu(tmp);
+#endif
+}
+
+// A cache row's scale: 1 for a float cache (rs == nullptr), the row's own for an int8 one.
+inline float row_scale(const float* rs, int64_t rss, int64_t l) { return rs == nullptr ? 1.f : rs[l * rss]; }
+
 // s[j * ld + l] = (q_j . k_l) * scale for the G query rows qf (fp32) and the L key rows of kb.
 // NV > 0: hd is NV vectors exactly, and q_j lives in registers; NV == 0: any hd, through `row`.
+// ksc: the rows' scales (stride kss) for int8 rows, nullptr for float ones.
 template <typename T, int NV>
 inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t L, int64_t hd, int64_t hv,
-                   float sc, float* s, int64_t ld) {
+                   float sc, float* s, int64_t ld, const float* ksc = nullptr, int64_t kss = 0) {
   for (const auto j : c10::irange(G)) {
     const float* qj = qf + j * hd;
     if constexpr (NV > 0) {
@@ -61,7 +87,8 @@ inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t 
           if (c % 2) a1 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a1);
           else a0 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a0);
         }
-        s[j * ld + l] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a0 + a1) * sc;
+        const float dot = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a0 + a1);
+        s[j * ld + l] = ksc == nullptr ? dot * sc : dot * ksc[l * kss] * sc;
       }
     } else {
       for (const auto l : c10::irange(L)) {
@@ -70,7 +97,7 @@ inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t 
         for (int64_t d = 0; d < hv; d += VS) a = at::vec::fmadd(Vec::loadu(qj + d), load_f(kl + d), a);
         float dot = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
         for (int64_t d = hv; d < hd; ++d) dot += qj[d] * static_cast<float>(kl[d]);
-        s[j * ld + l] = dot * sc;
+        s[j * ld + l] = ksc == nullptr ? dot * sc : dot * ksc[l * kss] * sc;
       }
     }
   }
@@ -78,10 +105,10 @@ inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t 
 
 // acc[j] = sum_l p[j * ld + l] v_l for the G rows of probabilities p (fp32) over the L value rows of
 // vb; with `add`, acc[j] += that sum, in the same order of operations (a paged sweep, block by block,
-// rounds exactly as one sweep over the same rows).
+// rounds exactly as one sweep over the same rows). vsc: int8 rows' scales (stride vss), as in scores.
 template <typename T, int NV>
 inline void weigh(const float* p, int64_t G, const T* vb, int64_t vs, int64_t L, int64_t hd, int64_t hv,
-                  float* acc, int64_t ld, bool add) {
+                  float* acc, int64_t ld, bool add, const float* vsc = nullptr, int64_t vss = 0) {
   for (const auto j : c10::irange(G)) {
     const float* pj = p + j * ld;
     float* aj = acc + j * hd;
@@ -89,7 +116,7 @@ inline void weigh(const float* p, int64_t G, const T* vb, int64_t vs, int64_t L,
       Vec a[NV];  // the output row in registers for the whole sweep over the values
       for (int c = 0; c < NV; ++c) a[c] = add ? Vec::loadu(aj + c * VS) : Vec(0.f);
       for (const auto l : c10::irange(L)) {
-        const Vec w(pj[l]);
+        const Vec w(pj[l] * row_scale(vsc, vss, l));
         const T* vl = vb + l * vs;
         for (int c = 0; c < NV; ++c) a[c] = at::vec::fmadd(w, load_f(vl + c * VS), a[c]);
       }
@@ -97,10 +124,11 @@ inline void weigh(const float* p, int64_t G, const T* vb, int64_t vs, int64_t L,
     } else {
       if (!add) std::fill(aj, aj + hd, 0.f);
       for (const auto l : c10::irange(L)) {
-        const Vec w(pj[l]);
+        const float wl = pj[l] * row_scale(vsc, vss, l);
+        const Vec w(wl);
         const T* vl = vb + l * vs;
         for (int64_t d = 0; d < hv; d += VS) at::vec::fmadd(w, load_f(vl + d), Vec::loadu(aj + d)).store(aj + d);
-        for (int64_t d = hv; d < hd; ++d) aj[d] += pj[l] * static_cast<float>(vl[d]);
+        for (int64_t d = hv; d < hd; ++d) aj[d] += wl * static_cast<float>(vl[d]);
       }
     }
   }
@@ -121,14 +149,23 @@ inline void softmax(float* s, int64_t G, int64_t L, float* sums) {
   }
 }
 
-template <typename T, int NV>
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& y) {
-  // q (B, KV, G, hd); k, v (B, KV, L, hd) with unit stride on hd; y (B, KV, G, hd) contiguous.
+// Scales of an int8 cache's rows (.., L) fp32, or none for a float cache.
+struct RowScales {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  at::IntArrayRef ks, vs;  // strides of the scale tensors
+};
+
+template <typename T, typename KT, int NV>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& y,
+            const RowScales& rs) {
+  // q (B, KV, G, hd); k, v (B, KV, L, hd) with unit stride on hd (T, or int8 codes with rs's scales
+  // (B, KV, L)); y (B, KV, G, hd) contiguous, in q's dtype T.
   const int64_t B = q.size(0), KV = q.size(1), G = q.size(2), hd = q.size(3), L = k.size(2);
   const int64_t hv = hd / VS * VS;  // the part of a row taken a vector at a time; the rest one by one
   const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  const KT* kp = k.data_ptr<KT>();
+  const KT* vp = v.data_ptr<KT>();
   T* yp = y.data_ptr<T>();
   const float sc = static_cast<float>(scale);
   // Each (batch, kv head) is one task; split across threads only when a task is big enough to
@@ -139,15 +176,17 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
     for (const auto bh : c10::irange(begin, end)) {
       const int64_t b = bh / KV, h = bh % KV;
       const T* qb = qp + b * q.stride(0) + h * q.stride(1);
-      const T* kb = kp + b * k.stride(0) + h * k.stride(1);
-      const T* vb = vp + b * v.stride(0) + h * v.stride(1);
+      const KT* kb = kp + b * k.stride(0) + h * k.stride(1);
+      const KT* vb = vp + b * v.stride(0) + h * v.stride(1);
       const int64_t ks = k.stride(2), vs = v.stride(2), qs = q.stride(2);
+      const float* ksc = rs.k == nullptr ? nullptr : rs.k + b * rs.ks[0] + h * rs.ks[1];
+      const float* vsc = rs.v == nullptr ? nullptr : rs.v + b * rs.vs[0] + h * rs.vs[1];
       for (const auto j : c10::irange(G)) {
         for (const auto d : c10::irange(hd)) qf[j * hd + d] = static_cast<float>(qb[j * qs + d]);
       }
-      scores<T, NV>(qf.data(), G, kb, ks, L, hd, hv, sc, s.data(), L);
+      scores<KT, NV>(qf.data(), G, kb, ks, L, hd, hv, sc, s.data(), L, ksc, ksc ? rs.ks[2] : 0);
       softmax<T>(s.data(), G, L, sums.data());
-      weigh<T, NV>(s.data(), G, vb, vs, L, hd, hv, acc.data(), L, false);
+      weigh<KT, NV>(s.data(), G, vb, vs, L, hd, hv, acc.data(), L, false, vsc, vsc ? rs.vs[2] : 0);
       T* yb = yp + (b * KV + h) * G * hd;
       for (const auto j : c10::irange(G)) {
         const float inv = 1.f / sums[j];
@@ -158,17 +197,18 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
 }
 
 // The usual head sizes (a whole number of vectors up to 256 floats) with rows held in registers.
-template <typename T>
-void attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& y) {
+template <typename T, typename KT = T>
+void attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& y,
+                const RowScales& rs = {}) {
   const int64_t hd = q.size(3);
-  if (hd % VS != 0) return attend<T, 0>(q, k, v, scale, y);
+  if (hd % VS != 0) return attend<T, KT, 0>(q, k, v, scale, y, rs);
   switch (hd / VS) {
-    case 1: return attend<T, 1>(q, k, v, scale, y);
-    case 2: return attend<T, 2>(q, k, v, scale, y);
-    case 4: return attend<T, 4>(q, k, v, scale, y);
-    case 8: return attend<T, 8>(q, k, v, scale, y);
-    case 16: return attend<T, 16>(q, k, v, scale, y);
-    default: return attend<T, 0>(q, k, v, scale, y);
+    case 1: return attend<T, KT, 1>(q, k, v, scale, y, rs);
+    case 2: return attend<T, KT, 2>(q, k, v, scale, y, rs);
+    case 4: return attend<T, KT, 4>(q, k, v, scale, y, rs);
+    case 8: return attend<T, KT, 8>(q, k, v, scale, y, rs);
+    case 16: return attend<T, KT, 16>(q, k, v, scale, y, rs);
+    default: return attend<T, KT, 0>(q, k, v, scale, y, rs);
   }
 }
 
@@ -197,16 +237,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // tables[b][0], tables[b][1], ... of the pools (n_blocks, KV, block, hd). The arithmetic is attend's,
 // in the same order (scores block by block into one row, one softmax, values block by block into
 // the same accumulators), so it rounds exactly as decode_attention over the gathered rows does.
-template <typename T, int NV>
+template <typename T, typename KT, int NV>
 void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
-                  const at::Tensor& lens, double scale, at::Tensor& y) {
-  // q (S, KV, G, hd) with unit stride on hd; pools with unit stride on hd; y (S, KV, G, hd) contiguous.
+                  const at::Tensor& lens, double scale, at::Tensor& y, const RowScales& rs) {
+  // q (S, KV, G, hd) with unit stride on hd; pools with unit stride on hd (T, or int8 codes with rs's
+  // scales (n_blocks, KV, block)); y (S, KV, G, hd) contiguous.
   const int64_t S = q.size(0), KV = q.size(1), G = q.size(2), hd = q.size(3), bs = kp.size(2);
   const int64_t W = tables.size(1);
   const int64_t hv = hd / VS * VS;
   const T* qp = q.data_ptr<T>();
-  const T* kpp = kp.data_ptr<T>();
-  const T* vpp = vp.data_ptr<T>();
+  const KT* kpp = kp.data_ptr<KT>();
+  const KT* vpp = vp.data_ptr<KT>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* yp = y.data_ptr<T>();
@@ -229,13 +270,17 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
         for (const auto d : c10::irange(hd)) qf[j * hd + d] = static_cast<float>(qb[j * qs + d]);
       }
       for (int64_t i = 0, first = 0; first < L; ++i, first += bs) {
-        const T* kb = kpp + table[i] * kp.stride(0) + h * kp.stride(1);
-        scores<T, NV>(qf.data(), G, kb, kp.stride(2), std::min(bs, L - first), hd, hv, sc, s.data() + first, L);
+        const KT* kb = kpp + table[i] * kp.stride(0) + h * kp.stride(1);
+        const float* ksc = rs.k == nullptr ? nullptr : rs.k + table[i] * rs.ks[0] + h * rs.ks[1];
+        scores<KT, NV>(qf.data(), G, kb, kp.stride(2), std::min(bs, L - first), hd, hv, sc, s.data() + first, L,
+                       ksc, ksc ? rs.ks[2] : 0);
       }
       softmax<T>(s.data(), G, L, sums.data());
       for (int64_t i = 0, first = 0; first < L; ++i, first += bs) {
-        const T* vb = vpp + table[i] * vp.stride(0) + h * vp.stride(1);
-        weigh<T, NV>(s.data() + first, G, vb, vp.stride(2), std::min(bs, L - first), hd, hv, acc.data(), L, i > 0);
+        const KT* vb = vpp + table[i] * vp.stride(0) + h * vp.stride(1);
+        const float* vsc = rs.v == nullptr ? nullptr : rs.v + table[i] * rs.vs[0] + h * rs.vs[1];
+        weigh<KT, NV>(s.data() + first, G, vb, vp.stride(2), std::min(bs, L - first), hd, hv, acc.data(), L, i > 0,
+                      vsc, vsc ? rs.vs[2] : 0);
       }
       T* yb = yp + (b * KV + h) * G * hd;
       for (const auto j : c10::irange(G)) {
@@ -246,48 +291,60 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
   });
 }
 
-template <typename T>
+template <typename T, typename KT = T>
 void attend_paged_any(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
-                      const at::Tensor& lens, double scale, at::Tensor& y) {
+                      const at::Tensor& lens, double scale, at::Tensor& y, const RowScales& rs = {}) {
   const int64_t hd = q.size(3);
-  if (hd % VS != 0) return attend_paged<T, 0>(q, kp, vp, tables, lens, scale, y);
+  if (hd % VS != 0) return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, y, rs);
   switch (hd / VS) {
-    case 1: return attend_paged<T, 1>(q, kp, vp, tables, lens, scale, y);
-    case 2: return attend_paged<T, 2>(q, kp, vp, tables, lens, scale, y);
-    case 4: return attend_paged<T, 4>(q, kp, vp, tables, lens, scale, y);
-    case 8: return attend_paged<T, 8>(q, kp, vp, tables, lens, scale, y);
-    case 16: return attend_paged<T, 16>(q, kp, vp, tables, lens, scale, y);
-    default: return attend_paged<T, 0>(q, kp, vp, tables, lens, scale, y);
+    case 1: return attend_paged<T, KT, 1>(q, kp, vp, tables, lens, scale, y, rs);
+    case 2: return attend_paged<T, KT, 2>(q, kp, vp, tables, lens, scale, y, rs);
+    case 4: return attend_paged<T, KT, 4>(q, kp, vp, tables, lens, scale, y, rs);
+    case 8: return attend_paged<T, KT, 8>(q, kp, vp, tables, lens, scale, y, rs);
+    case 16: return attend_paged<T, KT, 16>(q, kp, vp, tables, lens, scale, y, rs);
+    default: return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, y, rs);
   }
+}
+
+// The paged ops' checks: shapes, and tables that stay inside the pool (a bad one would read outside it).
+void check_paged(const char* op, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const at::Tensor& tables, const at::Tensor& lens) {
+  TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.dim() == 4, op, ": q, k_pool, v_pool must be 4-D");
+  TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), op, ": k_pool and v_pool must have the same shape");
+  TORCH_CHECK(q.size(1) == k_pool.size(1) && q.size(3) == k_pool.size(3),
+              op, ": q (S, KV, G, hd) does not match the pools (n_blocks, KV, block, hd)");
+  TORCH_CHECK(k_pool.stride(3) == 1 && v_pool.stride(3) == 1, op, ": the pools' rows must have unit stride");
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kInt && tables.size(0) == q.size(0),
+              op, ": block_tables must be (S, max_blocks) int32");
+  TORCH_CHECK(lens.dim() == 1 && lens.scalar_type() == at::kInt && lens.size(0) == q.size(0),
+              op, ": context_lens must be (S,) int32");
+  const int64_t n_blocks = k_pool.size(0), bs = k_pool.size(2), W = tables.size(1);
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (const auto b : c10::irange(q.size(0))) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, op, ": sequence ", b, " has context length ",
+                lp[b], ", its table holds ", W * bs);
+    for (int64_t i = 0; i * bs < lp[b]; ++i) {
+      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < n_blocks, op, ": block id ",
+                  tp[b * W + i], " of sequence ", b, " is outside the pool of ", n_blocks);
+    }
+  }
+}
+
+// An int8 cache's scales: fp32 (.., L) beside codes (.., L, hd).
+void check_scales(const char* op, const at::Tensor& codes, const at::Tensor& scales, const char* name) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar, op, ": ", name, " codes must be int8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.sizes() == codes.sizes().slice(0, 3),
+              op, ": ", name, " scales must be float32 of the codes' shape without the head dim");
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.dim() == 4,
-              "paged_decode_attention: q, k_pool, v_pool must be 4-D");
+  const char* op = "paged_decode_attention";
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
-              "paged_decode_attention: q, k_pool, v_pool must share a dtype");
-  TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), "paged_decode_attention: k_pool and v_pool must have the same shape");
-  TORCH_CHECK(q.size(1) == k_pool.size(1) && q.size(3) == k_pool.size(3),
-              "paged_decode_attention: q (S, KV, G, hd) does not match the pools (n_blocks, KV, block, hd)");
-  TORCH_CHECK(k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
-              "paged_decode_attention: the pools' rows must have unit stride");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.size(0) == q.size(0),
-              "paged_decode_attention: block_tables must be (S, max_blocks) int32");
-  TORCH_CHECK(context_lens.dim() == 1 && context_lens.scalar_type() == at::kInt && context_lens.size(0) == q.size(0),
-              "paged_decode_attention: context_lens must be (S,) int32");
+              op, ": q, k_pool, v_pool must share a dtype");
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
-  const int64_t n_blocks = k_pool.size(0), bs = k_pool.size(2), W = tables.size(1);
-  const int32_t* tp = tables.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  for (const auto b : c10::irange(q.size(0))) {  // a bad table would read outside the pool
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, "paged_decode_attention: sequence ", b, " has context length ",
-                lp[b], ", its table holds ", W * bs);
-    for (int64_t i = 0; i * bs < lp[b]; ++i) {
-      TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < n_blocks, "paged_decode_attention: block id ",
-                  tp[b * W + i], " of sequence ", b, " is outside the pool of ", n_blocks);
-    }
-  }
+  check_paged(op, q, k_pool, v_pool, tables, lens);
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return y;
@@ -295,7 +352,51 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
     case at::kFloat: attend_paged_any<float>(qc, k_pool, v_pool, tables, lens, scale, y); break;
     case at::kBFloat16: attend_paged_any<at::BFloat16>(qc, k_pool, v_pool, tables, lens, scale, y); break;
     case at::kHalf: attend_paged_any<at::Half>(qc, k_pool, v_pool, tables, lens, scale, y); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: dtype ", q.scalar_type(), " is not float, bfloat16 or half");
+    default: TORCH_CHECK(false, op, ": dtype ", q.scalar_type(), " is not float, bfloat16 or half");
+  }
+  return y;
+}
+
+at::Tensor decode_attention_q8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale,
+                               const at::Tensor& v, const at::Tensor& v_scale, double scale) {
+  const char* op = "decode_attention_q8";
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be 4-D");
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
+              op, ": q (B, KV, G, hd) does not match k (B, KV, L, hd)");
+  TORCH_CHECK(k.size(2) >= 1, op, ": no keys");
+  check_scales(op, k, k_scale, "k");
+  check_scales(op, v, v_scale, "v");
+  const auto unit = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
+  const at::Tensor qc = unit(q), kc = unit(k), vc = unit(v);
+  const RowScales rs{k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), k_scale.strides(), v_scale.strides()};
+  at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  switch (q.scalar_type()) {
+    case at::kFloat: attend_any<float, int8_t>(qc, kc, vc, scale, y, rs); break;
+    case at::kBFloat16: attend_any<at::BFloat16, int8_t>(qc, kc, vc, scale, y, rs); break;
+    case at::kHalf: attend_any<at::Half, int8_t>(qc, kc, vc, scale, y, rs); break;
+    default: TORCH_CHECK(false, op, ": dtype ", q.scalar_type(), " is not float, bfloat16 or half");
+  }
+  return y;
+}
+
+at::Tensor paged_decode_attention_q8(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& k_scale,
+                                     const at::Tensor& v_pool, const at::Tensor& v_scale,
+                                     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  const char* op = "paged_decode_attention_q8";
+  const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
+  check_paged(op, q, k_pool, v_pool, tables, lens);
+  check_scales(op, k_pool, k_scale, "k");
+  check_scales(op, v_pool, v_scale, "v");
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  const RowScales rs{k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), k_scale.strides(), v_scale.strides()};
+  at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (q.size(0) == 0) return y;
+  switch (q.scalar_type()) {
+    case at::kFloat: attend_paged_any<float, int8_t>(qc, k_pool, v_pool, tables, lens, scale, y, rs); break;
+    case at::kBFloat16: attend_paged_any<at::BFloat16, int8_t>(qc, k_pool, v_pool, tables, lens, scale, y, rs); break;
+    case at::kHalf: attend_paged_any<at::Half, int8_t>(qc, k_pool, v_pool, tables, lens, scale, y, rs); break;
+    default: TORCH_CHECK(false, op, ": dtype ", q.scalar_type(), " is not float, bfloat16 or half");
   }
   return y;
 }
@@ -306,9 +407,14 @@ TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
         "Tensor context_lens, float scale) -> Tensor");
+  m.def("decode_attention_q8(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, float scale) -> Tensor");
+  m.def("paged_decode_attention_q8(Tensor q, Tensor k_pool, Tensor k_scale, Tensor v_pool, Tensor v_scale, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("decode_attention_q8", &decode_attention_q8);
+  m.impl("paged_decode_attention_q8", &paged_decode_attention_q8);
 }
