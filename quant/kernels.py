@@ -240,6 +240,16 @@ def _register_fakes() -> None:
     def _gguf_mm(x: torch.Tensor, blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], blocks.shape[0]))
 
+    @torch.library.register_fake("localllm::int4_group_mm")
+    def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
+                 out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("localllm::int4_group_dequant")
+    def _int4_dequant(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
+                      out_features: int) -> torch.Tensor:
+        return packed.new_empty((out_features, packed.shape[1] * 2), dtype=torch.float32)
+
     @torch.library.register_fake("localllm::gguf_dequant")
     def _gguf_dequant(blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
         return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.float32)
@@ -247,30 +257,49 @@ def _register_fakes() -> None:
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 #: localllm's quantized CPU matmuls, built by :mod:`localllm.native` as one library: the grouped int8
-#: matmul (``csrc/int8_group_mm.cpp``) and the one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``).
+#: matmul (``csrc/int8_group_mm.cpp``), the grouped int4 one with fp32 activations
+#: (``csrc/int4_group_mm.cpp``) and the one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``).
 LIBRARY = native.NativeLibrary(
-    "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "gguf_blocks_mm.cpp"),
-    ("int8_group_mm", "gguf_mm", "gguf_dequant"), _register_fakes,
+    "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "int4_group_mm.cpp", _CSRC / "gguf_blocks_mm.cpp"),
+    ("int8_group_mm", "int4_group_mm", "int4_group_dequant", "gguf_mm", "gguf_dequant"), _register_fakes,
 )
 
 
 class Int8GroupCPU(Kernel):
     """int8 with a scale per group of inputs (a GGUF's Q8_0 blocks exactly) through localllm's C++
-    kernel (:mod:`localllm.native`): as fast as the per-channel kernel, without re-rounding."""
+    kernel (:mod:`localllm.native`): as fast as the per-channel kernel, without re-rounding. With fp32
+    activations it also runs per-channel int8 (one scale a row), which torch's int8 kernel multiplies
+    4x slower in fp32 than in bf16. More than :data:`GEMV_ROWS` activation rows (a prefill, a quality
+    window's every position through the head) dequantize :data:`PREFILL_ELEMENTS` weights at a time to
+    fp32 (exactly: q * scale) and multiply them with a GEMM."""
 
     name = "int8-group-cpu"
     scheme = "int8"
     device_type = "cpu"
+    #: Activation rows up to which the C++ kernel runs; above, fp32 slices and a GEMM.
+    GEMV_ROWS = 16
+    #: Weights a long input dequantizes at a time (1M: 4 MB of fp32, in cache).
+    PREFILL_ELEMENTS = 1 << 20
+
+    @staticmethod
+    def dot_group(layer) -> int:  # type: ignore[no-untyped-def]
+        """Inputs the kernel sums before scaling: the scheme's group, or for per-channel scales 32 (16)."""
+        g = layer.scheme.group_size
+        return g if g is not None else (32 if layer.in_features % 32 == 0 else 16)
 
     @staticmethod
     def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         g = layer.scheme.group_size
         if layer.scheme.name != "int8":
             return "runs int8 weights only"
-        if g is None or g % 16:
-            return "needs scales per group of a multiple of 16 inputs"
         if target.type != "cpu":
             return "runs on the CPU only"
+        if g is None and act_dtype != torch.float32:  # int8-weight-only is as fast with 16-bit ones
+            return f"runs per-channel int8 with float32 activations only, not {_dtype_name(act_dtype)}"
+        if g is None and layer.in_features % 16:
+            return f"needs an input width that is a multiple of 16 ({layer.in_features})"
+        if g is not None and g % 16:
+            return "needs scales per group of a multiple of 16 inputs"
         if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             return f"needs bfloat16, float16 or float32 activations, not {_dtype_name(act_dtype)}"
         if not native.available(LIBRARY):
@@ -285,7 +314,99 @@ class Int8GroupCPU(Kernel):
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
-        return torch.ops.localllm.int8_group_mm(x, layer.qweight, layer.scales, layer.scheme.group_size)
+        scales = layer.scales if layer.scales.dim() == 2 else layer.scales.view(-1, 1)  # (out, groups or 1)
+        if x.shape[0] <= Int8GroupCPU.GEMV_ROWS:
+            return torch.ops.localllm.int8_group_mm(x, layer.qweight, scales, Int8GroupCPU.dot_group(layer))
+        rows = max(1, Int8GroupCPU.PREFILL_ELEMENTS // layer.in_features)
+        xf = x.float()
+        y = xf.new_empty((x.shape[0], layer.out_features))
+        for a in range(0, layer.out_features, rows):
+            q = layer.qweight[a : a + rows].float()  # (rows, in): q * scale is exact in fp32
+            s = scales[a : a + rows].float()
+            w = (q.view(q.shape[0], s.shape[1], -1) * s[..., None]).view(q.shape)
+            y[:, a : a + rows] = xf @ w.t()
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
+class Int4GroupCPU(Kernel):
+    """int4 with an fp16 scale and offset per group (the canonical format: a GGUF's Q4_0 / Q4_1 blocks
+    exactly, or weights quantized to int4) through localllm's C++ kernel (``csrc/int4_group_mm.cpp``),
+    with fp32 activations and fp32 accumulation: the product with the exact weights, up to summation
+    order. Decode steps and short inputs decode the codes in registers; a prefill (more than
+    :data:`GEMV_ROWS` rows) dequantizes :data:`PREFILL_ELEMENTS` weights at a time to fp32 (the same
+    values, rounded once) and multiplies them with a GEMM.
+
+    Layout (made here, from the canonical tensors): output rows in tiles of 16, ``packed`` uint8
+    (tiles, in/2, 16), byte j of column pair p holding row j's codes of columns 2p (low nibble) and
+    2p + 1 (high); ``scales`` and ``offsets`` fp16 (tiles, in/group, 16). Rows past the layer's last
+    in the last tile are zeros. Same bytes as the canonical tensors (but that padding)."""
+
+    name = "int4-group-cpu"
+    scheme = "int4"
+    device_type = "cpu"
+    TILE = 16
+    #: Output rows repacked at a time (the codes are unpacked to a byte each on the way).
+    PACK_ROWS = 4096
+    #: Activation rows up to which the register kernel runs; above, fp32 slices and a GEMM.
+    GEMV_ROWS = 16
+    #: Weights a prefill dequantizes at a time (1M: 4 MB of fp32, in cache).
+    PREFILL_ELEMENTS = 1 << 20
+
+    @staticmethod
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        if layer.scheme.name != "int4":
+            return "runs int4 weights only"
+        if target.type != "cpu":
+            return "runs on the CPU only"
+        if act_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"needs float32, bfloat16 or float16 activations, not {_dtype_name(act_dtype)}"
+        if not native.available(LIBRARY):
+            return f"needs localllm's CPU kernels, which could not be built ({native.unavailable_reason()})"
+        return None
+
+    @staticmethod
+    def _tiles(t: torch.Tensor, tile: int) -> torch.Tensor:
+        """(rows, cols) -> (ceil(rows / tile), cols, tile), rows past the end zero."""
+        rows, cols = t.shape
+        pad = -rows % tile
+        if pad:
+            t = torch.cat([t, t.new_zeros((pad, cols))])
+        return t.view(-1, tile, cols).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
+        if not native.available(LIBRARY):
+            raise RuntimeError("localllm's CPU kernels are not built")
+        tile = Int4GroupCPU.TILE
+        rows = rows or Int4GroupCPU.PACK_ROWS
+        rows -= rows % tile
+        out, half = layer.qweight.shape
+        parts = []
+        for a in range(0, out, rows):
+            q = unpack_int4(layer.qweight[a : a + rows])  # (rows, in) codes, a byte each
+            pairs = q[:, 0::2] | (q[:, 1::2] << 4)  # (rows, in/2): the canonical bytes, as they are
+            parts.append(Int4GroupCPU._tiles(pairs, tile))  # (rows/16, in/2, 16)
+        return {
+            "packed": torch.cat(parts) if len(parts) > 1 else parts[0],
+            "tile_scales": Int4GroupCPU._tiles(layer.scales.half(), tile),
+            "tile_offsets": Int4GroupCPU._tiles(layer.offsets.half(), tile),
+        }
+
+    @staticmethod
+    def matmul(layer, x):  # type: ignore[no-untyped-def]
+        g, n = layer.scheme.group_size, layer.out_features
+        if x.shape[0] <= Int4GroupCPU.GEMV_ROWS:
+            return torch.ops.localllm.int4_group_mm(x, layer.packed, layer.tile_scales, layer.tile_offsets, g, n)
+        tile = Int4GroupCPU.TILE
+        tiles = max(1, Int4GroupCPU.PREFILL_ELEMENTS // (layer.in_features * tile))
+        xf = x.float()
+        y = xf.new_empty((x.shape[0], n))
+        for t in range(0, layer.packed.shape[0], tiles):
+            a, b = t * tile, min(n, (t + tiles) * tile)
+            w = torch.ops.localllm.int4_group_dequant(layer.packed[t : t + tiles], layer.tile_scales[t : t + tiles],
+                                                      layer.tile_offsets[t : t + tiles], g, b - a)
+            y[:, a:b] = xf @ w.t()
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def gguf_dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
@@ -400,7 +521,7 @@ class Nf4Bitsandbytes(Kernel):
 
 #: In order of preference; the first that supports a layer (and passes its check) is used.
 KERNELS: tuple[type[Kernel], ...] = (
-    Int4TinygemmCUDA, Int4TinygemmCPU, Int8WeightOnly, Int8GroupCPU, GGUFBlocksCPU, Nf4Bitsandbytes, Reference
+    Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int8GroupCPU, Int8WeightOnly, GGUFBlocksCPU, Nf4Bitsandbytes, Reference
 )
 BY_NAME = {k.name: k for k in KERNELS}
 

@@ -104,8 +104,9 @@ def test_a_tied_int8_head_serves_as_the_embedding_without_a_16_bit_table(tied_fo
     assert isinstance(model.embed, TiedInt8Embedding)
     assert not any(name.startswith("embed") for name in model.state_dict())  # never allocated
     head = model.output
-    rows = dequantize({"qweight": head.qweight, "scales": head.kscales.float()}, head.scheme)[IDS[0]]
-    assert torch.equal(model.embed(IDS)[0], rows.to(torch.bfloat16))
+    scales = head.kscales if hasattr(head, "kscales") else head.scales  # int8-weight-only's, or the canonical ones
+    rows = dequantize({"qweight": head.qweight, "scales": scales.float()}, head.scheme)[IDS[0]]
+    assert torch.equal(model.embed(IDS)[0], rows.to(lm.dtype))
     # Stored once: the artifact holds the head, no embedding; loads the same; exports an embedding.
     store = Store(tmp_path / "store")
     entry, _ = convert_to_store(open_checkpoint(str(tied_folder)), parse_scheme("int4", 32), "tied", store, {},
@@ -130,16 +131,33 @@ def test_a_stored_16_bit_table_beside_an_int8_head_is_skipped(tied_folder):
     assert isinstance(loaded.embed, TiedInt8Embedding)
 
 
-def test_the_slow_reference_warning_says_what_runs(tiny_folder):
-    """fp32 activations: int4's CPU kernel needs bf16, so its layers run the reference, said once;
-    int8 per channel has a kernel for fp32 and says nothing."""
+def test_the_slow_reference_warning_says_what_runs(tiny_folder, monkeypatch):
+    """fp32 activations without localllm's C++ kernels: int4's torch kernel needs bf16, so its layers
+    run the reference, said once; int8 per channel has torch's kernel for fp32 and says nothing."""
+    from localllm import native
+
+    monkeypatch.setattr(native, "available", lambda lib, cache_dir=None: False)
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "no C++ compiler")
     _, folder = tiny_folder("llama")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        int4 = load_model(str(folder), quant="int4", dtype="fp32")
-        int8 = load_model(str(folder), quant="int8", dtype="fp32")
+        int4 = load_model(str(folder), quant="int4", dtype="fp32", attention_kernel=False)
+        int8 = load_model(str(folder), quant="int8", dtype="fp32", attention_kernel=False)
     said = [str(w.message) for w in caught if "reference" in str(w.message)]
     assert said == ["int4 (group 32, asymmetric) layers run on the slow reference kernel (it dequantizes the weight "
-                    "at every call): int4-tinygemm-cpu needs bfloat16 activations, not float32"]
+                    "at every call): int4-tinygemm-cpu needs bfloat16 activations, not float32; int4-group-cpu "
+                    "needs localllm's CPU kernels, which could not be built (no C++ compiler)"]
     assert int4.kernels["reference"] == 8  # 2 blocks of qkv, o, gate_up, down
     assert int8.kernels["int8-weight-only"] == 8 and "reference" not in int8.kernels
+
+
+def test_fp32_activations_run_localllms_kernels_without_a_warning(tiny_folder):
+    """The CPU's default activations (fp32): int4 and per-channel int8 on localllm's C++ kernels."""
+    _, folder = tiny_folder("llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        int4 = load_model(str(folder), quant="int4", device="cpu")
+        int8 = load_model(str(folder), quant="int8", device="cpu")
+    assert not [str(w.message) for w in caught if "reference" in str(w.message)]
+    assert int4.dtype == int8.dtype == torch.float32
+    assert int4.kernels["int4-group-cpu"] == 8 and int8.kernels["int8-group-cpu"] == 8

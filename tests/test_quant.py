@@ -97,6 +97,8 @@ def make_layer(name, group, out=192, inp=576, bias=False, device="cpu"):
 HAS_NATIVE = native.compiler() is not None  # localllm's C++ CPU kernels can be built here
 needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="no C++ compiler for localllm's CPU kernels")
 KERNEL_CASES = [("int4-tinygemm-cpu", "int4", 32), ("int4-tinygemm-cpu", "int4", 128),
+                pytest.param("int4-group-cpu", "int4", 32, marks=needs_native),
+                pytest.param("int4-group-cpu", "int4", 128, marks=needs_native),
                 ("int8-weight-only", "int8", None),
                 pytest.param("int8-group-cpu", "int8", 32, marks=needs_native),
                 pytest.param("int8-group-cpu", "int8", 64, marks=needs_native),
@@ -125,6 +127,17 @@ def test_automatic_choice_on_cpu_is_the_fast_kernel():
                               ("int8", 32, "int8-group-cpu" if HAS_NATIVE else "reference")]:
         layer, _ = make_layer(name, group)
         assert layer.prepare(torch.bfloat16) == want
+
+
+@needs_native
+def test_automatic_choice_on_cpu_with_fp32_activations_is_localllms_kernels():
+    """fp32 activations (the CPU's default): int4 and int8 (grouped or per channel) on localllm's C++
+    kernels, which multiply the exact weights in fp32, not on the reference."""
+    for name, group, want in [("int4", 32, "int4-group-cpu"), ("int4", 128, "int4-group-cpu"),
+                              ("int8", None, "int8-group-cpu"), ("int8", 32, "int8-group-cpu"),
+                              ("nf4", 64, "nf4-bitsandbytes")]:
+        layer, _ = make_layer(name, group, inp=512 if group == 128 else 576)
+        assert layer.prepare(torch.float32) == want, (name, group)
 
 
 @needs_native
@@ -164,7 +177,7 @@ def test_a_disagreeing_kernel_is_dropped(monkeypatch):
     monkeypatch.setattr(kernels.Int4TinygemmCPU, "matmul", staticmethod(lambda layer, x: torch.zeros(
         x.shape[0], layer.out_features, dtype=x.dtype)))
     with pytest.warns(UserWarning, match="disagrees"):
-        assert layer.prepare(torch.bfloat16) == "reference"
+        assert layer.prepare(torch.bfloat16) == ("int4-group-cpu" if HAS_NATIVE else "reference")
 
 
 def test_the_check_of_a_large_layer_samples_rows_up_to_the_last_block(monkeypatch):
@@ -180,7 +193,7 @@ def test_the_check_of_a_large_layer_samples_rows_up_to_the_last_block(monkeypatc
 
     monkeypatch.setattr(kernels.Int4TinygemmCPU, "matmul", staticmethod(wrong_tail))
     with pytest.warns(UserWarning, match="disagrees"):
-        assert layer.prepare(torch.bfloat16) == "reference"
+        assert layer.prepare(torch.bfloat16) == ("int4-group-cpu" if HAS_NATIVE else "reference")
 
 
 def test_a_model_checks_each_kernel_once_per_layer_shape(monkeypatch):
@@ -204,7 +217,7 @@ def test_a_disagreeing_kernel_is_dropped_for_every_layer_of_its_shape_with_one_w
     monkeypatch.setattr(kernels.Int4TinygemmCPU, "matmul", staticmethod(lambda layer, x: torch.zeros(
         x.shape[0], layer.out_features, dtype=x.dtype)))
     with pytest.warns(UserWarning, match="disagrees") as caught:
-        assert prepare_model(layers, torch.bfloat16) == {"reference": 3}
+        assert prepare_model(layers, torch.bfloat16) == {"int4-group-cpu" if HAS_NATIVE else "reference": 3}
     assert len([w for w in caught if "disagrees" in str(w.message)]) == 1
 
 
@@ -212,11 +225,14 @@ def fallback_warnings(caught):
     return [str(w.message) for w in caught if "slow reference" in str(w.message)]
 
 
-def test_a_fallback_to_the_reference_is_one_line_a_process_naming_scheme_and_reason():
-    """int4 with fp32 activations on the CPU: tinygemm needs bf16, so every layer runs the reference,
-    and the model says so once (not once a layer, nor again for the next model)."""
+def test_a_fallback_to_the_reference_is_one_line_a_process_naming_scheme_and_reason(monkeypatch):
+    """int4 with fp32 activations on the CPU without localllm's C++ kernels: tinygemm needs bf16, so
+    every layer runs the reference, and the model says so once (not once a layer, nor again for the
+    next model)."""
     import warnings
 
+    monkeypatch.setattr(native, "available", lambda lib, cache_dir=None: False)
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "no C++ compiler")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         layers = torch.nn.ModuleList([make_layer("int4", 32)[0] for _ in range(3)])
@@ -228,7 +244,8 @@ def test_a_fallback_to_the_reference_is_one_line_a_process_naming_scheme_and_rea
         assert make_layer("int4", 64)[0].prepare(torch.bfloat16, "reference") == "reference"
     assert fallback_warnings(caught) == [
         "int4 (group 32, asymmetric) layers run on the slow reference kernel (it dequantizes the weight at every "
-        "call): int4-tinygemm-cpu needs bfloat16 activations, not float32"]
+        "call): int4-tinygemm-cpu needs bfloat16 activations, not float32; int4-group-cpu needs localllm's CPU "
+        "kernels, which could not be built (no C++ compiler)"]
 
 
 def test_grouped_int8_without_the_cpp_library_says_why(monkeypatch):
@@ -241,8 +258,8 @@ def test_grouped_int8_without_the_cpp_library_says_why(monkeypatch):
         assert make_layer("int8", 32)[0].prepare(torch.bfloat16) == "reference"
     assert fallback_warnings(caught) == [
         "int8 (group 32) layers run on the slow reference kernel (it dequantizes the weight at every call): "
-        "int8-weight-only needs one scale per output channel, not per group; int8-group-cpu needs localllm's CPU "
-        "kernels, which could not be built (no C++ compiler)"]
+        "int8-group-cpu needs localllm's CPU kernels, which could not be built (no C++ compiler); int8-weight-only "
+        "needs one scale per output channel, not per group"]
 
 
 def test_reasons_the_gpu_kernels_give(monkeypatch):
@@ -253,9 +270,9 @@ def test_reasons_the_gpu_kernels_give(monkeypatch):
     assert kernels.why_not_fast(layer, cuda, torch.bfloat16) == [
         "int4-tinygemm-cuda needs a GPU of compute capability 8.0 or newer (this one has 7.5)"]
     assert kernels.why_not_fast(make_layer("int8", 32)[0], cuda, torch.bfloat16) == [
-        "int8-weight-only needs one scale per output channel, not per group", "int8-group-cpu runs on the CPU only"]
+        "int8-group-cpu runs on the CPU only", "int8-weight-only needs one scale per output channel, not per group"]
     assert kernels.why_not_fast(make_layer("int8", None)[0], cuda, torch.bfloat16) == [
-        "int8-group-cpu needs scales per group of a multiple of 16 inputs"]  # int8-weight-only runs it
+        "int8-group-cpu runs on the CPU only"]  # int8-weight-only runs it
 
 
 def test_int4_repacked_in_slices_is_the_layout_of_the_whole():

@@ -1,5 +1,6 @@
 // y = x W^T for int8 weights with one fp16 scale per group of input columns: the canonical "int8
-// group G" format, which holds a GGUF file's Q8_0 blocks (G = 32) exactly.
+// group G" format, which holds a GGUF file's Q8_0 blocks (G = 32) exactly; or with one scale per row
+// (scales (N, 1), per-channel int8), the groups then only the length of each partial sum.
 //
 // torch's fast int8 matmul (_weight_int8pack_mm) takes one scale per output row, so a Q8_0 head had
 // to be re-rounded to per-row scales (doubling SmolLM2's KL divergence) or dequantized to 16 bits
@@ -22,6 +23,10 @@
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
+#endif
+
+#ifndef PREFETCH
+#define PREFETCH 2048  // bytes ahead of the codes being read
 #endif
 
 namespace {
@@ -51,20 +56,26 @@ void mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int6
   for (const auto i : c10::irange(M * K)) xf[i] = static_cast<float>(xp[i]);
   const int8_t* qp = q.data_ptr<int8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
+  const int64_t ns = scales.size(1);  // ng, or 1: one scale a row (the groups are then only how the sums run)
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (const auto n : c10::irange(begin, end)) {
       const int8_t* qn = qp + n * K;
-      const at::Half* sn = sp + n * ng;
+      const at::Half* sn = sp + n * ns;
       for (const auto m : c10::irange(M)) {
         const float* xm = xf.data() + m * K;
         Vec a0(0.f), a1(0.f);  // two chains (even and odd groups), so the FMAs need not wait on each other
         for (const auto g : c10::irange(ng)) {
           const int8_t* qg = qn + g * group;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+          // The rows ahead, from L3 or memory: the prefetchers alone leave a decode step waiting on them.
+          if (m == 0 && (g * group) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(qg) + PREFETCH, _MM_HINT_T0);
+          if (m == 0 && g % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(sn + g) + PREFETCH / 16, _MM_HINT_T0);
+#endif
           const float* xg = xm + g * group;
           Vec t = load_int8(qg) * Vec::loadu(xg);  // the group's dot product, then scaled once
           for (int64_t d = VS; d < group; d += VS) t = at::vec::fmadd(load_int8(qg + d), Vec::loadu(xg + d), t);
-          const Vec s(static_cast<float>(sn[g]));
+          const Vec s(static_cast<float>(sn[ns == 1 ? 0 : g]));
           if (g % 2) a1 = at::vec::fmadd(t, s, a1);
           else a0 = at::vec::fmadd(t, s, a0);
         }
@@ -80,8 +91,8 @@ at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Ten
   TORCH_CHECK(scales.scalar_type() == at::kHalf, "int8_group_mm: scales must be float16");
   TORCH_CHECK(group > 0 && group % VS == 0, "int8_group_mm: group ", group, " is not a multiple of ", VS);
   TORCH_CHECK(x.size(1) == q.size(1) && q.size(1) % group == 0, "int8_group_mm: x (M, K) does not match qweight (N, K)");
-  TORCH_CHECK(scales.size(0) == q.size(0) && scales.size(1) == q.size(1) / group,
-              "int8_group_mm: scales must be (N, K / group)");
+  TORCH_CHECK(scales.size(0) == q.size(0) && (scales.size(1) == q.size(1) / group || scales.size(1) == 1),
+              "int8_group_mm: scales must be (N, K / group), or (N, 1): one a row");
   const at::Tensor xc = x.contiguous(), qc = q.contiguous(), sc = scales.contiguous();
   at::Tensor y = at::empty({x.size(0), q.size(0)}, x.options());
   switch (x.scalar_type()) {
