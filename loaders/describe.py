@@ -7,9 +7,11 @@ dict (the ``show --json`` object); turning it into text is the CLI's business.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from localllm.errors import LocalLLMError
 from localllm.loaders.store import Store, StoredModel
 from localllm.paths import DEFAULT_MODEL
 
@@ -57,11 +59,31 @@ def describe_stored(entry: StoredModel) -> dict[str, Any]:
     m = entry.manifest
     quant = m.get("quant") or {}
     scheme = QuantScheme.from_dict(quant["scheme"]) if quant.get("scheme") else None
-    return describe(ModelConfig.from_dict(m["config"]), name=entry.ref, path=entry.path, scheme=scheme,
+    facts = describe(ModelConfig.from_dict(m["config"]), name=entry.ref, path=entry.path, scheme=scheme,
                     dtype=m.get("dtype"), quantized=len(quant.get("modules", [])),
                     weight_bytes=int(m["files"].get("model.safetensors", {}).get("size", entry.size_bytes)),
                     source=m.get("source") or {}, chat_template=Tokenizer.from_folder(entry.path).chat_template is not None,
                     created=entry.modified.isoformat())
+    return with_memory_plan(facts, lambda: _artifact(entry))
+
+
+def _artifact(entry: StoredModel) -> Any:
+    from localllm.loaders.artifact import ArtifactCheckpoint
+
+    return ArtifactCheckpoint(entry)
+
+
+def with_memory_plan(facts: dict[str, Any], ckpt: Callable[[], Any]) -> dict[str, Any]:
+    """``facts`` with ``memory_plan``: the model in its own scheme on the CPU at a few context lengths
+    (:func:`loaders.memory_plan.show_plans`); None, with the reason in ``memory_plan_error``, when the
+    checkpoint cannot be opened for it (a damaged store entry: ``show --verify`` says which file)."""
+    from localllm.loaders.memory_plan import show_plans
+
+    try:
+        facts["memory_plan"] = show_plans(ckpt())
+    except LocalLLMError as e:
+        facts["memory_plan"], facts["memory_plan_error"] = None, e.one_line()
+    return facts
 
 
 def describe_path(path: Path) -> dict[str, Any]:
@@ -98,7 +120,7 @@ def describe_checkpoint(ckpt: Any, name: str | None) -> dict[str, Any]:
                      chat_template=load_tokenizer(ckpt).chat_template is not None, created=None)
     if tensor_types:  # a GGUF: its tensor types and what each becomes when it loads
         facts["tensor_types"] = tensor_types
-    return facts
+    return with_memory_plan(facts, lambda: ckpt)
 
 
 def describe_ref(ref: str, store: Store | None = None) -> tuple[dict[str, Any], StoredModel | None]:

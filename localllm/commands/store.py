@@ -136,6 +136,7 @@ def show_text(facts: dict[str, Any]) -> str:
                     ("weight bytes", f"{human_size(facts['weight_bytes'])} ({facts['weight_bytes']:,} bytes)"),
                     ("kv cache", kv)],
         **({"Tensor types (as loaded)": list(facts["tensor_types"].items())} if facts.get("tensor_types") else {}),
+        **_memory_plan_section(facts),
         "Source": source_rows + ([("created", _created_text(facts["created"])), ("location", facts["path"])]
                                  if facts["created"] else []),
     }
@@ -143,6 +144,24 @@ def show_text(facts: dict[str, Any]) -> str:
     for title, rows in sections.items():
         lines += [f"  {title}"] + [f"    {k:<20}{v}" for k, v in rows] + [""]
     return "\n".join(lines).rstrip("\n")
+
+
+def _memory_plan_section(facts: dict[str, Any]) -> dict[str, list[tuple[str, str]]]:
+    """``Memory plan (cpu, int4, 21 GB available)``: per context length the total and its parts, and
+    whether it fits (:mod:`loaders.memory_plan`)."""
+    plans = facts.get("memory_plan")
+    if not plans:
+        error = facts.get("memory_plan_error")
+        return {"Memory plan": [("unavailable", error)]} if error else {}
+    first = plans[0]
+    title = f"Memory plan ({first['device']}, {first['scheme']}, {human_size(first['available'])} available)"
+    rows = []
+    for p in plans:
+        parts = (f"weights {human_size(p['weights'])} + KV cache {human_size(p['kv_cache'])} + activations "
+                 f"{human_size(p['activations'])} + runtime {human_size(p['runtime'] + p['overhead'])}")
+        verdict = "fits" if p["fits"] else "does not fit"
+        rows.append((f"ctx {p['ctx']}", f"{human_size(p['total']):>7} = {parts}  {verdict}"))
+    return {title: rows}
 
 
 def _created_text(iso: str) -> str:

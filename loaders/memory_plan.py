@@ -1,0 +1,338 @@
+"""What running a model will take, computed before anything is loaded, against the memory there is.
+
+A plan has five parts (bytes):
+
+* ``weights``: the model as :func:`loaders.load.load_model` will hold it: built on ``meta`` by the same
+  code that loads it (:func:`loaders.load.model_tensors`, per-module schemes, a GGUF's exact blocks,
+  fused projections, a tied int8 head serving as the embedding), float tensors in the activation dtype;
+* ``kv_cache``: one sequence's cache of ``ctx`` positions times ``concurrency``, in the KV dtype, sliding
+  layers at their window (:meth:`runtime.config.ModelConfig.sequence_cache_bytes`), and the RoPE tables
+  of ``ctx`` positions beside it;
+* ``activations``: the largest transient of one forward: a prompt of ``prefill_tokens`` (default: the
+  whole context, which :class:`runtime.generate.Generator` prefills in one forward) through an attention
+  block or an MLP block, plus each sequence's fp32 logits row (:func:`activation_bytes`);
+* ``overhead``: what the runtime adds beyond these (:data:`OVERHEAD_BYTES`, measured);
+* ``runtime``: the process itself before any model: interpreter, torch, localllm and its kernels
+  (:data:`RUNTIME_BYTES`, measured).
+
+``available`` is the device's free memory: the CPU's available RAM (``psutil``) plus what this process
+already holds of its own runtime, or CUDA's free memory (``torch.cuda.mem_get_info``).
+``LOCALLLM_AVAILABLE_MEMORY`` (bytes, or a size like ``2GB``, ``1.5GiB``) replaces the probe: a cap for
+a user who wants one, and how tests force each branch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.format import human_size
+
+#: The environment variable that replaces the memory probe (bytes or a size such as ``2GB``).
+AVAILABLE_ENV = "LOCALLLM_AVAILABLE_MEMORY"
+
+#: The process before any model, per device type. CPU: RSS after importing torch and localllm's
+#: commands and building its CPU kernels (243 MB on x86-64 Linux, torch 2.13; ``localllm run smollm2``
+#: peaks at 469 MB = this + the int4 model's weights, ctx-4096 cache and transients). CUDA: 0, for the
+#: probe (``mem_get_info``) runs after the CUDA context exists, which it then already leaves out.
+RUNTIME_BYTES = {"cpu": 243_000_000, "cuda": 0}
+
+#: What the runtime adds beyond weights, KV cache and the forward's activations: load-time conversion
+#: buffers (a tensor dequantized and requantized as it streams in), the first forward's workspaces and
+#: thread pools, allocator slack. CPU: about the median residual of SmolLM2's measured peak growth
+#: (``python -m localllm.bench.memprobe smollm2 --quant S --prompt-tokens 512 --gen-tokens 4 --ctx 520``,
+#: x86-64, torch 2.13) over weights + KV cache + activations as computed here: fp32 55, bf16 68, int8 76,
+#: int4 67 MB (int8/int4 with fp32 activations; 48 and 43 MB with bf16 ones). CUDA: not measured yet,
+#: taken as the same (the caching allocator's rounding and cuBLAS workspaces are of that order).
+OVERHEAD_BYTES = {"cpu": 64_000_000, "cuda": 64_000_000}
+
+#: The context ``localllm run`` gives a model when ``--ctx`` is not given (at most the model's own).
+RUN_DEFAULT_CTX = 4096
+
+#: Bytes per cached value of each KV dtype; "auto" (runtime.cache's "16bit") is the activation dtype. int8 values carry one fp32
+#: scale per token and head (4 / head_dim bytes per value, added in :func:`kv_bytes_per_value`).
+KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "int8": 1}
+
+#: Context lengths ``show`` plans for (those below the model's own, and the model's own).
+SHOW_CONTEXTS = (2048, 8192, 32768)
+
+#: The smallest context a ``--ctx`` suggestion goes down to.
+MIN_SUGGESTED_CTX = 256
+
+#: Smaller weight schemes suggested when a plan does not fit, largest (most faithful) first.
+SMALLER_SCHEMES = ("bf16", "int8", "int4")
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a run needs and what there is (bytes)."""
+
+    scheme: str
+    ctx: int
+    concurrency: int
+    kv_dtype: str
+    device: str
+    #: The activation dtype (fp32, bf16...): float weights, the "auto" KV cache and activations are in it.
+    dtype: str
+    weights: int
+    kv_cache: int
+    activations: int
+    overhead: int
+    runtime: int
+    available: int
+    #: Where ``available`` came from: "psutil", "cuda", or the environment variable's name.
+    available_source: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations + self.overhead + self.runtime
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.available
+
+    def breakdown(self) -> str:
+        """``int4 weights 97 MB + KV cache 191 MB for ctx 4096 + activations 139 MB + runtime 307 MB``."""
+        seqs = f" x {self.concurrency} sequences" if self.concurrency > 1 else ""
+        return (f"{self.scheme} weights {human_size(self.weights)} + KV cache {human_size(self.kv_cache)} for ctx "
+                f"{self.ctx}{seqs} + activations {human_size(self.activations)} + runtime "
+                f"{human_size(self.runtime + self.overhead)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total, "fits": self.fits}
+
+
+# --------------------------------------------------------------------------- sizes and the probe
+def parse_size(text: str) -> int:
+    """``2GB``, ``1.5GiB``, ``512m``, ``1000000`` -> bytes (1000-based unless ``iB``)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise LocalLLMError(f"cannot read {AVAILABLE_ENV}='{text}'", "write it like 2GB, 1.5GiB or 800000000")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _own_rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """Bytes a run may use on ``device``, and where the figure comes from.
+
+    The CPU's available RAM counts what this process already holds of its runtime (up to
+    :data:`RUNTIME_BYTES`) as available to it, since the plan's total counts the runtime too."""
+    override = os.environ.get(AVAILABLE_ENV)
+    if override:
+        return parse_size(override), AVAILABLE_ENV
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), "cuda"
+    import psutil
+
+    return int(psutil.virtual_memory().available) + min(_own_rss(), RUNTIME_BYTES["cpu"]), "psutil"
+
+
+# --------------------------------------------------------------------------- the parts
+def kv_bytes_per_value(kv_dtype: str, act_dtype: torch.dtype, head_dim: int) -> float:
+    """Bytes per cached key or value element (an int8 cache: its scales included)."""
+    if kv_dtype in ("auto", "16bit"):  # the cache in the activation dtype (runtime.cache's "16bit")
+        return float(torch.empty(0, dtype=act_dtype).element_size())
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise LocalLLMError(f"unknown KV cache dtype '{kv_dtype}'", "use auto, fp32, fp16, bf16 or int8")
+    size = float(KV_DTYPE_BYTES[kv_dtype])
+    return size + 4 / head_dim if kv_dtype == "int8" else size
+
+
+def kv_cache_bytes(config: Any, ctx: int, concurrency: int, bytes_per_value: float, act_size: int) -> int:
+    """``concurrency`` sequences' caches of ``ctx`` positions (sliding layers at their window), and the
+    RoPE tables (cos and sin, ``ctx`` x rotary dims, local ones beside global ones when a model has both)."""
+    values = config.sequence_cache_bytes(ctx, 1, concurrency)  # one byte per value: the value count
+    tables = 2 if config.rope_local_theta is not None else 1
+    rope = tables * 2 * ctx * config.rotary_dim * act_size
+    return int(values * bytes_per_value) + rope
+
+
+def activation_bytes(config: Any, tokens: int, concurrency: int, act_size: int) -> int:
+    """The largest transient of a forward over ``tokens`` positions (all sequences' together).
+
+    Attention block: the residual, its norm, the fused q|k|v, rotated q|k, the attention output and its
+    reshaped copy, the projection. MLP block: the residual and its sum, the norm, gate|up, the activated
+    gate, the product, the projection. Plus each sequence's logits row in fp32 and sampling's copy.
+    (Causal SDPA on the CPU runs in tiles: no tokens x tokens score matrix; soft-capped attention
+    writes its scores out, so those count when a model has it.)
+    """
+    d, q, kv, inter = config.dim, config.q_dim, config.kv_dim, config.intermediate_size
+    attn = 3 * d + (q + 2 * kv) + (q + kv) + 2 * q
+    mlp = 4 * d + 4 * inter
+    per_token = max(attn, mlp) * act_size
+    scores = 0
+    if config.attn_softcap is not None:
+        scores = 2 * config.n_heads * tokens * tokens * 4
+    logits = 2 * concurrency * config.vocab_size * 4
+    return tokens * per_token + scores + logits
+
+
+# --------------------------------------------------------------------------- the model's weights
+@dataclass(frozen=True)
+class Footprint:
+    """What a checkpoint in one scheme is before any context: its config, weights and dtypes."""
+
+    config: Any
+    scheme: str
+    weights: int
+    act_dtype: torch.dtype
+    device: torch.device
+
+
+def meta_weight_bytes(model: torch.nn.Module, act_dtype: torch.dtype) -> int:
+    """Bytes of ``model`` (on ``meta``) once loaded: parameters in the activation dtype, buffers in their
+    own (a quantized layer's packed tensors), a tied float head counted once with the embedding."""
+    total = 0
+    for name, p in model.named_parameters():
+        total += p.numel() * act_dtype.itemsize
+    for name, b in model.named_buffers():
+        if not name.startswith("rope_") and ".kv_cache." not in name:
+            total += b.numel() * b.element_size()
+    config = getattr(model, "config", None)
+    head, embed = getattr(model, "output", None), getattr(model, "embed", None)
+    head_w, embed_w = getattr(head, "weight", None), getattr(embed, "weight", None)
+    if config is not None and config.tie_embeddings and isinstance(head_w, torch.nn.Parameter) \
+            and embed_w is not None and head_w is not embed_w:
+        total -= head_w.numel() * act_dtype.itemsize  # tied at load: one tensor
+    return total
+
+
+def footprint(ckpt: Any, quant: str | None = None, *, group_size: int | None = None,
+              quantize_head: str | bool | None = None, dtype: str = "auto", device: str = "auto") -> Footprint:
+    """The weights of ``ckpt`` (an opened checkpoint) as ``load_model`` would hold them, from its meta model."""
+    from localllm.loaders.build import fuse_projections
+    from localllm.loaders.load import choose_scheme, dtype_name, model_tensors, resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    scheme = choose_scheme(ckpt, quant, group_size)
+    if scheme is not None and scheme.is_float:
+        act = resolve_dtype(scheme.name if dtype == "auto" else dtype, dev)
+        scheme = None
+    else:
+        act = resolve_dtype(dtype, dev, quantized=scheme is not None)
+    model, _, _ = model_tensors(ckpt, scheme, quantize_head)
+    fuse_projections(model)
+    label = scheme.name if scheme is not None else dtype_name(act)
+    return Footprint(ckpt.config, label, meta_weight_bytes(model, act), act, dev)
+
+
+def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = "auto",
+             prefill_tokens: int | None = None, available: tuple[int, str] | None = None) -> MemoryPlan:
+    """The plan of a footprint at ``ctx`` (cheap: no model is built)."""
+    config, act_size = fp.config, fp.act_dtype.itemsize
+    per_value = kv_bytes_per_value(kv_dtype, fp.act_dtype, config.head_dim)
+    tokens = min(prefill_tokens if prefill_tokens is not None else ctx, ctx)
+    avail, source = available if available is not None else available_memory(fp.device)
+    dev = fp.device.type
+    return MemoryPlan(
+        scheme=fp.scheme, ctx=ctx, concurrency=concurrency, kv_dtype=kv_dtype, device=str(fp.device),
+        dtype=str(fp.act_dtype).removeprefix("torch."),
+        weights=fp.weights,
+        kv_cache=kv_cache_bytes(config, ctx, concurrency, per_value, act_size),
+        activations=activation_bytes(config, tokens, concurrency, act_size),
+        overhead=OVERHEAD_BYTES.get(dev, OVERHEAD_BYTES["cuda"]),
+        runtime=RUNTIME_BYTES.get(dev, 0),
+        available=avail, available_source=source,
+    )
+
+
+def plan_memory(ckpt_or_ref: Any, quant: str | None = None, ctx: int | None = None, *, concurrency: int = 1,
+                kv_dtype: str = "auto", device: str = "auto", dtype: str = "auto", group_size: int | None = None,
+                quantize_head: str | bool | None = None, prefill_tokens: int | None = None) -> MemoryPlan:
+    """The plan for running ``ckpt_or_ref`` (a reference as ``run`` takes it, or an opened checkpoint) in
+    ``quant`` (None: the checkpoint's own) with a context of ``ctx`` (None: ``run``'s default)."""
+    ckpt = _open(ckpt_or_ref)
+    fp = footprint(ckpt, quant, group_size=group_size, quantize_head=quantize_head, dtype=dtype, device=device)
+    ctx = ctx if ctx is not None else min(fp.config.max_seq_len, RUN_DEFAULT_CTX)
+    return plan_for(fp, ctx, concurrency=concurrency, kv_dtype=kv_dtype, prefill_tokens=prefill_tokens)
+
+
+def _open(ckpt_or_ref: Any) -> Any:
+    if isinstance(ckpt_or_ref, str):
+        from localllm.loaders.load import open_checkpoint
+
+        return open_checkpoint(ckpt_or_ref)
+    return ckpt_or_ref
+
+
+# --------------------------------------------------------------------------- not enough memory
+def largest_fitting_ctx(fp: Footprint, ctx: int, available: tuple[int, str], **kw: Any) -> int | None:
+    """The largest context below ``ctx`` (a multiple of 256, at least :data:`MIN_SUGGESTED_CTX`) whose plan fits."""
+    lo, hi = MIN_SUGGESTED_CTX // 256, (ctx - 1) // 256
+    if hi < lo or not plan_for(fp, lo * 256, available=available, **kw).fits:
+        return None
+    while lo < hi:  # the plan grows with ctx: bisect on the multiples of 256
+        mid = (lo + hi + 1) // 2
+        if plan_for(fp, mid * 256, available=available, **kw).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * 256
+
+
+def cheapest_fix(ckpt: Any, plan: MemoryPlan, fp: Footprint, *, kv_cache_flag: bool = False,
+                 **options: Any) -> str:
+    """The cheapest change that fits: a smaller ``--ctx``, else a smaller ``--quant``, else an int8 KV
+    cache (when ``kv_cache_flag``: the flag exists), else the smallest scheme at the smallest context."""
+    avail = (plan.available, plan.available_source)
+    kw: dict[str, Any] = dict(concurrency=plan.concurrency, kv_dtype=plan.kv_dtype)
+    ctx = largest_fitting_ctx(fp, plan.ctx, avail, **kw)
+    if ctx is not None:
+        return f"use --ctx {ctx} (or less), or free memory"
+    smaller = [s for s in SMALLER_SCHEMES if s != plan.scheme]
+    others = {**options, "group_size": None}  # another scheme takes its own default group
+    prints = [footprint(ckpt, s, device=plan.device, **others) for s in smaller]
+    prints = [p for p in prints if p.weights < fp.weights]
+    for p in prints:
+        if plan_for(p, plan.ctx, available=avail, **kw).fits:
+            return f"use --quant {p.scheme}, or free memory"
+    if kv_cache_flag and plan.kv_dtype != "int8":
+        if plan_for(fp, plan.ctx, available=avail, **{**kw, "kv_dtype": "int8"}).fits:
+            return "use --kv-cache int8, or free memory"
+    for p in prints[::-1]:  # the smallest scheme with a shorter context
+        ctx = largest_fitting_ctx(p, plan.ctx, avail, **kw)
+        if ctx is not None:
+            return f"use --quant {p.scheme} --ctx {ctx}, or free memory"
+    return "free memory, or run a smaller model"
+
+
+def check_memory(ref: str, *, quant: str | None = None, ctx: int | None = None, concurrency: int = 1,
+                 kv_dtype: str = "auto", device: str = "auto", dtype: str = "auto", group_size: int | None = None,
+                 quantize_head: str | bool | None = None, kv_cache_flag: bool = False) -> MemoryPlan:
+    """The plan for running ``ref``; a :class:`LocalLLMError` with its numbers and the cheapest fix when
+    it does not fit."""
+    ckpt = _open(ref)
+    options = dict(group_size=group_size, quantize_head=quantize_head, dtype=dtype)
+    fp = footprint(ckpt, quant, device=device, **options)
+    ctx = ctx if ctx is not None else min(fp.config.max_seq_len, RUN_DEFAULT_CTX)
+    plan = plan_for(fp, ctx, concurrency=concurrency, kv_dtype=kv_dtype)
+    if plan.fits:
+        return plan
+    raise LocalLLMError(
+        f"{ref} needs {human_size(plan.total)} ({plan.breakdown()}), {human_size(plan.available)} available"
+        + (f" ({AVAILABLE_ENV})" if plan.available_source == AVAILABLE_ENV else ""),
+        cheapest_fix(ckpt, plan, fp, kv_cache_flag=kv_cache_flag, **options),
+    )
+
+
+def show_plans(ckpt: Any, quant: str | None = None) -> list[dict[str, Any]]:
+    """``show``'s plans: the checkpoint's own scheme on the CPU at a few context lengths and its own."""
+    fp = footprint(ckpt, quant, device="cpu")
+    top = fp.config.max_seq_len
+    contexts = [c for c in SHOW_CONTEXTS if c < top] + [top]
+    avail = available_memory(fp.device)
+    return [plan_for(fp, c, available=avail).to_dict() for c in contexts]
