@@ -35,11 +35,14 @@ def print_stats(stats: GenerationStats, load_s: float | None = None) -> None:
         click.echo(f"{name + ':':<22}{value}", err=True)
 
 
-def describe_model(lm, ctx: int) -> None:  # type: ignore[no-untyped-def]
+def describe_model(lm, ctx: int, kv_dtype: str = "16bit") -> None:  # type: ignore[no-untyped-def]
     """What runs: source, device, weight scheme, kernels, weight and KV cache bytes (stderr)."""
     act = str(lm.dtype).removeprefix("torch.")
     kernels = ", ".join(f"{name} x{n}" for name, n in sorted(lm.kernels.items())) or "torch (float)"
-    kv = lm.config.kv_cache_bytes(ctx, lm.model.dtype.itemsize)  # a generator's cache holds activations' dtype
+    # a generator's cache holds the activations' dtype, or int8 codes and their scales
+    per_value = "int8" if kv_dtype == "int8" else lm.model.dtype.itemsize
+    kv = lm.config.sequence_cache_bytes(ctx, per_value)
+    kv_kind = "int8 + fp32 scales" if kv_dtype == "int8" else str(lm.model.dtype).removeprefix("torch.")
     click.echo(f"model:   {lm.source}", err=True)
     threads = torch.get_num_threads()
     on_cpu = f", {threads} thread{'s' if threads != 1 else ''}" if lm.device.type == "cpu" else ""
@@ -47,4 +50,5 @@ def describe_model(lm, ctx: int) -> None:  # type: ignore[no-untyped-def]
     click.echo(f"weights: {lm.scheme_label}, {human_size(lm.weight_bytes)} in memory; kernels: {kernels}", err=True)
     for kind, became in lm.tensor_import.items():  # a GGUF: what each tensor type became
         click.echo(f"tensors: {kind}: {became}", err=True)
-    click.echo(f"kv cache: {human_size(kv)} for {ctx} tokens", err=True)
+    click.echo(f"kv cache: {human_size(kv)} for {ctx} tokens ({kv_kind}, "
+               f"{human_size(lm.config.kv_cache_bytes(1, per_value))} per token)", err=True)

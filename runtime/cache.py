@@ -23,7 +23,9 @@ from localllm.errors import LocalLLMError
 #: attention over it takes the query rotated alike: ``(q R) . (k R) = q . k``. Keys have a few
 #: outlier channels that set a row's absmax and leave the rest a coarse grid; rotated, the energy is
 #: spread over every channel. On SmolLM2 this cuts the KL divergence an int8 cache adds by ~3x
-#: (keys' quantization is most of it; values are stored as they are).
+#: (keys' quantization is most of it; values are stored as they are). Attention over an int8 cache
+#: runs in fp32 (rotated queries, dequantized rows, the kernel's probabilities): with bf16 activations
+#: the extra bf16 roundings of rotated queries and dequantized keys cost more than the int8 grid.
 KV_DTYPES = ("16bit", "int8")
 DEFAULT_KV_DTYPE = "16bit"
 #: The largest int8 code of the symmetric grid: codes are -127 .. 127, x ~= code * absmax / 127.
@@ -79,9 +81,8 @@ def key_rotation(hd: int, dtype: torch.dtype = torch.float32, device: torch.devi
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (..., hd) times :func:`key_rotation`, computed in fp32, returned in x's dtype."""
-    r = key_rotation(x.shape[-1], torch.float32, x.device)
-    return (x.to(torch.float32) @ r).to(x.dtype)
+    """``x`` (..., hd) times :func:`key_rotation`, in fp32 (what attention over an int8 cache runs in)."""
+    return x.to(torch.float32) @ key_rotation(x.shape[-1], torch.float32, x.device)
 
 
 def quantize_kv(x: torch.Tensor) -> QuantKV:

@@ -273,8 +273,9 @@ class Attention(nn.Module):
             return self.o(paged_attention(q, k, v, kv, self.q_prescale, self.scale, self.softcap))
         assert ps is not None
         mask = ps.masks.get(self.window) if ps.masks else None
+        out_dtype = q.dtype
         if kv is not None and kv.quantized:  # an int8 cache holds keys rotated: rotate the queries alike
-            q, k = rotate(q), rotate(k)
+            q, k = rotate(q), rotate(k)  # fp32: attention over an int8 cache runs in fp32
         if kv is not None and ps.input_pos is not None:
             if kv.window is None:
                 k_all, v_all = kv.update(ps.input_pos, k, v)
@@ -297,7 +298,7 @@ class Attention(nn.Module):
             y = y.view(B, self.n_heads, 1, self.head_dim)
         else:  # SDPA: an int8 cache's rows read here (the filled prefix, or the window) dequantized
             y = attend(q, readable(k, q.dtype), readable(v, q.dtype), mask, self.scale, self.softcap)  # (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim).to(out_dtype)
         return self.o(y)
 
 
@@ -319,9 +320,17 @@ def paged_attention(
     with a mask (the pool keeps every block of the context: the window saves compute, not memory).
     Soft-capped scores (Gemma 2 style) never take the kernel.
     """
-    step = layer.step
     if isinstance(layer.k, QuantKV):  # an int8 pool holds keys rotated (runtime.cache.key_rotation)
-        q, k = rotate(q), rotate(k)
+        out_dtype = q.dtype
+        q, k = rotate(q), rotate(k)  # fp32, as the one-sequence int8 cache's attention
+        return _paged_attention(q, k, v, layer, q_prescale, scale, softcap).to(out_dtype)
+    return _paged_attention(q, k, v, layer, q_prescale, scale, softcap)
+
+
+def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, q_prescale: float,
+                     scale: float | None, softcap: float | None) -> torch.Tensor:
+    """:func:`paged_attention` once q and k are as the pool's keys want them -> (1, N, H * hd) in q's dtype."""
+    step = layer.step
     split = step.split(layer.window, softcap is None)
     _, H, N, hd = q.shape
     KV = k.shape[1]

@@ -221,11 +221,13 @@ def bench_checkpoint(
     quant_head: str | bool | None = None,
     compile: bool = False,
     log: Log = log_stderr,
+    kv_dtype: str = "16bit",
 ) -> dict[str, Any]:
     """``localllm bench``: a model folder, .gguf file or stored name, in each scheme of ``schemes``.
 
     ``quant_head``: the output head's scheme for the quantized schemes (None: as ``run`` chooses,
     False: 16-bit); float schemes keep a float head. ``compile``: time the compiled decode step.
+    ``kv_dtype``: the generators' KV cache ("16bit" or "int8").
     """
     from localllm.bench.memprobe import probe_memory
     from localllm.loaders.load import load_model, load_tokenizer, open_checkpoint, resolve_device
@@ -233,7 +235,9 @@ def bench_checkpoint(
 
     dev = resolve_device(device)  # fails at once on --device cuda without a GPU
     s = Settings(parse_schemes(schemes, dev), dev, prompt_tokens, gen_tokens, ctx, runs, quality, kv_compare,
-                 compile=compile)
+                 compile=compile, kv_dtype=kv_dtype)
+    if kv_dtype != "16bit":
+        s.notes.append(f"KV cache: {kv_dtype}")
     if quant_head is not None:
         s.notes.append(f"output head of the quantized schemes: {quant_head or '16-bit'}")
     check_settings(s)
@@ -254,6 +258,6 @@ def bench_checkpoint(
 
         def probe(name: str) -> dict[str, Any]:
             head = quant_head if name in QUANT_SCHEMES else None
-            return probe_memory(ref, name, prompt_tokens, gen_tokens, s.context, str(dev), head, threads)
+            return probe_memory(ref, name, prompt_tokens, gen_tokens, s.context, str(dev), head, threads, kv_dtype)
 
     return run_bench(load, ckpt.describe(), ids[:prompt_tokens], ids, s, source, len(ids), log=log, probe=probe)

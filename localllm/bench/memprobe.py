@@ -30,7 +30,7 @@ from localllm.errors import LocalLLMError
 
 
 def probe_command(ref: str, scheme: str, prompt_tokens: int, gen_tokens: int, ctx: int, device: str,
-                  quant_head: str | bool | None, threads: int | None) -> list[str]:
+                  quant_head: str | bool | None, threads: int | None, kv_dtype: str = "16bit") -> list[str]:
     cmd = [sys.executable, "-m", "localllm.bench.memprobe", ref, "--quant", scheme,
            "--prompt-tokens", str(prompt_tokens), "--gen-tokens", str(gen_tokens), "--ctx", str(ctx),
            "--device", device]
@@ -38,13 +38,16 @@ def probe_command(ref: str, scheme: str, prompt_tokens: int, gen_tokens: int, ct
         cmd += ["--quant-head", quant_head or "none"]
     if threads is not None:
         cmd += ["--threads", str(threads)]
+    if kv_dtype != "16bit":
+        cmd += ["--kv-cache", kv_dtype]
     return cmd
 
 
 def probe_memory(ref: str, scheme: str, prompt_tokens: int, gen_tokens: int, ctx: int, device: str = "cpu",
-                 quant_head: str | bool | None = None, threads: int | None = None) -> dict[str, Any]:
+                 quant_head: str | bool | None = None, threads: int | None = None,
+                 kv_dtype: str = "16bit") -> dict[str, Any]:
     """The figures of :func:`measure` for one scheme, from a child process (see the module's docstring)."""
-    cmd = probe_command(ref, scheme, prompt_tokens, gen_tokens, ctx, device, quant_head, threads)
+    cmd = probe_command(ref, scheme, prompt_tokens, gen_tokens, ctx, device, quant_head, threads, kv_dtype)
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
@@ -85,7 +88,7 @@ def _prepare(scheme: str) -> dict[str, int]:
 
 
 def measure(ref: str, scheme: str, prompt_tokens: int, gen_tokens: int, ctx: int, device: str,
-            quant_head: str | bool | None) -> dict[str, Any]:
+            quant_head: str | bool | None, kv_dtype: str = "16bit") -> dict[str, Any]:
     """Peak RSS growth of loading ``ref`` as ``scheme`` and generating, over the prepared baseline."""
     import torch
 
@@ -107,13 +110,13 @@ def measure(ref: str, scheme: str, prompt_tokens: int, gen_tokens: int, ctx: int
     meter.start()
     lm = load_model(ref, device=device, quant=scheme, quantize_head=quant_head if scheme in QUANT_SCHEMES else None)
     after_load = meter.now()
-    gen = Generator(lm.model, ctx)
+    gen = Generator(lm.model, ctx, kv_dtype=kv_dtype)
     n = sum(1 for _ in gen.generate(prompt, SamplingParams(temperature=0), max_tokens=gen_tokens, stop_ids=()))
     if n != gen_tokens:
         raise LocalLLMError(f"generated {n} tokens, expected {gen_tokens}", "report this as a bug")
     memory = {**meter.stop(), "after_load_bytes": after_load, "process": "fresh", "library_bytes": fixed}
     memory["method"] += "; in a fresh process per scheme, after imports and kernel builds"
-    kv = kv_cache_figures(lm.config, lm.model.dtype, ctx)
+    kv = kv_cache_figures(lm.config, lm.model.dtype, ctx, kv_dtype)
     return memory_figures(memory, lm.weight_bytes, kv["ctx_bytes"])
 
 
@@ -127,13 +130,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--quant-head", default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kv-cache", default="16bit")
     a = p.parse_args(argv)
     from localllm.threads import set_threads
 
     set_threads(a.threads)
     head: str | bool | None = None if a.quant_head is None else (False if a.quant_head == "none" else a.quant_head)
     try:
-        figures = measure(a.ref, a.quant, a.prompt_tokens, a.gen_tokens, a.ctx, a.device, head)
+        figures = measure(a.ref, a.quant, a.prompt_tokens, a.gen_tokens, a.ctx, a.device, head, a.kv_cache)
     except LocalLLMError as e:
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -31,7 +31,7 @@ def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, nam
     from localllm.runtime.generate import Generator
     from localllm.runtime.sampling import SamplingParams
 
-    gen = Generator(model, s.context, compile=s.compile)
+    gen = Generator(model, s.context, compile=s.compile, kv_dtype=s.kv_dtype)
     greedy = SamplingParams(temperature=0)
     runs = []
     for i in range(s.warmup + s.runs):
@@ -67,9 +67,10 @@ def decode_read_bytes(model: torch.nn.Module) -> int:
     return total - embed.numel() * embed.element_size() + embed.shape[1] * embed.element_size()
 
 
-def kv_cache_figures(config: Any, dtype: torch.dtype, ctx: int) -> dict[str, int]:
-    per_token = config.kv_cache_bytes(1, torch.empty(0, dtype=dtype).element_size())
-    return {"bytes_per_token": per_token, "ctx": ctx, "ctx_bytes": per_token * ctx,
+def kv_cache_figures(config: Any, dtype: torch.dtype, ctx: int, kv_dtype: str = "16bit") -> dict[str, Any]:
+    """Bytes of the KV cache per token (an int8 cache: codes and their scales) and at ``ctx``."""
+    per_token = config.kv_cache_bytes(1, "int8" if kv_dtype == "int8" else torch.empty(0, dtype=dtype).element_size())
+    return {"kv_dtype": kv_dtype, "bytes_per_token": per_token, "ctx": ctx, "ctx_bytes": per_token * ctx,
             "max_seq_len": config.max_seq_len, "max_seq_len_bytes": per_token * config.max_seq_len}
 
 
@@ -125,7 +126,7 @@ def measure_scheme(load: Callable[[str], Any], name: str, prompt_ids: Sequence[i
     log(f"{name}: {lm.scheme_label}, {human_size(lm.weight_bytes)} of weights, loaded in {lm.load_s:.2f} s"
         + (f"; kernels: {', '.join(f'{k} x{n}' for k, n in sorted(lm.kernels.items()))}" if lm.kernels else ""))
     runs = timed_runs(lm.model, prompt_ids, s, log, name)
-    kv_cache = kv_cache_figures(lm.config, lm.model.dtype, s.context)
+    kv_cache = kv_cache_figures(lm.config, lm.model.dtype, s.context, s.kv_dtype)
     memory = memory_figures({**meter.stop(), "after_load_bytes": after_load, "process": "shared",
                              "library_bytes": {}}, lm.weight_bytes, kv_cache["ctx_bytes"])
     if probe is not None:

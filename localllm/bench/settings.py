@@ -51,6 +51,7 @@ class Settings:
     notes: list[str] = field(default_factory=list)
     #: How the compiled decode steps actually ran ("aot", "torch.compile", "eager"), filled by the runs.
     step_kinds: set[str] = field(default_factory=set)
+    kv_dtype: str = "16bit"  # the generators' KV cache: "16bit" (the activations' dtype) or "int8"
 
     @property
     def context(self) -> int:

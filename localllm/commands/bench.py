@@ -34,6 +34,8 @@ from localllm.quant.formats import ALL_SCHEMES
 @click.option("--compile", "compile_", is_flag=True,
               help="Time the compiled decode step (AOTInductor on the CPU, torch.compile on CUDA; compiled before "
                    "the runs, not timed).")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["16bit", "int8"]), default="16bit", show_default=True,
+              help="The KV cache the generations run with: 16bit (the activations' dtype) or int8 (half the bytes).")
 @click.option("--concurrency", metavar="LEVELS",
               help="Serving mode: drive the batch engine with this many concurrent streams per level, e.g. "
                    "1,2,4,8,16 (one scheme: --quant SCHEME or the model's own). Reports TTFT, inter-token "
@@ -59,6 +61,7 @@ def bench(
     no_quality: bool,
     quant_head: str | bool | None,
     compile_: bool,
+    kv_cache: str,
     concurrency: str | None,
     workload: str | None,
 ) -> None:
@@ -79,11 +82,11 @@ def bench(
     require_writable(json_path, plot_path)
     if concurrency is not None or workload is not None:
         serving(model, quant, device, prompt_tokens, gen_tokens, threads, json_path, plot_path, text_path,
-                concurrency, workload or "uniform", compile_ or kv_compare)
+                concurrency, workload or "uniform", compile_ or kv_compare or kv_cache != "16bit")
         return
     prompt_tokens = 512 if prompt_tokens is None else prompt_tokens
     result = bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
-                              kv_compare, not no_quality, quant_head, compile_)
+                              kv_compare, not no_quality, quant_head, compile_, kv_dtype=kv_cache)
     report(result, json_path, plot_path)
 
 
@@ -97,7 +100,8 @@ def serving(model: str, quant: str | None, device: str, prompt_tokens: int | Non
     from localllm.errors import LocalLLMError
 
     if single_stream_flags:
-        raise LocalLLMError("--compile and --no-cache time single-stream decoding, not the serving mode",
+        raise LocalLLMError("--compile and --no-cache (and --kv-cache int8) time single-stream decoding, "
+                            "not the serving mode",
                             "drop them, or drop --concurrency/--workload")
     if quant is not None and "," in quant:
         raise LocalLLMError(f"serving mode measures one scheme, not '{quant}'", "give one --quant SCHEME")

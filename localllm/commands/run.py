@@ -13,6 +13,7 @@ from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
 from localllm.report import describe_model, print_stats
+from localllm.runtime.cache import DEFAULT_KV_DTYPE, KV_DTYPES
 from localllm.runtime.sampling import SamplingParams
 
 #: The sampling defaults are SamplingParams' own: one source for the CLI, the engine and the server.
@@ -124,6 +125,9 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
 @click.option("--compile", "compile_", is_flag=True,
               help="Compile the decode step (AOTInductor on the CPU, torch.compile on CUDA): faster tokens after a "
                    "one-time compilation, cached on disk.")
+@click.option("--kv-cache", "kv_cache", type=click.Choice(KV_DTYPES), default=DEFAULT_KV_DTYPE, show_default=True,
+              help="KV cache storage: 16bit (the activations' dtype) or int8 (codes with a scale per token and "
+                   "head: half the bytes of a 16-bit cache).")
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
 @click.option("--verbose", "-v", is_flag=True, help="Timing statistics to stderr, as Ollama prints them.")
 def run(
@@ -147,6 +151,7 @@ def run(
     quant_head: str | None,
     kernel: str | None,
     compile_: bool,
+    kv_cache: str,
     raw: bool,
     verbose: bool,
 ) -> None:
@@ -186,12 +191,12 @@ def run(
     check_ctx(ctx, lm.config.max_seq_len, prompt_overhead(lm.tokenizer, raw, system), raw)
     if compile_:
         click.echo("compiling the decode step (about half a minute the first time, a second once cached)...", err=True)
-    engine = Engine(lm.model, lm.tokenizer, ctx, compile=compile_)
+    engine = Engine(lm.model, lm.tokenizer, ctx, compile=compile_, kv_dtype=kv_cache)
     load_s = lm.load_s + engine.generator.compile_s  # what came before the prompt, as Ollama counts it
     if compile_ and verbose:
         click.echo(f"compiled in {engine.generator.compile_s:.1f} s ({engine.generator.step_kind})", err=True)
     if verbose:
-        describe_model(lm, ctx)
+        describe_model(lm, ctx, kv_cache)
 
     if text is None:
         _chat(engine, params, system, max_tokens, stop, verbose, load_s)
