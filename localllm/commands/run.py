@@ -161,6 +161,7 @@ def run(
     With no PROMPT and a terminal on stdin, starts an interactive chat (Ctrl-D to quit).
     """
     from localllm.loaders.load import load_model
+    from localllm.loaders.memory_plan import check_memory
     from localllm.loaders.pull import pull_if_missing
     from localllm.loaders.store import check_local_path
     from localllm.runtime.engine import Engine
@@ -185,6 +186,9 @@ def run(
         click.echo(NOT_UTF8, err=True)
 
     model = pull_if_missing(model, quant, group_size, notify=note)  # a Hub repo id not stored yet is pulled first
+    # Before anything is loaded: does it fit? If not, the plan's numbers and the cheapest change that does.
+    check_memory(model, quant=quant, ctx=ctx, device=device, dtype=dtype, group_size=group_size,
+                 quantize_head=quant_head, kv_dtype=kv_cache, kv_cache_flag=True)
     lm = load_model(model, device=device, dtype=dtype, quant=quant, group_size=group_size,
                     quantize_head=quant_head, kernel=kernel)
     ctx = ctx if ctx is not None else min(lm.config.max_seq_len, 4096)
