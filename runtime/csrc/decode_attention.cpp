@@ -134,6 +134,57 @@ inline void weigh(const float* p, int64_t G, const T* vb, int64_t vs, int64_t L,
   }
 }
 
+// int8 rows are converted to fp32 this many at a time into a scratch block, then read as float rows
+// by all G query heads: one conversion per row rather than one per row and head. The values and the
+// order of operations are those of reading the int8 rows directly, so the results are the same.
+constexpr int64_t RB = 32;
+
+// Rows n of src (int8, row stride ss) as fp32 into buf (n, hd) contiguous.
+inline void to_float(const int8_t* src, int64_t ss, int64_t n, int64_t hd, int64_t hv, float* buf) {
+  for (const auto r : c10::irange(n)) {
+    const int8_t* row = src + r * ss;
+    float* out = buf + r * hd;
+    for (int64_t d = 0; d < hv; d += VS) load_f(row + d).store(out + d);
+    for (int64_t d = hv; d < hd; ++d) out[d] = static_cast<float>(row[d]);
+  }
+}
+
+// scores over rows of KT: float rows (or a single query head) directly, int8 rows for several heads a
+// block at a time through buf (RB * hd floats).
+template <typename KT, int NV>
+inline void scores_rows(const float* qf, int64_t G, const KT* kb, int64_t ks, int64_t L, int64_t hd, int64_t hv,
+                        float sc, float* s, int64_t ld, const float* ksc, int64_t kss, float* buf) {
+  if constexpr (std::is_same_v<KT, int8_t>) {
+    if (G > 1) {
+      for (int64_t first = 0; first < L; first += RB) {
+        const int64_t n = std::min(RB, L - first);
+        to_float(kb + first * ks, ks, n, hd, hv, buf);
+        scores<float, NV>(qf, G, buf, hd, n, hd, hv, sc, s + first, ld, ksc + first * kss, kss);
+      }
+      return;
+    }
+  }
+  scores<KT, NV>(qf, G, kb, ks, L, hd, hv, sc, s, ld, ksc, kss);
+}
+
+// weigh over rows of KT, as scores_rows (blocks after the first add to the accumulators: the same
+// sequence of operations per output element as one sweep).
+template <typename KT, int NV>
+inline void weigh_rows(const float* p, int64_t G, const KT* vb, int64_t vs, int64_t L, int64_t hd, int64_t hv,
+                       float* acc, int64_t ld, bool add, const float* vsc, int64_t vss, float* buf) {
+  if constexpr (std::is_same_v<KT, int8_t>) {
+    if (G > 1) {
+      for (int64_t first = 0; first < L; first += RB) {
+        const int64_t n = std::min(RB, L - first);
+        to_float(vb + first * vs, vs, n, hd, hv, buf);
+        weigh<float, NV>(p + first, G, buf, hd, n, hd, hv, acc, ld, add || first > 0, vsc + first * vss, vss);
+      }
+      return;
+    }
+  }
+  weigh<KT, NV>(p, G, vb, vs, L, hd, hv, acc, ld, add, vsc, vss);
+}
+
 // Softmax numerators exp(s - max) in place over the G rows of L scores, and their fp32 sums.
 template <typename T>
 inline void softmax(float* s, int64_t G, int64_t L, float* sums) {
@@ -172,7 +223,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
   // pay for waking them (a few hundred keys are not).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, L * G * hd));
   at::parallel_for(0, B * KV, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * hd), s(G * L), acc(G * hd), sums(G);
+    std::vector<float> qf(G * hd), s(G * L), acc(G * hd), sums(G), buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
     for (const auto bh : c10::irange(begin, end)) {
       const int64_t b = bh / KV, h = bh % KV;
       const T* qb = qp + b * q.stride(0) + h * q.stride(1);
@@ -184,9 +235,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
       for (const auto j : c10::irange(G)) {
         for (const auto d : c10::irange(hd)) qf[j * hd + d] = static_cast<float>(qb[j * qs + d]);
       }
-      scores<KT, NV>(qf.data(), G, kb, ks, L, hd, hv, sc, s.data(), L, ksc, ksc ? rs.ks[2] : 0);
+      scores_rows<KT, NV>(qf.data(), G, kb, ks, L, hd, hv, sc, s.data(), L, ksc, ksc ? rs.ks[2] : 0, buf.data());
       softmax<T>(s.data(), G, L, sums.data());
-      weigh<KT, NV>(s.data(), G, vb, vs, L, hd, hv, acc.data(), L, false, vsc, vsc ? rs.vs[2] : 0);
+      weigh_rows<KT, NV>(s.data(), G, vb, vs, L, hd, hv, acc.data(), L, false, vsc, vsc ? rs.vs[2] : 0, buf.data());
       T* yb = yp + (b * KV + h) * G * hd;
       for (const auto j : c10::irange(G)) {
         const float inv = 1.f / sums[j];
@@ -260,7 +311,7 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
   const int64_t mean = std::max<int64_t>(1, total / std::max<int64_t>(1, S));
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, mean * G * hd));
   at::parallel_for(0, S * KV, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * hd), s(G * max_len), acc(G * hd), sums(G);
+    std::vector<float> qf(G * hd), s(G * max_len), acc(G * hd), sums(G), buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
     for (const auto bh : c10::irange(begin, end)) {
       const int64_t b = bh / KV, h = bh % KV, L = lp[b];
       const int32_t* table = tp + b * W;
@@ -272,15 +323,15 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
       for (int64_t i = 0, first = 0; first < L; ++i, first += bs) {
         const KT* kb = kpp + table[i] * kp.stride(0) + h * kp.stride(1);
         const float* ksc = rs.k == nullptr ? nullptr : rs.k + table[i] * rs.ks[0] + h * rs.ks[1];
-        scores<KT, NV>(qf.data(), G, kb, kp.stride(2), std::min(bs, L - first), hd, hv, sc, s.data() + first, L,
-                       ksc, ksc ? rs.ks[2] : 0);
+        scores_rows<KT, NV>(qf.data(), G, kb, kp.stride(2), std::min(bs, L - first), hd, hv, sc, s.data() + first, L,
+                            ksc, ksc ? rs.ks[2] : 0, buf.data());
       }
       softmax<T>(s.data(), G, L, sums.data());
       for (int64_t i = 0, first = 0; first < L; ++i, first += bs) {
         const KT* vb = vpp + table[i] * vp.stride(0) + h * vp.stride(1);
         const float* vsc = rs.v == nullptr ? nullptr : rs.v + table[i] * rs.vs[0] + h * rs.vs[1];
-        weigh<KT, NV>(s.data() + first, G, vb, vp.stride(2), std::min(bs, L - first), hd, hv, acc.data(), L, i > 0,
-                      vsc, vsc ? rs.vs[2] : 0);
+        weigh_rows<KT, NV>(s.data() + first, G, vb, vp.stride(2), std::min(bs, L - first), hd, hv, acc.data(), L,
+                           i > 0, vsc, vsc ? rs.vs[2] : 0, buf.data());
       }
       T* yb = yp + (b * KV + h) * G * hd;
       for (const auto j : c10::irange(G)) {
