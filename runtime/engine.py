@@ -76,10 +76,16 @@ class Engine:
         params: SamplingParams,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
+        think: bool | None = None,
     ) -> Iterator[str]:
         """The assistant's reply to ``messages`` ({"role", "content"} dicts), via the chat template.
+
+        ``think``: the template's ``enable_thinking`` (Qwen3: False writes an empty thinking block into
+        the prompt); None leaves the template's default. The reply's own ``<think>`` block is part of
+        the text (:class:`runtime.textstream.ThinkingSplitter` separates it).
 
         Calling again with the same history plus new turns reuses the cached keys/values of the
         shared prefix, so a multi-turn chat only processes what is new.
         """
-        return self.stream_ids(encode_chat(self.tokenizer, messages), params, max_tokens, stop)
+        extra = {} if think is None else {"enable_thinking": think}
+        return self.stream_ids(encode_chat(self.tokenizer, messages, **extra), params, max_tokens, stop)

@@ -50,3 +50,66 @@ class StopStringFilter:
             if any(s.startswith(tail) for s in self._stops):
                 return size
         return 0
+
+
+class ThinkingSplitter:
+    """Split a reply stream into its thinking block (``<think>…</think>``, as Qwen3 and DeepSeek-R1
+    write it) and its answer, without ever splitting a tag across the two.
+
+    :meth:`feed` takes decoded pieces and returns ``(kind, text)`` pairs, kind "thinking" or
+    "answer", in order. A tail that could be the start of a tag is held back until the next piece
+    settles it. Only a block that opens the reply (after whitespace) counts as thinking; a reply
+    whose template already opened it (``opened=True``: the prompt ends inside ``<think>``) starts in it.
+    """
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, opened: bool = False) -> None:
+        self._held = ""
+        self._state = "thinking" if opened else "start"  # start -> thinking -> after -> answer, or start -> answer
+
+    def feed(self, piece: str) -> list[tuple[str, str]]:
+        text = self._held + piece
+        self._held = ""
+        out: list[tuple[str, str]] = []
+        while text:
+            if self._state == "start":
+                stripped = text.lstrip()
+                if stripped.startswith(self.OPEN):
+                    self._state = "thinking"
+                    text = stripped[len(self.OPEN):]
+                    continue
+                if not stripped or self.OPEN.startswith(stripped):  # whitespace, or maybe a tag to come
+                    self._held = text
+                    break
+                self._state = "answer"
+                continue
+            if self._state == "after":  # the blank line after the closing tag is the template's, not the answer's
+                text = text.lstrip("\n")
+                if not text:
+                    break
+                self._state = "answer"
+            if self._state == "answer":
+                out.append(("answer", text))
+                break
+            end = text.find(self.CLOSE)
+            if end >= 0:
+                if end:
+                    out.append(("thinking", text[:end]))
+                self._state = "after"
+                text = text[end + len(self.CLOSE):]
+                continue
+            keep = next((n for n in range(min(len(text), len(self.CLOSE) - 1), 0, -1)
+                         if self.CLOSE.startswith(text[-n:])), 0)
+            if len(text) > keep:
+                out.append(("thinking", text[: len(text) - keep]))
+            self._held = text[len(text) - keep:] if keep else ""
+            break
+        return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        """What is held back, at the end of the stream (an unclosed block stays thinking)."""
+        held, self._held = self._held, ""
+        if not held:
+            return []
+        return [("thinking" if self._state == "thinking" else "answer", held)]

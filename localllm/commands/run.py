@@ -38,6 +38,36 @@ def _stream(pieces: Iterator[str]) -> str:
     return "".join(out)
 
 
+def answer_only(pieces: Iterator[str], show_thinking: bool) -> Iterator[str]:
+    """The reply's answer; its thinking block (``<think>…</think>``) goes to stderr between Ollama's
+    "Thinking..." and "...done thinking." lines, or nowhere with ``show_thinking=False``. stdout
+    keeps the answer alone, for pipes."""
+    from localllm.runtime.textstream import ThinkingSplitter
+
+    splitter = ThinkingSplitter()
+    thinking = False
+
+    def route(parts: list[tuple[str, str]]) -> Iterator[str]:
+        nonlocal thinking
+        for kind, text in parts:
+            if kind == "answer":
+                if thinking and show_thinking:
+                    click.echo("\n...done thinking.\n", err=True)
+                thinking = False
+                yield text
+            elif show_thinking:
+                if not thinking:
+                    click.echo("Thinking...", err=True)
+                thinking = True
+                click.echo(text, err=True, nl=False)
+
+    for piece in pieces:
+        yield from route(splitter.feed(piece))
+    yield from route(splitter.flush())
+    if thinking and show_thinking:
+        click.echo("\n...done thinking.", err=True)
+
+
 # --------------------------------------------------------------------------- input text
 def decode_bytes(data: bytes) -> tuple[str, bool]:
     """UTF-8 bytes as text, undecodable bytes replaced by U+FFFD; and whether any were."""
@@ -129,6 +159,11 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
               help="KV cache storage: 16bit (the activations' dtype) or int8 (codes with a scale per token and "
                    "head: half the bytes of a 16-bit cache).")
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
+@click.option("--think/--no-think", "think", default=None,
+              help="Thinking models (Qwen3): let the model think before answering, or not (the template's "
+                   "enable_thinking). Default: the template's own.")
+@click.option("--hide-thinking", is_flag=True,
+              help="Do not show the reply's thinking block (shown on stderr by default; stdout holds the answer).")
 @click.option("--verbose", "-v", is_flag=True, help="Timing statistics to stderr, as Ollama prints them.")
 def run(
     model: str,
@@ -153,6 +188,8 @@ def run(
     compile_: bool,
     kv_cache: str,
     raw: bool,
+    think: bool | None,
+    hide_thinking: bool,
     verbose: bool,
 ) -> None:
     """Run MODEL (a stored NAME[:SCHEME], a model folder, a .gguf file, 'smollm2', or a Hub ORG/NAME, pulled
@@ -203,13 +240,13 @@ def run(
         describe_model(lm, ctx, kv_cache)
 
     if text is None:
-        _chat(engine, params, system, max_tokens, stop, verbose, load_s)
+        _chat(engine, params, system, max_tokens, stop, verbose, load_s, think, not hide_thinking)
         return
     if raw:
         pieces = engine.complete(text, params, max_tokens, stop)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        pieces = engine.chat(messages, params, max_tokens, stop)
+        pieces = answer_only(engine.chat(messages, params, max_tokens, stop, think), not hide_thinking)
     _stream(pieces)
     _write("\n")
     _after(engine, verbose, load_s)
@@ -243,7 +280,7 @@ def _after(engine, verbose: bool, load_s: float | None) -> None:  # type: ignore
 
 
 def _chat(engine, params, system, max_tokens, stop: Sequence[str], verbose,  # type: ignore[no-untyped-def]
-          load_s) -> None:
+          load_s, think: bool | None = None, show_thinking: bool = True) -> None:
     """Multi-turn chat on a terminal: history kept, /clear forgets it, Ctrl-D or /bye ends it."""
     click.echo(">>> Chat (Ctrl-D or /bye to quit, /clear to forget the conversation, Ctrl-C stops a reply)", err=True)
     messages = [{"role": "system", "content": system}] if system else []
@@ -266,7 +303,7 @@ def _chat(engine, params, system, max_tokens, stop: Sequence[str], verbose,  # t
         messages.append({"role": "user", "content": line})
         reply: list[str] = []
         try:
-            for piece in engine.chat(messages, params, max_tokens, stop):
+            for piece in answer_only(engine.chat(messages, params, max_tokens, stop, think), show_thinking):
                 _write(piece)
                 reply.append(piece)
         except KeyboardInterrupt:
