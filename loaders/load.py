@@ -46,18 +46,29 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device, quantized: bool = False) -> torch.dtype:
-    """The activation dtype. 'auto' is bf16 on CUDA and fp32 on the CPU, for float and quantized
-    weights alike: the CPU's quantized kernels (int4-group-cpu, int8-group-cpu, gguf-blocks-cpu)
-    multiply the exact weights by fp32 activations as fast as torch's int4 kernel does with bf16
-    ones, and bf16 activations alone moved SmolLM2's predictions (KL 1e-3 from its own weights in
-    fp32). The KV cache follows the activations (fp32 on the CPU: twice a 16-bit cache's bytes).
-    ``quantized`` is kept for callers; it no longer changes the choice."""
+def resolve_dtype(name: str, device: torch.device, quantized: bool = False, float_tables: bool = False) -> torch.dtype:
+    """The activation dtype. 'auto' is bf16 on CUDA; on the CPU fp32, for float weights and for
+    quantized ones: the CPU's quantized kernels (int4-group-cpu, int8-group-cpu, gguf-blocks-cpu)
+    multiply the exact weights by fp32 activations as fast as torch's int4 kernel does with bf16 ones,
+    and bf16 activations alone moved SmolLM2's predictions (KL 1e-3 from its own weights in fp32).
+    The KV cache follows the activations (fp32: twice a 16-bit cache's bytes).
+
+    ``float_tables``: a quantized model that keeps a float embedding table or output head (a 2-D float
+    weight: :func:`keeps_float_tables`) stays on bf16 on the CPU, since those tables are held in the
+    activation dtype and fp32 would double their bytes (and the head's reads at every token)."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if quantized and float_tables else torch.float32
     if name not in DTYPES:
         raise LocalLLMError(f"unknown dtype '{name}'", "use auto, fp32, fp16 or bf16")
     return DTYPES[name]
+
+
+def keeps_float_tables(model: torch.nn.Module) -> bool:
+    """Whether a (meta) model keeps a 2-D float weight (an embedding table, an unquantized head) beside
+    its quantized layers, which hold theirs as buffers: norms and biases are 1-D."""
+    return any(p.dim() == 2 and p.is_floating_point() for p in model.parameters())
 
 
 def open_checkpoint(ref: str, store: Store | None = None) -> Checkpoint:
@@ -238,12 +249,13 @@ def load_model(
         if dtype == "auto":  # a float checkpoint's own dtype, unless --dtype says otherwise
             dtype = scheme.name
         scheme = None
-    act = resolve_dtype(dtype, dev, quantized=scheme is not None)
     tokenizer = load_tokenizer(ckpt)
     if isinstance(ckpt, GGUFCheckpoint):
         ckpt.drop_metadata()  # made into the tokenizer and config: not held through the load
     config, source = ckpt.config, ckpt.describe()
     model, tensors, plan = model_tensors(ckpt, scheme, quantize_head)
+    act = resolve_dtype(dtype, dev, quantized=scheme is not None,
+                        float_tables=scheme is not None and keeps_float_tables(model))
     # A GGUF's tensor types, and what each became.
     imported = ckpt.tensor_import(plan, dtype_name(act)) if isinstance(ckpt, GGUFCheckpoint) else {}
     if fuse:

@@ -457,8 +457,10 @@ def test_a_family_runs_its_cuda_path_on_a_fake_gpu(family, case, wide_folders, f
     with fake:
         got = run_runtime(lm.model)
     check_audit(got)
-    cpu = load_model(folder, device="cpu", quant=scheme, check_kernels=False)
-    want = run_runtime(cpu.model, loops=False)  # the CPU path's forwards, for real
+    # the CPU path's forwards, for real, in the GPU's activation dtype (the CPU's own default is fp32)
+    cpu = load_model(folder, device="cpu", quant=scheme, dtype="fp16" if scheme == "fp16" else "bf16",
+                     check_kernels=False)
+    want = run_runtime(cpu.model, loops=False)
     for key in ("prefill", "decode", "static", "paged"):
         assert got[key] == want[key], (key, got[key], want[key])
     assert [c[:2] for c in got["cache"]] == [c[:2] for c in want["cache"]] and got["cache"][0][2] == str(device)

@@ -151,13 +151,18 @@ def test_the_slow_reference_warning_says_what_runs(tiny_folder, monkeypatch):
     assert int8.kernels["int8-weight-only"] == 8 and "reference" not in int8.kernels
 
 
-def test_fp32_activations_run_localllms_kernels_without_a_warning(tiny_folder):
-    """The CPU's default activations (fp32): int4 and per-channel int8 on localllm's C++ kernels."""
-    _, folder = tiny_folder("llama")
+def test_fp32_activations_run_localllms_kernels_without_a_warning(tied_folder, tiny_folder):
+    """A quantized model without a float table (tied, its int8 head serving as the embedding) runs
+    fp32 activations on the CPU: int4 and per-channel int8 on localllm's C++ kernels. One that keeps a
+    float head or embedding stays on bf16, which holds those tables at half fp32's bytes."""
+    _, untied = tiny_folder("llama")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        int4 = load_model(str(folder), quant="int4", device="cpu")
-        int8 = load_model(str(folder), quant="int8", device="cpu")
+        int4 = load_model(str(tied_folder), quant="int4", quantize_head="int8", device="cpu")
+        int8 = load_model(str(tied_folder), quant="int8", quantize_head="int8", device="cpu")
+        float_head = load_model(str(untied), quant="int4", device="cpu")
     assert not [str(w.message) for w in caught if "reference" in str(w.message)]
-    assert int4.dtype == int8.dtype == torch.float32
-    assert int4.kernels["int4-group-cpu"] == 8 and int8.kernels["int8-group-cpu"] == 8
+    assert int4.dtype == int8.dtype == torch.float32 and float_head.dtype == torch.bfloat16
+    assert int4.kernels["int4-group-cpu"] == 8 and int4.kernels["int8-group-cpu"] == 1  # the head
+    assert int8.kernels["int8-group-cpu"] == 9
+    assert float_head.kernels["int4-tinygemm-cpu"] == 8
