@@ -88,12 +88,17 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 def quantize_kv(x: torch.Tensor) -> QuantKV:
     """Symmetric absmax int8 of each row of ``x`` (..., hd): codes (..., hd) int8, scales (...) fp32
     (0 for a row of zeros, whose codes are 0)."""
+    # Few ops: a decode step quantizes one row per kv head and layer, so the per-op overhead is the cost.
     xf = x.to(torch.float32)
-    amax = xf.abs().amax(dim=-1)  # (...)
-    scales = amax / Q8_MAX
-    inv = torch.where(amax > 0, Q8_MAX / amax, torch.zeros_like(amax))
-    codes = (xf * inv.unsqueeze(-1)).round_().clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)
-    return QuantKV(codes, scales)
+    scales = xf.abs().amax(dim=-1, keepdim=True) * (1.0 / Q8_MAX)  # (..., 1)
+    codes = (xf / scales.clamp_min(torch.finfo(torch.float32).tiny)).round_().to(torch.int8)  # |x| / s <= 127
+    return QuantKV(codes, scales.squeeze(-1))
+
+
+def quantize_pair(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantKV, QuantKV]:
+    """:func:`quantize_kv` of keys and values of one shape at once (one set of ops for both)."""
+    both = quantize_kv(torch.stack([k.to(torch.float32), v.to(torch.float32)]))
+    return QuantKV(both.codes[0], both.scales[0]), QuantKV(both.codes[1], both.scales[1])
 
 
 def empty_kv(shape: tuple[int, ...], kv_dtype: str, dtype: torch.dtype,
@@ -162,9 +167,9 @@ class KVCache:
         """Positions it holds (max_seq, or a ring's window)."""
         return self.k.shape[2] if isinstance(self.k, torch.Tensor) else self.k.codes.shape[2]
 
-    def _encode(self, x: torch.Tensor) -> torch.Tensor | QuantKV:
-        """New rows ``x`` (B, kv_heads, T, hd) in the cache's form (quantized for an int8 cache)."""
-        return quantize_kv(x) if self.quantized else x
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor | QuantKV, torch.Tensor | QuantKV]:
+        """New rows ``k``, ``v`` (B, kv_heads, T, hd) in the cache's form (quantized for an int8 cache)."""
+        return quantize_pair(k, v) if self.quantized else (k, v)
 
     @staticmethod
     def _write(dst: torch.Tensor | QuantKV, rows: torch.Tensor, src: torch.Tensor | QuantKV) -> None:
@@ -183,8 +188,9 @@ class KVCache:
 
         Returns the whole buffers (B, kv_heads, max_seq, head_dim); the caller reads the prefix it needs.
         """
-        self._write(self.k, input_pos, self._encode(k))
-        self._write(self.v, input_pos, self._encode(v))
+        kq, vq = self._encode(k, v)
+        self._write(self.k, input_pos, kq)
+        self._write(self.v, input_pos, vq)
         return self.k, self.v
 
     def update_ring(
@@ -200,7 +206,7 @@ class KVCache:
         W = self.rows
         T = k.shape[2]
         end = start + T
-        kq, vq = self._encode(k), self._encode(v)
+        kq, vq = self._encode(k, v)
         if end <= W:
             self._write(self.k, input_pos, kq)
             self._write(self.v, input_pos, vq)

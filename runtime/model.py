@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from localllm.runtime.cache import (DEFAULT_KV_DTYPE, KVCache, QuantKV, SequenceCache, attention_mask,
-                                    check_kv_dtype, empty_kv, kv_rows, quantize_kv, readable, rotate)
+                                    check_kv_dtype, empty_kv, kv_rows, quantize_pair, readable, rotate)
 from localllm.runtime.config import SLIDING, ModelConfig
 from localllm.runtime.kv_pool import gather
 from localllm.runtime.paged import PagedLayer, PagedStep
@@ -335,8 +335,7 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: P
     _, H, N, hd = q.shape
     KV = k.shape[1]
     kp, vp = layer.k, layer.v  # (n_blocks, KV, block, hd), or int8 codes + (n_blocks, KV, block) scales
-    _write_slots(kp, step, k[0].transpose(0, 1))  # (N, KV, hd) into the slots
-    _write_slots(vp, step, v[0].transpose(0, 1))
+    _write_slots(kp, vp, step, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, KV, hd) into the slots
     qt = q[0].transpose(0, 1)  # (N, H, hd)
     decode = None
     if split.decode_tables is not None:
@@ -365,14 +364,17 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: P
     return y.view(1, N, H * hd)
 
 
-def _write_slots(pool: torch.Tensor | QuantKV, step: PagedStep, x: torch.Tensor) -> None:
-    """New keys or values ``x`` (N, KV, hd) into their slots of ``pool``, quantized for an int8 pool."""
-    if isinstance(pool, QuantKV):
-        q = quantize_kv(x)  # codes (N, KV, hd), scales (N, KV)
-        pool.codes[step.write_blocks, :, step.write_rows] = q.codes
-        pool.scales[step.write_blocks, :, step.write_rows] = q.scales
+def _write_slots(kp: torch.Tensor | QuantKV, vp: torch.Tensor | QuantKV, step: PagedStep, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    """New keys and values (N, KV, hd) into their slots of the pools, quantized for an int8 pool."""
+    if isinstance(kp, QuantKV) and isinstance(vp, QuantKV):
+        for pool, q in zip((kp, vp), quantize_pair(k, v)):  # codes (N, KV, hd), scales (N, KV)
+            pool.codes[step.write_blocks, :, step.write_rows] = q.codes
+            pool.scales[step.write_blocks, :, step.write_rows] = q.scales
     else:
-        pool[step.write_blocks, :, step.write_rows] = x
+        assert isinstance(kp, torch.Tensor) and isinstance(vp, torch.Tensor)
+        kp[step.write_blocks, :, step.write_rows] = k
+        vp[step.write_blocks, :, step.write_rows] = v
 
 
 class MLP(nn.Module):
