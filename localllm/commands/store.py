@@ -122,6 +122,10 @@ def show_text(facts: dict[str, Any]) -> str:
     heads = f"{facts['heads']} ({facts['kv_heads']} kv heads, head dim {facts['head_dim']})"
     kv = (f"{human_size(facts['kv_cache_bytes_per_token'])} per token, {human_size(facts['kv_cache_bytes_context'])} "
           f"for {facts['context_length']} tokens (16-bit cache)")
+    # --kv-cache int8: a byte per value and an fp32 scale per token and kv head, instead of 2 bytes a value
+    int8 = (facts["head_dim"] + 4) / (2 * facts["head_dim"])
+    kv += (f"; int8 cache: {human_size(round(facts['kv_cache_bytes_per_token'] * int8))} per token, "
+           f"{human_size(round(facts['kv_cache_bytes_context'] * int8))}")
     src = facts["source"]
     source_rows = ([("repo", src["repo"]), ("revision", src.get("revision") or "main"), ("commit", src.get("commit") or "?")]
                    if src.get("repo") else [("path", src.get("path", "?"))])
