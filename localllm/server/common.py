@@ -16,7 +16,8 @@ from localllm.server.config import ServerConfig
 from localllm.server.errors import ApiError, error_response, from_exception
 from localllm.server.metrics import Metrics
 from localllm.server.models import ModelManager, ModelSlot
-from localllm.server.streaming import ClientGone
+from localllm.server.generation import Generation, Outcome
+from localllm.server.streaming import ClientGone, unless_disconnected
 
 #: Status logged for a client that left before its answer (nginx's convention).
 CLIENT_CLOSED = 499
@@ -79,3 +80,18 @@ def request_id(prefix: str) -> str:
 
 def now_s() -> int:
     return int(time.time())
+
+
+async def whole_reply(request: Request, st: ServerState, slot: ModelSlot, gen: Generation) -> tuple[str, Outcome]:
+    """A non-streaming reply: its whole text (a client that leaves cancels it), the model's slot
+    released either way, and a failed generation raised as the API's error."""
+    try:
+        text = await unless_disconnected(request, gen.text)
+    finally:
+        st.manager.release(slot, gen)
+    o = gen.outcome
+    if o is None:  # gen.text returns only once the pump has recorded the outcome
+        raise RuntimeError("a generation ended without an outcome")
+    if o.finish_reason == "error":
+        raise from_exception(o.error or RuntimeError("generation failed"))
+    return text, o

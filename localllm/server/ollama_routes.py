@@ -26,12 +26,12 @@ import localllm
 from localllm.errors import LocalLLMError
 from localllm.runtime.chat import encode_chat
 from localllm.runtime.sampling import SamplingParams
-from localllm.server.common import check_prompt, endpoint, state
+from localllm.server.common import check_prompt, endpoint, state, whole_reply
 from localllm.server.config import parse_duration
 from localllm.server.errors import OLLAMA, ApiError, ModelNotFound, from_exception
 from localllm.server.generation import Outcome
 from localllm.server.models import DEFAULT
-from localllm.server.streaming import ndjson_line, ndjson_response, unless_disconnected
+from localllm.server.streaming import ndjson_line, ndjson_response
 from localllm.server.validate import Fields, messages, read_json
 
 _DEFAULTS = SamplingParams()
@@ -179,14 +179,7 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
                 st.manager.release(slot, gen)
 
         return ndjson_response(lines())
-    try:
-        text = await unless_disconnected(request, gen.text)
-    finally:
-        st.manager.release(slot, gen)
-    o = gen.outcome
-    assert o is not None
-    if o.finish_reason == "error":
-        raise from_exception(o.error or RuntimeError("generation failed"))
+    text, o = await whole_reply(request, st, slot, gen)
     return JSONResponse(final(o, text))
 
 

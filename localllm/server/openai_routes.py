@@ -14,11 +14,11 @@ from starlette.routing import Route
 
 from localllm.runtime.chat import encode_chat
 from localllm.runtime.sampling import SamplingParams
-from localllm.server.common import check_prompt, endpoint, now_s, request_id, state
+from localllm.server.common import check_prompt, endpoint, now_s, request_id, state, whole_reply
 from localllm.server.errors import OPENAI, ApiError, from_exception, openai_body
 from localllm.server.generation import Generation, Outcome
 from localllm.server.models import ModelSlot
-from localllm.server.streaming import SSE_DONE, sse_event, sse_response, unless_disconnected
+from localllm.server.streaming import SSE_DONE, sse_event, sse_response
 from localllm.server.validate import Fields, messages, read_json
 
 #: The legacy completions API's default reply length (OpenAI's own).
@@ -79,11 +79,6 @@ def usage(o: Outcome) -> dict[str, Any]:
 
 def finish_reason(o: Outcome) -> str:
     return "length" if o.finish_reason == "length" else "stop"
-
-
-def _raise_if_failed(o: Outcome) -> None:
-    if o.finish_reason == "error":
-        raise from_exception(o.error or RuntimeError("generation failed"))
 
 
 async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> tuple[ModelSlot, Generation]:
@@ -168,13 +163,7 @@ async def _respond(request: Request, ask: Ask, slot: ModelSlot, gen: Generation,
 
         return sse_response(events())
 
-    try:
-        text = await unless_disconnected(request, gen.text)
-    finally:
-        st.manager.release(slot, gen)
-    o = gen.outcome
-    assert o is not None
-    _raise_if_failed(o)
+    text, o = await whole_reply(request, st, slot, gen)
     if chat:
         answer = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                   "logprobs": None, "finish_reason": finish_reason(o)}
