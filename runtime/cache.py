@@ -81,8 +81,21 @@ def key_rotation(hd: int, dtype: torch.dtype = torch.float32, device: torch.devi
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (..., hd) times :func:`key_rotation`, in fp32 (what attention over an int8 cache runs in)."""
-    return x.to(torch.float32) @ key_rotation(x.shape[-1], torch.float32, x.device)
+    """``x`` (..., hd) times :func:`key_rotation`, in fp32 (what attention over an int8 cache runs in).
+    One (rows, hd) x (hd, hd) mm: a batched matmul over a strided view would be a bmm, which wakes
+    the thread pool for a decode step's few rows (~10 ms a call on a contended 2-core machine)."""
+    hd = x.shape[-1]
+    rows = x.to(torch.float32).reshape(-1, hd)  # (N, hd)
+    return torch.mm(rows, key_rotation(hd, torch.float32, x.device)).view(x.shape)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotate` of queries (..., hd) and keys (..., hd) in one mm."""
+    hd = q.shape[-1]
+    rows = torch.cat([q.to(torch.float32).reshape(-1, hd), k.to(torch.float32).reshape(-1, hd)])  # (Nq + Nk, hd)
+    out = torch.mm(rows, key_rotation(hd, torch.float32, q.device))
+    nq = q.numel() // hd
+    return out[:nq].view(q.shape), out[nq:].view(k.shape)
 
 
 def quantize_kv(x: torch.Tensor) -> QuantKV:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from localllm.runtime.cache import (DEFAULT_KV_DTYPE, KVCache, QuantKV, SequenceCache, attention_mask,
-                                    check_kv_dtype, empty_kv, kv_rows, quantize_pair, readable, rotate)
+                                    check_kv_dtype, empty_kv, kv_rows, quantize_pair, readable, rotate_qk)
 from localllm.runtime.config import SLIDING, ModelConfig
 from localllm.runtime.kv_pool import gather
 from localllm.runtime.paged import PagedLayer, PagedStep
@@ -275,7 +275,7 @@ class Attention(nn.Module):
         mask = ps.masks.get(self.window) if ps.masks else None
         out_dtype = q.dtype
         if kv is not None and kv.quantized:  # an int8 cache holds keys rotated: rotate the queries alike
-            q, k = rotate(q), rotate(k)  # fp32: attention over an int8 cache runs in fp32
+            q, k = rotate_qk(q, k)  # fp32: attention over an int8 cache runs in fp32
         if kv is not None and ps.input_pos is not None:
             if kv.window is None:
                 k_all, v_all = kv.update(ps.input_pos, k, v)
@@ -322,7 +322,7 @@ def paged_attention(
     """
     if isinstance(layer.k, QuantKV):  # an int8 pool holds keys rotated (runtime.cache.key_rotation)
         out_dtype = q.dtype
-        q, k = rotate(q), rotate(k)  # fp32, as the one-sequence int8 cache's attention
+        q, k = rotate_qk(q, k)  # fp32, as the one-sequence int8 cache's attention
         return _paged_attention(q, k, v, layer, q_prescale, scale, softcap).to(out_dtype)
     return _paged_attention(q, k, v, layer, q_prescale, scale, softcap)
 
