@@ -107,3 +107,15 @@ def test_serving_mode_refuses_single_stream_flags_and_scheme_lists(llama):
         assert result.exit_code == 1, result.output
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("Error: ") and needle in lines[0], result.stderr
+
+
+def test_an_int8_kv_pool_holds_about_twice_the_blocks_of_a_16_bit_one(llama, tmp_path):
+    data16, _ = serving(llama, tmp_path, "uniform", "1", "--prompt-tokens", "16", "--gen-tokens", "4")
+    data8, _ = serving(llama, tmp_path, "uniform", "1", "--prompt-tokens", "16", "--gen-tokens", "4",
+                       "--kv-cache", "int8")
+    assert data16["settings"]["kv_dtype"] == "16bit" and data8["settings"]["kv_dtype"] == "int8"
+    [r16], [r8] = data16["concurrency"], data8["concurrency"]
+    assert r8["generated_tokens"] == r16["generated_tokens"] == 4
+    # the same budget: int8 codes plus an fp32 scale per token and head, against fp32 values (the tiny
+    # model's activations), hold about 3.5x the blocks; against 16-bit ones about 2x
+    assert r8["kv_blocks"] > 1.8 * r16["kv_blocks"]

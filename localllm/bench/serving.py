@@ -167,6 +167,7 @@ class ServingSettings:
     long_prompt_tokens: int = 2000
     kv_budget_bytes: int | None = None
     chunk_tokens: int = 256
+    kv_dtype: str = "16bit"  # the engine's KV pool: "16bit" (the activations' dtype) or "int8"
 
 
 def check_serving(s: ServingSettings) -> None:
@@ -197,7 +198,7 @@ def make_engine(model: Any, s: ServingSettings, slots: int, prefix_cache: bool =
 
     return BatchEngine(model, kv_budget_bytes=s.kv_budget_bytes or DEFAULT_KV_BUDGET, max_running=slots,
                        max_waiting=max(64, 2 * MIXED_REQUESTS), chunk_tokens=s.chunk_tokens,
-                       prefix_cache=prefix_cache)
+                       prefix_cache=prefix_cache, kv_dtype=s.kv_dtype)
 
 
 def warm_up(model: Any, s: ServingSettings, text: TextSlicer) -> None:
@@ -352,7 +353,7 @@ def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device
         "workload": s.workload,
         "settings": {"levels": s.levels, "prompt_tokens": s.prompt_tokens, "gen_tokens": s.gen_tokens,
                      "long_prompt_tokens": s.long_prompt_tokens, "chunk_tokens": s.chunk_tokens,
-                     "kv_budget_bytes": s.kv_budget_bytes, "threads": torch.get_num_threads(), "text": source},
+                     "kv_budget_bytes": s.kv_budget_bytes, "kv_dtype": s.kv_dtype, "threads": torch.get_num_threads(), "text": source},
         "machine": machine,
         **figures,
         "notes": [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from localllm.bench.settings import DEFAULT_SCHEMES
-from localllm.commands.common import quant_head_option, threads_option
+from localllm.commands.common import kv_cache_option, quant_head_option, threads_option
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
 
@@ -34,8 +34,7 @@ from localllm.quant.formats import ALL_SCHEMES
 @click.option("--compile", "compile_", is_flag=True,
               help="Time the compiled decode step (AOTInductor on the CPU, torch.compile on CUDA; compiled before "
                    "the runs, not timed).")
-@click.option("--kv-cache", "kv_cache", type=click.Choice(["16bit", "int8"]), default="16bit", show_default=True,
-              help="The KV cache the generations run with: 16bit (the activations' dtype) or int8 (half the bytes).")
+@kv_cache_option
 @click.option("--concurrency", metavar="LEVELS",
               help="Serving mode: drive the batch engine with this many concurrent streams per level, e.g. "
                    "1,2,4,8,16 (one scheme: --quant SCHEME or the model's own). Reports TTFT, inter-token "
@@ -82,7 +81,7 @@ def bench(
     require_writable(json_path, plot_path)
     if concurrency is not None or workload is not None:
         serving(model, quant, device, prompt_tokens, gen_tokens, threads, json_path, plot_path, text_path,
-                concurrency, workload or "uniform", compile_ or kv_compare or kv_cache != "16bit")
+                concurrency, workload or "uniform", compile_ or kv_compare, kv_cache)
         return
     prompt_tokens = 512 if prompt_tokens is None else prompt_tokens
     result = bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
@@ -92,7 +91,7 @@ def bench(
 
 def serving(model: str, quant: str | None, device: str, prompt_tokens: int | None, gen_tokens: int,
             threads: int | None, json_path: str | None, plot_path: str | None, text_path: str | None,
-            concurrency: str | None, workload: str, single_stream_flags: bool) -> None:
+            concurrency: str | None, workload: str, single_stream_flags: bool, kv_cache: str) -> None:
     """``bench --concurrency/--workload``: the serving figures of one scheme on the batch engine."""
     from localllm.bench.report import report
     from localllm.bench.serving import ServingSettings, bench_serving, parse_levels
@@ -100,12 +99,12 @@ def serving(model: str, quant: str | None, device: str, prompt_tokens: int | Non
     from localllm.errors import LocalLLMError
 
     if single_stream_flags:
-        raise LocalLLMError("--compile and --no-cache (and --kv-cache int8) time single-stream decoding, "
-                            "not the serving mode",
+        raise LocalLLMError("--compile and --no-cache time single-stream decoding, not the serving mode",
                             "drop them, or drop --concurrency/--workload")
     if quant is not None and "," in quant:
         raise LocalLLMError(f"serving mode measures one scheme, not '{quant}'", "give one --quant SCHEME")
     s = ServingSettings(workload, parse_levels(concurrency, workload),
-                        prompt_tokens=128 if prompt_tokens is None else prompt_tokens, gen_tokens=gen_tokens)
+                        prompt_tokens=128 if prompt_tokens is None else prompt_tokens, gen_tokens=gen_tokens,
+                        kv_dtype=kv_cache)
     result = bench_serving(model, s, quant, device, threads, text_path)
     report(result, json_path, plot_path, table_of=format_serving, plot=write_serving_plot)

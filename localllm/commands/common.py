@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from localllm.quant.formats import QUANT_SCHEMES
+from localllm.runtime.cache import DEFAULT_KV_DTYPE, KV_DTYPES
 
 def note(message: str) -> None:
     """A line about what is going on (a loader's progress callback): stderr, so stdout keeps only results."""
@@ -15,6 +16,11 @@ def note(message: str) -> None:
 
 
 threads_option = click.option("--threads", type=int, help="CPU threads torch computes with (default: one per core).")
+
+kv_cache_option = click.option(
+    "--kv-cache", "kv_cache", type=click.Choice(KV_DTYPES), default=DEFAULT_KV_DTYPE, show_default=True,
+    help="KV cache storage: 16bit (the activations' dtype) or int8 (codes with a scale per token and head: "
+         "half the bytes of a 16-bit cache).")
 
 
 def quant_head_option(default: str) -> Callable[[Any], Any]:

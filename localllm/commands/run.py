@@ -7,13 +7,12 @@ from collections.abc import Iterator, Sequence
 
 import click
 
-from localllm.commands.common import note, quant_head_option, threads_option
+from localllm.commands.common import kv_cache_option, note, quant_head_option, threads_option
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
 from localllm.report import describe_model, print_stats
-from localllm.runtime.cache import DEFAULT_KV_DTYPE, KV_DTYPES
 from localllm.runtime.sampling import SamplingParams
 
 #: The sampling defaults are SamplingParams' own: one source for the CLI, the engine and the server.
@@ -155,9 +154,7 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
 @click.option("--compile", "compile_", is_flag=True,
               help="Compile the decode step (AOTInductor on the CPU, torch.compile on CUDA): faster tokens after a "
                    "one-time compilation, cached on disk.")
-@click.option("--kv-cache", "kv_cache", type=click.Choice(KV_DTYPES), default=DEFAULT_KV_DTYPE, show_default=True,
-              help="KV cache storage: 16bit (the activations' dtype) or int8 (codes with a scale per token and "
-                   "head: half the bytes of a 16-bit cache).")
+@kv_cache_option
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
 @click.option("--think/--no-think", "think", default=None,
               help="Thinking models (Qwen3): let the model think before answering, or not (the template's "

@@ -6,7 +6,7 @@ import socket
 
 import click
 
-from localllm.commands.common import note, threads_option
+from localllm.commands.common import kv_cache_option, note, threads_option
 from localllm.errors import LocalLLMError
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.server.config import DEFAULT_MAX_BODY, DEFAULT_PORT, ServerConfig, is_loopback, \
@@ -61,6 +61,7 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 @click.option("--parallel", type=click.IntRange(1, 256), default=4, show_default=True,
               help="Sequences one model runs at once (one batch).")
 @click.option("--kv-memory", default="256MB", show_default=True, help="KV cache pool of each loaded model.")
+@kv_cache_option
 @click.option("--queue", type=click.IntRange(0, 100000), default=32, show_default=True,
               help="Requests that may wait per model; more get 503 with Retry-After.")
 @click.option("--keep-alive", default="5m", show_default=True,
@@ -75,7 +76,7 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 @click.option("--dtype", default="auto", show_default=True, help="Activations: auto, fp32, fp16, bf16.")
 @threads_option
 @click.option("--preload", multiple=True, metavar="MODEL", help="Load MODEL before serving (repeatable).")
-def serve(host: str, port: int, parallel: int, kv_memory: str, queue: int, keep_alive: str, api_key: str | None,
+def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, queue: int, keep_alive: str, api_key: str | None,
           models_memory: str | None, max_body: str, quant: str | None, device: str, dtype: str, threads: int | None,
           preload: tuple[str, ...]) -> None:
     """Serve models over HTTP: OpenAI's API under /v1, Ollama's under /api, Prometheus /metrics.
@@ -94,7 +95,7 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, queue: int, keep_
         keep = parse_duration(keep_alive)
     except LocalLLMError as e:
         raise LocalLLMError(f"--keep-alive: {e.message}", e.hint) from None
-    config = ServerConfig(host=host, port=port, parallel=parallel, kv_memory=parse_size(kv_memory), queue=queue,
+    config = ServerConfig(host=host, port=port, parallel=parallel, kv_memory=parse_size(kv_memory), kv_dtype=kv_cache, queue=queue,
                           keep_alive_s=keep, api_key=api_key or None,
                           models_memory=parse_size(models_memory) if models_memory else None,
                           max_body_bytes=parse_size(max_body), quant=quant, device=device, dtype=dtype)

@@ -213,7 +213,8 @@ class ModelManager:
                 raise ModelNotFound(e.message, e.hint) from None
         lm = load_model(ref, device=cfg.device, dtype=cfg.dtype, quant=cfg.quant)
         engine = BatchEngine(lm.model, kv_budget_bytes=cfg.kv_memory or DEFAULT_KV_BUDGET,
-                             max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens)
+                             max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens,
+                             kv_dtype=cfg.kv_dtype)
         engine.start()
         stop_ids = list(dict.fromkeys([*lm.tokenizer.eos_ids, *lm.config.eos_token_ids]))
         return ModelSlot(name, lm, engine, stop_ids, lm.weight_bytes + engine.plan.bytes,
