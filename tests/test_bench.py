@@ -32,7 +32,7 @@ SCHEME_KEYS = {"label", "activation_dtype", "kernels", "weight_bytes", "read_byt
                "ratios"}
 MEMORY_KEYS = {"method", "peak_bytes", "peak_reserved_bytes", "after_load_bytes", "weights_kv_bytes",
                "ratio_to_weights_kv", "bound_bytes", "within_bound", "process", "library_bytes"}
-KV_KEYS = {"bytes_per_token", "ctx", "ctx_bytes", "max_seq_len", "max_seq_len_bytes"}
+KV_KEYS = {"kv_dtype", "bytes_per_token", "ctx", "ctx_bytes", "max_seq_len", "max_seq_len_bytes"}
 SPREAD_KEYS = {"median", "min", "max"}
 RUN_KEYS = {"ttft_s", "prefill_tps", "decode_s", "decode_tps", "inter_token_s"}
 ROOFLINE_KEYS = {"decode_bytes_per_s", "fraction", "ceiling_tps"}

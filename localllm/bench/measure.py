@@ -55,7 +55,8 @@ measured is ``null``; durations in seconds, sizes in bytes, rates per second)::
                               process ("fresh": measured in a process of its own, "shared": in the
                               bench's), library_bytes ({library: bytes} of fixed per-process costs
                               taken before the baseline: kernel builds, bitsandbytes' import)
-        kv_cache              bytes_per_token, ctx, ctx_bytes, max_seq_len, max_seq_len_bytes
+        kv_cache              kv_dtype ("16bit" | "int8"), bytes_per_token, ctx, ctx_bytes, max_seq_len,
+                              max_seq_len_bytes
         ttft_s, prefill_tps, decode_tps, inter_token_s     {median, min, max} over the runs
         runs                  [{ttft_s, prefill_tps, decode_s, decode_tps, inter_token_s}]
         roofline              decode_bytes_per_s (read_bytes_per_token x median decode_tps),
