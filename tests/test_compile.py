@@ -68,11 +68,14 @@ def test_compiled_logits_stay_close_to_eager_on_smollm2(smollm2_path, aot, tmp_p
         d = rc.decode_drift(lm.model, cache, lm.tokenizer.encode(PROMPTS[0]), fed, step)
     assert not [str(w.message) for w in caught if "eagerly" in str(w.message) or "AOT" in str(w.message)]
     assert step.kind == ("aot" if aot else "torch.compile")  # really compiled, the way asked
-    # The first steps match bit for bit; once a fused reduction rounds one bf16 value the other way the
-    # residual stream carries that difference on (measured: mean |d| 0.04-0.06, worst 0.4-0.75, on logits
-    # of std 2.3). A wrong kernel, layout or cache position moves them by whole units and the argmax with it.
-    assert d.steps == 65 and d.identical >= 8  # the first steps are identical
-    assert d.max_abs < 1.5 and d.mean_abs < 0.3 and d.top1 >= d.steps - 3, d
+    # A wrong kernel, layout or cache position moves logits (std 2.3) by whole units and the argmax with it.
+    assert d.steps == 65
+    if lm.dtype == torch.float32:  # the CPU default: fused reductions reorder fp32 sums, nothing more
+        assert d.max_abs < 1e-3 and d.top1 == d.steps, d  # measured: worst 3.7e-5
+    else:  # bf16: the first steps match bit for bit; once a fused reduction rounds one value the other
+        # way the residual stream carries that on (measured: mean |d| 0.04-0.06, worst 0.4-0.75)
+        assert d.identical >= 8
+        assert d.max_abs < 1.5 and d.mean_abs < 0.3 and d.top1 >= d.steps - 3, d
 
 
 def _tiny(tiny_folder):
