@@ -264,6 +264,18 @@ LIBRARY = native.NativeLibrary(
     ("int8_group_mm", "int4_group_mm", "int4_group_dequant", "gguf_mm", "gguf_dequant"), _register_fakes,
 )
 
+def _native_cpu_unsupported(target: Target, act_dtype: torch.dtype) -> str | None:
+    """Why one of localllm's own CPU kernels cannot run here (None: it can): the device, the
+    activations' dtype, and whether the native library could be built."""
+    if target.type != "cpu":
+        return "runs on the CPU only"
+    if act_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"needs float32, bfloat16 or float16 activations, not {_dtype_name(act_dtype)}"
+    if not native.available(LIBRARY):
+        return f"needs localllm's CPU kernels, which could not be built ({native.unavailable_reason()})"
+    return None
+
+
 
 class Int8GroupCPU(Kernel):
     """int8 with a scale per group of inputs (a GGUF's Q8_0 blocks exactly) through localllm's C++
@@ -292,18 +304,15 @@ class Int8GroupCPU(Kernel):
         g = layer.scheme.group_size
         if layer.scheme.name != "int8":
             return "runs int8 weights only"
-        if target.type != "cpu":
-            return "runs on the CPU only"
+        why = _native_cpu_unsupported(target, act_dtype)
+        if why is not None:
+            return why
         if g is None and act_dtype != torch.float32:  # int8-weight-only is as fast with 16-bit ones
             return f"runs per-channel int8 with float32 activations only, not {_dtype_name(act_dtype)}"
         if g is None and layer.in_features % 16:
             return f"needs an input width that is a multiple of 16 ({layer.in_features})"
         if g is not None and g % 16:
             return "needs scales per group of a multiple of 16 inputs"
-        if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return f"needs bfloat16, float16 or float32 activations, not {_dtype_name(act_dtype)}"
-        if not native.available(LIBRARY):
-            return f"needs localllm's CPU kernels, which could not be built ({native.unavailable_reason()})"
         return None
 
     @staticmethod
@@ -356,13 +365,7 @@ class Int4GroupCPU(Kernel):
     def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         if layer.scheme.name != "int4":
             return "runs int4 weights only"
-        if target.type != "cpu":
-            return "runs on the CPU only"
-        if act_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return f"needs float32, bfloat16 or float16 activations, not {_dtype_name(act_dtype)}"
-        if not native.available(LIBRARY):
-            return f"needs localllm's CPU kernels, which could not be built ({native.unavailable_reason()})"
-        return None
+        return _native_cpu_unsupported(target, act_dtype)
 
     @staticmethod
     def _tiles(t: torch.Tensor, tile: int) -> torch.Tensor:
@@ -436,13 +439,7 @@ class GGUFBlocksCPU(Kernel):
     def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
         if layer.scheme.name != "gguf":
             return "runs GGUF blocks only"
-        if target.type != "cpu":
-            return "runs on the CPU only"
-        if act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            return f"needs bfloat16, float16 or float32 activations, not {_dtype_name(act_dtype)}"
-        if not native.available(LIBRARY):
-            return f"needs localllm's CPU kernels, which could not be built ({native.unavailable_reason()})"
-        return None
+        return _native_cpu_unsupported(target, act_dtype)
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
