@@ -46,7 +46,8 @@ FRANCE = "What is the capital of France?"
 LIST_KEYS = {"name", "model", "scheme", "quant", "size", "modified", "source", "path"}
 SHOW_KEYS = {"name", "path", "architecture", "parameters", "context_length", "embedding_length", "layers", "heads",
              "kv_heads", "head_dim", "vocab_size", "scheme", "quant", "quantized_modules", "weight_bytes",
-             "kv_cache_bytes_per_token", "kv_cache_bytes_context", "source", "chat_template", "created"}
+             "kv_cache_bytes_per_token", "kv_cache_bytes_context", "sliding_window", "sliding_layers", "source",
+             "chat_template", "created", "memory_plan"}
 # Runs the CLI with every quantized tensor 50 ms slower, so that a test can interrupt the conversion.
 SLOW_QUANT_CLI = (
     "import sys, time, localllm.quant.convert as qc\n"
@@ -377,6 +378,13 @@ def test_show_a_gguf_file_without_storing_it(smollm2_path: Path, home: Path) -> 
     # 30 layers x 7 linears, and the output head: the GGUF's Q8_0 head is kept as it is
     assert (facts["weight_bytes"], facts["quantized_modules"]) == (smollm2_path.stat().st_size, 211)
     assert facts["source"] == {"path": str(smollm2_path.resolve())} and facts["chat_template"] is True
+    assert (facts["sliding_window"], facts["sliding_layers"]) == (None, 0)  # Llama: every layer sees it all
+    # The plan for each context the model offers: the same weights, and a KV cache that grows with it
+    plans = facts["memory_plan"]
+    assert [p["ctx"] for p in plans] == sorted(p["ctx"] for p in plans) and plans[-1]["ctx"] == 8192
+    assert len({p["weights"] for p in plans}) == 1 and 0.9 < plans[0]["weights"] / facts["weight_bytes"] <= 1
+    kv = [p["kv_cache"] / p["ctx"] for p in plans]
+    assert max(kv) - min(kv) < 1e-6 * max(kv) and all(p["total"] > p["weights"] + p["kv_cache"] for p in plans)
     assert_store_empty(home)
 
 
