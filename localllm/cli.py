@@ -88,9 +88,10 @@ def main() -> None:
 
 
 def _register() -> None:
-    from localllm.commands import bench, export, run, serve, store
+    from localllm.commands import bench, compile_step, export, run, serve, store
 
     main.add_command(run.run)
+    main.add_command(compile_step.compile_step)
     main.add_command(bench.bench)
     main.add_command(serve.serve)
     main.add_command(export.export)

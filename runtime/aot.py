@@ -11,9 +11,14 @@ tables, :class:`runtime.cache.SequenceCache`) are inputs of the exported step, h
 as they are (no copy; the cache is written in place). So a package is a few MB, serves any checkpoint
 of the same structure and any cache of the same length, and nothing is held twice in memory.
 
+The cache's length is a dynamic dimension of the export (from :data:`MIN_CACHE` positions to the
+model's context), so one package serves every ``--ctx``: a model is built for once, not once per
+context length. Caches with a sliding-window ring (Gemma 3) keep static shapes: a ring's length is
+its window, and the package is then one per cache length.
+
 It is keyed by what its generated code depends on: the model's structure (modules, kernels, tensor
-shapes and dtypes, context length), the torch and Python versions, the CPU's vector ISA and the thread
-count (inductor bakes ``num_threads`` into its OpenMP loops).
+shapes and dtypes; the cache's length only when it is static), the torch and Python versions, the
+CPU's vector ISA and the thread count (inductor bakes ``num_threads`` into its OpenMP loops).
 
 The step's attention is whatever the model runs eagerly (on the CPU :mod:`runtime.cpu_attention`'s
 kernel, installed at load; SDPA where it could not be built). A package calls the kernel by name, so
@@ -39,7 +44,10 @@ from localllm.runtime.compile import DecodeFn, INDUCTOR_OPTIONS, compile_unavail
 from localllm.runtime.model import Transformer
 
 #: Bumped when the exported step's calling convention changes, so old packages are not picked up.
-FORMAT = 3
+FORMAT = 4
+
+#: The shortest cache a length-generic package takes (shorter ones get a package of their own).
+MIN_CACHE = 8
 
 #: torch.export's pytree code trips torch's own deprecation of ``isinstance(treespec, LeafSpec)``: a
 #: warning meant for torch, which reached the user on the first --compile.
@@ -57,6 +65,30 @@ def _flat(model: Transformer) -> tuple[list[str], list[torch.Tensor]]:
 def _cache_names(cache: SequenceCache) -> list[str]:
     """Names of ``cache.tensors()``, for package keys."""
     return [*(f"cache.{i}.{kv}" for i in range(len(cache.layers)) for kv in "kv"), "cos", "sin"]
+
+
+def length_generic(model: Transformer, cache: SequenceCache) -> bool:
+    """Whether ``cache``'s length can be a dynamic dimension of the package: every layer holds the
+    whole sequence (no ring) and the length is within the exported range."""
+    return (all(c.window is None for c in cache.layers)
+            and MIN_CACHE <= cache.max_seq <= model.config.max_seq_len)
+
+
+def _cache_dims(cache: SequenceCache, length: object) -> list[dict[int, object]]:
+    """For each of ``cache.tensors()``, its dimension that is the cache's length (K/V (B, KV, L, hd):
+    axis 2; cos/sin (L, rotary): axis 0), mapped to ``length``."""
+    return [*({2: length} for _ in range(2 * len(cache.layers))), {0: length}, {0: length}]
+
+
+def _shape_key(t: torch.Tensor, length_axis: int | None) -> str:
+    """A tensor's shape and strides for a package key, the cache's length (when dynamic) as ``L``."""
+    shape: list[object] = list(t.shape)
+    stride: list[object] = list(t.stride())
+    if length_axis is not None:
+        n = shape[length_axis]
+        shape[length_axis] = "L"
+        stride = [f"{s // n}L" if i < length_axis and s % n == 0 else s for i, s in enumerate(stride)]
+    return f"{tuple(shape)} {tuple(stride)} {t.dtype}"
 
 
 class _Bound(nn.Module):
@@ -98,15 +130,18 @@ def attention_name(model: Transformer) -> str:
     return "sdpa" if k is None else f"{k.__module__}.{k.__qualname__}"
 
 
-def package_key(model: Transformer, names: list[str], tensors: list[torch.Tensor]) -> str:
-    """What the generated code depends on, hashed (see the module docstring)."""
+def package_key(model: Transformer, names: list[str], tensors: list[torch.Tensor],
+                length_axes: list[int | None] | None = None) -> str:
+    """What the generated code depends on, hashed (see the module docstring). ``length_axes``: for
+    each tensor, its axis that is the cache's dynamic length (None: every dimension is fixed)."""
+    axes = length_axes or [None] * len(tensors)
     h = hashlib.sha256()
     parts = [
         f"format {FORMAT}", f"attention {attention_name(model)}", torch.__version__, sys.version.split()[0],
         platform.machine(),
         torch.backends.cpu.get_cpu_capability(), f"threads {torch.get_num_threads()}",
         repr(model.config), repr(model),  # the modules, with each QuantLinear's scheme and kernel
-        *(f"{n} {tuple(t.shape)} {tuple(t.stride())} {t.dtype}" for n, t in zip(names, tensors, strict=True)),
+        *(f"{n} {_shape_key(t, a)}" for n, t, a in zip(names, tensors, axes, strict=True)),
     ]
     for p in parts:
         h.update(p.encode() + b"\0")
@@ -127,12 +162,18 @@ def build_package(model: Transformer, cache: SequenceCache, base: DecodeFn, path
     dev = model.device
     example = (torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([1], device=dev),
                torch.empty(2, dtype=torch.int8, device=dev), tuple(tensors))
-    # kv_len = max_seq is left out: export specialises the slice that reads the whole cache.
-    kv = Dim("kv_len", min=2, max=cache.max_seq - 1)
+    # kv_len = the cache's length is left out: export specialises the slice that reads the whole cache.
+    fixed: list[dict[int, object] | None] = [None] * (len(tensors) - len(cache.tensors()))
+    if length_generic(model, cache):
+        length = Dim("cache_len", min=MIN_CACHE, max=model.config.max_seq_len)
+        kv = Dim("kv_len", min=2, max=model.config.max_seq_len - 1)
+        dims = tuple(fixed + _cache_dims(cache, length))
+    else:
+        kv = Dim("kv_len", min=2, max=cache.max_seq - 1)
+        dims = tuple(None for _ in tensors)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_LEAFSPEC_WARNING, category=FutureWarning)
-        program = torch.export.export(_Step(model, base, names), example,
-                                      dynamic_shapes=({}, {}, {0: kv}, tuple(None for _ in tensors)))
+        program = torch.export.export(_Step(model, base, names), example, dynamic_shapes=({}, {}, {0: kv}, dims))
     sig = program.graph_signature
     held = [*sig.parameters, *sig.buffers, *(n for n, t in program.constants.items() if t.numel() > 1)]
     if held:  # weights baked into the package would be stale copies, and held twice
@@ -151,6 +192,24 @@ def build_package(model: Transformer, cache: SequenceCache, base: DecodeFn, path
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def package_path(model: Transformer, cache: SequenceCache, cache_dir: Path) -> tuple[Path, list[torch.Tensor]]:
+    """Where the package for ``model`` and caches shaped as ``cache`` lives under ``cache_dir`` (built
+    or not), and the runner's tensor arguments after (token, position, span)."""
+    names, tensors = _flat(model)
+    axes: list[int | None] = [None] * len(tensors)
+    names += _cache_names(cache)
+    tensors += cache.tensors()
+    if length_generic(model, cache):
+        axes += [next(iter(d)) for d in _cache_dims(cache, None)]
+    else:
+        axes += [None] * (len(tensors) - len(axes))
+    return cache_dir / f"decode-{package_key(model, names, tensors, axes)}.pt2", tensors
+
+
+class PackageMissing(RuntimeError):
+    """No package is built for this model yet (and building was not asked for)."""
 
 
 def load_runner(path: Path):  # type: ignore[no-untyped-def]
@@ -177,8 +236,9 @@ class AotDecode:
     """
 
     def __init__(self, model: Transformer, cache: SequenceCache, base: DecodeFn, cache_dir: Path,
-                 inductor_dir: Path | None = None) -> None:
+                 inductor_dir: Path | None = None, build: bool = True) -> None:
         self.base = base
+        self.build = build  # False: raise PackageMissing rather than build a missing package
         self.cache_dir = cache_dir
         self.inductor_dir = inductor_dir  # inductor's own cache while building
         self.build_s = 0.0  # time spent exporting and compiling (0 when the package was on disk)
@@ -188,11 +248,10 @@ class AotDecode:
     def _bind(self, model: Transformer, cache: SequenceCache) -> None:
         if cache.max_seq < 4:
             raise ValueError("the decode step needs a cache of 4 positions or more")
-        names, tensors = _flat(model)
-        names += _cache_names(cache)
-        tensors += cache.tensors()
-        path = self.cache_dir / f"decode-{package_key(model, names, tensors)}.pt2"
+        path, tensors = package_path(model, cache, self.cache_dir)
         if not path.exists():
+            if not self.build:
+                raise PackageMissing(f"no decode step is built for this model yet ({path.name})")
             reason = compile_unavailable_reason(model.device)
             if reason:
                 raise RuntimeError(reason)

@@ -120,6 +120,16 @@ def _own_code(fn: Callable) -> Callable:
     return copy
 
 
+def ready_decode(base: DecodeFn, device: torch.device, cache_dir: Path) -> "CompiledStep | None":
+    """The decode step from an AOTInductor package already built under ``cache_dir/aot`` (by set-up,
+    ``pull``, a background build or an earlier ``--compile``), else eager ``base``: nothing is compiled
+    now. None where no package could serve (not the CPU). The step looks its package up on its first
+    call, for the cache it is given; :attr:`CompiledStep.missing` then says whether one was there."""
+    if device.type != "cpu":
+        return None
+    return CompiledStep(base, lambda: base, cache_dir / "aot", cache_dir, build=False)
+
+
 def compiled_decode(base: DecodeFn, device: torch.device, cache_dir: Path | None = None,
                     cpp_wrapper: bool = True, aot: bool = True) -> DecodeFn:
     """``base`` compiled with inductor and run under inference mode; eager ``base`` (with a warning
@@ -187,11 +197,17 @@ class CompiledStep:
     """A decode step that runs the best way available: the AOTInductor package (CPU, when ``aot_dir``
     is given), else the ``torch.compile`` function (made by ``make_compiled`` when first needed), else
     eager ``base``; each failure says so in a warning and moves down one level. Called like
-    :func:`runtime.generate.forward_one_token`."""
+    :func:`runtime.generate.forward_one_token`.
+
+    ``build=False``: a package that is not on disk is not built; the step runs eagerly and
+    :attr:`missing` is set (no warning: that is the normal first run of a model)."""
 
     def __init__(self, base: DecodeFn, make_compiled: Callable[[], DecodeFn], aot_dir: Path | None,
-                 inductor_dir: Path | None = None) -> None:
+                 inductor_dir: Path | None = None, build: bool = True) -> None:
         self.base, self.aot_dir, self.inductor_dir = base, aot_dir, inductor_dir
+        self.build = build
+        #: No package was found and building was not asked for.
+        self.missing = False
         self._make_compiled = make_compiled
         self._compiled: DecodeFn | None = None
         #: What runs now; None until the first call builds the AOT step.
@@ -204,6 +220,10 @@ class CompiledStep:
         return self._compiled
 
     @property
+    def _next_level(self) -> str:
+        return "using torch.compile" if self.build else "running eagerly"
+
+    @property
     def kind(self) -> str:
         """"aot", "torch.compile" or "eager" (what the next call runs; "aot" before the first call)."""
         if self.fn is self.base:
@@ -213,13 +233,15 @@ class CompiledStep:
     def __call__(self, model: Transformer, cache: SequenceCache, token: torch.Tensor, input_pos: torch.Tensor,
                  pos: int) -> torch.Tensor:
         if self.fn is None:
-            from localllm.runtime.aot import AotDecode
+            from localllm.runtime.aot import AotDecode, PackageMissing
 
             try:  # outside inference mode: export traces the model
                 self.fn = AotDecode(model, cache, self.base, self.aot_dir,  # type: ignore[arg-type]
-                                    self.inductor_dir)
+                                    self.inductor_dir, build=self.build)
+            except PackageMissing:
+                self.fn, self.missing = self.base, True
             except Exception as e:  # noqa: BLE001 - an export/AOT failure must degrade, not crash
-                warnings.warn(f"AOTInductor failed ({_first_line(e)}); using torch.compile")
+                warnings.warn(f"AOTInductor failed ({_first_line(e)}); {self._next_level}")
                 self.fn = self.compiled
         try:
             with torch.inference_mode():
@@ -231,7 +253,7 @@ class CompiledStep:
             if self.fn is self.base:
                 raise
             if self.fn is not self._compiled:  # the AOT step failed at run time
-                warnings.warn(f"AOTInductor step failed ({_first_line(e)}); using torch.compile")
+                warnings.warn(f"AOTInductor step failed ({_first_line(e)}); {self._next_level}")
                 self.fn = self.compiled
                 return self(model, cache, token, input_pos, pos)
             warnings.warn(f"torch.compile failed ({_first_line(e)}); running eagerly")

@@ -26,7 +26,7 @@ class Engine:
     """A model, its tokenizer and a :class:`Generator` of its own, whose KV cache of ``ctx`` positions
     is kept across calls. Engines sharing one model do not see each other's caches."""
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, compile: bool = False,
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, compile: bool | str = False,
                  kv_dtype: str = "16bit") -> None:
         self.model = model
         self.tokenizer = tokenizer

@@ -84,8 +84,13 @@ class Generator:
     generators can share one model: each reads and writes its own cache alone.
     """
 
-    def __init__(self, model: Transformer, ctx: int, compile: bool = False, kv_dtype: str = "16bit") -> None:
-        if compile and kv_dtype != "16bit":
+    def __init__(self, model: Transformer, ctx: int, compile: bool | str = False, kv_dtype: str = "16bit") -> None:
+        """``compile``: True compiles the decode step now if it is not built yet (:mod:`runtime.compile`);
+        "auto" uses a step already built for this model (:func:`runtime.compile.ready_decode`) and
+        otherwise runs eagerly, compiling nothing (:attr:`needs_build` then says so); False: eager."""
+        if compile not in (True, False, "auto"):
+            raise ValueError(f"compile must be True, False or 'auto', not {compile!r}")
+        if compile is True and kv_dtype != "16bit":
             raise LocalLLMError(f"the compiled decode step does not support a {kv_dtype} KV cache",
                                 f"leave out --compile or --kv-cache {kv_dtype}")
         self.model = model
@@ -97,7 +102,21 @@ class Generator:
         self._run: object | None = None  # the generate() call that owns the cache now
         self.stats = GenerationStats()
         self.compile_s = 0.0  # the warm-up that compiled (or loaded) the decode step
-        if compile:
+        #: "auto" found no compiled step for this model: a build (``localllm compile``) would speed it up.
+        self.needs_build = False
+        if compile == "auto" and kv_dtype == "16bit":
+            from localllm.paths import home
+            from localllm.runtime.compile import ready_decode
+
+            ready = ready_decode(forward_one_token, self.device, home() / "inductor")
+            if ready is not None:
+                t0 = time.perf_counter()
+                self._decode = ready
+                self._warm_up()  # finds and loads the package (milliseconds), or finds none
+                self.compile_s = time.perf_counter() - t0
+                if ready.missing:
+                    self._decode, self.needs_build = decode_one_token, True
+        elif compile is True:
             from localllm.paths import home
             from localllm.runtime.compile import compiled_decode
 

@@ -50,4 +50,12 @@ from localllm.quant.kernels import LIBRARY as INT8
 from localllm.runtime.cpu_attention import LIBRARY as ATTENTION
 sys.exit(not all([native.available(lib) for lib in (ATTENTION, INT8)]))" \
   || say "localllm's CPU kernels could not be built; torch's own will run instead"
+# The embedded model's compiled decode step (about a minute, once; one for every context length), so
+# that its first run decodes at full speed. Other models get theirs built by their first run or pull.
+# The test set-up skips it: tests build their own steps in their own folders.
+if [ -z "$extra" ] && [ -z "${CUDA_VISIBLE_DEVICES-}" ] && ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
+  say "building the default model's compiled decode step (about a minute, once)"
+  .venv/bin/localllm compile smollm2 --device cpu \
+    || say "the compiled decode step could not be built; runs stay eager until one is"
+fi
 say "ready: .venv/bin/localllm"

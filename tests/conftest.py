@@ -83,6 +83,23 @@ NATIVE_LIBRARIES = _native_libraries()
 
 
 @pytest.fixture(scope="session", autouse=True)
+def session_home(tmp_path_factory):
+    """A LOCALLLM_HOME of the session's own (tests that need a fresh one set theirs), so that nothing in
+    the user's home (stored models, compiled decode steps built by set-up) changes what a test runs;
+    and no run starts a background build of its compiled step (tests/test_compile.py starts its own)."""
+    saved = {k: os.environ.get(k) for k in ("LOCALLLM_HOME", "LOCALLLM_BACKGROUND_BUILD")}
+    folder = tmp_path_factory.mktemp("home")
+    os.environ["LOCALLLM_HOME"] = str(folder)
+    os.environ["LOCALLLM_BACKGROUND_BUILD"] = "0"
+    yield folder
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
 def kernels_dir(tmp_path_factory):
     """localllm's CPU kernels built once for the session, before any test runs (the build notice
     would otherwise land in some test's output), in a folder the CLI's subprocesses share: each

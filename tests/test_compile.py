@@ -136,8 +136,9 @@ def test_compilation_happens_before_the_first_reply(tiny_folder, monkeypatch, tm
 
 @needs_compiler
 def test_aot_step_follows_new_caches(tiny_folder, tmp_path):
-    """Another cache (new tensors, new length): the step finds or builds the package for it rather than
-    writing into the one it was built for, and going back to the first cache still runs it."""
+    """Another cache (new tensors, new length): the step runs on it rather than writing into the one it
+    was built for, with the same package (the cache's length is a dynamic dimension of it), and going
+    back to the first cache still runs it."""
     lm = _tiny(tiny_folder)
     small, large = lm.model.new_cache(32), lm.model.new_cache(48)
     step = rc.compiled_decode(forward_one_token, lm.device, tmp_path)
@@ -152,13 +153,75 @@ def test_aot_step_follows_new_caches(tiny_folder, tmp_path):
     small_k = small.layers[0].k.clone()
     again = next_logits(large)
     assert torch.equal(small.layers[0].k, small_k)  # the step wrote into the cache it was given
-    assert len(list((tmp_path / "aot").glob("decode-*.pt2"))) == 2  # one package per cache length
+    assert len(list((tmp_path / "aot").glob("decode-*.pt2"))) == 1  # one package for every cache length
     back = next_logits(small)
     assert step.kind == "aot"
     fresh = lm.model.new_cache(32)
     prefill(lm.model, fresh, ids)
     want = decode_one_token(lm.model, fresh, token, torch.tensor([3]), 3)
     assert torch.equal(again, first) and torch.equal(back, first) and torch.allclose(again, want, atol=1e-4)
+
+
+@needs_compiler
+def test_auto_uses_a_built_step_and_never_builds_one(tiny_folder, monkeypatch, tmp_path):
+    """compile="auto" (run's default): no package yet -> eager, nothing built, needs_build says so; once
+    one is built for any context length, a generator of another length loads it (no build) and answers
+    as eager decode does."""
+    import localllm.runtime.aot as aot
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    lm = _tiny(tiny_folder)
+    built = []
+    real_build = aot.build_package
+    monkeypatch.setattr(aot, "build_package", lambda *a, **k: built.append(1) or real_build(*a, **k))
+    first = Generator(lm.model, 40, compile="auto")
+    assert (first.step_kind, first.needs_build, built) == ("eager", True, [])
+    assert not list(tmp_path.glob("inductor/aot/decode-*.pt2"))
+
+    Generator(lm.model, 16, compile=True)  # what `localllm compile` does, at another length
+    assert built == [1]
+    ids = [5, 6, 7, 8]
+    for ctx in (40, 200):
+        auto = Generator(lm.model, ctx, compile="auto")
+        assert (auto.step_kind, auto.needs_build, built) == ("aot", False, [1])
+        got = list(auto.generate(ids, GREEDY, max_tokens=24))
+        assert auto.step_kind == "aot" and got == list(Generator(lm.model, ctx).generate(ids, GREEDY, max_tokens=24))
+    # An int8 KV cache has no compiled form: auto runs it eagerly and asks for no build.
+    q8 = Generator(lm.model, 40, compile="auto", kv_dtype="int8")
+    assert (q8.step_kind, q8.needs_build) == ("eager", False)
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_a_first_run_builds_the_step_in_the_background_for_the_next(tiny_folder, tmp_path):
+    """The CLI: a run that finds no compiled step answers eagerly and then starts `localllm compile` in
+    a detached process; the next run uses the step from its first token; `localllm compile` then finds
+    it built. With the switch off, nothing is started."""
+    import subprocess
+    import sys
+    import time
+
+    _, folder = tiny_folder("llama")
+    env = {**os.environ, "LOCALLLM_HOME": str(tmp_path), "LOCALLLM_BACKGROUND_BUILD": "1"}
+    run = [sys.executable, "-m", "localllm", "run", str(folder), "hello", "--raw", "-n", "4", "--quant", "fp32",
+           "--temperature", "0", "--verbose", "--threads", "1"]
+    off = subprocess.run(run, env={**env, "LOCALLLM_BACKGROUND_BUILD": "0"}, capture_output=True, text=True, timeout=120)
+    assert off.returncode == 0 and "decode step: eager" in off.stderr and "background" not in off.stderr
+    first = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert "decode step: eager" in first.stderr and "in the background" in first.stderr
+    log = tmp_path / "logs" / "compile.log"
+    deadline = time.monotonic() + 300
+    while "built the compiled decode step" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(1)
+    assert "--threads 1" in log.read_text()  # built for the run's thread count, which packages are keyed by
+    second = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0 and "decode step: aot" in second.stderr and "background" not in second.stderr
+    assert second.stdout == first.stdout  # the same greedy tokens
+    again = subprocess.run([sys.executable, "-m", "localllm", "compile", str(folder), "--quant", "fp32",
+                            "--threads", "1"], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "already built" in again.stderr
 
 
 def test_compile_failure_falls_back_to_eager(tiny_folder, monkeypatch):

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 import click
 
 from localllm.commands.common import kv_cache_option, note, quant_head_option, threads_option
+from localllm.commands.compile_step import LoadArgs, build_after
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
@@ -151,9 +152,11 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
 @quant_head_option("Default: as stored; on the CPU a GGUF's Q8_0 head as it is; else 16-bit.")
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)),
               help="Force a matmul kernel (default: the fastest that works here).")
-@click.option("--compile", "compile_", is_flag=True,
-              help="Compile the decode step (AOTInductor on the CPU, torch.compile on CUDA): faster tokens after a "
-                   "one-time compilation, cached on disk.")
+@click.option("--compile/--no-compile", "compile_", default=None,
+              help="Default: on the CPU, use the model's compiled decode step when one is built (set-up builds the "
+                   "embedded model's; otherwise a first run builds it in the background for the next, see "
+                   "`localllm compile`), else run eagerly. --compile builds it now if needed (about a minute once; "
+                   "torch.compile on CUDA); --no-compile always runs eagerly.")
 @kv_cache_option
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
 @click.option("--think/--no-think", "think", default=None,
@@ -182,7 +185,7 @@ def run(
     group_size: int | None,
     quant_head: str | None,
     kernel: str | None,
-    compile_: bool,
+    compile_: bool | None,
     kv_cache: str,
     raw: bool,
     think: bool | None,
@@ -229,15 +232,20 @@ def run(
     check_ctx(ctx, lm.config.max_seq_len, prompt_overhead(lm.tokenizer, raw, system), raw)
     if compile_:
         click.echo("compiling the decode step (about half a minute the first time, a second once cached)...", err=True)
-    engine = Engine(lm.model, lm.tokenizer, ctx, compile=compile_, kv_dtype=kv_cache)
+    engine = Engine(lm.model, lm.tokenizer, ctx, compile="auto" if compile_ is None else compile_, kv_dtype=kv_cache)
     load_s = lm.load_s + engine.generator.compile_s  # what came before the prompt, as Ollama counts it
     if compile_ and verbose:
         click.echo(f"compiled in {engine.generator.compile_s:.1f} s ({engine.generator.step_kind})", err=True)
     if verbose:
         describe_model(lm, ctx, kv_cache)
+        click.echo(f"decode step: {engine.generator.step_kind}", err=True)
+    # Once this run is done (its tokens are not slowed by it): build the step the next run will use.
+    build = LoadArgs(model, device, dtype, quant, group_size, quant_head, kernel)
+    needs_build = engine.generator.needs_build
 
     if text is None:
         _chat(engine, params, system, max_tokens, stop, verbose, load_s, think, not hide_thinking)
+        build_after(build, ctx, needs_build)
         return
     if raw:
         pieces = engine.complete(text, params, max_tokens, stop)
@@ -247,6 +255,7 @@ def run(
     _stream(pieces)
     _write("\n")
     _after(engine, verbose, load_s)
+    build_after(build, ctx, needs_build)
 
 
 def _ask(prompt: str = ">>> ") -> str:
