@@ -448,12 +448,18 @@ def tiny_repo(hub: HubServer, tiny_folder) -> str:  # type: ignore[no-untyped-de
     return "org/tiny-llama"
 
 
-def test_pull_again_force_name_and_conflicts(tiny_repo: str, home: Path) -> None:
+def test_pull_again_force_name_and_conflicts(tiny_repo: str, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import localllm.commands.compile_step as compile_step
+
+    builds: list[object] = []  # what pull asks to build in the background (tests/test_compile.py runs one)
+    monkeypatch.setattr(compile_step, "start_background_build", lambda args, ctx=None: builds.append(args) or True)
     first = in_process("pull", tiny_repo)
     assert first.exit_code == 0 and "quantizing" in first.stderr and first.stdout == ""
+    assert builds == [compile_step.LoadArgs("tiny-llama:int4")]  # the stored model, loaded as run loads it
+    assert "compiling its decode step in the background" in first.stderr
     again = in_process("pull", tiny_repo)
     assert again.exit_code == 0 and "'tiny-llama:int4' is already stored" in again.stderr
-    assert "quantizing" not in again.stderr
+    assert "quantizing" not in again.stderr and len(builds) == 1  # nothing new: its first pull started it
     assert "quantizing" in in_process("pull", tiny_repo, "--force").stderr
     assert "replacing 'tiny-llama:int4'" in in_process("pull", tiny_repo, "--quant-head", "int8").stderr
 

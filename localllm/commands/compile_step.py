@@ -62,7 +62,7 @@ def background_builds_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") not in ("0", "")
 
 
-def start_background_build(args: LoadArgs, ctx: int) -> bool:
+def start_background_build(args: LoadArgs, ctx: int | None = None) -> bool:
     """Start ``localllm compile`` for ``args`` in a detached process (its output in
     ``<home>/logs/compile.log``), with this process's thread count. False when background builds are
     off, no compiler is here, or a build is already running."""
@@ -79,7 +79,7 @@ def start_background_build(args: LoadArgs, ctx: int) -> bool:
         return False
     logs = home() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "localllm", "compile", *args.argv(), "--ctx", str(ctx),
+    argv = [sys.executable, "-m", "localllm", "compile", *args.argv(), *(["--ctx", str(ctx)] if ctx else []),
             "--threads", str(torch.get_num_threads()), "--if-idle"]
     with open(logs / "compile.log", "ab") as log:
         log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv[1:])}\n".encode())

@@ -47,8 +47,13 @@ def pull(source: str, quant: str, group_size: int | None, quant_head: str | None
 
     SOURCE is a Hub repo (ORG/NAME[@REV]), a local model folder or a local .gguf file.
     """
+    from localllm.commands.compile_step import LoadArgs, start_background_build
+
     options = PullOptions(quant, group_size, quant_head, name, prune, force)
-    print_pull(pull_model(parse_source(source, revision, gguf_file), options, notify=note))
+    result = pull_model(parse_source(source, revision, gguf_file), options, notify=note)
+    print_pull(result)
+    if not result.kept and start_background_build(LoadArgs(result.entry.ref)):
+        note("compiling its decode step in the background (about a minute, once), so that runs decode at full speed")
 
 
 def print_pull(result: PullResult) -> None:
