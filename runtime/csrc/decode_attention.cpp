@@ -219,9 +219,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doubl
   const KT* vp = v.data_ptr<KT>();
   T* yp = y.data_ptr<T>();
   const float sc = static_cast<float>(scale);
-  // Each (batch, kv head) is one task; split across threads only when a task is big enough to
-  // pay for waking them (a few hundred keys are not).
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, L * G * hd));
+  // Each (batch, kv head) is one task; split across threads once a task is big enough to pay for
+  // waking them (a hundred keys or so at GQA 3, head size 64). Higher, a model with few KV heads ran
+  // its attention on one thread up to thousands of keys, the step's largest cost at long contexts.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, L * G * hd));
   at::parallel_for(0, B * KV, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), s(G * L), acc(G * hd), sums(G), buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
     for (const auto bh : c10::irange(begin, end)) {
@@ -309,7 +310,7 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
     total += lp[b];
   }
   const int64_t mean = std::max<int64_t>(1, total / std::max<int64_t>(1, S));
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, mean * G * hd));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, mean * G * hd));
   at::parallel_for(0, S * KV, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), s(G * max_len), acc(G * hd), sums(G), buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
     for (const auto bh : c10::irange(begin, end)) {
