@@ -215,16 +215,21 @@ def footprint(ckpt: Any, quant: str | None = None, *, group_size: int | None = N
               quantize_head: str | bool | None = None, dtype: str = "auto", device: str = "auto") -> Footprint:
     """The weights of ``ckpt`` (an opened checkpoint) as ``load_model`` would hold them, from its meta model."""
     from localllm.loaders.build import fuse_projections
-    from localllm.loaders.load import choose_scheme, dtype_name, model_tensors, resolve_device, resolve_dtype
+    from localllm.loaders.load import (choose_scheme, dtype_name, keeps_float_tables, model_tensors, resolve_device,
+                                       resolve_dtype)
 
     dev = resolve_device(device)
     scheme = choose_scheme(ckpt, quant, group_size)
+    float_dtype = None
     if scheme is not None and scheme.is_float:
-        act = resolve_dtype(scheme.name if dtype == "auto" else dtype, dev)
+        float_dtype = scheme.name if dtype == "auto" else dtype
         scheme = None
-    else:
-        act = resolve_dtype(dtype, dev, quantized=scheme is not None)
     model, _, _ = model_tensors(ckpt, scheme, quantize_head)
+    if float_dtype is not None:
+        act = resolve_dtype(float_dtype, dev)
+    else:  # as load_model decides it: a quantized model keeping a float table stays on 16 bits
+        act = resolve_dtype(dtype, dev, quantized=scheme is not None,
+                            float_tables=scheme is not None and keeps_float_tables(model))
     fuse_projections(model)
     label = scheme.name if scheme is not None else dtype_name(act)
     return Footprint(ckpt.config, label, meta_weight_bytes(model, act), act, dev)

@@ -56,6 +56,25 @@ def test_kv_cache_counts_sliding_layers_by_their_window_and_the_kv_dtype() -> No
     assert a.fits and not plan_for(_footprint(full), 8192, available=(a.total - 1, "test")).fits
 
 
+@pytest.mark.parametrize("model,quant,head,want", [
+    ("smollm2", "int4", None, torch.float32),  # tied embedding, read from the int8 head: no float table
+    ("tiny", "int4", "int8", torch.bfloat16),  # its own float embedding table
+    ("tiny", "int4", False, torch.bfloat16),  # and a 16-bit head
+    ("tiny", "fp32", None, torch.float32),
+])
+def test_plan_takes_the_activation_dtype_load_model_takes(tiny_folder, model: str, quant: str, head,
+                                                          want: torch.dtype) -> None:
+    """On the CPU a quantized model runs fp32 activations, unless it keeps a float table (an embedding
+    table or a 16-bit head), which holds it to bf16: the plan sizes weights and KV cache with it."""
+    from localllm.loaders.load import load_model
+
+    ref = str(tiny_folder("llama")[1]) if model == "tiny" else model
+    plan = plan_memory(ref, quant, 64, device="cpu", quantize_head=head)
+    lm = load_model(ref, device="cpu", quant=quant, quantize_head=head)
+    assert lm.model.dtype == want and plan.dtype == str(want).removeprefix("torch.")
+    assert plan.kv_cache == lm.model.new_cache(64).nbytes() + 2 * 64 * lm.config.head_dim * want.itemsize  # + RoPE
+
+
 PROBED = ("bf16", "int8")
 PROMPT, CTX = 64, 72
 

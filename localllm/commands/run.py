@@ -143,7 +143,8 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
 @click.option("--stop", multiple=True, help="Stop when this text appears (repeatable).")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
 @click.option("--dtype", default="auto", show_default=True,
-              help="Activations: auto (bf16 on CUDA and for quantized weights, else fp32), fp32, fp16, bf16.")
+              help="Activations (and the KV cache): auto (bf16 on CUDA; fp32 on the CPU, or bf16 for a quantized "
+                   "model that keeps a float embedding table or head), fp32, fp16, bf16.")
 @threads_option
 @click.option("--quant", "-q", type=click.Choice(ALL_SCHEMES),
               help="Weight scheme; quantized at load when the model is stored in another. "
