@@ -160,6 +160,19 @@ def test_gemma3_sliding_layers_cache_only_the_window(family):
     assert cache.nbytes() == c.sequence_cache_bytes(64, 4) < c.kv_cache_bytes(64, 4)
 
 
+def test_gemma3_asks_for_no_ahead_of_time_step(family, monkeypatch, tmp_path):
+    """run's default over ring caches: eager, and no background build (the ahead-of-time step takes
+    no ring yet: a build would fail after a minute of CPU, at every run)."""
+    from localllm.runtime.generate import Generator
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    model = ours_from(family("gemma3")[1])
+    gen = Generator(model, 64, compile="auto")
+    assert (gen.step_kind, gen.needs_build) == ("eager", False)
+    llama = Generator(ours_from(family("qwen3")[1]), 64, compile="auto")  # no ring: it can be built
+    assert (llama.step_kind, llama.needs_build) == ("eager", True)
+
+
 def test_gemma3_static_decode_over_the_ring(family):
     """The fixed-shape decode step (CUDA graphs) over ring caches: masks from input_pos alone."""
     model = ours_from(family("gemma3")[1])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -288,6 +288,14 @@ def _next_turn(turn: Request, following: Request, tool: list[int], reply: list[i
     following.prompt = turn.prompt + reply + tool
 
 
+def _kv_bytes(model: Any, tokens: int, kv_dtype: str) -> int:
+    """Bytes of a pool holding ``tokens`` tokens of ``model``'s keys and values (whole blocks)."""
+    from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, block_bytes
+
+    blocks = -(-tokens // DEFAULT_BLOCK_SIZE)
+    return blocks * block_bytes(model.config, DEFAULT_BLOCK_SIZE, model.dtype, kv_dtype)
+
+
 def agent(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
     longest = AGENT_HISTORY + AGENT_TURNS * AGENT_TOOL + AGENT_TURNS * AGENT_REPLY
     if longest > model.config.max_seq_len:
@@ -296,9 +304,14 @@ def agent(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[st
     rows = []
     for level in s.levels:
         runs = {}
+        # Unless the settings give a budget, a pool that holds every agent's whole conversation (and a
+        # turn's new tokens on top): what a server for N agents is given, so that the figures measure the
+        # prefix cache, not evictions from a pool too small for the workload.
+        sized = s if s.kv_budget_bytes else replace(
+            s, kv_budget_bytes=_kv_bytes(model, level * (longest + AGENT_TOOL), s.kv_dtype))
         for kind in ("cache", "no_cache"):
             start = text.offset
-            engine = make_engine(model, s, level, prefix_cache=kind == "cache")
+            engine = make_engine(model, sized, level, prefix_cache=kind == "cache")
             runs[kind] = drive(engine, agent_requests(text, level))
             text.offset = start  # the same conversations both ways
             log(f"  agent {kind} agents={level}: prefilled {runs[kind]['prefill_tokens']} of "

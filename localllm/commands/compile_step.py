@@ -130,9 +130,12 @@ def compile_step(model: str, ctx: int | None, device: str, dtype: str, threads: 
     try:
         with FileLock(_lock_path(), timeout=0 if if_idle else -1):
             ready = Generator(lm.model, ctx, compile="auto")
-            if not ready.needs_build:
+            if ready.step_kind == "aot":
                 note(f"the compiled decode step of {model} is already built")
                 return
+            if not ready.needs_build:
+                raise LocalLLMError(f"{model} has sliding-window layers, whose ring caches the ahead-of-time "
+                                    "step does not take yet", "runs stay eager (run --compile tries torch.compile)")
             t0 = time.perf_counter()
             built = Generator(lm.model, ctx, compile=True)
             kind = built.step_kind
