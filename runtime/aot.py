@@ -14,7 +14,9 @@ of the same structure and any cache of the same length, and nothing is held twic
 The cache's length is a dynamic dimension of the export (from :data:`MIN_CACHE` positions to the
 model's context), so one package serves every ``--ctx``: a model is built for once, not once per
 context length. Caches with a sliding-window ring (Gemma 3) keep static shapes: a ring's length is
-its window, and the package is then one per cache length.
+its window, and the packages are then per cache length. Their step also changes at the window (a
+ring reads its filled prefix, then, once it has wrapped, all of it): one package covers the keys up
+to the window, another those beyond (:func:`kv_ranges`).
 
 It is keyed by what its generated code depends on: the model's structure (modules, kernels, tensor
 shapes and dtypes; the cache's length only when it is static), the torch and Python versions, the
@@ -72,6 +74,18 @@ def length_generic(model: Transformer, cache: SequenceCache) -> bool:
     whole sequence (no ring) and the length is within the exported range."""
     return (all(c.window is None for c in cache.layers)
             and MIN_CACHE <= cache.max_seq <= model.config.max_seq_len)
+
+
+def kv_ranges(model: Transformer, cache: SequenceCache) -> list[tuple[int, int]]:
+    """The ranges of keys attended to (``kv_len``, the position + 1) that one package each covers: one
+    range for whole-sequence caches; for ring caches, one below each distinct window and one beyond.
+    The lengths between run eagerly: 1, each window (a ring read whole before it wraps) and the
+    cache's whole length (export specialises a slice that takes a whole tensor)."""
+    top = (model.config.max_seq_len if length_generic(model, cache) else cache.max_seq) - 1
+    bounds = sorted({c.window for c in cache.layers if c.window is not None and 2 <= c.window < top})
+    lows = [2, *(w + 1 for w in bounds)]
+    highs = [*(w - 1 for w in bounds), top]
+    return [(lo, hi) for lo, hi in zip(lows, highs) if lo <= hi]
 
 
 def _cache_dims(cache: SequenceCache, length: object) -> list[dict[int, object]]:
@@ -148,32 +162,33 @@ def package_key(model: Transformer, names: list[str], tensors: list[torch.Tensor
     return h.hexdigest()[:24]
 
 
-def build_package(model: Transformer, cache: SequenceCache, base: DecodeFn, path: Path) -> None:
-    """Export ``base`` for ``model`` and caches shaped as ``cache`` and compile it to the AOTInductor
-    package ``path``.
+def build_package(model: Transformer, cache: SequenceCache, base: DecodeFn, path: Path,
+                  kv_range: tuple[int, int] | None = None) -> None:
+    """Export ``base`` for ``model`` and caches shaped as ``cache``, for ``kv_range`` keys attended to
+    (default: the first of :func:`kv_ranges`), and compile it to the AOTInductor package ``path``.
 
     Written under a temporary name and renamed, so a crash or a concurrent build never leaves a
     half-written package under the final name.
     """
     from torch.export import Dim
 
+    lo, hi = kv_range or kv_ranges(model, cache)[0]
     names, tensors = _flat(model)
     tensors += cache.tensors()
     dev = model.device
-    example = (torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([1], device=dev),
-               torch.empty(2, dtype=torch.int8, device=dev), tuple(tensors))
+    example = (torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([lo - 1], device=dev),
+               torch.empty(lo, dtype=torch.int8, device=dev), tuple(tensors))
     # kv_len = the cache's length is left out: export specialises the slice that reads the whole cache.
     fixed: list[dict[int, object] | None] = [None] * (len(tensors) - len(cache.tensors()))
     if length_generic(model, cache):
         length = Dim("cache_len", min=MIN_CACHE, max=model.config.max_seq_len)
-        kv = Dim("kv_len", min=2, max=model.config.max_seq_len - 1)
         dims = tuple(fixed + _cache_dims(cache, length))
     else:
-        kv = Dim("kv_len", min=2, max=cache.max_seq - 1)
         dims = tuple(None for _ in tensors)
+    span_dims = {0: Dim("kv_len", min=lo, max=hi)} if hi > lo else {}  # one length: a static shape
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_LEAFSPEC_WARNING, category=FutureWarning)
-        program = torch.export.export(_Step(model, base, names), example, dynamic_shapes=({}, {}, {0: kv}, dims))
+        program = torch.export.export(_Step(model, base, names), example, dynamic_shapes=({}, {}, span_dims, dims))
     sig = program.graph_signature
     held = [*sig.parameters, *sig.buffers, *(n for n, t in program.constants.items() if t.numel() > 1)]
     if held:  # weights baked into the package would be stale copies, and held twice
@@ -194,9 +209,11 @@ def build_package(model: Transformer, cache: SequenceCache, base: DecodeFn, path
         tmp.unlink(missing_ok=True)
 
 
-def package_path(model: Transformer, cache: SequenceCache, cache_dir: Path) -> tuple[Path, list[torch.Tensor]]:
-    """Where the package for ``model`` and caches shaped as ``cache`` lives under ``cache_dir`` (built
-    or not), and the runner's tensor arguments after (token, position, span)."""
+def package_paths(model: Transformer, cache: SequenceCache, cache_dir: Path
+                  ) -> tuple[list[tuple[tuple[int, int], Path]], list[torch.Tensor]]:
+    """Where the packages for ``model`` and caches shaped as ``cache`` live under ``cache_dir`` (built
+    or not), one per range of :func:`kv_ranges`; and the runners' tensor arguments after (token,
+    position, span)."""
     names, tensors = _flat(model)
     axes: list[int | None] = [None] * len(tensors)
     names += _cache_names(cache)
@@ -205,11 +222,26 @@ def package_path(model: Transformer, cache: SequenceCache, cache_dir: Path) -> t
         axes += [next(iter(d)) for d in _cache_dims(cache, None)]
     else:
         axes += [None] * (len(tensors) - len(axes))
-    return cache_dir / f"decode-{package_key(model, names, tensors, axes)}.pt2", tensors
+    key = package_key(model, names, tensors, axes)
+    ranges = kv_ranges(model, cache)
+    if len(ranges) == 1:
+        return [(ranges[0], cache_dir / f"decode-{key}.pt2")], tensors
+    return [((lo, hi), cache_dir / f"decode-{key}-kv{lo}-{hi}.pt2") for lo, hi in ranges], tensors
 
 
 class PackageMissing(RuntimeError):
-    """No package is built for this model yet (and building was not asked for)."""
+    """No package is built for this model yet (and building was not asked for); ``path`` is the first
+    missing one."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def failure_marker(package: Path) -> Path:
+    """The file that records a failed build of ``package`` (its text says why), so that runs do not start
+    the same failing build again; a new torch or localllm changes the package's name, and so tries again."""
+    return package.with_suffix(".failed")
 
 
 def load_runner(path: Path):  # type: ignore[no-untyped-def]
@@ -231,8 +263,8 @@ class AotDecode:
 
     Called like :func:`runtime.generate.forward_one_token`. The tensors are looked up once; given
     another model, cache or attention kernel, the package for the new shapes is found or built on the
-    next call (loaded runners are kept, so going back to an earlier cache costs no load). The one
-    position the package cannot take (the cache's last) runs eagerly.
+    next call (loaded runners are kept, so going back to an earlier cache costs no load). The
+    positions no package takes (the first and the cache's last) run eagerly.
     """
 
     def __init__(self, model: Transformer, cache: SequenceCache, base: DecodeFn, cache_dir: Path,
@@ -248,21 +280,24 @@ class AotDecode:
     def _bind(self, model: Transformer, cache: SequenceCache) -> None:
         if cache.max_seq < 4:
             raise ValueError("the decode step needs a cache of 4 positions or more")
-        path, tensors = package_path(model, cache, self.cache_dir)
-        if not path.exists():
-            if not self.build:
-                raise PackageMissing(f"no decode step is built for this model yet ({path.name})")
+        paths, tensors = package_paths(model, cache, self.cache_dir)
+        missing = [(rng, path) for rng, path in paths if not path.exists()]
+        if missing and not self.build:
+            raise PackageMissing(f"no decode step is built for this model yet ({missing[0][1].name})", missing[0][1])
+        for rng, path in missing:
             reason = compile_unavailable_reason(model.device)
             if reason:
                 raise RuntimeError(reason)
             t0 = time.perf_counter()
             with inductor_cache_dir(self.inductor_dir):
-                build_package(model, cache, self.base, path)
+                build_package(model, cache, self.base, path, rng)
             self.build_s += time.perf_counter() - t0
-        self.path = path
-        if path not in self._runners:
-            self._runners[path] = load_runner(path)
-        self._runner = self._runners[path]
+        self.path = paths[0][1]
+        for _, path in paths:
+            if path not in self._runners:
+                self._runners[path] = load_runner(path)
+        #: (first kv_len, last kv_len, runner) of each package.
+        self._ranges = [(lo, hi, self._runners[path]) for (lo, hi), path in paths]
         self._model, self._cache = model, cache
         # The runner's argument list, made once: a step only sets its first three entries
         # (token, position, span) rather than building a list of ~360 tensors every token.
@@ -275,8 +310,11 @@ class AotDecode:
         if model is not self._model or cache is not self._cache or model.decode_kernel is not self._kernel:
             with torch.inference_mode(False):
                 self._bind(model, cache)
-        if not 1 <= pos < cache.max_seq - 1:  # kv_len 1 or max_seq: outside the exported range
+        if not 1 <= pos < cache.max_seq - 1:  # kv_len 1 or max_seq: outside the exported ranges
+            return self.base(model, cache, token, input_pos, pos)
+        runner = next((r for lo, hi, r in self._ranges if lo <= pos + 1 <= hi), None)
+        if runner is None:
             return self.base(model, cache, token, input_pos, pos)
         args = self._args
         args[0], args[1], args[2] = token, input_pos, self._span[: pos + 1]
-        return self._runner.run(args)[0]
+        return runner.run(args)[0]

@@ -208,6 +208,8 @@ class CompiledStep:
         self.build = build
         #: No package was found and building was not asked for.
         self.missing = False
+        #: ... and an earlier build of it failed (:func:`runtime.aot.failure_marker`).
+        self.failed_before = False
         self._make_compiled = make_compiled
         self._compiled: DecodeFn | None = None
         #: What runs now; None until the first call builds the AOT step.
@@ -238,8 +240,11 @@ class CompiledStep:
             try:  # outside inference mode: export traces the model
                 self.fn = AotDecode(model, cache, self.base, self.aot_dir,  # type: ignore[arg-type]
                                     self.inductor_dir, build=self.build)
-            except PackageMissing:
+            except PackageMissing as e:
+                from localllm.runtime.aot import failure_marker
+
                 self.fn, self.missing = self.base, True
+                self.failed_before = failure_marker(e.path).exists()
             except Exception as e:  # noqa: BLE001 - an export/AOT failure must degrade, not crash
                 warnings.warn(f"AOTInductor failed ({_first_line(e)}); {self._next_level}")
                 self.fn = self.compiled

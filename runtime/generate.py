@@ -102,8 +102,8 @@ class Generator:
         self._run: object | None = None  # the generate() call that owns the cache now
         self.stats = GenerationStats()
         self.compile_s = 0.0  # the warm-up that compiled (or loaded) the decode step
-        #: "auto" found no compiled step for this model, and one can be built ahead (``localllm compile``)
-        #: for every context length: not for a model with sliding-window ring caches (Gemma 3) yet.
+        #: "auto" found no compiled step for this model, and no build of it failed before: one built ahead
+        #: (``localllm compile``) would serve the next runs.
         self.needs_build = False
         if compile == "auto" and kv_dtype == "16bit":
             from localllm.paths import home
@@ -115,10 +115,8 @@ class Generator:
                 self._decode = ready
                 self._warm_up()  # finds and loads the package (milliseconds), or finds none
                 self.compile_s = time.perf_counter() - t0
-                if ready.missing:  # a build can serve later runs: not yet for sliding-window rings
-                    from localllm.runtime.aot import length_generic
-
-                    self._decode, self.needs_build = decode_one_token, length_generic(model, self.cache)
+                if ready.missing:  # unless a build of it failed before: it would fail again
+                    self._decode, self.needs_build = decode_one_token, not ready.failed_before
         elif compile is True:
             from localllm.paths import home
             from localllm.runtime.compile import compiled_decode

@@ -189,6 +189,12 @@ def test_auto_uses_a_built_step_and_never_builds_one(tiny_folder, monkeypatch, t
     # An int8 KV cache has no compiled form: auto runs it eagerly and asks for no build.
     q8 = Generator(lm.model, 40, compile="auto", kv_dtype="int8")
     assert (q8.step_kind, q8.needs_build) == ("eager", False)
+    # A build that failed is recorded beside where its package would be: runs stop asking for it.
+    small = Generator(lm.model, 6, compile="auto")  # below MIN_CACHE: a package of its own, not built
+    assert (small.step_kind, small.needs_build) == ("eager", True)
+    [(_, path)], _ = aot.package_paths(lm.model, small.cache, tmp_path / "inductor" / "aot")
+    aot.failure_marker(path).write_text("export exploded\n")
+    assert Generator(lm.model, 6, compile="auto").needs_build is False
 
 
 @needs_compiler
@@ -222,6 +228,29 @@ def test_a_first_run_builds_the_step_in_the_background_for_the_next(tiny_folder,
     again = subprocess.run([sys.executable, "-m", "localllm", "compile", str(folder), "--quant", "fp32",
                             "--threads", "1"], env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and "already built" in again.stderr
+
+
+def test_a_failed_build_says_why_and_is_not_started_again(tiny_folder, monkeypatch, tmp_path):
+    """`localllm compile` whose export fails: one line naming the cause, exit 1, and a record that keeps
+    runs from starting the same build in the background after every reply."""
+    from click.testing import CliRunner
+
+    import localllm.runtime.aot as aot
+    from localllm.cli import main
+
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    _, folder = tiny_folder("llama")
+
+    def broken_export(*a, **k):
+        raise RuntimeError("export exploded")
+
+    monkeypatch.setattr(aot, "build_package", broken_export)
+    monkeypatch.setattr(torch, "compile", lambda fn, **k: fn)  # its fallback would run: keep it eager
+    result = CliRunner().invoke(main, ["compile", str(folder), "--quant", "fp32", "--ctx", "64"])
+    assert result.exit_code == 1 and "export exploded" in result.output and "Traceback" not in result.output
+    assert [p.read_text() for p in (tmp_path / "inductor" / "aot").glob("*.failed")] != []
+    lm = _tiny(tiny_folder)
+    assert Generator(lm.model, 64, compile="auto").needs_build is False
 
 
 def test_compile_failure_falls_back_to_eager(tiny_folder, monkeypatch):

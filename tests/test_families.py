@@ -15,7 +15,8 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import HFCheckpoint
 from localllm.runtime.config import ModelConfig
-from localllm.runtime.generate import decode_one_token, prefill
+from localllm.runtime.compile import compile_unavailable_reason
+from localllm.runtime.generate import decode_one_token, forward_one_token, prefill
 from tests.conftest import TINY, write_tiny_tokenizer
 
 #: Logits tolerance against transformers (fp32): the tightest every family meets on any CPU.
@@ -160,17 +161,24 @@ def test_gemma3_sliding_layers_cache_only_the_window(family):
     assert cache.nbytes() == c.sequence_cache_bytes(64, 4) < c.kv_cache_bytes(64, 4)
 
 
-def test_gemma3_asks_for_no_ahead_of_time_step(family, monkeypatch, tmp_path):
-    """run's default over ring caches: eager, and no background build (the ahead-of-time step takes
-    no ring yet: a build would fail after a minute of CPU, at every run)."""
-    from localllm.runtime.generate import Generator
+@pytest.mark.skipif(compile_unavailable_reason(torch.device("cpu")) is not None, reason="no compiler here")
+def test_gemma3_compiled_step_over_the_ring(family, tmp_path):
+    """The ahead-of-time step over ring caches: one package below the window, one beyond it (the
+    window's own position runs eagerly), each as exact as eager decode, before and after the wrap."""
+    from localllm.runtime.compile import compiled_decode
 
-    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
     model = ours_from(family("gemma3")[1])
-    gen = Generator(model, 64, compile="auto")
-    assert (gen.step_kind, gen.needs_build) == ("eager", False)
-    llama = Generator(ours_from(family("qwen3")[1]), 64, compile="auto")  # no ring: it can be built
-    assert (llama.step_kind, llama.needs_build) == ("eager", True)
+    step = compiled_decode(forward_one_token, torch.device("cpu"), tmp_path)
+    ids = tokens(24, seed=3)
+    compiled, eager = model.new_cache(32), model.new_cache(32)
+    prefill(model, compiled, ids[:, :3])
+    prefill(model, eager, ids[:, :3])
+    for pos in range(3, 24):  # the window (8) wraps at position 8
+        args = (ids[:, pos : pos + 1], torch.tensor([pos]), pos)
+        torch.testing.assert_close(step(model, compiled, *args), decode_one_token(model, eager, *args),
+                                   atol=1e-5, rtol=1e-5)
+    assert step.kind == "aot"
+    assert sorted(p.name.split("-")[-1] for p in (tmp_path / "aot").glob("decode-*.pt2")) == ["31.pt2", "7.pt2"]
 
 
 def test_gemma3_static_decode_over_the_ring(family):

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import click
@@ -113,6 +114,7 @@ def compile_step(model: str, ctx: int | None, device: str, dtype: str, threads: 
 
     from localllm.errors import LocalLLMError
     from localllm.loaders.load import load_model
+    from localllm.runtime.aot import failure_marker, package_paths
     from localllm.runtime.compile import compile_unavailable_reason
     from localllm.runtime.generate import Generator
     from localllm.threads import set_threads
@@ -133,18 +135,22 @@ def compile_step(model: str, ctx: int | None, device: str, dtype: str, threads: 
             if ready.step_kind == "aot":
                 note(f"the compiled decode step of {model} is already built")
                 return
-            if not ready.needs_build:
-                raise LocalLLMError(f"{model} has sliding-window layers, whose ring caches the ahead-of-time "
-                                    "step does not take yet", "runs stay eager (run --compile tries torch.compile)")
             t0 = time.perf_counter()
-            built = Generator(lm.model, ctx, compile=True)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                built = Generator(lm.model, ctx, compile=True)
             kind = built.step_kind
     except Timeout:
         note("another build is running; leaving it to finish")
         return
-    if kind != "aot":
-        raise LocalLLMError(f"building the compiled decode step of {model} failed (it runs {kind})",
-                            "set LOCALLLM_DEBUG=1 and run again to see why")
+    if kind != "aot":  # recorded, so that runs stop starting a build that fails
+        why = "; ".join(str(w.message) for w in said) or f"it runs {kind}"
+        (paths, _) = package_paths(lm.model, built.cache, home() / "inductor" / "aot")
+        failure_marker(paths[0][1]).write_text(why + "\n")
+        raise LocalLLMError(f"building the compiled decode step of {model} failed ({why.splitlines()[0][:300]})",
+                            "runs stay eager; `localllm compile` tries again (set LOCALLLM_DEBUG=1 for the details)")
+    for _, path in package_paths(lm.model, built.cache, home() / "inductor" / "aot")[0]:
+        failure_marker(path).unlink(missing_ok=True)  # an earlier failure, fixed since
     note(f"built the compiled decode step of {model} in {time.perf_counter() - t0:.0f} s; runs use it from now on")
 
 
