@@ -50,6 +50,8 @@ FORMAT = 4
 
 #: The shortest cache a length-generic package takes (shorter ones get a package of their own).
 MIN_CACHE = 8
+#: The shortest cache any package takes (shorter ones run eagerly).
+MIN_STEP_CACHE = 4
 
 #: torch.export's pytree code trips torch's own deprecation of ``isinstance(treespec, LeafSpec)``: a
 #: warning meant for torch, which reached the user on the first --compile.
@@ -278,8 +280,8 @@ class AotDecode:
         self._bind(model, cache)
 
     def _bind(self, model: Transformer, cache: SequenceCache) -> None:
-        if cache.max_seq < 4:
-            raise ValueError("the decode step needs a cache of 4 positions or more")
+        if cache.max_seq < MIN_STEP_CACHE:
+            raise ValueError(f"the decode step needs a cache of {MIN_STEP_CACHE} positions or more")
         paths, tensors = package_paths(model, cache, self.cache_dir)
         missing = [(rng, path) for rng, path in paths if not path.exists()]
         if missing and not self.build:

@@ -44,6 +44,12 @@ def decode_one_token(
     return forward_one_token(model, cache, token, input_pos, pos)
 
 
+def _min_step_cache() -> int:
+    from localllm.runtime.aot import MIN_STEP_CACHE
+
+    return MIN_STEP_CACHE
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -105,7 +111,7 @@ class Generator:
         #: "auto" found no compiled step for this model, and no build of it failed before: one built ahead
         #: (``localllm compile``) would serve the next runs.
         self.needs_build = False
-        if compile == "auto" and kv_dtype == "16bit":
+        if compile == "auto" and kv_dtype == "16bit" and ctx >= _min_step_cache():
             from localllm.paths import home
             from localllm.runtime.compile import ready_decode
 

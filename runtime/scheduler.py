@@ -16,7 +16,8 @@ Every step:
 A sequence's blocks are taken for its whole prompt at admission, then one at a time as decoding
 fills them: memory follows the tokens held, never reserved for ``max_tokens`` ahead.
 
-The queue is bounded: :meth:`Scheduler.add` raises :class:`EngineBusy` when it is full. A request that
+The queue is bounded: :meth:`Scheduler.add` raises :class:`EngineBusy` when ``max_waiting`` requests
+wait beyond the free slots (a request a free slot will take at the next step does not count). A request that
 cannot fit the pool even alone is refused there too, with the numbers.
 
 This module knows token ids and blocks, not tensors, sampling or the model.
@@ -138,8 +139,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; :class:`EngineBusy` when the queue is full, LocalLLMError if it can never fit."""
         self.check_fits(seq.prompt_len, seq.max_len)
-        if len(self.waiting) >= self.max_waiting:
-            raise EngineBusy(len(self.waiting))
+        # A free slot takes a waiting request at the next step: those are not queued behind anyone, so a
+        # burst of max_running + max_waiting requests on an idle engine is accepted whole.
+        free_slots = max(0, self.max_running - len(self.running))
+        if len(self.waiting) >= self.max_waiting + free_slots:
+            raise EngineBusy(len(self.waiting) - free_slots)
         self.waiting.append(seq)
 
     @property

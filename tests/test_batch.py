@@ -224,13 +224,15 @@ def test_a_request_that_can_never_fit_is_refused_with_numbers(fp32):
 
 
 def test_a_full_queue_says_busy(fp32):
-    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_waiting=2)
-    eng.submit([5, 6], GREEDY, 2)
-    eng.submit([5, 7], GREEDY, 2)
+    """A burst on an idle engine: its free slots and the queue take max_running + max_waiting requests
+    before any step ran; one more is refused until a slot frees."""
+    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=2, max_waiting=2)
+    handles = [eng.submit([5, 6 + i], GREEDY, 2) for i in range(4)]
     with pytest.raises(EngineBusy, match="busy.*retry after"):
-        eng.submit([5, 8], GREEDY, 2)
-    eng.step()  # both admitted: the queue has room again
-    eng.submit([5, 8], GREEDY, 2)
+        eng.submit([5, 9], GREEDY, 2)
+    eng.run_until_done()
+    assert [h.stats.finish_reason for h in handles] == ["length"] * 4
+    eng.submit([5, 9], GREEDY, 2)  # idle again: room for a new burst
     eng.run_until_done()
 
 

@@ -189,6 +189,11 @@ def test_auto_uses_a_built_step_and_never_builds_one(tiny_folder, monkeypatch, t
     # An int8 KV cache has no compiled form: auto runs it eagerly and asks for no build.
     q8 = Generator(lm.model, 40, compile="auto", kv_dtype="int8")
     assert (q8.step_kind, q8.needs_build) == ("eager", False)
+    # A context too short for any package runs eagerly, silently, and asks for nothing.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tiny_ctx = Generator(lm.model, 3, compile="auto")
+    assert (tiny_ctx.step_kind, tiny_ctx.needs_build) == ("eager", False)
     # A build that failed is recorded beside where its package would be: runs stop asking for it.
     small = Generator(lm.model, 6, compile="auto")  # below MIN_CACHE: a package of its own, not built
     assert (small.step_kind, small.needs_build) == ("eager", True)

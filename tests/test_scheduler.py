@@ -118,14 +118,17 @@ def test_requests_that_can_never_fit_are_refused_with_numbers():
 
 
 def test_a_full_queue_says_busy():
-    s = Scheduler(BlockManager(4, BS), max_waiting=2)
-    s.add(seq(0, 1))
-    s.add(seq(1, 1))
+    s = Scheduler(BlockManager(4, BS), max_waiting=2, max_running=1)
+    for i in range(3):  # one for the free slot (taken at the next step), two queued behind it
+        s.add(seq(i, 1))
     with pytest.raises(EngineBusy, match="2 requests are already waiting; retry after 1 s") as e:
-        s.add(seq(2, 1))
+        s.add(seq(3, 1))
     assert isinstance(e.value, LocalLLMError) and e.value.retry_after_s == 1.0
-    step(s)
-    s.add(seq(3, 1))  # admitted ones no longer count
+    step(s)  # seq 0 runs; 1 and 2 still wait for its slot
+    with pytest.raises(EngineBusy):
+        s.add(seq(4, 1))
+    s.finish(s.running[0])
+    s.add(seq(5, 1))  # the freed slot makes room
 
 
 def test_finish_frees_blocks_of_running_and_waiting():
