@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lamp, a notebook and "
         "a flask of tea. From the gallery he could see the harbour, the fishing boats coming home, the gulls "
         "circling the breakwater and, far out, the grey line where the sea met the sky. He wrote down the wind, "
-        "the swell, the ships that passed and anything else that seemed worth remembering. ") * 8
+        "the swell, the ships that passed and anything else that seemed worth remembering. ") * 40
 VARIANTS = {"default": [], "--no-compile": ["--no-compile"], "--compile": ["--compile"]}
 
 
