@@ -23,8 +23,6 @@ from localllm.runtime import cpu_attention
 from localllm.runtime.cache import KVCache, QuantKV, SequenceCache, empty_kv, quantize_kv
 from localllm.runtime.generate import Generator, decode_one_token, prefill
 from localllm.runtime.kv_pool import KVPool, gather, plan_pool
-from localllm.runtime.model import rope_tables
-from localllm.runtime.paged import PagedStep, SeqChunk
 from localllm.runtime.sampling import SamplingParams
 
 needs_kernel = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the kernel")
@@ -195,21 +193,11 @@ def test_paged_int8_forward_gives_the_int8_sequence_cache_logits(lm, attention):
     kernel = cpu_attention.paged_kernel() if attention == "kernel" else None
     if attention == "kernel" and kernel is None:
         pytest.skip("no C++ kernel here")
-    model, config = lm.model, lm.config
-    pool = KVPool.allocate(config, plan_pool(config, 1 << 20, model.dtype, 16, "int8"), model.device)
-    cos, sin = rope_tables(config, 128, model.device)
-    cos, sin = cos.to(model.dtype), sin.to(model.dtype)
-    p1, p2 = [(7 * i) % 300 + 3 for i in range(40)], [200, 11, 64, 9, 31, 5, 77]
-    t1, t2 = [3, 1, 7], [4]
+    from tests.test_paged_attention import P1, P2, three_paged_steps
 
-    def run(chunks):
-        step, ids = PagedStep.build(pool, chunks, cos, sin, kernel, config.sliding_window)
-        with torch.inference_mode():
-            return model(ids, step)[0]  # (S_out, vocab)
-
-    s1 = run([SeqChunk(p1[:20], 0, t1, False), SeqChunk(p2, 0, t2, True)])
-    s2 = run([SeqChunk(p1[20:], 20, t1, True), SeqChunk([9], 7, t2, True)])
-    s3 = run([SeqChunk([11], 40, t1, True), SeqChunk([12], 8, t2, True)])
+    model = lm.model
+    _, (s1, s2, s3) = three_paged_steps(model, "int8", kernel)
+    p1, p2 = P1, P2
     with torch.inference_mode():
         c1, c2 = model.new_cache(64, kv_dtype="int8"), model.new_cache(64, kv_dtype="int8")
         p2_logits = prefill(model, c2, torch.tensor([p2]))

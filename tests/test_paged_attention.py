@@ -94,6 +94,30 @@ def lm(tiny_folder):
     return load_model(str(folder), quant="fp32")
 
 
+#: Two prompts and their block tables: P1 spans three blocks, its last one part full.
+P1, P2 = [(7 * i) % 300 + 3 for i in range(40)], [200, 11, 64, 9, 31, 5, 77]
+T1, T2 = [3, 1, 7], [4]
+
+
+def three_paged_steps(model, kv_dtype: str, kernel) -> tuple[KVPool, list[torch.Tensor]]:  # type: ignore[no-untyped-def]
+    """P1 and P2 through three paged steps over a fresh pool of ``kv_dtype``: P1's first 20 tokens
+    beside all of P2; the rest of P1 beside P2's decode token 9; decode tokens 11 and 12. The pool,
+    and each step's logits (S_out, vocab)."""
+    config = model.config
+    pool = KVPool.allocate(config, plan_pool(config, 1 << 20, model.dtype, 16, kv_dtype), model.device)
+    cos, sin = rope_tables(config, 128, model.device)
+    cos, sin = cos.to(model.dtype), sin.to(model.dtype)
+
+    def run(chunks):
+        step, ids = PagedStep.build(pool, chunks, cos, sin, kernel, config.sliding_window)
+        with torch.inference_mode():
+            return model(ids, step)[0]
+
+    return pool, [run([SeqChunk(P1[:20], 0, T1, False), SeqChunk(P2, 0, T2, True)]),
+                  run([SeqChunk(P1[20:], 20, T1, True), SeqChunk([9], 7, T2, True)]),
+                  run([SeqChunk([11], 40, T1, True), SeqChunk([12], 8, T2, True)])]
+
+
 @pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 def test_paged_forward_gives_the_sequence_cache_logits(lm, attention):
     """Two sequences through three paged steps (a first chunk beside a whole prompt; the rest of the
@@ -104,21 +128,9 @@ def test_paged_forward_gives_the_sequence_cache_logits(lm, attention):
     kernel = cpu_attention.paged_kernel() if attention == "kernel" else None
     if attention == "kernel" and kernel is None:
         pytest.skip("no C++ kernel here")
-    model, config = lm.model, lm.config
-    pool = KVPool.allocate(config, plan_pool(config, 1 << 20, model.dtype, 16), model.device)
-    cos, sin = rope_tables(config, 128, model.device)
-    cos, sin = cos.to(model.dtype), sin.to(model.dtype)
-    p1, p2 = [(7 * i) % 300 + 3 for i in range(40)], [200, 11, 64, 9, 31, 5, 77]
-    t1, t2 = [3, 1, 7], [4]  # block tables: p1 spans three blocks, its last one part full
-
-    def run(chunks):
-        step, ids = PagedStep.build(pool, chunks, cos, sin, kernel, config.sliding_window)
-        with torch.inference_mode():
-            return model(ids, step)[0]  # (S_out, vocab)
-
-    s1 = run([SeqChunk(p1[:20], 0, t1, False), SeqChunk(p2, 0, t2, True)])
-    s2 = run([SeqChunk(p1[20:], 20, t1, True), SeqChunk([9], 7, t2, True)])
-    s3 = run([SeqChunk([11], 40, t1, True), SeqChunk([12], 8, t2, True)])
+    model = lm.model
+    pool, (s1, s2, s3) = three_paged_steps(model, "16bit", kernel)
+    p1, p2, t1 = P1, P2, T1
 
     with torch.inference_mode():
         c1, c2 = model.new_cache(64), model.new_cache(64)
