@@ -314,9 +314,11 @@ class AotDecode:
                 self._bind(model, cache)
         if not 1 <= pos < cache.max_seq - 1:  # kv_len 1 or max_seq: outside the exported ranges
             return self.base(model, cache, token, input_pos, pos)
-        runner = next((r for lo, hi, r in self._ranges if lo <= pos + 1 <= hi), None)
-        if runner is None:
-            return self.base(model, cache, token, input_pos, pos)
+        lo, hi, runner = self._ranges[0]  # the only one, but for ring caches
+        if not lo <= pos + 1 <= hi:
+            runner = next((r for lo, hi, r in self._ranges if lo <= pos + 1 <= hi), None)
+            if runner is None:
+                return self.base(model, cache, token, input_pos, pos)
         args = self._args
         args[0], args[1], args[2] = token, input_pos, self._span[: pos + 1]
         return runner.run(args)[0]

@@ -145,8 +145,10 @@ def compile_step(model: str, ctx: int | None, device: str, dtype: str, threads: 
         return
     if kind != "aot":  # recorded, so that runs stop starting a build that fails
         why = "; ".join(str(w.message) for w in said) or f"it runs {kind}"
-        (paths, _) = package_paths(lm.model, built.cache, home() / "inductor" / "aot")
-        failure_marker(paths[0][1]).write_text(why + "\n")
+        paths, _ = package_paths(lm.model, built.cache, home() / "inductor" / "aot")
+        for _, path in paths:  # each that is missing: a run looks up the first one it misses
+            if not path.exists():
+                failure_marker(path).write_text(why + "\n")
         raise LocalLLMError(f"building the compiled decode step of {model} failed ({why.splitlines()[0][:300]})",
                             "runs stay eager; `localllm compile` tries again (set LOCALLLM_DEBUG=1 for the details)")
     for _, path in package_paths(lm.model, built.cache, home() / "inductor" / "aot")[0]:

@@ -1,0 +1,65 @@
+#!/usr/bin/env python
+"""Cost per activation row of a model's quantized linears (layer 0) against the number of rows: what
+a batched decode step pays per sequence, and where the register kernel and the dequantize-then-GEMM
+path cross over.
+
+    .venv/bin/python scripts/linear_rows.py [--model smollm2] [--rows 1,4,8,16,32,64,128,256] [--threads 2]
+
+For each linear and row count: median µs per call over --calls calls, and µs per row, first on the
+path the kernel picks (its GEMV_ROWS threshold), then with the register kernel forced for every count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from localllm.loaders.load import load_model
+from localllm.quant import kernels
+
+
+def median_us(fn, calls: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rows", default="1,4,8,16,32,64,128,256")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    linears = [(n, m) for n, m in lm.model.named_modules() if type(m).__name__ == "QuantLinear" and "layers.0." in n]
+    rows = [int(r) for r in args.rows.split(",")]
+    kinds = [k for k in (getattr(kernels, "Int4GroupCPU", None), getattr(kernels, "Int8GroupCPU", None)) if k]
+    saved = {k: k.GEMV_ROWS for k in kinds}
+    for label, limit in (("as picked", None), ("register kernel forced", 1 << 20)):
+        for k in kinds:
+            k.GEMV_ROWS = saved[k] if limit is None else limit
+        print(f"\n{label} (GEMV_ROWS {', '.join(f'{k.__name__} {k.GEMV_ROWS}' for k in kinds)}); µs a call (µs a row)")
+        for name, layer in linears:
+            cells = []
+            with torch.inference_mode():
+                for m in rows:
+                    x = torch.randn(m, layer.in_features, dtype=lm.model.dtype)
+                    us = median_us(lambda: layer(x), args.calls)
+                    cells.append(f"{us:7.0f} ({us / m:5.1f})")
+            print(f"{name:28} {layer.in_features}x{layer.out_features:<5} " + " ".join(cells))
+        print(f"{'rows:':40} " + " ".join(f"{m:>15}" for m in rows))
+    for k in kinds:
+        k.GEMV_ROWS = saved[k]
+
+
+if __name__ == "__main__":
+    main()
