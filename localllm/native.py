@@ -42,6 +42,8 @@ class NativeLibrary:
     ops: tuple[str, ...]  # op names it registers under torch.ops.localllm
     #: Registers the ops' fake (meta) implementations, for torch.export / torch.compile tracing.
     register_fakes: Callable[[], None] | None = field(default=None, compare=False)
+    #: Headers the sources include: part of the library's key, not compiled on their own.
+    headers: tuple[Path, ...] = ()
 
 
 #: Why a library could not be built in this process, by library name (so it is tried, and said, once).
@@ -67,7 +69,7 @@ def _flags() -> list[str]:
 def library_key(lib: NativeLibrary) -> str:
     """What the built library depends on, hashed: sources, flags, torch and Python versions, machine."""
     h = hashlib.sha256()
-    for src in lib.sources:
+    for src in (*lib.sources, *lib.headers):
         h.update(src.read_bytes())
     for part in (torch.__version__, sys.version.split()[0], platform.machine(), *_flags()):
         h.update(part.encode() + b"\0")

@@ -236,6 +236,10 @@ def _register_fakes() -> None:
     def _mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], qweight.shape[0]))
 
+    @torch.library.register_fake("localllm::int8_group_gemm")
+    def _gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], qweight.shape[0]))
+
     @torch.library.register_fake("localllm::gguf_mm")
     def _gguf_mm(x: torch.Tensor, blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], blocks.shape[0]))
@@ -244,6 +248,15 @@ def _register_fakes() -> None:
     def _int4_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
                  out_features: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("localllm::int4_group_gemm")
+    def _int4_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
+                   out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("localllm::gguf_gemm")
+    def _gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], blocks.shape[0]))
 
     @torch.library.register_fake("localllm::int4_group_dequant")
     def _int4_dequant(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
@@ -261,7 +274,9 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 #: (``csrc/int4_group_mm.cpp``) and the one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``).
 LIBRARY = native.NativeLibrary(
     "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "int4_group_mm.cpp", _CSRC / "gguf_blocks_mm.cpp"),
-    ("int8_group_mm", "int4_group_mm", "int4_group_dequant", "gguf_mm", "gguf_dequant"), _register_fakes,
+    ("int8_group_mm", "int8_group_gemm", "int4_group_mm", "int4_group_gemm", "int4_group_dequant",
+     "gguf_mm", "gguf_gemm", "gguf_dequant"),
+    _register_fakes, headers=(_CSRC / "panel_gemm.h",),
 )
 
 def _native_cpu_unsupported(target: Target, act_dtype: torch.dtype) -> str | None:
@@ -281,17 +296,15 @@ class Int8GroupCPU(Kernel):
     """int8 with a scale per group of inputs (a GGUF's Q8_0 blocks exactly) through localllm's C++
     kernel (:mod:`localllm.native`): as fast as the per-channel kernel, without re-rounding. With fp32
     activations it also runs per-channel int8 (one scale a row), which torch's int8 kernel multiplies
-    4x slower in fp32 than in bf16. More than :data:`GEMV_ROWS` activation rows (a prefill, a quality
-    window's every position through the head) dequantize :data:`PREFILL_ELEMENTS` weights at a time to
-    fp32 (exactly: q * scale) and multiply them with a GEMM."""
+    4x slower in fp32 than in bf16. More than :data:`GEMV_ROWS` activation rows (a batched step, a
+    prefill, a quality window's every position through the head) go through fp32 panels of the
+    exact weights (``int8_group_gemm``, ``csrc/panel_gemm.h``)."""
 
     name = "int8-group-cpu"
     scheme = "int8"
     device_type = "cpu"
-    #: Activation rows up to which the C++ kernel runs; above, fp32 slices and a GEMM.
-    GEMV_ROWS = 16
-    #: Weights a long input dequantizes at a time (1M: 4 MB of fp32, in cache).
-    PREFILL_ELEMENTS = 1 << 20
+    #: Activation rows up to which the row-by-row kernel runs; above, the panel GEMM.
+    GEMV_ROWS = 4
 
     @staticmethod
     def dot_group(layer) -> int:  # type: ignore[no-untyped-def]
@@ -326,24 +339,16 @@ class Int8GroupCPU(Kernel):
         scales = layer.scales if layer.scales.dim() == 2 else layer.scales.view(-1, 1)  # (out, groups or 1)
         if x.shape[0] <= Int8GroupCPU.GEMV_ROWS:
             return torch.ops.localllm.int8_group_mm(x, layer.qweight, scales, Int8GroupCPU.dot_group(layer))
-        rows = max(1, Int8GroupCPU.PREFILL_ELEMENTS // layer.in_features)
-        xf = x.float()
-        y = xf.new_empty((x.shape[0], layer.out_features))
-        for a in range(0, layer.out_features, rows):
-            q = layer.qweight[a : a + rows].float()  # (rows, in): q * scale is exact in fp32
-            s = scales[a : a + rows].float()
-            w = (q.view(q.shape[0], s.shape[1], -1) * s[..., None]).view(q.shape)
-            y[:, a : a + rows] = xf @ w.t()
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return torch.ops.localllm.int8_group_gemm(x, layer.qweight, scales, Int8GroupCPU.dot_group(layer))
 
 
 class Int4GroupCPU(Kernel):
     """int4 with an fp16 scale and offset per group (the canonical format: a GGUF's Q4_0 / Q4_1 blocks
     exactly, or weights quantized to int4) through localllm's C++ kernel (``csrc/int4_group_mm.cpp``),
     with fp32 activations and fp32 accumulation: the product with the exact weights, up to summation
-    order. Decode steps and short inputs decode the codes in registers; a prefill (more than
-    :data:`GEMV_ROWS` rows) dequantizes :data:`PREFILL_ELEMENTS` weights at a time to fp32 (the same
-    values, rounded once) and multiplies them with a GEMM.
+    order. A decode step of one or a few sequences decodes the codes in registers; more than
+    :data:`GEMV_ROWS` rows (a batched step, a prefill) go through fp32 panels of the exact weights
+    (``int4_group_gemm``, ``csrc/panel_gemm.h``), which never hold more than a few KB of them.
 
     Layout (made here, from the canonical tensors): output rows in tiles of 16, ``packed`` uint8
     (tiles, in/2, 16), byte j of column pair p holding row j's codes of columns 2p (low nibble) and
@@ -356,10 +361,8 @@ class Int4GroupCPU(Kernel):
     TILE = 16
     #: Output rows repacked at a time (the codes are unpacked to a byte each on the way).
     PACK_ROWS = 4096
-    #: Activation rows up to which the register kernel runs; above, fp32 slices and a GEMM.
-    GEMV_ROWS = 16
-    #: Weights a prefill dequantizes at a time (1M: 4 MB of fp32, in cache).
-    PREFILL_ELEMENTS = 1 << 20
+    #: Activation rows up to which the register kernel runs; above, the panel GEMM.
+    GEMV_ROWS = 4
 
     @staticmethod
     def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
@@ -398,18 +401,9 @@ class Int4GroupCPU(Kernel):
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         g, n = layer.scheme.group_size, layer.out_features
-        if x.shape[0] <= Int4GroupCPU.GEMV_ROWS:
-            return torch.ops.localllm.int4_group_mm(x, layer.packed, layer.tile_scales, layer.tile_offsets, g, n)
-        tile = Int4GroupCPU.TILE
-        tiles = max(1, Int4GroupCPU.PREFILL_ELEMENTS // (layer.in_features * tile))
-        xf = x.float()
-        y = xf.new_empty((x.shape[0], n))
-        for t in range(0, layer.packed.shape[0], tiles):
-            a, b = t * tile, min(n, (t + tiles) * tile)
-            w = torch.ops.localllm.int4_group_dequant(layer.packed[t : t + tiles], layer.tile_scales[t : t + tiles],
-                                                      layer.tile_offsets[t : t + tiles], g, b - a)
-            y[:, a:b] = xf @ w.t()
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        ops = torch.ops.localllm
+        op = ops.int4_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int4_group_gemm
+        return op(x, layer.packed, layer.tile_scales, layer.tile_offsets, g, n)
 
 
 def gguf_dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
@@ -423,17 +417,15 @@ def gguf_dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> t
 class GGUFBlocksCPU(Kernel):
     """A GGUF tensor's blocks as the file has them (the ``gguf`` scheme: Q4_K, Q5_0, Q6_K...): decode
     steps (a few rows of activations) run localllm's C++ kernel, which decodes each block as it
-    multiplies; longer inputs (a prefill) dequantize :data:`PREFILL_ELEMENTS` weights at a time to fp32
-    by the same decoder and multiply them with a GEMM. No copy of the whole weight is ever made, and
-    the scales stay as exact as the file's (fp32 products, never rounded to 16 bits)."""
+    multiplies; more rows (a batched step, a prefill) go through fp32 panels of the weights decoded
+    by the same decoder (``gguf_gemm``, ``csrc/panel_gemm.h``). No copy of the whole weight is ever
+    made, and the scales stay as exact as the file's (fp32 products, never rounded to 16 bits)."""
 
     name = "gguf-blocks-cpu"
     scheme = "gguf"
     device_type = "cpu"
-    #: Activation rows up to which the block-decoding kernel runs; above, slices and a GEMM.
-    GEMV_ROWS = 8
-    #: Weights a prefill dequantizes at a time (1M: 4 MB of fp32, in cache).
-    PREFILL_ELEMENTS = 1 << 20
+    #: Activation rows up to which the block-decoding kernel runs; above, the panel GEMM.
+    GEMV_ROWS = 16
 
     @staticmethod
     def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
@@ -450,15 +442,9 @@ class GGUFBlocksCPU(Kernel):
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         kind = GGUF_BLOCKS[layer.scheme.gguf_type][0]
-        if x.shape[0] <= GGUFBlocksCPU.GEMV_ROWS:
-            return torch.ops.localllm.gguf_mm(x, layer.blocks, kind, layer.in_features)
-        rows = max(1, GGUFBlocksCPU.PREFILL_ELEMENTS // layer.in_features)
-        xf = x.float()
-        y = x.new_empty((x.shape[0], layer.out_features))
-        for a in range(0, layer.out_features, rows):
-            w = torch.ops.localllm.gguf_dequant(layer.blocks[a : a + rows], kind, layer.in_features)
-            y[:, a : a + rows] = F.linear(xf, w)
-        return y
+        ops = torch.ops.localllm
+        op = ops.gguf_mm if x.shape[0] <= GGUFBlocksCPU.GEMV_ROWS else ops.gguf_gemm
+        return op(x, layer.blocks, kind, layer.in_features)
 
 
 class Nf4Bitsandbytes(Kernel):

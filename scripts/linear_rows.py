@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Cost per activation row of a model's quantized linears (layer 0) against the number of rows: what
-a batched decode step pays per sequence, and where the register kernel and the dequantize-then-GEMM
-path cross over.
+"""Cost per activation row of a model's quantized linears (layer 0, and the head) against the number of
+rows: what a batched decode step pays per sequence, and where the row kernels (decode in registers)
+and the panel GEMM (csrc/panel_gemm.h) cross over.
 
     .venv/bin/python scripts/linear_rows.py [--model smollm2] [--rows 1,4,8,16,32,64,128,256] [--threads 2]
 
-For each linear and row count: median µs per call over --calls calls, and µs per row, first on the
-path the kernel picks (its GEMV_ROWS threshold), then with the register kernel forced for every count.
+For each linear and row count: median µs per call over --calls calls, and µs per row: on the path
+the kernel picks (its GEMV_ROWS threshold), with the row kernel forced for every count, and with the
+panel GEMM forced.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
-    linears = [(n, m) for n, m in lm.model.named_modules() if type(m).__name__ == "QuantLinear" and "layers.0." in n]
+    linears = [(n, m) for n, m in lm.model.named_modules()
+               if type(m).__name__ == "QuantLinear" and ("layers.0." in n or "layers." not in n)]
     rows = [int(r) for r in args.rows.split(",")]
-    kinds = [k for k in (getattr(kernels, "Int4GroupCPU", None), getattr(kernels, "Int8GroupCPU", None)) if k]
+    kinds = [kernels.Int4GroupCPU, kernels.Int8GroupCPU, kernels.GGUFBlocksCPU]
     saved = {k: k.GEMV_ROWS for k in kinds}
-    for label, limit in (("as picked", None), ("register kernel forced", 1 << 20)):
+    for label, limit in (("as picked", None), ("row kernel forced", 1 << 20), ("panel GEMM forced", 0)):
         for k in kinds:
             k.GEMV_ROWS = saved[k] if limit is None else limit
         print(f"\n{label} (GEMV_ROWS {', '.join(f'{k.__name__} {k.GEMV_ROWS}' for k in kinds)}); µs a call (µs a row)")

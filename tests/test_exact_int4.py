@@ -47,8 +47,9 @@ def assert_fp32_exact(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> No
 @pytest.mark.parametrize("group,out,symmetric", [(32, 192, False), (32, 200, True), (64, 13, False),
                                                  (128, 96, False), (256, 48, True)])
 def test_int4_kernel_is_the_fp32_product_with_the_exact_weights(group, out, symmetric):
-    """Every row count the kernel treats apart: one row (decode), a few (a batch; shared columns and the
-    rest), 16 (the last in registers), 17 and 40 (dequantized slices and a GEMM); rows past a tile of 16."""
+    """Every row count the kernel treats apart: one row (decode), 2 and 3 (rows sharing decoded columns,
+    and the rest), then the panel GEMM's groups of activation rows: 5 (one short group), 16 (8 + 8),
+    17 (9 + 8) and 40 (four of 10); output rows past a tile of 16."""
     inp = 512 if group >= 128 else 576
     layer, w = layer_of("int4", group, out, inp, symmetric)
     assert layer.prepare(torch.float32) == "int4-group-cpu"
@@ -88,13 +89,36 @@ def test_int4_layout_repacked_in_slices_is_the_layout_of_the_whole():
     assert (whole["packed"][-1, :, 8:] == 0).all() and (whole["tile_scales"][-1, :, 8:] == 0).all()  # padding
 
 
+def panel_rows_are_batch_invariant(op, x: torch.Tensor) -> None:
+    """``op(x)``'s every row bit for bit the same computed alone and within another batch: each output of
+    the panel GEMM is one FMA chain over the inputs in order, whatever rows share the call."""
+    whole = op(x)
+    for i in (0, 7, x.shape[0] - 1):
+        assert torch.equal(op(x[i : i + 1])[0], whole[i]), i
+    assert torch.equal(op(x[3:20]), whole[3:20])
+
+
+def test_panel_gemm_rows_do_not_depend_on_the_batch():
+    """What makes a sequence's logits the same in any batch that takes the panel path (issue 13)."""
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(3))
+    layer, _ = layer_of("int4", 32, 200, 576)
+    t = kernels.Int4GroupCPU.prepare(layer)
+    panel_rows_are_batch_invariant(
+        lambda a: torch.ops.localllm.int4_group_gemm(a, t["packed"], t["tile_scales"], t["tile_offsets"], 32, 200), x)
+    layer8, _ = layer_of("int8", 32, 200, 576)
+    panel_rows_are_batch_invariant(
+        lambda a: torch.ops.localllm.int8_group_gemm(a, layer8.qweight, layer8.scales, 32), x)
+
+
 @pytest.mark.parametrize("group", [None, 32])
 def test_int8_kernel_with_fp32_activations_is_the_exact_product(group):
-    """Per-channel int8 too (torch's int8 kernel is 4x slower with fp32 activations): every row count."""
+    """Per-channel int8 too (torch's int8 kernel is 4x slower with fp32 activations): every row count,
+    the row kernel's (1, 3) and the panel GEMM's (5, 16, 17, 40), over a width with a last panel of
+    fewer columns (576 = 2 x 256 + 64)."""
     layer, w = layer_of("int8", group, 200, 576)
     assert layer.prepare(torch.float32) == "int8-group-cpu"
     g = torch.Generator().manual_seed(2)
-    for rows in (1, 3, 16, 17, 40):
+    for rows in (1, 3, 5, 16, 17, 40):
         x = torch.randn(rows, 576, generator=g)
         assert_fp32_exact(layer(x), x, w)
 

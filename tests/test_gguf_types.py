@@ -15,6 +15,7 @@ from localllm.quant import kernels
 from localllm.quant.formats import GGUF_BLOCKS, QuantScheme, dequantize, gguf_scheme
 from localllm.quant.gguf_blocks import exact_import, exact_scheme, to_canonical
 from localllm.quant.linear import QuantLinear
+from tests.test_exact_int4 import panel_rows_are_batch_invariant
 
 needs_native = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
 
@@ -96,16 +97,29 @@ def gguf_layer(type_name: str, out: int, inp: int, seed: int = 0) -> tuple[Quant
 @needs_native
 @pytest.mark.parametrize("type_name", BLOCK_TYPES + FLOAT_TYPES)
 def test_the_matmul_is_x_times_the_exact_weight(type_name):
-    """Decode-sized inputs (the block kernel) and a prefill (slices dequantized, then a GEMM) equal
-    ``x @ W^T`` with gguf's W to fp32 rounding."""
-    layer, w = gguf_layer(type_name, 80, 512, seed=3)
+    """Decode-sized inputs (the block kernel) and a prefill (the panel GEMM, over a width whose last
+    panel is short where the blocks allow it: 800 = 3 x 256 + 32 columns, or 808 for a float type, not a
+    whole vector) equal ``x @ W^T`` with gguf's W to fp32 rounding, with output rows past a tile of 16
+    (90 = 5 x 16 + 10)."""
+    width = {256: 512, 32: 800, 1: 808}[GGUF_BLOCKS[type_name][1]]
+    layer, w = gguf_layer(type_name, 90, width, seed=3)
     assert layer.prepare(torch.float32) == "gguf-blocks-cpu"
     assert {n for n, _ in layer.named_buffers()} == {"blocks"}  # no other copy of the weight
-    for rows in (1, 3, 8, 21):
-        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    for rows in (1, 3, 8, 21, 40):
+        x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
         want = x.double() @ w.double().t()
         got = layer(x).double()
         assert ((got - want).abs().max() / want.abs().max()) < 2e-6, rows
+
+
+@needs_native
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "F16"])
+def test_panel_gemm_rows_do_not_depend_on_the_batch(type_name):
+    """Each row of a prefill-sized product bit for bit the same alone and within other batches."""
+    layer, _ = gguf_layer(type_name, 40, 512, seed=4)
+    kind = GGUF_BLOCKS[type_name][0]
+    x = torch.randn(30, 512, generator=torch.Generator().manual_seed(5))
+    panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.gguf_gemm(a, layer.blocks, kind, 512), x)
 
 
 @needs_native

@@ -32,6 +32,8 @@
 #include <immintrin.h>
 #endif
 
+#include "panel_gemm.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -398,6 +400,82 @@ void mm_float(int64_t type, const float* x, const uint8_t* w, int64_t M, int64_t
   });
 }
 
+// Columns [k0, k0 + kb) (whole blocks) of the ``valid`` weight rows at w (row_bytes apart) as fp32
+// rows (valid, kb), ld apart: the values gguf_dequant gives (q * scale is exact in fp32, so adding the offset
+// rounds once, as ggml does).
+template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB>
+void decode_rows(const uint8_t* w, int64_t row_bytes, int64_t valid, int64_t k0, int64_t kb, float* rows,
+                 int64_t ld) {
+  constexpr int64_t NS = BLOCK / SUB;
+  alignas(64) int8_t q[BLOCK];
+  float scale[NS], offset[NS];
+  for (int64_t j = 0; j < valid; ++j) {
+    const uint8_t* row = w + j * row_bytes + k0 / BLOCK * BYTES;
+    for (int64_t b = 0; b < kb / BLOCK; ++b) {
+      const bool has_offset = decode(TYPE, row + b * BYTES, q, scale, offset);
+      float* out = rows + j * ld + b * BLOCK;
+      for (int64_t s = 0; s < NS; ++s) {
+        const Vec sc(scale[s]), of(has_offset ? offset[s] : 0.f);
+        for (int64_t i = s * SUB; i < (s + 1) * SUB; i += VS)
+          (has_offset ? at::vec::fmadd(load_int8(q + i), sc, of) : load_int8(q + i) * sc).store(out + i);
+      }
+    }
+  }
+}
+
+// Many activation rows: 16 output rows at a time, their weights decoded a panel of columns at a time
+// and multiplied by every activation row (panel_gemm.h). x (M, K) -> y (M, N).
+template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB>
+void mm_panels(const float* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y) {
+  namespace panel = localllm::panel;
+  constexpr int64_t W = panel::WIDTH;
+  constexpr int64_t kb = BLOCK >= panel::KB ? BLOCK : panel::KB / BLOCK * BLOCK;  // whole blocks
+  const int64_t T = (N + W - 1) / W, row_bytes = K / BLOCK * BYTES;
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(W * kb), panel_buf(kb * W), acc(M * W);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t valid = std::min(W, N - t * W);
+      const uint8_t* wt = w + t * W * row_bytes;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (valid < W) std::fill(rows.begin(), rows.end(), 0.f);  // rows past N stay zero
+      for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t n = std::min(kb, K - k0);
+        if constexpr (BLOCK == 1) {
+          for (int64_t j = 0; j < valid; ++j) float_row(TYPE, wt + j * row_bytes + k0 * BYTES, n, rows.data() + j * kb);
+        } else {
+          decode_rows<TYPE, BLOCK, BYTES, SUB>(wt, row_bytes, valid, k0, n, rows.data(), kb);
+        }
+        panel::transpose_rows(rows.data(), kb, n, panel_buf.data());
+        panel::multiply(x + k0, K, M, panel_buf.data(), n, acc.data());
+      }
+      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + t * W, acc.data() + m * W, valid * sizeof(float));
+    }
+  });
+}
+
+void gemm_dispatch(int64_t type, const float* x, const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y) {
+  switch (type) {
+#define LOCALLLM_CASE(T, B, BY, S) \
+  case T: mm_panels<T, B, BY, S>(x, w, M, K, N, y); break;
+    LOCALLLM_CASE(F32, 1, 4, 1)
+    LOCALLLM_CASE(F16, 1, 2, 1)
+    LOCALLLM_CASE(BF16, 1, 2, 1)
+    LOCALLLM_CASE(Q4_0, 32, 18, 32)
+    LOCALLLM_CASE(Q4_1, 32, 20, 32)
+    LOCALLLM_CASE(Q5_0, 32, 22, 32)
+    LOCALLLM_CASE(Q5_1, 32, 24, 32)
+    LOCALLLM_CASE(Q8_0, 32, 34, 32)
+    LOCALLLM_CASE(IQ4_NL, 32, 18, 32)
+    LOCALLLM_CASE(Q2_K, 256, 84, 16)
+    LOCALLLM_CASE(Q3_K, 256, 110, 16)
+    LOCALLLM_CASE(Q4_K, 256, 144, 32)
+    LOCALLLM_CASE(Q5_K, 256, 176, 32)
+    LOCALLLM_CASE(Q6_K, 256, 210, 16)
+#undef LOCALLLM_CASE
+    default: TORCH_CHECK(false, "gguf_gemm: GGML type ", type, " has no panel kernel");
+  }
+}
+
 Layout checked_layout(int64_t type, const at::Tensor& blocks, int64_t K, const char* op) {
   Layout L;
   TORCH_CHECK(layout_of(type, L), op, ": GGML type ", type, " is not supported");
@@ -430,6 +508,18 @@ at::Tensor gguf_mm(const at::Tensor& x, const at::Tensor& blocks, int64_t type, 
       }
     mm_dispatch(type, xp, xsum.data(), bc.data_ptr<uint8_t>(), M, K, N, y.data_ptr<float>());
   }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+// The same product through fp32 panels (mm_panels): for many activation rows.
+at::Tensor gguf_gemm(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t K) {
+  const Layout L = checked_layout(type, blocks, K, "gguf_gemm");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "gguf_gemm: x must be (M, ", K, ")");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor bc = blocks.contiguous();
+  at::Tensor y = at::empty({xf.size(0), blocks.size(0)}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(L.block == 1 || L.sub % VS == 0, "gguf_gemm: sub-blocks of ", L.sub, " are not a multiple of ", VS);
+  gemm_dispatch(type, xf.data_ptr<float>(), bc.data_ptr<uint8_t>(), xf.size(0), K, blocks.size(0), y.data_ptr<float>());
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
@@ -466,10 +556,12 @@ at::Tensor gguf_dequant(const at::Tensor& blocks, int64_t type, int64_t K) {
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("gguf_mm(Tensor x, Tensor blocks, int type, int in_features) -> Tensor");
+  m.def("gguf_gemm(Tensor x, Tensor blocks, int type, int in_features) -> Tensor");
   m.def("gguf_dequant(Tensor blocks, int type, int in_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("gguf_mm", &gguf_mm);
+  m.impl("gguf_gemm", &gguf_gemm);
   m.impl("gguf_dequant", &gguf_dequant);
 }

@@ -35,6 +35,8 @@
 #include <immintrin.h>
 #endif
 
+#include "panel_gemm.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -158,6 +160,52 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w,
   }
 }
 
+// Tile t's columns [k0, k0 + kb) as an fp32 panel (kb, 16): w = q * scale + offset, rounded once (q *
+// scale is exact in fp32), the values int4_group_dequant gives. k0 and kb are whole groups.
+void decode_panel(const uint8_t* w, const c10::Half* s, const c10::Half* o, int64_t K, int64_t G, int64_t k0,
+                  int64_t kb, float* panel) {
+  const int64_t pairs = G / 2;
+  for (int64_t g = k0 / G; g < (k0 + kb) / G; ++g) {
+    Vec sc[NV], of[NV];
+    halves(s + g * TILE, sc);
+    halves(o + g * TILE, of);
+    float* pg = panel + (g * G - k0) * TILE;
+    for (int64_t p = 0; p < pairs; ++p) {
+      Vec lo[NV], hi[NV];
+      codes(w + (g * pairs + p) * TILE, lo, hi);
+      for (int v = 0; v < NV; ++v) {
+        at::vec::fmadd(lo[v], sc[v], of[v]).store(pg + 2 * p * TILE + v * VS);
+        at::vec::fmadd(hi[v], sc[v], of[v]).store(pg + (2 * p + 1) * TILE + v * VS);
+      }
+    }
+  }
+}
+
+// Many activation rows: each tile's weights decoded once per panel of columns and multiplied by
+// every row (panel_gemm.h). w, s, o as in mm; x (M, K) -> y (M, N).
+void mm_panels(const float* x, const uint8_t* w, const c10::Half* s, const c10::Half* o, int64_t M, int64_t K,
+               int64_t G, int64_t N, float* y) {
+  static_assert(localllm::panel::WIDTH == TILE, "a panel is a tile");
+  const int64_t T = (N + TILE - 1) / TILE, ng = K / G;
+  const int64_t kb = std::max<int64_t>(G, localllm::panel::KB / G * G);  // whole groups a panel
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel_buf(kb * TILE), acc(M * TILE);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const uint8_t* wt = w + t * (K / 2) * TILE;
+      const c10::Half* st = s + t * ng * TILE;
+      const c10::Half* ot = o + t * ng * TILE;
+      for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t n = std::min(kb, K - k0);
+        decode_panel(wt, st, ot, K, G, k0, n, panel_buf.data());
+        localllm::panel::multiply(x + k0, K, M, panel_buf.data(), n, acc.data());
+      }
+      const int64_t valid = std::min(TILE, N - t * TILE);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + t * TILE, acc.data() + m * TILE, valid * sizeof(float));
+    }
+  });
+}
+
 void mm(const float* x, const float* xsum, const uint8_t* w, const c10::Half* s, const c10::Half* o, int64_t M,
         int64_t K, int64_t G, int64_t N, float* y) {
   const int64_t T = (N + TILE - 1) / TILE, ng = K / G;
@@ -222,6 +270,19 @@ at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& packed, const at
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
+// The same product through fp32 panels (mm_panels): for many activation rows.
+at::Tensor int4_group_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& offsets, int64_t group, int64_t N) {
+  check(packed, scales, offsets, group, N, "int4_group_gemm");
+  const int64_t K = packed.size(1) * 2;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "int4_group_gemm: x must be (M, ", K, ")");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({xf.size(0), N}, x.options().dtype(at::kFloat));
+  mm_panels(xf.data_ptr<float>(), packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(),
+            offsets.data_ptr<c10::Half>(), xf.size(0), K, group, N, y.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 // The weights (N, K) in fp32, w = q * scale + offset: q * scale is exact in fp32 (4 + 11 significant
 // bits), so each weight is rounded once, as the reference's fp32 dequantization rounds it.
 at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
@@ -259,10 +320,12 @@ at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scales
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("int4_group_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
+  m.def("int4_group_gemm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
   m.def("int4_group_dequant(Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("int4_group_mm", &int4_group_mm);
+  m.impl("int4_group_gemm", &int4_group_gemm);
   m.impl("int4_group_dequant", &int4_group_dequant);
 }

@@ -17,13 +17,17 @@
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
+
+#include "panel_gemm.h"
 
 #ifndef PREFETCH
 #define PREFETCH 2048  // bytes ahead of the codes being read
@@ -85,14 +89,59 @@ void mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int6
   });
 }
 
-at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scales.dim() == 2, "int8_group_mm: x, qweight, scales must be 2-D");
-  TORCH_CHECK(q.scalar_type() == at::kChar, "int8_group_mm: qweight must be int8");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf, "int8_group_mm: scales must be float16");
-  TORCH_CHECK(group > 0 && group % VS == 0, "int8_group_mm: group ", group, " is not a multiple of ", VS);
-  TORCH_CHECK(x.size(1) == q.size(1) && q.size(1) % group == 0, "int8_group_mm: x (M, K) does not match qweight (N, K)");
+// Many activation rows: 16 output rows' weights (q * scale, exact in fp32: 8 + 11 significant bits)
+// decoded a panel of columns at a time and multiplied by every activation row (panel_gemm.h).
+// x (M, K) fp32; q (N, K); scales (N, ns) with ns = K / group or 1; y (M, N) fp32.
+void mm_panels(const float* x, const int8_t* q, const at::Half* scales, int64_t ns, int64_t group, int64_t M,
+               int64_t K, int64_t N, float* y) {
+  namespace panel = localllm::panel;
+  constexpr int64_t W = panel::WIDTH;
+  const int64_t kb = std::max<int64_t>(group, panel::KB / group * group);  // whole groups a panel
+  const int64_t T = (N + W - 1) / W;
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(W * kb), panel_buf(kb * W), acc(M * W);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t valid = std::min(W, N - t * W);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (valid < W) std::fill(rows.begin(), rows.end(), 0.f);  // rows past N stay zero
+      for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t n = std::min(kb, K - k0);
+        for (int64_t j = 0; j < valid; ++j) {
+          const int8_t* qj = q + (t * W + j) * K + k0;
+          const at::Half* sj = scales + (t * W + j) * ns;
+          for (int64_t i = 0; i < n; i += VS)
+            (load_int8(qj + i) * Vec(static_cast<float>(sj[ns == 1 ? 0 : (k0 + i) / group]))).store(rows.data() + j * kb + i);
+        }
+        panel::transpose_rows(rows.data(), kb, n, panel_buf.data());
+        panel::multiply(x + k0, K, M, panel_buf.data(), n, acc.data());
+      }
+      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + t * W, acc.data() + m * W, valid * sizeof(float));
+    }
+  });
+}
+
+void check(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scales.dim() == 2, op, ": x, qweight, scales must be 2-D");
+  TORCH_CHECK(q.scalar_type() == at::kChar, op, ": qweight must be int8");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf, op, ": scales must be float16");
+  TORCH_CHECK(group > 0 && group % VS == 0, op, ": group ", group, " is not a multiple of ", VS);
+  TORCH_CHECK(x.size(1) == q.size(1) && q.size(1) % group == 0, op, ": x (M, K) does not match qweight (N, K)");
   TORCH_CHECK(scales.size(0) == q.size(0) && (scales.size(1) == q.size(1) / group || scales.size(1) == 1),
-              "int8_group_mm: scales must be (N, K / group), or (N, 1): one a row");
+              op, ": scales must be (N, K / group), or (N, 1): one a row");
+}
+
+// The same product through fp32 panels (mm_panels): for many activation rows.
+at::Tensor int8_group_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group) {
+  check(x, q, scales, group, "int8_group_gemm");
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), qc = q.contiguous(), sc = scales.contiguous();
+  at::Tensor y = at::empty({x.size(0), q.size(0)}, x.options().dtype(at::kFloat));
+  mm_panels(xf.data_ptr<float>(), qc.data_ptr<int8_t>(), sc.data_ptr<at::Half>(), sc.size(1), group, xf.size(0),
+            q.size(1), q.size(0), y.data_ptr<float>());
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group) {
+  check(x, q, scales, group, "int8_group_mm");
   const at::Tensor xc = x.contiguous(), qc = q.contiguous(), sc = scales.contiguous();
   at::Tensor y = at::empty({x.size(0), q.size(0)}, x.options());
   switch (x.scalar_type()) {
@@ -108,8 +157,10 @@ at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& q, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("int8_group_mm(Tensor x, Tensor qweight, Tensor scales, int group) -> Tensor");
+  m.def("int8_group_gemm(Tensor x, Tensor qweight, Tensor scales, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("int8_group_mm", &int8_group_mm);
+  m.impl("int8_group_gemm", &int8_group_gemm);
 }
