@@ -73,7 +73,8 @@ def test_uniform_levels_with_a_long_prompt_and_a_plot(llama, tmp_path):
 
 
 def test_mixed_runs_continuous_and_static_batching_on_the_same_requests(llama, tmp_path):
-    data, stdout = serving(llama, tmp_path, "mixed", "4", "--prompt-tokens", "16")
+    data, stdout = serving(llama, tmp_path, "mixed", "4", "--prompt-tokens", "16", "--chunk-tokens", "24")
+    assert data["settings"]["chunk_tokens"] == 24
     [row] = data["concurrency"]
     assert_row(row)
     want = MIXED_REQUESTS // 2 * (MIXED_SHORT + MIXED_LONG)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from localllm.bench.settings import DEFAULT_SCHEMES
 from localllm.commands.common import kv_cache_option, quant_head_option, threads_option
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
+
+if TYPE_CHECKING:
+    from localllm.bench.serving import ServingSettings
 
 
 @click.command()
@@ -44,6 +49,10 @@ from localllm.quant.formats import ALL_SCHEMES
               help="Serving mode's workload (implies serving mode; default uniform): same-length requests; "
                    "32 short and long replies, continuous vs static batching; agents resending a growing "
                    "history, with and without the prefix cache.")
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Serving mode: prompt tokens the engine prefills per step, all requests together. Smaller "
+                   "chunks keep running streams' inter-token latency low while a long prompt is prefilled; "
+                   "larger ones give that prompt its first token sooner.")
 def bench(
     model: str,
     quant: str | None,
@@ -63,6 +72,7 @@ def bench(
     kv_cache: str,
     concurrency: str | None,
     workload: str | None,
+    chunk_tokens: int,
 ) -> None:
     """Benchmark MODEL (a model folder, a .gguf file, a stored NAME or 'smollm2') in each weight scheme:
     weight bytes, load time, peak memory, KV cache size, TTFT, prefill and decode speed, decode bandwidth
@@ -80,8 +90,13 @@ def bench(
         require_matplotlib()
     require_writable(json_path, plot_path)
     if concurrency is not None or workload is not None:
-        serving(model, quant, device, prompt_tokens, gen_tokens, threads, json_path, plot_path, text_path,
-                concurrency, workload or "uniform", compile_ or kv_compare, kv_cache)
+        from localllm.bench.serving import ServingSettings, parse_levels
+
+        workload = workload or "uniform"
+        s = ServingSettings(workload, parse_levels(concurrency, workload),
+                            prompt_tokens=128 if prompt_tokens is None else prompt_tokens, gen_tokens=gen_tokens,
+                            chunk_tokens=chunk_tokens, kv_dtype=kv_cache)
+        serving(model, quant, device, threads, json_path, plot_path, text_path, s, compile_ or kv_compare)
         return
     prompt_tokens = 512 if prompt_tokens is None else prompt_tokens
     result = bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
@@ -89,12 +104,11 @@ def bench(
     report(result, json_path, plot_path)
 
 
-def serving(model: str, quant: str | None, device: str, prompt_tokens: int | None, gen_tokens: int,
-            threads: int | None, json_path: str | None, plot_path: str | None, text_path: str | None,
-            concurrency: str | None, workload: str, single_stream_flags: bool, kv_cache: str) -> None:
+def serving(model: str, quant: str | None, device: str, threads: int | None, json_path: str | None,
+            plot_path: str | None, text_path: str | None, s: ServingSettings, single_stream_flags: bool) -> None:
     """``bench --concurrency/--workload``: the serving figures of one scheme on the batch engine."""
     from localllm.bench.report import report
-    from localllm.bench.serving import ServingSettings, bench_serving, parse_levels
+    from localllm.bench.serving import bench_serving
     from localllm.bench.serving_report import format_serving, write_serving_plot
     from localllm.errors import LocalLLMError
 
@@ -103,8 +117,5 @@ def serving(model: str, quant: str | None, device: str, prompt_tokens: int | Non
                             "drop them, or drop --concurrency/--workload")
     if quant is not None and "," in quant:
         raise LocalLLMError(f"serving mode measures one scheme, not '{quant}'", "give one --quant SCHEME")
-    s = ServingSettings(workload, parse_levels(concurrency, workload),
-                        prompt_tokens=128 if prompt_tokens is None else prompt_tokens, gen_tokens=gen_tokens,
-                        kv_dtype=kv_cache)
     result = bench_serving(model, s, quant, device, threads, text_path)
     report(result, json_path, plot_path, table_of=format_serving, plot=write_serving_plot)
