@@ -55,10 +55,10 @@ MIN_STEP_CACHE = 4
 
 #: torch.export's pytree code trips torch's own deprecation of ``isinstance(treespec, LeafSpec)``: a
 #: warning meant for torch, which reached the user on the first --compile.
-_LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
-def _flat(model: Transformer) -> tuple[list[str], list[torch.Tensor]]:
+def model_tensors(model: Transformer) -> tuple[list[str], list[torch.Tensor]]:
     """Names and tensors of the model's parameters and buffers (each once)."""
     named = dict(model.named_parameters())
     named.update(model.named_buffers())
@@ -175,7 +175,7 @@ def build_package(model: Transformer, cache: SequenceCache, base: DecodeFn, path
     from torch.export import Dim
 
     lo, hi = kv_range or kv_ranges(model, cache)[0]
-    names, tensors = _flat(model)
+    names, tensors = model_tensors(model)
     tensors += cache.tensors()
     dev = model.device
     example = (torch.zeros(1, 1, dtype=torch.long, device=dev), torch.tensor([lo - 1], device=dev),
@@ -189,8 +189,15 @@ def build_package(model: Transformer, cache: SequenceCache, base: DecodeFn, path
         dims = tuple(None for _ in tensors)
     span_dims = {0: Dim("kv_len", min=lo, max=hi)} if hi > lo else {}  # one length: a static shape
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_LEAFSPEC_WARNING, category=FutureWarning)
+        warnings.filterwarnings("ignore", message=LEAFSPEC_WARNING, category=FutureWarning)
         program = torch.export.export(_Step(model, base, names), example, dynamic_shapes=({}, {}, span_dims, dims))
+    write_package(program, path)
+
+
+def write_package(program: torch.export.ExportedProgram, path: Path) -> None:
+    """Compile an exported step that takes the model's tensors as inputs to the AOTInductor package
+    ``path``: under a temporary name, then renamed, so a crash or a concurrent build never leaves a
+    half-written package under the final name."""
     sig = program.graph_signature
     held = [*sig.parameters, *sig.buffers, *(n for n, t in program.constants.items() if t.numel() > 1)]
     if held:  # weights baked into the package would be stale copies, and held twice
@@ -204,7 +211,7 @@ def build_package(model: Transformer, cache: SequenceCache, base: DecodeFn, path
         with warnings.catch_warnings():
             # a Q8_0 head's fp16 scales beside bf16 activations: inductor says so, and handles it
             warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
-            warnings.filterwarnings("ignore", message=_LEAFSPEC_WARNING, category=FutureWarning)
+            warnings.filterwarnings("ignore", message=LEAFSPEC_WARNING, category=FutureWarning)
             aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=INDUCTOR_OPTIONS)
         os.replace(tmp, path)
     finally:
@@ -216,7 +223,7 @@ def package_paths(model: Transformer, cache: SequenceCache, cache_dir: Path
     """Where the packages for ``model`` and caches shaped as ``cache`` live under ``cache_dir`` (built
     or not), one per range of :func:`kv_ranges`; and the runners' tensor arguments after (token,
     position, span)."""
-    names, tensors = _flat(model)
+    names, tensors = model_tensors(model)
     axes: list[int | None] = [None] * len(tensors)
     names += _cache_names(cache)
     tensors += cache.tensors()

@@ -12,7 +12,9 @@ Each :meth:`BatchEngine.step` asks the :class:`runtime.scheduler.Scheduler` for 
 (decode tokens, prefill chunks, admissions, preemptions), runs every scheduled token of every
 sequence in **one** forward (:class:`runtime.paged.PagedStep`), samples each sequence that reached its
 last token with its own :class:`SamplingParams` and seeded generator, and retires finished or cancelled
-sequences at once (their blocks freed; full blocks stay in the prefix cache).
+sequences at once (their blocks freed; full blocks stay in the prefix cache). With ``compile``, a step
+in which every sequence decodes one token runs through an AOTInductor package of the model's paged
+decode step (:mod:`runtime.paged_aot`) where one is built; every other step runs eagerly.
 
 It knows nothing of HTTP, text or chat templates: token ids in, token ids out.
 """
@@ -32,6 +34,7 @@ from localllm.runtime.block_manager import BlockManager
 from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_pool
 from localllm.runtime.model import Transformer, rope_tables
 from localllm.runtime.paged import PagedDecodeAttention, PagedStep, SeqChunk
+from localllm.runtime.paged_aot import PagedAotDecode, unsupported
 from localllm.runtime.sampling import SamplingParams, make_generator, sample
 from localllm.runtime.scheduler import Chunk, Scheduler, Sequence as Seq, Status
 
@@ -139,6 +142,10 @@ class BatchEngine:
     "sdpa" always gathers blocks and runs SDPA (the reference). ``prefix_cache=False``: no prompt
     reuses another's blocks (the baseline the prefix cache is measured against). ``kv_dtype``: "16bit"
     (the activations' dtype) or "int8" (int8 codes and per-token, per-head scales: half the bytes).
+    ``compile``: False runs every step eagerly; "auto" runs decode-only steps through the compiled
+    step's packages when they are built (:attr:`needs_build` says when they are not); True builds
+    missing ones now (a minute or so a package on two cores). Where the step cannot run the model
+    (:func:`runtime.paged_aot.unsupported`), steps run eagerly and :attr:`compile_note` says why.
     """
 
     def __init__(
@@ -154,9 +161,12 @@ class BatchEngine:
         attention: str = "auto",
         prefix_cache: bool = True,
         kv_dtype: str = "16bit",
+        compile: bool | str = False,
     ) -> None:
         if attention not in ("auto", "sdpa"):
             raise ValueError(f"attention must be 'auto' or 'sdpa', not {attention!r}")
+        if compile not in (True, False, "auto"):
+            raise ValueError(f"compile must be True, False or 'auto', not {compile!r}")
         self.model = model
         config = model.config
         self.device = model.device
@@ -172,6 +182,15 @@ class BatchEngine:
             from localllm.runtime import cpu_attention
 
             self.kernel = cpu_attention.paged_kernel()
+        self._compiled: PagedAotDecode | None = None
+        #: "auto" found no compiled step built for this model and pool shape (``localllm compile``),
+        #: and no build of it failed before.
+        self.needs_build = False
+        self.compile_s = 0.0  # building (True) or loading the compiled step's packages
+        #: Why steps run eagerly although compiling was asked for (None: they do not, or it was not).
+        self.compile_note: str | None = None
+        if compile:
+            self._compile(compile is True, max_running)
         self._requests: dict[int, _Request] = {}  # live (not finished) requests by sequence id
         self._next_id = 0
         self._lock = threading.Lock()
@@ -183,6 +202,29 @@ class BatchEngine:
         self.steps = 0
         self.tokens_computed = 0
         self.last_step_s = 0.0
+
+    def _compile(self, build: bool, max_running: int) -> None:
+        from localllm.paths import home
+        from localllm.runtime.aot import PackageMissing, failure_marker
+
+        why = unsupported(self.model, self.pool, self.kernel)
+        if why is not None:
+            self.compile_note = f"decode steps run eagerly: {why}"
+            return
+        t0 = time.perf_counter()
+        try:
+            self._compiled = PagedAotDecode(self.model, self.pool, self.kernel, home() / "inductor" / "aot",
+                                            max_running, home() / "inductor", build=build)
+        except PackageMissing as e:  # a build that failed before is not started again by itself
+            self.needs_build = not failure_marker(e.path).exists()
+        except RuntimeError as e:  # no compiler, or the build failed: eager, saying why
+            self.compile_note = f"decode steps run eagerly: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        self.compile_s = time.perf_counter() - t0
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode-only steps run through the compiled step."""
+        return self._compiled is not None
 
     # Submission ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None = None,
@@ -258,7 +300,10 @@ class BatchEngine:
                  for c in chunks]
         step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel,
                                     self.model.config.sliding_window)
-        logits = self.model(ids, step)[0]  # (S_out, vocab)
+        if self._compiled is not None and PagedAotDecode.takes(step):
+            logits = self._compiled(ids, step)  # (S_out, vocab)
+        else:
+            logits = self.model(ids, step)[0]
         picks: list[torch.Tensor | None] = [None] * len(requests)
         plain = [i for i, r in enumerate(requests) if r.params.greedy and r.recent is None]
         if plain:  # greedy rows in one argmax, of every row: indexing by a list of rows would upload

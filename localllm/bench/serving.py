@@ -198,7 +198,7 @@ def make_engine(model: Any, s: ServingSettings, slots: int, prefix_cache: bool =
 
     return BatchEngine(model, kv_budget_bytes=s.kv_budget_bytes or DEFAULT_KV_BUDGET, max_running=slots,
                        max_waiting=max(64, 2 * MIXED_REQUESTS), chunk_tokens=s.chunk_tokens,
-                       prefix_cache=prefix_cache, kv_dtype=s.kv_dtype)
+                       prefix_cache=prefix_cache, kv_dtype=s.kv_dtype, compile="auto")
 
 
 def warm_up(model: Any, s: ServingSettings, text: TextSlicer) -> None:

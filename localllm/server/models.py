@@ -214,7 +214,11 @@ class ModelManager:
         lm = load_model(ref, device=cfg.device, dtype=cfg.dtype, quant=cfg.quant)
         engine = BatchEngine(lm.model, kv_budget_bytes=cfg.kv_memory or DEFAULT_KV_BUDGET,
                              max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens,
-                             kv_dtype=cfg.kv_dtype)
+                             kv_dtype=cfg.kv_dtype, compile="auto")
+        if engine.needs_build:  # the compiled decode step, for the next time this model is loaded
+            from localllm.commands.compile_step import LoadArgs, start_background_build
+
+            start_background_build(LoadArgs(ref, cfg.device, cfg.dtype, cfg.quant), batch=cfg.parallel)
         engine.start()
         stop_ids = list(dict.fromkeys([*lm.tokenizer.eos_ids, *lm.config.eos_token_ids]))
         return ModelSlot(name, lm, engine, stop_ids, lm.weight_bytes + engine.plan.bytes,
