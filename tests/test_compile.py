@@ -240,8 +240,9 @@ def test_a_failed_build_says_why_and_is_not_started_again(tiny_folder, monkeypat
     runs from starting the same build in the background after every reply."""
     from click.testing import CliRunner
 
-    import localllm.runtime.aot as aot
+    import localllm.runtime.paged_aot as paged_aot
     from localllm.cli import main
+    from localllm.runtime.batch import BatchEngine
 
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
     _, folder = tiny_folder("llama")
@@ -249,13 +250,13 @@ def test_a_failed_build_says_why_and_is_not_started_again(tiny_folder, monkeypat
     def broken_export(*a, **k):
         raise RuntimeError("export exploded")
 
-    monkeypatch.setattr(aot, "build_package", broken_export)
-    monkeypatch.setattr(torch, "compile", lambda fn, **k: fn)  # its fallback would run: keep it eager
+    monkeypatch.setattr(paged_aot, "build_package", broken_export)  # the tiny Llama's step: the batch engine's
     result = CliRunner().invoke(main, ["compile", str(folder), "--quant", "fp32", "--ctx", "64"])
     assert result.exit_code == 1 and "export exploded" in result.output and "Traceback" not in result.output
     assert [p.read_text() for p in (tmp_path / "inductor" / "aot").glob("*.failed")] != []
     lm = _tiny(tiny_folder)
-    assert Generator(lm.model, 64, compile="auto").needs_build is False
+    engine = BatchEngine(lm.model, kv_budget_bytes=1 << 20, max_running=1, compile="auto")
+    assert not engine.compiled and engine.needs_build is False
 
 
 def test_compile_failure_falls_back_to_eager(tiny_folder, monkeypatch):

@@ -234,15 +234,15 @@ def run(
     if compile_:
         click.echo("compiling the decode step (about half a minute the first time, a second once cached)...", err=True)
     engine = Engine(lm.model, lm.tokenizer, ctx, compile="auto" if compile_ is None else compile_, kv_dtype=kv_cache)
-    load_s = lm.load_s + engine.generator.compile_s  # what came before the prompt, as Ollama counts it
+    load_s = lm.load_s + engine.compile_s  # what came before the prompt, as Ollama counts it
     if compile_ and verbose:
-        click.echo(f"compiled in {engine.generator.compile_s:.1f} s ({engine.generator.step_kind})", err=True)
+        click.echo(f"compiled in {engine.compile_s:.1f} s ({engine.step_kind})", err=True)
     if verbose:
         describe_model(lm, ctx, kv_cache)
-        click.echo(f"decode step: {engine.generator.step_kind}", err=True)
+        click.echo(f"decode step: {engine.step_kind}", err=True)
     # Once this run is done (its tokens are not slowed by it): build the step the next run will use.
     build = LoadArgs(model, device, dtype, quant, group_size, quant_head, kernel)
-    needs_build = engine.generator.needs_build
+    needs_build = engine.needs_build
 
     if text is None:
         _chat(engine, params, system, max_tokens, stop, verbose, load_s, think, not hide_thinking)
