@@ -25,7 +25,7 @@ from typing import Any
 from localllm.errors import LocalLLMError
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.chat import encode_chat
-from localllm.runtime.generate import GenerationStats, Generator
+from localllm.runtime.generate import GenerationStats, Generator, check_prompt
 from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, block_bytes
 from localllm.runtime.model import Transformer
 from localllm.runtime.sampling import SamplingParams
@@ -103,13 +103,7 @@ class Engine:
     ) -> Iterator[int]:
         """Generated token ids one at a time (a stop id, by default the model's end tokens, ends
         generation and is not yielded); :attr:`stats` holds the call's figures."""
-        if not prompt_ids:
-            raise LocalLLMError("the prompt is empty", "give some text to continue")
-        if len(prompt_ids) >= self.ctx:
-            raise LocalLLMError(
-                f"the prompt is {len(prompt_ids)} tokens, the context holds {self.ctx}",
-                f"use a shorter prompt or a larger context (--ctx {len(prompt_ids) + 256} or more)",
-            )
+        check_prompt(prompt_ids, self.ctx)
         stop = self.stop_ids if stop_ids is None else stop_ids
         if self.generator is not None:
             yield from self.generator.generate(prompt_ids, params, max_tokens, stop)

@@ -82,6 +82,17 @@ class GenerationStats:
         return steps / self.decode_s if self.decode_s and steps > 0 else 0.0
 
 
+def check_prompt(prompt: Sequence[int], ctx: int) -> None:
+    """Refuse an empty prompt, or one that leaves no position of a ``ctx`` context to generate in."""
+    if not prompt:
+        raise LocalLLMError("the prompt is empty", "give some text to continue")
+    if len(prompt) >= ctx:
+        raise LocalLLMError(
+            f"the prompt is {len(prompt)} tokens, the context holds {ctx}",
+            f"use a shorter prompt or a larger context (--ctx {len(prompt) + 256} or more)",
+        )
+
+
 class Generator:
     """Runs a model token by token over a KV cache of ``ctx`` positions that it owns.
 
@@ -165,13 +176,7 @@ class Generator:
 
         ``self.stats`` holds the figures of the current/last call; ``stop_reason`` says why it ended.
         """
-        if not prompt:
-            raise LocalLLMError("the prompt is empty", "give some text to continue")
-        if len(prompt) >= self.ctx:
-            raise LocalLLMError(
-                f"the prompt is {len(prompt)} tokens, the context holds {self.ctx}",
-                f"use a shorter prompt or a larger context (--ctx {len(prompt) + 256} or more)",
-            )
+        check_prompt(prompt, self.ctx)
         stats = self.stats = GenerationStats()
         cache = self.cache
         run = self._run = object()  # an earlier call's iterator, resumed, would now write over this one

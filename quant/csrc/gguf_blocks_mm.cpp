@@ -360,22 +360,19 @@ void mm_blocks(const float* x, const float* xsum, const uint8_t* w, int64_t M, i
   });
 }
 
+// Every block type with its layout (type, weights a block, bytes a block, weights a sub-block), for the
+// dispatchers below: X(T, B, BY, S) once per type.
+#define LOCALLLM_BLOCK_TYPES(X) \
+  X(Q4_0, 32, 18, 32) X(Q4_1, 32, 20, 32) X(Q5_0, 32, 22, 32) X(Q5_1, 32, 24, 32) X(Q8_0, 32, 34, 32) \
+  X(IQ4_NL, 32, 18, 32) X(Q2_K, 256, 84, 16) X(Q3_K, 256, 110, 16) X(Q4_K, 256, 144, 32)          \
+  X(Q5_K, 256, 176, 32) X(Q6_K, 256, 210, 16)
+
 void mm_dispatch(int64_t type, const float* x, const float* xsum, const uint8_t* w, int64_t M, int64_t K, int64_t N,
                  float* y) {
   switch (type) {
 #define LOCALLLM_CASE(T, B, BY, S) \
   case T: mm_blocks<T, B, BY, S>(x, xsum, w, M, K, N, y); break;
-    LOCALLLM_CASE(Q4_0, 32, 18, 32)
-    LOCALLLM_CASE(Q4_1, 32, 20, 32)
-    LOCALLLM_CASE(Q5_0, 32, 22, 32)
-    LOCALLLM_CASE(Q5_1, 32, 24, 32)
-    LOCALLLM_CASE(Q8_0, 32, 34, 32)
-    LOCALLLM_CASE(IQ4_NL, 32, 18, 32)
-    LOCALLLM_CASE(Q2_K, 256, 84, 16)
-    LOCALLLM_CASE(Q3_K, 256, 110, 16)
-    LOCALLLM_CASE(Q4_K, 256, 144, 32)
-    LOCALLLM_CASE(Q5_K, 256, 176, 32)
-    LOCALLLM_CASE(Q6_K, 256, 210, 16)
+    LOCALLLM_BLOCK_TYPES(LOCALLLM_CASE)
 #undef LOCALLLM_CASE
     default: TORCH_CHECK(false, "gguf_mm: GGML type ", type, " has no block kernel");
   }
@@ -460,17 +457,7 @@ void gemm_dispatch(int64_t type, const float* x, const uint8_t* w, int64_t M, in
     LOCALLLM_CASE(F32, 1, 4, 1)
     LOCALLLM_CASE(F16, 1, 2, 1)
     LOCALLLM_CASE(BF16, 1, 2, 1)
-    LOCALLLM_CASE(Q4_0, 32, 18, 32)
-    LOCALLLM_CASE(Q4_1, 32, 20, 32)
-    LOCALLLM_CASE(Q5_0, 32, 22, 32)
-    LOCALLLM_CASE(Q5_1, 32, 24, 32)
-    LOCALLLM_CASE(Q8_0, 32, 34, 32)
-    LOCALLLM_CASE(IQ4_NL, 32, 18, 32)
-    LOCALLLM_CASE(Q2_K, 256, 84, 16)
-    LOCALLLM_CASE(Q3_K, 256, 110, 16)
-    LOCALLLM_CASE(Q4_K, 256, 144, 32)
-    LOCALLLM_CASE(Q5_K, 256, 176, 32)
-    LOCALLLM_CASE(Q6_K, 256, 210, 16)
+    LOCALLLM_BLOCK_TYPES(LOCALLLM_CASE)
 #undef LOCALLLM_CASE
     default: TORCH_CHECK(false, "gguf_gemm: GGML type ", type, " has no panel kernel");
   }
