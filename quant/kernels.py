@@ -296,15 +296,15 @@ class Int8GroupCPU(Kernel):
     """int8 with a scale per group of inputs (a GGUF's Q8_0 blocks exactly) through localllm's C++
     kernel (:mod:`localllm.native`): as fast as the per-channel kernel, without re-rounding. With fp32
     activations it also runs per-channel int8 (one scale a row), which torch's int8 kernel multiplies
-    4x slower in fp32 than in bf16. More than :data:`GEMV_ROWS` activation rows (a batched step, a
-    prefill, a quality window's every position through the head) go through fp32 panels of the
-    exact weights (``int8_group_gemm``, ``csrc/panel_gemm.h``)."""
+    4x slower in fp32 than in bf16. Up to 8 activation rows share each widened group of codes; more
+    than :data:`GEMV_ROWS` rows (a prefill, a quality window's every position through the head) go
+    through fp32 panels of the exact weights (``int8_group_gemm``, ``csrc/panel_gemm.h``)."""
 
     name = "int8-group-cpu"
     scheme = "int8"
     device_type = "cpu"
-    #: Activation rows up to which the row-by-row kernel runs; above, the panel GEMM.
-    GEMV_ROWS = 4
+    #: Activation rows up to which the row kernel runs; above, the panel GEMM.
+    GEMV_ROWS = 12
 
     @staticmethod
     def dot_group(layer) -> int:  # type: ignore[no-untyped-def]

@@ -99,7 +99,8 @@ def panel_rows_are_batch_invariant(op, x: torch.Tensor) -> None:
 
 
 def test_panel_gemm_rows_do_not_depend_on_the_batch():
-    """What makes a sequence's logits the same in any batch that takes the panel path (issue 13)."""
+    """What makes a sequence's logits the same in any batch that takes the panel path (issue 13); the
+    int8 row kernel's rows too (a head's logits, rows shared 8 at a time)."""
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(3))
     layer, _ = layer_of("int4", 32, 200, 576)
     t = kernels.Int4GroupCPU.prepare(layer)
@@ -108,17 +109,19 @@ def test_panel_gemm_rows_do_not_depend_on_the_batch():
     layer8, _ = layer_of("int8", 32, 200, 576)
     panel_rows_are_batch_invariant(
         lambda a: torch.ops.localllm.int8_group_gemm(a, layer8.qweight, layer8.scales, 32), x)
+    panel_rows_are_batch_invariant(
+        lambda a: torch.ops.localllm.int8_group_mm(a, layer8.qweight, layer8.scales, 32), x)
 
 
 @pytest.mark.parametrize("group", [None, 32])
 def test_int8_kernel_with_fp32_activations_is_the_exact_product(group):
     """Per-channel int8 too (torch's int8 kernel is 4x slower with fp32 activations): every row count,
-    the row kernel's (1, 3) and the panel GEMM's (5, 16, 17, 40), over a width with a last panel of
-    fewer columns (576 = 2 x 256 + 64)."""
+    the row kernel's (1, 3, 5; 9 and 12: 8 rows sharing each group, then the rest) and the panel
+    GEMM's (16, 17, 40), over a width with a last panel of fewer columns (576 = 2 x 256 + 64)."""
     layer, w = layer_of("int8", group, 200, 576)
     assert layer.prepare(torch.float32) == "int8-group-cpu"
     g = torch.Generator().manual_seed(2)
-    for rows in (1, 3, 5, 16, 17, 40):
+    for rows in (1, 3, 5, 9, 12, 16, 17, 40):
         x = torch.randn(rows, 576, generator=g)
         assert_fp32_exact(layer(x), x, w)
 

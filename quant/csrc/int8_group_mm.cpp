@@ -5,9 +5,10 @@
 // torch's fast int8 matmul (_weight_int8pack_mm) takes one scale per output row, so a Q8_0 head had
 // to be re-rounded to per-row scales (doubling SmolLM2's KL divergence) or dequantized to 16 bits
 // (twice the bytes a decode step reads). This kernel reads the blocks as they are: each group's
-// weights are widened to fp32 and dotted with the fp32 activations, the group's partial sums are
-// scaled by its scale and accumulated in fp32, one vector per output row, summed once at the end.
-// At batch 1 it is bound by memory bandwidth like any GEMV; rows are split across threads.
+// weights are widened to fp32 once and dotted with up to 8 rows of fp32 activations, each row's
+// partial sums scaled by the group's scale and accumulated in fp32, summed once at the end. At batch
+// 1 it is bound by memory bandwidth like any GEMV; output rows are split across threads. More rows go
+// through the panel GEMM (mm_panels, below).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -51,39 +52,89 @@ inline Vec load_int8(const int8_t* p) {
 #endif
 }
 
+inline float hsum(Vec v) {
+  return at::vec::vec_reduce_all<float>([](Vec& u, Vec& w) { return u + w; }, v);
+}
+
+// Output row n for the R activation rows at x (rows K apart) -> out[0..R): each group's GV vectors of
+// codes (GV = group / VS; 0: any other number) are widened once and serve every row, whose sums stay in registers (raw vectors: see
+// panel_gemm.h). Per row, the operations are those of one row alone, in the same order: the group's
+// dot product (a multiply, then FMAs), scaled once into one of two chains (even and odd groups, so
+// consecutive FMAs need not wait on each other), summed at the end; so a row's result does not depend
+// on which rows share the call.
+template <int R, int GV>
+void row_groups(const float* x, int64_t K, const int8_t* qn, const at::Half* sn, int64_t ns, int64_t group,
+                float* out) {
+  using namespace localllm::panel;
+  const int64_t ng = K / group;
+  V a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = vset(0.f);
+  for (int64_t g = 0; g < ng; ++g) {
+    const int8_t* qg = qn + g * group;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    // The rows ahead, from L3 or memory: the prefetchers alone leave a decode step waiting on them.
+    if ((g * group) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(qg) + PREFETCH, _MM_HINT_T0);
+    if (g % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(sn + g) + PREFETCH / 16, _MM_HINT_T0);
+#endif
+    V w[GV > 0 ? GV : 1];
+    for (int d = 0; d < GV; ++d) w[d] = static_cast<V>(load_int8(qg + d * VS));
+    const V sc = vset(static_cast<float>(sn[ns == 1 ? 0 : g]));
+    for (int r = 0; r < R; ++r) {
+      const float* xg = x + r * K + g * group;
+      V t;
+      if constexpr (GV > 0) {
+        t = vmul(w[0], vload(xg));
+        for (int d = 1; d < GV; ++d) t = vfma(w[d], vload(xg + d * VS), t);
+      } else {  // another number of vectors a group: widened again for each row
+        t = vmul(static_cast<V>(load_int8(qg)), vload(xg));
+        for (int64_t d = VS; d < group; d += VS) t = vfma(static_cast<V>(load_int8(qg + d)), vload(xg + d), t);
+      }
+      if (g % 2) a1[r] = vfma(t, sc, a1[r]);
+      else a0[r] = vfma(t, sc, a0[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(Vec(a0[r]) + Vec(a1[r]));
+}
+
+template <int GV, int R = 8>
+void row_groups_any(int64_t rows, const float* x, int64_t K, const int8_t* qn, const at::Half* sn, int64_t ns,
+                    int64_t group, float* out) {
+  if constexpr (R > 0) {
+    if (rows == R) row_groups<R, GV>(x, K, qn, sn, ns, group, out);
+    else row_groups_any<GV, R - 1>(rows, x, K, qn, sn, ns, group, out);
+  }
+}
+
+constexpr int64_t MAX_M = 8;  // activation rows sharing each widened group (16 accumulators)
+
 template <typename T>
 void mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group, at::Tensor& y) {
   // x (M, K); q (N, K) int8; scales (N, K / group) fp16; y (M, N).
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), ng = K / group;
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   std::vector<float> xf(M * K);  // the activations widened once, read by every row
   const T* xp = x.data_ptr<T>();
   for (const auto i : c10::irange(M * K)) xf[i] = static_cast<float>(xp[i]);
   const int8_t* qp = q.data_ptr<int8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
   const int64_t ns = scales.size(1);  // ng, or 1: one scale a row (the groups are then only how the sums run)
+  const int64_t gv = group / VS;
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    float out[MAX_M];
     for (const auto n : c10::irange(begin, end)) {
       const int8_t* qn = qp + n * K;
       const at::Half* sn = sp + n * ns;
-      for (const auto m : c10::irange(M)) {
-        const float* xm = xf.data() + m * K;
-        Vec a0(0.f), a1(0.f);  // two chains (even and odd groups), so the FMAs need not wait on each other
-        for (const auto g : c10::irange(ng)) {
-          const int8_t* qg = qn + g * group;
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-          // The rows ahead, from L3 or memory: the prefetchers alone leave a decode step waiting on them.
-          if (m == 0 && (g * group) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(qg) + PREFETCH, _MM_HINT_T0);
-          if (m == 0 && g % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(sn + g) + PREFETCH / 16, _MM_HINT_T0);
-#endif
-          const float* xg = xm + g * group;
-          Vec t = load_int8(qg) * Vec::loadu(xg);  // the group's dot product, then scaled once
-          for (int64_t d = VS; d < group; d += VS) t = at::vec::fmadd(load_int8(qg + d), Vec::loadu(xg + d), t);
-          const Vec s(static_cast<float>(sn[ns == 1 ? 0 : g]));
-          if (g % 2) a1 = at::vec::fmadd(t, s, a1);
-          else a0 = at::vec::fmadd(t, s, a0);
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+        const int64_t rows = std::min(MAX_M, M - m0);
+        const float* xm = xf.data() + m0 * K;
+        switch (gv) {
+          case 1: row_groups_any<1>(rows, xm, K, qn, sn, ns, group, out); break;
+          case 2: row_groups_any<2>(rows, xm, K, qn, sn, ns, group, out); break;
+          case 4: row_groups_any<4>(rows, xm, K, qn, sn, ns, group, out); break;
+          case 8: row_groups_any<8>(rows, xm, K, qn, sn, ns, group, out); break;
+          default: row_groups_any<0>(rows, xm, K, qn, sn, ns, group, out);
         }
-        yp[m * N + n] = static_cast<T>(at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a0 + a1));
+        for (int64_t r = 0; r < rows; ++r) yp[(m0 + r) * N + n] = static_cast<T>(out[r]);
       }
     }
   });

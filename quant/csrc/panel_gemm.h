@@ -41,18 +41,21 @@ inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
 inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vset(float f) { return _mm512_set1_ps(f); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 #elif defined(CPU_CAPABILITY_AVX2)
 using V = __m256;
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
 inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vset(float f) { return _mm256_set1_ps(f); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 #else
 using V = Vec;
 inline V vload(const float* p) { return Vec::loadu(p); }
 inline void vstore(float* p, V v) { v.store(p); }
 inline V vfma(V a, V b, V c) { return at::vec::fmadd(a, b, c); }
 inline V vset(float f) { return Vec(f); }
+inline V vmul(V a, V b) { return a * b; }
 #endif
 
 // acc (R, 16) += x (R, kb) rows ldx apart . panel (kb, 16).
