@@ -300,7 +300,7 @@ class BatchEngine:
                  for c in chunks]
         step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel,
                                     self.model.config.sliding_window)
-        if self._compiled is not None and PagedAotDecode.takes(step):
+        if self._compiled is not None and self._compiled.takes(step):
             logits = self._compiled(ids, step)  # (S_out, vocab)
         else:
             logits = self.model(ids, step)[0]

@@ -206,10 +206,11 @@ class PagedAotDecode:
         # The runner's arguments, made once: a step sets the first eight.
         self._args: list[torch.Tensor | None] = [None] * 8 + tensors
 
-    @staticmethod
-    def takes(step: PagedStep) -> bool:
-        """Whether ``step`` is one the packages compute: every row a sampled single query on the kernel."""
-        return step.all_decode and step.logits_rows.shape[0] == step.num_tokens
+    def takes(self, step: PagedStep) -> bool:
+        """Whether ``step`` is one the packages compute: every row a sampled single query on the kernel,
+        and as many rows as a package takes."""
+        return (step.all_decode and step.logits_rows.shape[0] == step.num_tokens
+                and step.num_tokens <= self._runners[-1][1])
 
     def __call__(self, ids: torch.Tensor, step: PagedStep) -> torch.Tensor:
         """Logits (B, vocab) of a step :meth:`takes`."""

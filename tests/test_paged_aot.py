@@ -52,6 +52,9 @@ def counted(engine: BatchEngine) -> list[int]:
             sizes.append(step.num_tokens)
             return compiled(ids, step)
 
+        def takes(self, step):  # type: ignore[no-untyped-def]
+            return compiled.takes(step)
+
     engine._compiled = Counting()  # type: ignore[assignment]
     return sizes
 
