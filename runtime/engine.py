@@ -156,11 +156,10 @@ class Engine:
                 if piece:
                     yield piece
                 if cut.stopped:
-                    tokens.close()  # the engine stops and frees the sequence now
                     self.stats.stop_reason = "stop_string"
                     return
         finally:
-            tokens.close()
+            tokens.close()  # a reply cut short (stop string, caller gone) frees its sequence's blocks now
         tail = cut.feed(decoder.flush()) + cut.flush()
         if tail:
             yield tail

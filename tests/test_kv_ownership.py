@@ -98,3 +98,17 @@ def test_the_model_holds_no_cache(lm):
     names = [n for n, _ in lm.model.named_buffers()] + [n for n, _ in lm.model.named_parameters()]
     assert not [n for n in names if "cache" in n]
     assert gen.cache.tokens[:3] == [5, 6, 7] and gen.cache.max_seq == 64
+
+
+def test_a_reply_cut_short_frees_its_sequence_for_the_next(lm):
+    """A caller that stops reading (a stop string, a closed stream) leaves no sequence behind in the
+    engine's pool or its one slot: the next reply runs, and as it runs in a fresh engine."""
+    engine = Engine(lm.model, lm.tokenizer, 96)
+    params = SamplingParams(temperature=0)
+    tokens = engine.generate_ids([5, 6, 7, 8], params, max_tokens=20, stop_ids=())
+    next(tokens)
+    tokens.close()
+    assert not engine.batch.scheduler.running and not engine.batch.has_work
+    assert engine.batch.usage()["blocks_used"] == 0, engine.batch.usage()
+    got = list(engine.generate_ids([9, 10, 11], params, max_tokens=5, stop_ids=()))
+    assert got == list(Engine(lm.model, lm.tokenizer, 96).generate_ids([9, 10, 11], params, 5, ()))
