@@ -94,7 +94,7 @@ class ArtifactCheckpoint:
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Float tensors (quantized modules dequantized one at a time), for a conversion to another scheme.
 
-        A tied model stored with an int8 head has no 16-bit embedding (the head serves as it): its
+        A tied model stored with an int8 or GGUF-block head has no 16-bit embedding (the head serves as it): its
         ``embed.weight`` is the dequantized head, the same tensor."""
         header, _ = read_header(self.folder / WEIGHTS)
         embed_from_head = self.config.tie_embeddings and "output" in self.plan and "embed.weight" not in header

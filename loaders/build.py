@@ -10,7 +10,7 @@ from torch import nn
 
 from localllm.errors import LocalLLMError
 from localllm.heap import trim_heap
-from localllm.quant.linear import QuantLinear, TiedInt8Embedding, concat_linears
+from localllm.quant.linear import QuantLinear, TiedHeadEmbedding, concat_linears
 from localllm.quant.target import Target
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.model import Transformer
@@ -99,7 +99,7 @@ def load_weights(
     where = Target.of(device)
     device = where.device
     tied = model.config.tie_embeddings and isinstance(model.output, nn.Linear)
-    shared_embedding = isinstance(getattr(model, "embed", None), TiedInt8Embedding)
+    shared_embedding = isinstance(getattr(model, "embed", None), TiedHeadEmbedding)
     targets, slices = _targets(model, dtype)
     if tied:
         del targets["output.weight"]  # the embedding's tensor, tied below

@@ -289,7 +289,7 @@ class GGUFCheckpoint:
             kind = t.tensor_type.name
             module = ours.rpartition(".")[0]
             if ours == "embed.weight" and self.config.tie_embeddings and head_serves_embedding(plan.get("output")):
-                module = "output"  # the int8 head's table serves as the embedding
+                module = "output"  # the head's table (int8, or its blocks) serves as the embedding
             scheme = plan.get(module) if ours.endswith(".weight") else None
             if scheme is not None:
                 how = "exact" if exact_import(kind, scheme) else "re-quantized from the dequantized values"
@@ -311,9 +311,10 @@ class GGUFCheckpoint:
     def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
         """A Q8_0 head (or tied embedding) loads as it is in the file, int8 with groups of 32, on every
         device (re-rounding it per channel doubled SmolLM2's KLD; a 16-bit copy would round q * d).
-        An untied head of another quantized type (a Q4_K_M file's Q6_K ``output.weight``) keeps its
-        blocks. Other heads stay 16-bit unless asked otherwise (``--quant-head``): a tied table in
-        blocks would need a 16-bit embedding beside it."""
+        A head of another quantized type (a Q4_K_M file's Q6_K ``output.weight``, or its tied Q6_K
+        ``token_embd``) keeps its blocks; tied, the blocks serve as the embedding too
+        (:class:`quant.linear.TiedHeadEmbedding`), so the table is held once, at the file's bytes.
+        A float head stays 16-bit unless asked otherwise (``--quant-head``)."""
         if scheme is None:
             return None
         names = {ours: t for ours, t in self.raw_tensors() if ours in ("output.weight", "embed.weight")}
@@ -323,7 +324,7 @@ class GGUFCheckpoint:
         kind = head.tensor_type.name
         if kind == "Q8_0":
             return parse_scheme("int8", 32) if self.config.dim % 32 == 0 else None
-        if "output.weight" in names and kind in GGUF_BLOCKS and kind not in ("F32", "F16", "BF16"):
+        if kind in GGUF_BLOCKS and kind not in ("F32", "F16", "BF16"):
             return gguf_scheme(kind)
         return None
 
@@ -333,7 +334,7 @@ class GGUFCheckpoint:
         by :func:`quant.convert.quantize_stream` when its module is in ``plan``).
 
         ``tied_head``: the quantized head is made from the embedding's tensor, exactly when its blocks
-        fit the head's grid (a Q8_0 table as an int8 group-32 head); an int8 head also serves as the
+        fit the head's grid (a Q8_0 table as an int8 group-32 head); an int8 or block head also serves as the
         embedding, which then is not dequantized at all. Bytes are read into buffers of their own, one
         tensor at a time: the memory map's pages would stay resident while the file is open."""
         from localllm.loaders.safetensors_stream import read_array

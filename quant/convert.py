@@ -27,7 +27,7 @@ def quantize_stream(
 
     ``tied_head``: the model ties its output head to the embedding but the head is quantized, so the
     head's tensors are made from ``embed.weight``, which passes through unchanged unless the head
-    also serves as the embedding (:func:`quant.linear.head_serves_embedding`: an int8 head), when
+    also serves as the embedding (:func:`quant.linear.head_serves_embedding`: an int8 or GGUF-block head), when
     the model has no 16-bit table to fill.
     """
     head_done = False

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from localllm.quant import kernels
-from localllm.quant.formats import QuantScheme, canonical_shapes
+from localllm.quant.formats import QuantScheme, canonical_shapes, dequantize
 from localllm.quant.target import Target
 
 
@@ -211,22 +211,29 @@ def prepare_model(model: nn.Module, act_dtype: torch.dtype, kernel: str | None =
 
 
 
-class TiedInt8Embedding(nn.Module):
-    """The token embedding read from an int8 output head, for models that tie the two.
+class TiedHeadEmbedding(nn.Module):
+    """The token embedding read from a quantized output head, for models that tie the two.
 
-    The head's int8 rows with their scales (one per row, or one per group of a row) are the embedding
-    table quantized, so a tied model keeps one 8-bit table instead of a 16-bit embedding beside an
-    8-bit head.
+    The head's rows are the embedding table quantized, so a tied model keeps one table at the head's
+    bits instead of a 16-bit embedding beside it: an int8 head's codes with their scales (one per row,
+    or one per group of a row), or a GGUF head's blocks as the file has them (a Q4_K_M file's tied
+    Q6_K ``token_embd``). Each looked-up row is formed in fp32, where it is exact (``q * scale``, or
+    the block decoder's values, bit for bit ``gguf.quants.dequantize``), then rounded once to the
+    activation dtype: the values a 16-bit table made from the same tensor holds.
     """
 
     def __init__(self, head: QuantLinear) -> None:
         super().__init__()
+        if not head_serves_embedding(head.scheme):
+            raise ValueError(f"a {head.scheme.label()} head does not serve as an embedding")
         self._head = [head]  # a plain list: not a submodule, so its tensors are not listed twice
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         head = self._head[0]
+        if head.scheme.name == "gguf":
+            rows = self._block_rows(head, tokens.reshape(-1))  # (B*T, D) fp32
+            return rows.view(*tokens.shape, head.in_features).to(head.act_dtype)
         scales = head.kscales if hasattr(head, "kscales") else head.scales  # (V,) or (V, D / group)
-        # In fp32, where q * scale is exact, then rounded once to the activation dtype.
         rows = head.qweight[tokens].float()  # (B, T, D)
         s = scales[tokens].float()  # (B, T) or (B, T, D / group)
         if s.dim() == rows.dim():  # per group: each scale covers `group` consecutive columns
@@ -235,25 +242,33 @@ class TiedInt8Embedding(nn.Module):
             out = rows * s.unsqueeze(-1)
         return out.to(head.act_dtype)
 
+    @staticmethod
+    def _block_rows(head: QuantLinear, tokens: torch.Tensor) -> torch.Tensor:
+        """(N,) ids -> (N, D) fp32: the head's GGUF block rows of ``tokens``, decoded (only these rows)."""
+        blocks = head.blocks.index_select(0, tokens)  # (N, row bytes) uint8
+        if blocks.device.type == "cpu" and head.kernel is not kernels.Reference:
+            return kernels.gguf_dequantize(blocks, head.scheme.gguf_type, head.in_features)
+        return dequantize({"blocks": blocks}, head.scheme, torch.float32)
+
 
 def head_serves_embedding(head: QuantScheme | None) -> bool:
-    """Whether a tied model's output head in scheme ``head`` also serves as its token embedding: an
-    int8 head's rows and scales are the table at 8 bits, kept once (:class:`TiedInt8Embedding`);
-    other heads keep a 16-bit embedding beside them."""
-    return head is not None and head.name == "int8"
+    """Whether a tied model's output head in scheme ``head`` also serves as its token embedding (kept
+    once, :class:`TiedHeadEmbedding`): an int8 head's rows and scales, or a GGUF head's blocks, are
+    the table itself. Other heads (int4, nf4: re-rounded) keep a 16-bit embedding beside them."""
+    return head is not None and head.name in ("int8", "gguf")
 
 
 def share_tied_embedding(model: nn.Module) -> bool:
-    """Replace a tied model's 16-bit embedding by :class:`TiedInt8Embedding` when its head is int8
-    (the table is then stored once). Returns whether it did.
+    """Replace a tied model's 16-bit embedding by :class:`TiedHeadEmbedding` when its head serves as
+    one (:func:`head_serves_embedding`: the table is then stored once). Returns whether it did.
 
     Done on the ``meta`` model before loading, the embedding is never allocated: the model's state
     dict then has no ``embed.weight``, and the head's tensors fill both."""
     head = getattr(model, "output", None)
     tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
-    if isinstance(getattr(model, "embed", None), TiedInt8Embedding):
+    if isinstance(getattr(model, "embed", None), TiedHeadEmbedding):
         return True
     if not (tied and isinstance(head, QuantLinear) and head_serves_embedding(head.scheme)):
         return False
-    model.embed = TiedInt8Embedding(head)
+    model.embed = TiedHeadEmbedding(head)
     return True

@@ -105,7 +105,8 @@ def write_llama_gguf(model, path: Path, rope_freqs: np.ndarray | None = None,
         w.add_tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
         w.add_tensor(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
+    if not c.tie_word_embeddings:  # a tied file has no output.weight: token_embd serves as the head
+        w.add_tensor("output.weight", sd["lm_head.weight"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

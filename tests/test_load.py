@@ -18,7 +18,7 @@ from localllm.loaders.safetensors_stream import iter_safetensors, read_header
 from localllm.loaders.store import Store
 from localllm.quant import kernels
 from localllm.quant.formats import dequantize, parse_scheme
-from localllm.quant.linear import QuantLinear, TiedInt8Embedding
+from localllm.quant.linear import QuantLinear, TiedHeadEmbedding
 
 from tests.conftest import make_hf_model, save_hf_folder
 
@@ -101,7 +101,7 @@ def test_a_missing_or_misshapen_part_of_a_fused_tensor_is_named(tiny_folder):
 def test_a_tied_int8_head_serves_as_the_embedding_without_a_16_bit_table(tied_folder, tmp_path):
     lm = load_model(str(tied_folder), quant="int4", quantize_head="int8")
     model = lm.model
-    assert isinstance(model.embed, TiedInt8Embedding)
+    assert isinstance(model.embed, TiedHeadEmbedding)
     assert not any(name.startswith("embed") for name in model.state_dict())  # never allocated
     head = model.output
     scales = head.kscales if hasattr(head, "kscales") else head.scales  # int8-weight-only's, or the canonical ones
@@ -128,7 +128,7 @@ def test_a_stored_16_bit_table_beside_an_int8_head_is_skipped(tied_folder):
     model, tensors, _ = model_tensors(ckpt, parse_scheme("int4", 32), "int8")
     with_table = [*tensors, ("embed.weight", torch.zeros(384, 64, dtype=torch.bfloat16))]
     loaded = load_weights(model, with_table, torch.device("cpu"), torch.bfloat16, "old entry")
-    assert isinstance(loaded.embed, TiedInt8Embedding)
+    assert isinstance(loaded.embed, TiedHeadEmbedding)
 
 
 def test_the_slow_reference_warning_says_what_runs(tiny_folder, monkeypatch):

@@ -103,7 +103,7 @@ def test_loaded_int4_smollm2_weight_bytes(smollm2_path):
     assert int4 <= 0.47 * bf16
     # ... and 0.36x when the tied head+embedding is one int8 table.
     head8 = load_model(str(smollm2_path), quantize_head="int8")  # int4 blocks, one int8 head/embedding table
-    assert type(head8.model.embed).__name__ == "TiedInt8Embedding"
+    assert type(head8.model.embed).__name__ == "TiedHeadEmbedding"
     assert head8.weight_bytes <= 0.36 * bf16
     linears = sum(b.numel() * b.element_size() for n, b in load_model(str(smollm2_path), quant="int4",
                                                                         quantize_head=False).model

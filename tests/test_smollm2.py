@@ -50,7 +50,7 @@ def test_q8_0_head_loads_as_it_is_in_the_file(smollm2_path):
     assert torch.equal(head.qweight, want["qweight"]) and torch.equal(head.scales, want["scales"])
     tokens = torch.tensor([[0, 17, 49151]])
     rows = dequantize(want, head.scheme)[tokens[0]].to(lm.dtype)
-    assert torch.equal(lm.model.embed(tokens)[0], rows)  # TiedInt8Embedding, no 16-bit copy
+    assert torch.equal(lm.model.embed(tokens)[0], rows)  # TiedHeadEmbedding, no 16-bit copy
 
 
 def test_greedy_answer_names_paris(engine, france_fp32):  # france_fp32: its margins checked
