@@ -172,9 +172,9 @@ class BatchEngine:
         self.device = model.device
         self.plan: PoolPlan = plan_pool(config, kv_budget_bytes, model.dtype, block_size, kv_dtype)
         self.pool = KVPool.allocate(config, self.plan, self.device)
-        self.blocks = BlockManager(self.plan.n_blocks, block_size, prefix_cache)
+        self.blocks = BlockManager(self.plan.n_blocks, block_size, prefix_cache, self.plan.windows)
         self.scheduler = Scheduler(self.blocks, max_waiting, max_running, chunk_tokens)
-        self.max_seq_len = min(max_seq_len or config.max_seq_len, self.plan.tokens)
+        self.max_seq_len = min(max_seq_len or config.max_seq_len, self.scheduler.capacity_tokens)
         cos, sin = rope_tables(config, self.max_seq_len, self.device)
         self._cos, self._sin = cos.to(model.dtype), sin.to(model.dtype)  # (max_seq_len, hd)
         self.kernel: PagedDecodeAttention | None = None
@@ -296,8 +296,8 @@ class BatchEngine:
     @torch.inference_mode()
     def _run(self, chunks: list[Chunk], requests: list[_Request]) -> list[int]:
         """One forward over ``chunks``; a token for each chunk that samples (``requests``, in order)."""
-        specs = [SeqChunk(c.seq.token_ids[c.start : c.start + c.length], c.start, c.seq.table.blocks, c.samples)
-                 for c in chunks]
+        specs = [SeqChunk(c.seq.token_ids[c.start : c.start + c.length], c.start, c.seq.table.groups[0], c.samples,
+                          tuple(c.seq.table.groups[1:])) for c in chunks]
         step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel,
                                     self.model.config.sliding_window)
         if self._compiled is not None and self._compiled.takes(step):

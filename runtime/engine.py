@@ -9,7 +9,8 @@ Token ids come from a :class:`runtime.batch.BatchEngine` of one sequence: the sa
 paged KV pool and compiled decode step that serve many requests at once (``localllm serve``), so
 there is one generation path. Two exceptions run on the one-sequence path
 (:class:`runtime.generate.Generator`) instead: a model with sliding-window layers (Gemma 3), whose
-one-sequence cache keeps only the window of those layers where the paged pool keeps every block; and
+one-sequence ring caches have a compiled decode step where the batch engine's runs such models
+eagerly (both hold only the window of those layers); and
 ``compile=True`` on CUDA, whose compiled step is that path's ``torch.compile`` (the batch engine's
 compiled step is AOTInductor on the CPU). Text is decoded incrementally (never half a UTF-8
 character) and cut at stop strings without printing any part of one.

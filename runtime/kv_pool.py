@@ -8,6 +8,15 @@ A sequence owns no tensor of its own, only a list of block ids (its block table,
 ``p % block_size``. The pool belongs to the batch engine (:mod:`runtime.batch`), never to the model,
 which reads and writes it through the per-step metadata it is given (:mod:`runtime.paged`).
 
+Layers with a sliding window (Gemma 3: five of every six) need only their window's keys, so their
+blocks are given back as the window moves on. For that a model whose layers differ in window has its
+layers split into *groups* of one window each (:func:`layer_groups`), every group as many layers (the
+fewest any window has, a kind's last group possibly shorter), and a block holds those layers' keys
+and values for ``block_size`` tokens: blocks of every group come from the one free list, and a
+sequence holds a block table per group. Layer ``l`` is slot ``j`` of its group; the pool has one
+tensor per slot, which all groups' blocks index (``k[l]`` is that slot's tensor). A model whose layers
+all share one window (or none) is one group of every layer, a block per token range as above.
+
 The number of blocks comes from a memory budget in bytes, so the pool's size is known, and said,
 before anything runs: :meth:`KVPool.plan` gives the numbers, :meth:`KVPool.allocate` the tensors.
 """
@@ -29,6 +38,33 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
+class LayerGroup:
+    """Layers whose keys and values share block tables: one attention window (None: all positions)."""
+
+    layers: tuple[int, ...]
+    window: int | None
+
+
+def layer_groups(config: ModelConfig) -> tuple[LayerGroup, ...]:
+    """The model's layers in groups of one window each, full-context groups first (see the module's
+    docstring): one group of every layer when they all share a window."""
+    kinds: dict[int | None, list[int]] = {}
+    for i in range(config.n_layers):
+        kinds.setdefault(config.layer_window(i), []).append(i)
+    size = min(len(layers) for layers in kinds.values())
+    groups = []
+    for window, layers in sorted(kinds.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)):
+        groups += [LayerGroup(tuple(layers[a : a + size]), window) for a in range(0, len(layers), size)]
+    return tuple(groups)
+
+
+def window_blocks(window: int, block_size: int, queries: int = 1) -> int:
+    """Blocks a sliding-window layer group holds at most while ``queries`` consecutive positions run:
+    the window behind the first query, the queries, and a partial block at each end."""
+    return (window + queries - 2) // block_size + 2
+
+
+@dataclass(frozen=True)
 class PoolPlan:
     """The pool's numbers, before (or without) allocating it."""
 
@@ -38,11 +74,19 @@ class PoolPlan:
     budget_bytes: int
     dtype: torch.dtype  # the activations' (a 16-bit pool's elements)
     kv_dtype: str = DEFAULT_KV_DTYPE  # "16bit" or "int8"
+    groups: tuple[LayerGroup, ...] = ()  # () before grouping was planned: one group of every layer
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each group's window: a block table per group."""
+        return tuple(g.window for g in self.groups) or (None,)
 
     @property
     def tokens(self) -> int:
-        """Token positions the pool holds, across all sequences."""
-        return self.n_blocks * self.block_size
+        """Token positions the pool holds for one sequence alone (its every group's blocks counted;
+        sliding-window groups hold their window only, so a pool of such layers alone has no bound
+        but the model's)."""
+        return capacity_tokens(self.n_blocks, self.block_size, self.windows)
 
     @property
     def bytes(self) -> int:
@@ -51,14 +95,44 @@ class PoolPlan:
     def describe(self) -> str:
         """One line, e.g. ``KV pool: 728 blocks x 16 tokens = 11648 tokens, 256.0 MiB (bfloat16)``."""
         dtype = "int8 + fp32 scales" if self.kv_dtype == "int8" else str(self.dtype).removeprefix("torch.")
-        return (f"KV pool: {self.n_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens, "
-                f"{self.bytes / 2**20:.1f} MiB ({dtype})")
+        if len(self.windows) == 1 and self.windows[0] is None:
+            return (f"KV pool: {self.n_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens, "
+                    f"{self.bytes / 2**20:.1f} MiB ({dtype})")
+        sliding = sorted({w for w in self.windows if w is not None})
+        full = sum(1 for w in self.windows if w is None)
+        return (f"KV pool: {self.n_blocks} blocks x {self.block_size} tokens of {len(self.groups[0].layers)} "
+                f"layers, {self.bytes / 2**20:.1f} MiB ({dtype}); {len(self.windows)} layer group"
+                f"{'s' if len(self.windows) > 1 else ''} "
+                f"({full} full-context, {len(self.windows) - full} holding only their "
+                f"{'/'.join(map(str, sliding))}-token window)")
+
+
+def capacity_tokens(n_blocks: int, block_size: int, windows: tuple[int | None, ...], queries: int = 1,
+                    limit: int = 1 << 30) -> int:
+    """The most positions one sequence can hold alone in ``n_blocks`` blocks (at most ``limit``),
+    running up to ``queries`` positions a step (a prefill chunk: a window group holds its window
+    behind them)."""
+    def need(tokens: int) -> int:
+        blocks = -(-tokens // block_size)
+        return sum(blocks if w is None else min(blocks, window_blocks(w, block_size, queries)) for w in windows)
+
+    lo, hi = 0, min(limit, n_blocks * block_size)
+    if all(w is not None for w in windows) and need(limit) <= n_blocks:
+        return limit
+    while lo < hi:  # the largest token count that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= n_blocks else (lo, mid - 1)
+    return lo
 
 
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
-    """Bytes of one block: keys and values of ``block_size`` tokens in every layer."""
-    per_value = "int8" if kv_dtype == "int8" else torch.empty((), dtype=dtype).element_size()
-    return config.kv_cache_bytes(block_size, per_value)
+    """Bytes of ``block_size`` tokens' keys and values in every layer (a pool budget of ``n`` of these
+    holds ``n`` blocks of a model without windows, at least as many tokens with them)."""
+    return config.kv_cache_bytes(block_size, _per_value(dtype, kv_dtype))
+
+
+def _per_value(dtype: torch.dtype, kv_dtype: str) -> int | str:
+    return "int8" if kv_dtype == "int8" else torch.empty((), dtype=dtype).element_size()
 
 
 def plan_pool(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
@@ -68,7 +142,8 @@ def plan_pool(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
     if block_size < 1:
         raise LocalLLMError(f"a KV block of {block_size} tokens is not possible",
                             f"use one of {', '.join(map(str, BLOCK_SIZES))}")
-    per_block = block_bytes(config, block_size, dtype, kv_dtype)
+    groups = layer_groups(config)
+    per_block = 2 * len(groups[0].layers) * config.kv_row_bytes(_per_value(dtype, kv_dtype)) * block_size
     n_blocks = budget_bytes // per_block
     if n_blocks < 1:
         raise LocalLLMError(
@@ -76,25 +151,34 @@ def plan_pool(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
             f"takes {per_block} bytes for this model",
             f"give the KV cache at least {per_block} bytes (more to serve long or many requests)",
         )
-    return PoolPlan(n_blocks, block_size, per_block, budget_bytes, dtype, kv_dtype)
+    return PoolPlan(n_blocks, block_size, per_block, budget_bytes, dtype, kv_dtype, groups)
 
 
 class KVPool:
     """The allocated pool: ``k[layer]`` and ``v[layer]``, ``(n_blocks, kv_heads, block_size, head_dim)``
-    (tensors, or :class:`runtime.cache.QuantKV` for an int8 pool)."""
+    (tensors, or :class:`runtime.cache.QuantKV` for an int8 pool), indexed by the block ids of the
+    layer's group (``group_of[layer]``); layers in the same slot of different groups share a tensor."""
 
-    def __init__(self, plan: PoolPlan, k: list[torch.Tensor | QuantKV], v: list[torch.Tensor | QuantKV]) -> None:
+    def __init__(self, plan: PoolPlan, k: list[torch.Tensor | QuantKV], v: list[torch.Tensor | QuantKV],
+                 group_of: list[int] | None = None) -> None:
         self.plan = plan
         self.k, self.v = k, v
+        self.group_of = group_of or [0] * len(k)
 
     @classmethod
     def allocate(cls, config: ModelConfig, plan: PoolPlan, device: torch.device) -> "KVPool":
         """Zeroed tensors for ``plan`` on ``device`` (zeros: a block's unused rows are never read,
         but stay finite should a kernel touch them)."""
         shape = (plan.n_blocks, config.n_kv_heads, plan.block_size, config.head_dim)
-        k = [empty_kv(shape, plan.kv_dtype, plan.dtype, device) for _ in range(config.n_layers)]
-        v = [empty_kv(shape, plan.kv_dtype, plan.dtype, device) for _ in range(config.n_layers)]
-        return cls(plan, k, v)
+        groups = plan.groups or (LayerGroup(tuple(range(config.n_layers)), None),)
+        slots = len(groups[0].layers)
+        ks = [empty_kv(shape, plan.kv_dtype, plan.dtype, device) for _ in range(slots)]
+        vs = [empty_kv(shape, plan.kv_dtype, plan.dtype, device) for _ in range(slots)]
+        slot_of, group_of = [0] * config.n_layers, [0] * config.n_layers
+        for g, group in enumerate(groups):
+            for j, layer in enumerate(group.layers):
+                slot_of[layer], group_of[layer] = j, g
+        return cls(plan, [ks[j] for j in slot_of], [vs[j] for j in slot_of], group_of)
 
     @property
     def n_blocks(self) -> int:

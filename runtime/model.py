@@ -317,7 +317,7 @@ def paged_attention(
     its own context: single queries through the step's paged kernel (one call for all of them) when it
     has one, the rest through SDPA over keys/values gathered from their blocks. In a sliding-window
     layer a sequence whose context the window cuts goes to SDPA, over the blocks that hold its window
-    with a mask (the pool keeps every block of the context: the window saves compute, not memory).
+    with a mask (the pool has given back the blocks before them: :mod:`runtime.kv_pool`).
     Soft-capped scores (Gemma 2 style) never take the kernel.
     """
     if isinstance(layer.k, QuantKV):  # an int8 pool holds keys rotated (runtime.cache.key_rotation)

@@ -41,6 +41,9 @@ class SeqChunk:
     start: int  # position of tokens[0]: the keys/values of positions < start are in the blocks
     blocks: Sequence[int]  # the sequence's block table, covering at least start + len(tokens) positions
     logits: bool  # whether the step returns logits for its last token
+    #: The block tables of the pool's other layer groups (:func:`runtime.kv_pool.layer_groups`), in
+    #: order; a sliding-window group's table holds -1 for blocks its window has left.
+    more: tuple[Sequence[int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,12 @@ _STEP_WINDOW = -1
 
 
 class PagedStep:
-    """Per-step metadata of a batch over the paged pool (see the module's docstring)."""
+    """Per-step metadata of a batch over the paged pool (see the module's docstring). In a pool of
+    several layer groups, each group's blocks are a step of their own (:attr:`groups`; this step is
+    the first), sharing positions, RoPE rows and logits rows; :meth:`layer` picks a layer's."""
+
+    #: This step per layer group, when the pool has more than one (:meth:`build` sets it).
+    groups: tuple["PagedStep", ...] = ()
 
     def __init__(
         self,
@@ -146,7 +154,8 @@ class PagedStep:
     def layer(self, index: int, window: int | None = _STEP_WINDOW) -> PagedLayer:
         """Layer ``index``'s view of the step, attending with ``window`` (default: the step's own)."""
         own = self.sliding_window if window == _STEP_WINDOW else window
-        return PagedLayer(self, self.pool.k[index], self.pool.v[index], own)
+        step = self.groups[self.pool.group_of[index]] if self.groups else self
+        return PagedLayer(step, self.pool.k[index], self.pool.v[index], own)
 
     def first_block(self, span: SeqSpan, window: int | None) -> int:
         """The first of ``span``'s blocks that holds a key its queries see under ``window`` (0 without one)."""
@@ -185,35 +194,49 @@ class PagedStep:
         """The step for ``chunks`` (rows in their order) and its input ids (1, N)."""
         device = cos_table.device
         bs = pool.block_size
+        n_groups = 1 + max((len(c.more) for c in chunks), default=0)
         ids: list[int] = []
         positions: list[int] = []
-        wblocks: list[int] = []
         wrows: list[int] = []
-        spans_at: list[tuple[int, int, int, int, int]] = []  # row, length, context, first in `tables`, blocks
-        tables: list[int] = []  # every sequence's block ids, one after another
+        wblocks: list[list[int]] = [[] for _ in range(n_groups)]  # per group
+        tables: list[list[int]] = [[] for _ in range(n_groups)]  # per group, every sequence's block ids in turn
+        spans_at: list[tuple[int, int, int, list[int], int]] = []  # row, length, context, first in `tables`, blocks
         logits_rows: list[int] = []
         for c in chunks:
             n = len(c.tokens)
             end = c.start + n
-            if n < 1 or len(c.blocks) * bs < end:
+            own = [c.blocks, *c.more]
+            if n < 1 or len(own) != n_groups or any(len(t) * bs < end for t in own):
                 raise ValueError(f"a chunk of {n} tokens at {c.start} does not fit its {len(c.blocks)} blocks")
             row = len(ids)
             ids.extend(c.tokens)
+            used = -(-end // bs)
+            spans_at.append((row, n, end, [len(t) for t in tables], used))
             for p in range(c.start, end):
                 positions.append(p)
-                wblocks.append(c.blocks[p // bs])
                 wrows.append(p % bs)
-            used = -(-end // bs)
-            spans_at.append((row, n, end, len(tables), used))
-            tables.extend(c.blocks[:used])
+            for g, t in enumerate(own):
+                wblocks[g].extend(t[p // bs] for p in range(c.start, end))
+                tables[g].extend(t[:used])
             if c.logits:
                 logits_rows.append(row + n - 1)
         # Every index of the step goes to the device in one non-blocking copy. A blocking copy per
         # tensor (torch.tensor(..., device="cuda")) makes the host wait for the GPU at each: 6 and one
         # per sequence every step (found by the CUDA dry run, tests/test_cuda_dryrun.py).
         N, S = len(ids), len(logits_rows)
-        host = torch.tensor([*ids, *positions, *wblocks, *wrows, *logits_rows, *tables], dtype=torch.long)
-        ids_t, pos, wb, wr, rows, blocks = host.to(device, non_blocking=True).split([N, N, N, N, S, len(tables)])
-        spans = [SeqSpan(row, n, end, blocks[a : a + used]) for row, n, end, a, used in spans_at]
-        step = cls(pool, pos, cos_table[pos], sin_table[pos], wb, wr, spans, rows, kernel, sliding_window)
-        return step, ids_t.view(1, N)
+        flat = [*ids, *positions, *wrows, *logits_rows]
+        sizes = [N, N, N, S]
+        for g in range(n_groups):
+            flat += [*wblocks[g], *tables[g]]
+            sizes += [N, len(tables[g])]
+        parts = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True).split(sizes)
+        ids_t, pos, wr, rows = parts[:4]
+        cos, sin = cos_table[pos], sin_table[pos]
+        steps = []
+        for g in range(n_groups):
+            wb, blocks = parts[4 + 2 * g], parts[5 + 2 * g]
+            spans = [SeqSpan(row, n, end, blocks[a[g] : a[g] + used]) for row, n, end, a, used in spans_at]
+            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel, sliding_window))
+        if n_groups > 1:
+            steps[0].groups = tuple(steps)
+        return steps[0], ids_t.view(1, N)

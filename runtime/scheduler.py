@@ -14,7 +14,10 @@ Every step:
    Nothing is admitted in a step that had to preempt.
 
 A sequence's blocks are taken for its whole prompt at admission, then one at a time as decoding
-fills them: memory follows the tokens held, never reserved for ``max_tokens`` ahead.
+fills them: memory follows the tokens held, never reserved for ``max_tokens`` ahead. The blocks of
+sliding-window layer groups are taken a chunk at a time and given back as the window moves on
+(:meth:`runtime.block_manager.BlockManager.release`); a chunk that finds none preempts as a decode
+token does.
 
 The queue is bounded: :meth:`Scheduler.add` raises :class:`EngineBusy` when ``max_waiting`` requests
 wait beyond the free slots (a request a free slot will take at the next step does not count). A request that
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.block_manager import BlockManager, BlockTable
+from localllm.runtime.kv_pool import capacity_tokens
 
 
 class EngineBusy(LocalLLMError):
@@ -122,7 +126,9 @@ class Scheduler:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.blocks.n_blocks * self.blocks.block_size
+        """Positions one sequence can hold alone (prefilled a chunk at a time)."""
+        bm = self.blocks
+        return capacity_tokens(bm.n_blocks, bm.block_size, bm.windows, self.chunk_tokens)
 
     def check_fits(self, prompt_len: int, max_len: int) -> None:
         """Refuse a prompt that can never run: no room for it and one generated token."""
@@ -180,30 +186,24 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.pending != 1:
                 continue
-            while not self.blocks.grow(seq.table, len(seq.token_ids)):
-                if len(self.running) == 1:  # alone, it can use the whole pool: max_len forbids this
-                    raise RuntimeError(f"a sequence of {len(seq.token_ids)} tokens found no block alone "
-                                       f"in a pool of {self.capacity_tokens} tokens")
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status is Status.RUNNING:
+            if self._grow(seq, len(seq.token_ids), preempted):
                 chunks.append(Chunk(seq, seq.computed, 1))
         # 2. the next chunk of each prefilling sequence, within the budget
         budget = self.chunk_tokens
-        for seq in self.running:
+        for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.pending > 1:
+            if seq.status is Status.RUNNING and seq.pending > 1:
                 n = min(seq.pending, budget)
-                chunks.append(Chunk(seq, seq.computed, n))
-                budget -= n
+                if self._grow(seq, seq.computed + n, preempted):  # window groups take blocks per chunk
+                    chunks.append(Chunk(seq, seq.computed, n))
+                    budget -= n
+        if preempted:  # a chunk's blocks may have gone to the one before it: it runs another time
+            chunks = [c for c in chunks if c.seq.status is Status.RUNNING]
         # 3. admission
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            cached = self.blocks.allocate(seq.table, seq.token_ids)
+            cached = self.blocks.allocate(seq.table, seq.token_ids, budget)
             if cached is None:
                 break
             self.waiting.popleft()
@@ -218,6 +218,20 @@ class Scheduler:
             budget -= n
         return Scheduled(chunks, preempted, admitted)
 
+    def _grow(self, seq: Sequence, tokens: int, preempted: list[Sequence]) -> bool:
+        """Blocks for ``seq`` to hold ``tokens`` positions, preempting the youngest running sequences
+        while there are too few; False when ``seq`` itself was preempted."""
+        while not self.blocks.grow(seq.table, tokens):
+            if len(self.running) == 1:  # alone, it can use the whole pool: max_len forbids this
+                raise RuntimeError(f"a sequence of {tokens} tokens found no block alone "
+                                   f"in a pool of {self.capacity_tokens} tokens")
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
     def computed(self, chunks: Seq[Chunk]) -> None:
         """Record that ``chunks`` ran: their keys/values are in the pool, full blocks get keyed."""
         for c in chunks:
@@ -226,3 +240,4 @@ class Scheduler:
                 continue
             seq.computed = c.start + c.length
             self.blocks.commit(seq.table, seq.token_ids, seq.computed)
+            self.blocks.release(seq.table, seq.computed)

@@ -190,3 +190,78 @@ def test_gather_reads_a_sequence_back_in_order():
             pool.k[0][b, :, r] = 4 * i + r
     k, _ = pool.gather(0, torch.tensor(blocks), 10)
     assert k.shape == (1, 1, 10, 16) and k[0, 0, :, 0].tolist() == list(range(10))
+
+
+def test_a_window_group_gives_back_the_blocks_its_window_has_left():
+    """Two layer groups, one full-context and one with a 6-token window, over one free list: the
+    window group takes blocks a chunk at a time and gives back those no later query reads (keyed ones
+    to the cache); the full group holds every block."""
+    from localllm.runtime.block_manager import RELEASED
+
+    bm = BlockManager(16, BS, windows=(None, 6))
+    ids = list(range(100, 121))  # 21 tokens: 6 blocks
+    table = BlockTable()
+    assert bm.allocate(table, ids, chunk=8) == 0
+    assert [len(g) for g in table.groups] == [6, 2]  # every prompt block; the first chunk's
+    assert bm.num_used == 8
+    bm.commit(table, ids, 8)
+    bm.release(table, 8)  # the next query (position 8) reads positions 3..8: blocks 0 to 2 of the window group
+    assert table.groups[1][0] != RELEASED
+    assert bm.grow(table, 16) and len(table.groups[1]) == 4
+    bm.commit(table, ids, 16)
+    bm.release(table, 16)  # position 16 reads 11..16: blocks 2 to 4; 0 and 1 go back, keyed: cached
+    assert table.groups[1][:2] == [RELEASED, RELEASED] and table.released == [0, 2]
+    assert bm.num_used == 6 + 2 and bm.num_cached == 2
+    bm.check()
+    assert bm.grow(table, 21) and bm.num_used == 6 + 4
+    bm.commit(table, ids, 21)
+    bm.release(table, 21)  # 16..21: blocks 4 and 5
+    assert table.groups[1] == [RELEASED] * 4 + table.groups[1][4:] and bm.num_used == 6 + 2
+    bm.free(table)
+    assert bm.num_used == 0 and bm.num_cached == 10  # 5 full blocks per group were keyed
+    bm.check()
+
+
+def test_a_window_group_reuses_a_prefix_whose_window_is_cached():
+    """A prefix is reused as far as the full group has every block and the window group the blocks
+    of the window behind the prefix's end; the window group's earlier places stay released."""
+    from localllm.runtime.block_manager import RELEASED
+
+    bm = BlockManager(14, BS, windows=(None, 6))
+    prompt = list(range(200, 224))  # 24 tokens: 6 full blocks
+    first, _ = run(bm, prompt)  # every block of both groups computed and keyed
+    bm.free(first)
+    again = BlockTable()
+    assert bm.allocate(again, prompt + [7, 8], chunk=4) == 24
+    assert again.groups[1][:4] == [RELEASED] * 4  # a query at 24 reads 19..24: blocks 4, 5 and the new 6
+    assert RELEASED not in again.groups[0] and again.released == [0, 4]
+    bm.free(again)
+    bm.check()
+    # The window group's blocks 4 and 5 evicted first (a new prompt's 4 blocks find only 2 free):
+    # the prefix is cut back to where the window's blocks are all cached.
+    window_4, window_5 = (bm._by_key[(1, k)] for k in bm._keys(prompt, 6)[4:6])
+    for b in (window_5, window_4):
+        bm._lru.move_to_end(b, last=False)
+    other = BlockTable()
+    assert bm.allocate(other, list(range(100, 112)), chunk=4) == 0
+    assert window_4 in other.groups[0] + other.groups[1] and window_5 in other.groups[0] + other.groups[1]
+    third = BlockTable()
+    assert bm.allocate(third, prompt + [9], chunk=4) == 16  # a query at 16 reads 11..16: blocks 2, 3, 4
+    assert third.groups[1][:2] == [RELEASED] * 2 and len(third.groups[1]) == 5 and len(third.groups[0]) == 7
+    assert bm.num_free == 0
+    bm.free(other)
+    bm.free(third)
+    bm.check()
+
+
+def test_a_pool_of_gemma_layers_groups_them_by_window():
+    config = ModelConfig(vocab_size=32, dim=64, n_layers=6, n_heads=4, n_kv_heads=1, intermediate_size=128,
+                         head_dim=16, sliding_window=32, layer_types=["sliding"] * 5 + ["full"])
+    per_block = 2 * 1 * 1 * 16 * 16 * 4  # k+v, 1 layer per block (the fewest of a kind), kv heads, rows, hd, fp32
+    plan = plan_pool(config, per_block * 100, torch.float32, block_size=16)
+    assert plan.windows == (None, 32, 32, 32, 32, 32) and plan.n_blocks == 100
+    # one sequence alone: every block of the full group, at most 3 per window group
+    assert plan.tokens == (100 - 5 * 3) * 16
+    assert "6 layer groups (1 full-context, 5 holding only their 32-token window)" in plan.describe()
+    pool = KVPool.allocate(config, plan, torch.device("cpu"))
+    assert len({id(t) for t in pool.k}) == 1 and pool.group_of == [1, 2, 3, 4, 5, 0]

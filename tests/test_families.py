@@ -374,3 +374,56 @@ def test_gemma3_batches_like_alone(family, attention):
         assert top2.indices[:, 0].tolist() == want  # alone (ring caches) = the cache-less forward
         assert (top2.values[:, 0] - top2.values[:, 1]).min() > 1e-4  # decided: CPUs agree
         assert h.result() == want
+
+
+def test_gemma3_paged_pool_holds_only_the_window_of_sliding_layers(family):
+    """The paged pool gives the sliding layers' blocks back as the window moves on: one sequence of
+    70 positions holds every block of the full layer and at most 2 of each sliding layer, where a pool
+    without windows holds every block of all four; a second request reuses the first's prompt (its
+    window's blocks cached) and still picks the tokens it picks alone."""
+    from localllm.loaders.load import load_model
+    from localllm.runtime.batch import BatchEngine
+    from localllm.runtime.generate import Generator
+    from localllm.runtime.sampling import SamplingParams
+
+    lm = load_model(str(family("gemma3")[1]), quant="fp32")
+    greedy = SamplingParams(temperature=0)
+    eng = BatchEngine(lm.model, kv_budget_bytes=1 << 20, chunk_tokens=8)
+    assert eng.plan.windows == (None, WINDOW, WINDOW, WINDOW)
+    assert "1 full-context, 3 holding only their 8-token window" in eng.plan.describe()
+    prompt = tokens(40, seed=5)[0].tolist()
+    h = eng.submit(prompt, greedy, 30)
+    most = 0
+    while eng.step():
+        most = max(most, eng.usage()["blocks_used"])
+    assert most <= 5 + 3 * 2  # ceil(70 / 16) full-layer blocks; a window of 8 spans at most 2 blocks
+    want = list(Generator(lm.model, 96).generate(prompt, greedy, max_tokens=30))
+    with torch.inference_mode():
+        top2 = lm.model(torch.tensor([prompt + want[:-1]]))[0, len(prompt) - 1 :].topk(2, dim=-1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-4  # every step decided: CPUs agree
+    assert h.result() == want
+    again = eng.submit(prompt + want[:5], greedy, 12)
+    eng.run_until_done()
+    assert again.stats.cached_tokens == 32  # blocks 0 and 1 of the full layer; 1 of each sliding one
+    assert again.result() == list(Generator(lm.model, 96).generate(prompt + want[:5], greedy, max_tokens=12))
+    eng.blocks.check()
+
+
+def test_gemma3_one_sequence_fills_a_tight_window_pool_without_failing(family):
+    """A pool just large enough for its longest sequence: the engine's length limit counts each
+    window group's blocks behind a whole prefill chunk, so a prompt near the limit, prefilled in
+    chunks and decoded to the limit, never finds the pool short."""
+    from localllm.loaders.load import load_model
+    from localllm.runtime.batch import BatchEngine
+    from localllm.runtime.sampling import SamplingParams
+
+    lm = load_model(str(family("gemma3")[1]), quant="fp32")
+    page = BatchEngine(lm.model, kv_budget_bytes=1 << 20).plan.bytes_per_block
+    eng = BatchEngine(lm.model, kv_budget_bytes=12 * page, chunk_tokens=16)
+    # 3 full-layer blocks, and 3 blocks for each of the 3 sliding layers (8 + 16 positions)
+    assert eng.plan.n_blocks == 12 and eng.max_seq_len == 48
+    h = eng.submit(tokens(44, seed=9)[0].tolist(), SamplingParams(temperature=0), 10)
+    eng.run_until_done()
+    assert h.stats.finish_reason == "length" and h.stats.generated_tokens == 5  # the last from position 47
+    assert eng.blocks.num_used == 0 and eng.scheduler.preemptions == 0
+    eng.blocks.check()

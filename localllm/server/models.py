@@ -185,7 +185,8 @@ class ModelManager:
         self.slots[name] = slot
         self.metrics.models_loaded_total += 1
         await self._make_room(0, keep=slot)
-        log.info("loaded %s in %.1f s (%d MB)", name, slot.load_s, slot.size_bytes // 10**6)
+        log.info("loaded %s in %.1f s (%d MB); %s", name, slot.load_s, slot.size_bytes // 10**6,
+                 slot.engine.plan.describe())
         return slot
 
     def _load_blocking(self, name: str) -> ModelSlot:
