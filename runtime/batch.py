@@ -32,7 +32,7 @@ import torch
 from localllm.errors import LocalLLMError
 from localllm.runtime.block_manager import BlockManager
 from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_pool
-from localllm.runtime.model import Transformer, rope_tables
+from localllm.runtime.model import Transformer, cache_rope_tables
 from localllm.runtime.paged import PagedDecodeAttention, PagedStep, SeqChunk
 from localllm.runtime.paged_aot import PagedAotDecode, unsupported
 from localllm.runtime.sampling import SamplingParams, make_generator, sample
@@ -175,8 +175,8 @@ class BatchEngine:
         self.blocks = BlockManager(self.plan.n_blocks, block_size, prefix_cache, self.plan.windows)
         self.scheduler = Scheduler(self.blocks, max_waiting, max_running, chunk_tokens)
         self.max_seq_len = min(max_seq_len or config.max_seq_len, self.scheduler.capacity_tokens)
-        cos, sin = rope_tables(config, self.max_seq_len, self.device)
-        self._cos, self._sin = cos.to(model.dtype), sin.to(model.dtype)  # (max_seq_len, hd)
+        cos, sin = cache_rope_tables(config, self.max_seq_len, self.device)
+        self._cos, self._sin = cos.to(model.dtype), sin.to(model.dtype)  # (max_seq_len, rot), 2 * rot with local ones
         self.kernel: PagedDecodeAttention | None = None
         if attention == "auto" and self.device.type == "cpu":
             from localllm.runtime import cpu_attention

@@ -29,6 +29,7 @@ paged KV pool passes a :class:`runtime.paged.PagedStep` instead (:func:`paged_at
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -154,9 +155,10 @@ def rope_tables(config: ModelConfig, max_seq: int, device: torch.device,
     return rope_rows(config, torch.arange(max_seq, device=device), max_seq, local)
 
 
-def _both_tables(config: ModelConfig, max_seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def cache_rope_tables(config: ModelConfig, max_seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The global tables, and beside them (last axis) the local ones when the sliding layers have a
-    base of their own: what a :class:`SequenceCache` carries."""
+    base of their own: what a :class:`SequenceCache` and a :class:`runtime.paged.PagedStep` carry
+    (rows of them), split again by :meth:`Transformer._split_rope`."""
     cos, sin = rope_tables(config, max_seq, device)
     if config.rope_local_theta is None:
         return cos, sin
@@ -300,6 +302,17 @@ class Attention(nn.Module):
             y = attend(q, readable(k, q.dtype), readable(v, q.dtype), mask, self.scale, self.softcap)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim).to(out_dtype)
         return self.o(y)
+
+
+def round_to(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded (to nearest, ties to even) to ``dtype``'s precision, as a Python float: worked
+    out on the host, so a forward makes no tensor (and reads none back) for it."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]  # fp32 first, as torch.tensor(value) would
+    if dtype == torch.bfloat16:
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    elif dtype == torch.float16:
+        return struct.unpack("<e", struct.pack("<e", struct.unpack("<f", struct.pack("<I", bits))[0]))[0]
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
 def paged_attention(
@@ -455,7 +468,7 @@ class Transformer(nn.Module):
             shape = (batch, c.n_kv_heads, window if ring else max_seq, c.head_dim)
             layers.append(KVCache(empty_kv(shape, kv_dtype, dtype, device), empty_kv(shape, kv_dtype, dtype, device),
                                   window if ring else None))
-        cos, sin = _both_tables(c, max_seq, device)
+        cos, sin = cache_rope_tables(c, max_seq, device)
         return SequenceCache(layers, cos.to(self.dtype), sin.to(self.dtype))
 
     @property
@@ -505,7 +518,7 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if cache is None:
             start, input_pos = 0, None
-            cos, sin = _both_tables(self.config, T, tokens.device)
+            cos, sin = cache_rope_tables(self.config, T, tokens.device)
             cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # (T, rot[*2])
         else:
             if input_pos is None:
@@ -539,7 +552,7 @@ class Transformer(nn.Module):
         if self.config.embed_scale is None:
             return x
         # A Python scalar rounded to x's dtype: the product equals transformers' (a tensor of that dtype).
-        return x * float(torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype))
+        return x * round_to(self.config.embed_scale, x.dtype)
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of the final hidden states (soft-capped when the model says so)."""
@@ -550,13 +563,10 @@ class Transformer(nn.Module):
     def forward_paged(self, tokens: torch.Tensor, step: PagedStep) -> torch.Tensor:
         """Logits (1, S_out, vocab) of ``step.logits_rows`` for the flattened batch ``tokens`` (1, N):
         every linear layer runs once over all N rows, attention per sequence (:func:`paged_attention`).
-        Each layer attends with its own window; the local layers' RoPE rows are made here from the
-        step's positions (the step carries the global ones)."""
+        Each layer attends with its own window and RoPE rows (the step carries rows of
+        :func:`cache_rope_tables`: the local layers' beside the global ones)."""
         x = self._embed(tokens)  # (1, N, D)
-        rope = {False: (step.cos, step.sin)}
-        if self._local_rope:
-            lcos, lsin = rope_rows(self.config, step.positions, self.config.max_seq_len, local=True)
-            rope[True] = (lcos.to(self.dtype), lsin.to(self.dtype))
+        rope = self._split_rope(step.cos, step.sin)  # rows of cache_rope_tables: the local ones beside
         for i, layer in enumerate(self.layers):
             x = layer(x, step.layer(i, layer.attn.window), None, *rope[layer.attn.local_rope])
         x = x[:, step.logits_rows]  # (1, S_out, D)

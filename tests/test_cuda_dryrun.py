@@ -66,7 +66,7 @@ from localllm.runtime.batch import BatchEngine
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.generate import Generator, decode_one_token, prefill
 from localllm.runtime.kv_pool import plan_pool
-from localllm.runtime.model import rope_tables
+from localllm.runtime.model import cache_rope_tables
 from localllm.runtime.paged import PagedStep, SeqChunk
 from localllm.runtime.sampling import SamplingParams
 from tests.conftest import make_hf_model, save_hf_folder
@@ -81,7 +81,11 @@ SCHEMES = ("fp16", "bf16", "int8", "int4", "nf4")
 CUDA_KERNEL = {"int8": "int8-weight-only", "int4": "int4-tinygemm-cuda", "nf4": "nf4-bitsandbytes"}
 #: Tiny families wide enough for tinygemm (inputs a multiple of 128); Mistral with a window shorter
 #: than the prompts, so the windowed masks run too.
-FAMILIES = {"llama": {}, "mistral": {"sliding_window": 8}, "qwen2": {}}
+FAMILIES = {"llama": {}, "mistral": {"sliding_window": 8}, "qwen2": {},
+            # sliding and full layers: a paged pool of four layer groups, ring caches of the window
+            "gemma3": {"sliding_window": 8, "num_hidden_layers": 4, "head_dim": 64, "pad_token_id": 0,
+                       "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                       "sliding_attention"]}}
 WIDE = dict(hidden_size=256, intermediate_size=512)
 PROMPTS = ([1, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25], [1, 4, 6])  # 12 tokens (past the window) and 3
 
@@ -352,8 +356,10 @@ def run_runtime(model, loops: bool = True) -> dict:
     # the paged forward of a batch step: a 12-token sequence that samples, 2 tokens of one that does not
     budget = model.config.kv_cache_bytes(128, 2)
     engine = BatchEngine(model, kv_budget_bytes=budget, max_running=4)
-    specs = [SeqChunk(PROMPTS[0], 0, [0], True), SeqChunk(PROMPTS[1][:2], 0, [1], False)]
-    cos, sin = (t.to(model.dtype) for t in rope_tables(model.config, 64, device))
+    more = range(1, len(engine.plan.windows))  # the other layer groups' tables (Gemma 3)
+    specs = [SeqChunk(PROMPTS[0], 0, [0], True, tuple([2 * g] for g in more)),
+             SeqChunk(PROMPTS[1][:2], 0, [1], False, tuple([2 * g + 1] for g in more))]
+    cos, sin = (t.to(model.dtype) for t in cache_rope_tables(model.config, 64, device))
     step, ids = PagedStep.build(engine.pool, specs, cos, sin, engine.kernel, model.config.sliding_window)
     with forward("paged"), torch.inference_mode():  # as the engine runs it
         logits = model(ids, step)
@@ -435,12 +441,13 @@ def wide_folders(tmp_path_factory):
 
 
 #: Every scheme on Llama; Mistral (sliding-window masks) and Qwen2 (q/k/v biases, added by float and
-#: quantized layers alike) with a float and a quantized scheme each: what a family changes is
+#: quantized layers alike) with a float and a quantized scheme each, Gemma 3 (layers of two windows,
+#: so a paged pool of layer groups) with one: what a family changes is
 #: attention and biases, the same code whatever the weights' scheme. (The whole grid takes twice as
 #: long: the file is kept within a minute on two cores.) One case runs on the second GPU, cuda:1: a
 #: tensor put on the default GPU instead of the model's would show there.
 CASES = [("llama", s) for s in SCHEMES] + [("mistral", "bf16"), ("mistral", "int4"), ("qwen2", "fp16"),
-                                           ("qwen2", "int8:1")]
+                                           ("qwen2", "int8:1"), ("gemma3", "int4")]
 
 
 @pytest.mark.parametrize("family,case", CASES)

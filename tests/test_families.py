@@ -409,6 +409,17 @@ def test_gemma3_paged_pool_holds_only_the_window_of_sliding_layers(family):
     eng.blocks.check()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gemma_embedding_scale_rounds_on_the_host_as_torch_does(dtype):
+    """sqrt(hidden) rounded to the activation dtype in Python (no tensor in the forward): the value a
+    tensor of that dtype holds, ties to even included."""
+    from localllm.runtime.model import round_to
+
+    values = [640 ** 0.5, 1152 ** 0.5, 2560 ** 0.5, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -11,
+              *torch.rand(2000, generator=torch.Generator().manual_seed(0), dtype=torch.float64).mul(90).tolist()]
+    assert [round_to(v, dtype) for v in values] == torch.tensor(values).to(dtype).tolist()
+
+
 def test_gemma3_one_sequence_fills_a_tight_window_pool_without_failing(family):
     """A pool just large enough for its longest sequence: the engine's length limit counts each
     window group's blocks behind a whole prefill chunk, so a prompt near the limit, prefilled in

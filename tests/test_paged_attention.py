@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from localllm import native
 from localllm.runtime import cpu_attention
 from localllm.runtime.kv_pool import KVPool, gather, plan_pool
-from localllm.runtime.model import rope_tables
+from localllm.runtime.model import cache_rope_tables
 from localllm.runtime.paged import PagedStep, SeqChunk
 
 needs_kernel = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the kernel")
@@ -105,7 +105,7 @@ def three_paged_steps(model, kv_dtype: str, kernel) -> tuple[KVPool, list[torch.
     and each step's logits (S_out, vocab)."""
     config = model.config
     pool = KVPool.allocate(config, plan_pool(config, 1 << 20, model.dtype, 16, kv_dtype), model.device)
-    cos, sin = rope_tables(config, 128, model.device)
+    cos, sin = cache_rope_tables(config, 128, model.device)
     cos, sin = cos.to(model.dtype), sin.to(model.dtype)
 
     def run(chunks):
