@@ -109,7 +109,8 @@ def describe_checkpoint(ckpt: Any, name: str | None) -> dict[str, Any]:
     if isinstance(ckpt, GGUFCheckpoint):
         tensor_types = ckpt.tensor_import(plan, "16-bit")
         path = Path(ckpt.path)
-        weight_bytes, dtype = path.stat().st_size, None
+        # the tensors' bytes, not the file's (its vocabulary and template are metadata)
+        weight_bytes, dtype = sum(int(t.n_bytes) for _, t in ckpt.raw_tensors()), None
     else:
         path = Path(ckpt.folder)
         weight_bytes = sum(f.stat().st_size for f in ckpt.files)

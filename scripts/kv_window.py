@@ -50,7 +50,7 @@ def main() -> None:
         steps += 1
     took = time.perf_counter() - t0
     held = most * eng.plan.bytes_per_block
-    print(f"{args.sequences} sequences of {args.prompt} + {args.tokens} positions: at most {most} blocks held, "
+    print(f"{args.sequences} sequence{'s' if args.sequences > 1 else ''} of {args.prompt} + {args.tokens} positions: at most {most} blocks held, "
           f"{human_size(held)}; every layer holding every position: {human_size(flat)} "
           f"({flat / held:.2f}x); {steps} steps, {1000 * took / steps:.1f} ms a step")
 

@@ -128,3 +128,23 @@ def test_chat_template_folds_the_system_prompt_into_the_first_turn(lm):
     assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!"
                     "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
     assert tok.token_to_id("<end_of_turn>") in tok.eos_ids
+
+
+def test_the_file_runs_in_its_own_bytes_and_show_says_so(gemma_path):
+    """Every tensor held as its file has it (Q4_K, Q5_0, Q6_K blocks; the tied Q8_0 table once, as
+    int8 head and embedding): the weights take the file's tensor bytes, which ``show`` reports, with
+    the sliding layers' window beside the KV cache's size."""
+    import gguf
+
+    from localllm.commands.store import show_text
+    from localllm.loaders.describe import describe_ref
+
+    tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(gemma_path)).tensors)
+    facts, _ = describe_ref(str(gemma_path))
+    assert facts["weight_bytes"] == tensor_bytes
+    text = show_text(facts)
+    assert "(16-bit cache; 15 of 18 layers hold only their 512-token window)" in text
+    lm = load_model(str(gemma_path), device="cpu")
+    ratio = lm.weight_bytes / tensor_bytes
+    print(f"weights in memory: {lm.weight_bytes:,} bytes, {ratio:.3f}x the file's tensor bytes")
+    assert ratio <= 1.02  # a 16-bit copy of any table (the embedding's alone is 335 MB) is far over

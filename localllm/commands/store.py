@@ -125,8 +125,10 @@ def show_text(facts: dict[str, Any]) -> str:
     q = facts["quant"]
     scheme = QuantScheme(**q).label() if q else f"{facts['scheme']} (not quantized)"
     heads = f"{facts['heads']} ({facts['kv_heads']} kv heads, head dim {facts['head_dim']})"
+    window = (f"; {facts['sliding_layers']} of {facts['layers']} layers hold only their {facts['sliding_window']}-token "
+              f"window" if facts.get("sliding_layers") else "")
     kv = (f"{human_size(facts['kv_cache_bytes_per_token'])} per token, {human_size(facts['kv_cache_bytes_context'])} "
-          f"for {facts['context_length']} tokens (16-bit cache)")
+          f"for {facts['context_length']} tokens (16-bit cache{window})")
     # --kv-cache int8: a byte per value and an fp32 scale per token and kv head, instead of 2 bytes a value
     int8 = (facts["head_dim"] + 4) / (2 * facts["head_dim"])
     kv += (f"; int8 cache: {human_size(round(facts['kv_cache_bytes_per_token'] * int8))} per token, "
