@@ -194,7 +194,7 @@ class PagedStep:
         """The step for ``chunks`` (rows in their order) and its input ids (1, N)."""
         device = cos_table.device
         bs = pool.block_size
-        n_groups = 1 + max((len(c.more) for c in chunks), default=0)
+        n_groups = 1 + max(pool.group_of, default=0)  # every chunk brings a table for each
         ids: list[int] = []
         positions: list[int] = []
         wrows: list[int] = []
@@ -207,7 +207,8 @@ class PagedStep:
             end = c.start + n
             own = [c.blocks, *c.more]
             if n < 1 or len(own) != n_groups or any(len(t) * bs < end for t in own):
-                raise ValueError(f"a chunk of {n} tokens at {c.start} does not fit its {len(c.blocks)} blocks")
+                raise ValueError(f"a chunk of {n} tokens at {c.start} does not fit its tables of "
+                                 f"{[len(t) for t in own]} blocks ({n_groups} layer groups, {bs}-token blocks)")
             row = len(ids)
             ids.extend(c.tokens)
             used = -(-end // bs)
