@@ -375,8 +375,11 @@ def test_show_a_gguf_file_without_storing_it(smollm2_path: Path, home: Path) -> 
                                      "Q4_1": "210 tensors -> int4 (group 32, asymmetric), exact",
                                      "Q8_0": "1 tensor -> int8 (group 32), exact"}
     assert facts["quant"] == {"name": "int4", "group_size": 32, "symmetric": False}  # its Q4_1 grid
-    # 30 layers x 7 linears, and the output head: the GGUF's Q8_0 head is kept as it is
-    assert (facts["weight_bytes"], facts["quantized_modules"]) == (smollm2_path.stat().st_size, 211)
+    # 30 layers x 7 linears, and the output head: the GGUF's Q8_0 head is kept as it is. The weights'
+    # bytes are the tensors' (the file also holds the vocabulary and template: metadata).
+    tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(smollm2_path)).tensors)
+    assert (facts["weight_bytes"], facts["quantized_modules"]) == (tensor_bytes, 211)
+    assert tensor_bytes < smollm2_path.stat().st_size
     assert facts["source"] == {"path": str(smollm2_path.resolve())} and facts["chat_template"] is True
     assert (facts["sliding_window"], facts["sliding_layers"]) == (None, 0)  # Llama: every layer sees it all
     # The plan for each context the model offers: the same weights, and a KV cache that grows with it
