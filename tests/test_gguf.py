@@ -189,8 +189,9 @@ def _one_line_error(path: Path) -> str:
 
 def test_a_file_that_is_not_gguf_is_said(tmp_path):
     noise = tmp_path / "notgguf.gguf"
-    noise.write_bytes(b"\x00\x13" + os.urandom(4000))
-    assert "notgguf.gguf is not a GGUF file (bad magic b'\\x00\\x13" in _one_line_error(noise)
+    # the magic fixed: a random one holding a quote (0x27) would be shown in double quotes
+    noise.write_bytes(b"\x00\x13\x01\x02" + os.urandom(4000))
+    assert "notgguf.gguf is not a GGUF file (bad magic b'\\x00\\x13\\x01\\x02')" in _one_line_error(noise)
     empty = tmp_path / "empty.gguf"
     empty.write_bytes(b"")
     assert "empty.gguf is not a GGUF file (bad magic b'')" in _one_line_error(empty)
