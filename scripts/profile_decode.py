@@ -2,7 +2,10 @@
 """Where a decode step's time goes: torch.profiler over cached decode steps of a model.
 
     .venv/bin/python scripts/profile_decode.py [--model smollm2] [--quant int4] [--quant-head int8]
-        [--compile [--torch-compile]]
+        [--compile [--torch-compile]] [--prefill]
+
+``--quant file`` keeps the scheme the model's file defines (a GGUF's blocks). ``--prefill`` profiles
+the prefill of --context tokens (eager, median of --steps) instead of decode steps.
 
 ``--compile`` profiles the AOTInductor step (its kernels show as one call unless inductor's kernel
 profile is on: TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 before the first compile); ``--torch-compile``
@@ -34,11 +37,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=128, help="tokens already in the cache")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--prefill", action="store_true", help="profile the prompt's prefill, not decode steps")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lm = load_model(args.model, quant=args.quant, quantize_head=args.quant_head)
+    quant = None if args.quant == "file" else args.quant
+    lm = load_model(args.model, quant=quant, quantize_head=args.quant_head)
     model = lm.model
     n = args.context
+    if args.prefill:
+        profile_prefill(lm, n, args.steps)
+        return
     cache = model.new_cache(n + 2 * args.steps + 16)
     prefill(model, cache, torch.randint(0, lm.config.vocab_size, (1, n)))
     step = compiled_decode(forward_one_token, lm.device, aot=not args.torch_compile) if args.compile else decode_one_token
@@ -60,6 +68,25 @@ def main() -> None:
             pos = n + 5 + args.steps + i
             step(model, cache, token, torch.tensor([pos]), pos)
     print("per 20 steps:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("ROWS", "12"))))
+
+
+def profile_prefill(lm, n: int, rounds: int) -> None:  # type: ignore[no-untyped-def]
+    """Median time of a prefill of ``n`` random tokens into an empty cache, then its profile."""
+    model, ids = lm.model, torch.randint(0, lm.config.vocab_size, (1, n))
+    times = []
+    for _ in range(rounds):
+        cache = model.new_cache(n)
+        t0 = time.perf_counter()
+        prefill(model, cache, ids)
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    print(f"{lm.scheme_label}, kernels {dict(lm.kernels)}: prefill of {n} tokens {med * 1e3:.1f} ms median "
+          f"({n / med:.1f} tok/s, {rounds} rounds)")
+    cache = model.new_cache(n)
+    with profile() as prof:
+        prefill(model, cache, ids)
+    print("one prefill:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(os.environ.get("ROWS", "12"))))
 
 

@@ -405,7 +405,7 @@ def test_gemma3_paged_pool_holds_only_the_window_of_sliding_layers(family):
     again = eng.submit(prompt + want[:5], greedy, 12)
     eng.run_until_done()
     assert again.stats.cached_tokens == 32  # blocks 0 and 1 of the full layer; 1 of each sliding one
-    assert again.result() == list(Generator(lm.model, 96).generate(prompt + want[:5], greedy, max_tokens=12))
+    assert again.result() == want[5:17]  # the decided steps above, now after a prefix hit
     eng.blocks.check()
 
 
