@@ -15,6 +15,7 @@ int4-tinygemm-cpu      int4    CPU (``torch._weight_int4pack_mm_for_cpu``)   bf1
 int4-tinygemm-cuda     int4    CUDA sm80+ (``torch._weight_int4pack_mm``)    bf16
 int8-weight-only       int8    per-channel (``torch._weight_int8pack_mm``)   bf16 / fp16 / fp32
 int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf16 / fp16 / fp32
+int4-q8-cpu            int4    CPU, AVX-512 VNNI, opt-in (``int4_q8_mm``)     int8 per 32 (from fp32)
 gguf-blocks-cpu        gguf    CPU (``localllm::gguf_mm``): a GGUF's blocks  bf16 / fp16 / fp32
 nf4-bitsandbytes       nf4     bitsandbytes ``matmul_4bit`` (CPU and CUDA)   bf16 / fp16 / fp32
 reference              all     dequantize one layer, ``F.linear``            any
@@ -56,6 +57,8 @@ class Kernel:
     name = "base"
     scheme = ""  # the weight scheme it multiplies by ("" for every scheme)
     device_type: str | None = None  # the one device type it runs on (None: any)
+    #: Taken only when named (``--kernel``): it changes the numbers, not only the speed.
+    opt_in = False
 
     @classmethod
     def supports(cls, layer: "QuantLinear", target: "Target | torch.device", act_dtype: torch.dtype) -> bool:
@@ -258,6 +261,11 @@ def _register_fakes() -> None:
     def _gguf_gemm(x: torch.Tensor, blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], blocks.shape[0]))
 
+    @torch.library.register_fake("localllm::int4_q8_mm")
+    def _int4_q8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
+                 out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
     @torch.library.register_fake("localllm::int4_group_dequant")
     def _int4_dequant(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
                       out_features: int) -> torch.Tensor:
@@ -273,9 +281,10 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 #: matmul (``csrc/int8_group_mm.cpp``), the grouped int4 one with fp32 activations
 #: (``csrc/int4_group_mm.cpp``) and the one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``).
 LIBRARY = native.NativeLibrary(
-    "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "int4_group_mm.cpp", _CSRC / "gguf_blocks_mm.cpp"),
+    "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "int4_group_mm.cpp", _CSRC / "int4_q8_mm.cpp",
+                       _CSRC / "gguf_blocks_mm.cpp"),
     ("int8_group_mm", "int8_group_gemm", "int4_group_mm", "int4_group_gemm", "int4_group_dequant",
-     "gguf_mm", "gguf_gemm", "gguf_dequant"),
+     "int4_q8_mm", "int4_q8_mm_portable", "q8_vnni", "gguf_mm", "gguf_gemm", "gguf_dequant"),
     _register_fakes, headers=(_CSRC / "panel_gemm.h",),
 )
 
@@ -406,6 +415,66 @@ class Int4GroupCPU(Kernel):
         return op(x, layer.packed, layer.tile_scales, layer.tile_offsets, g, n)
 
 
+class Int4Q8CPU(Kernel):
+    """int4 with an fp16 scale and offset per group (as :class:`Int4GroupCPU`), multiplied by the
+    activations quantized to int8 per block of 32 inputs, as llama.cpp multiplies its Q4 weights
+    (``csrc/int4_q8_mm.cpp``): the codes' dot products run in 8-bit integers (AVX-512 VNNI), four
+    times the multiply-adds an instruction of fp32 FMAs, which is what bounds a batched decode step or
+    a prefill on a CPU. One kernel for any number of rows, each row one fixed chain of operations: a
+    sequence's numbers are the same alone and in any batch. Opt-in (``--kernel int4-q8-cpu``): the
+    activations' rounding moves the logits (by what ``localllm bench`` reports as KL divergence), so
+    the default stays the fp32 product with the exact weights. Without VNNI it runs a portable loop
+    that gives the same bits, slowly, so it is offered only where VNNI is.
+
+    Layout (made here): ``packed`` uint8 (tiles of 16 rows, in/8, 64): dword j of octet o holds row
+    16t + j's codes of columns 8o + i (low nibble of byte i) and 8o + 4 + i (high nibble);
+    ``tile_scales`` / ``tile_offsets`` as :class:`Int4GroupCPU`'s. Same bytes as the canonical tensors
+    (but the last tile's padding)."""
+
+    name = "int4-q8-cpu"
+    scheme = "int4"
+    device_type = "cpu"
+    opt_in = True
+
+    @staticmethod
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        if layer.scheme.name != "int4":
+            return "runs int4 weights only"
+        why = _native_cpu_unsupported(target, act_dtype)
+        if why is not None:
+            return why
+        if layer.scheme.group_size % 32:  # int4 groups are 32 to 256 (formats.GROUP_SIZES)
+            return "needs groups of a multiple of 32 inputs"
+        if not torch.ops.localllm.q8_vnni():
+            return "needs AVX-512 VNNI (this CPU has none; without it the kernel is slower than fp32)"
+        return None
+
+    @staticmethod
+    def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
+        if not native.available(LIBRARY):
+            raise RuntimeError("localllm's CPU kernels are not built")
+        tile = Int4GroupCPU.TILE
+        rows = rows or Int4GroupCPU.PACK_ROWS
+        rows -= rows % tile
+        out, half = layer.qweight.shape
+        parts = []
+        for a in range(0, out, rows):
+            q = unpack_int4(layer.qweight[a : a + rows]).view(-1, half // 4, 2, 4)  # (rows, octets, half, 4)
+            octets = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], -1)  # (rows, in/2): 4 bytes an octet
+            parts.append(Int4GroupCPU._tiles(octets.view(torch.int32), tile))  # (rows/16, in/8, 16) dwords
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return {
+            "packed": packed.view(torch.uint8).view(packed.shape[0], packed.shape[1], 4 * tile),
+            "tile_scales": Int4GroupCPU._tiles(layer.scales.half(), tile),
+            "tile_offsets": Int4GroupCPU._tiles(layer.offsets.half(), tile),
+        }
+
+    @staticmethod
+    def matmul(layer, x):  # type: ignore[no-untyped-def]
+        return torch.ops.localllm.int4_q8_mm(x, layer.packed, layer.tile_scales, layer.tile_offsets,
+                                             layer.scheme.group_size, layer.out_features)
+
+
 def gguf_dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
     """(rows, bytes) uint8 blocks of a GGUF type -> (rows, in_features) fp32 weights, by the C++ decoder
     the matmul uses (bit for bit ``gguf.quants.dequantize``; the tests compare)."""
@@ -504,7 +573,8 @@ class Nf4Bitsandbytes(Kernel):
 
 #: In order of preference; the first that supports a layer (and passes its check) is used.
 KERNELS: tuple[type[Kernel], ...] = (
-    Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int8GroupCPU, Int8WeightOnly, GGUFBlocksCPU, Nf4Bitsandbytes, Reference
+    Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int8GroupCPU, Int8WeightOnly, GGUFBlocksCPU, Nf4Bitsandbytes,
+    Int4Q8CPU, Reference
 )
 BY_NAME = {k.name: k for k in KERNELS}
 
@@ -513,7 +583,7 @@ def candidates(layer: "QuantLinear", target: "Target | torch.device", act_dtype:
     """The kernels that can run ``layer`` on ``target`` (a :class:`quant.target.Target`; a bare device
     is resolved with :meth:`Target.of`), in order of preference."""
     target = Target.of(target)
-    return [k for k in KERNELS if k.unsupported(layer, target, act_dtype) is None]
+    return [k for k in KERNELS if not k.opt_in and k.unsupported(layer, target, act_dtype) is None]
 
 
 def why_not_fast(layer: "QuantLinear", target: "Target | torch.device", act_dtype: torch.dtype) -> list[str]:
@@ -521,7 +591,7 @@ def why_not_fast(layer: "QuantLinear", target: "Target | torch.device", act_dtyp
     bfloat16 activations, not float32"): what a warning about the slow reference names. Kernels made
     for another device are named only when none is made for this one (grouped int8 on CUDA)."""
     target = Target.of(target)
-    fast = [k for k in KERNELS if k is not Reference and k.scheme == layer.scheme.name]
+    fast = [k for k in KERNELS if k is not Reference and not k.opt_in and k.scheme == layer.scheme.name]
     if any(k.device_type == target.type for k in fast):
         fast = [k for k in fast if k.device_type in (None, target.type)]
     reasons = []

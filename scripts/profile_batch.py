@@ -3,10 +3,13 @@
 which every sequence decodes one token (no prefill), grouped into matmuls, attention, and the rest.
 
     .venv/bin/python scripts/profile_batch.py [--model smollm2] [--batch 1,8,16] [--context 128] [--threads 2]
+        [--kernel int4-q8-cpu] [--compiled]
 
 Each batch size gets a fresh engine: that many sequences of --context prompt tokens are prefilled
 first (not profiled), then --steps decode steps are timed (median step time) and profiled. Prints,
 per batch size, the step time, the time per generated token and the self time of each group of ops.
+--compiled times the compiled step (``localllm compile``; built if missing), whose ops the profiler
+cannot see inside: its step time only.
 """
 
 from __future__ import annotations
@@ -44,14 +47,17 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel", default=None, help="force a matmul kernel, as run --kernel")
+    ap.add_argument("--compiled", action="store_true", help="time the compiled step (no profile)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lm = load_model(args.model, quant=args.quant)
+    lm = load_model(args.model, quant=args.quant, kernel=args.kernel)
+    print(f"kernels: {dict(lm.kernels)}")
     vocab = lm.config.vocab_size
     print(f"{args.model}: {lm.model.dtype} activations, {args.threads} threads, {args.context}-token prompts")
     for batch in [int(b) for b in args.batch.split(",")]:
         engine = BatchEngine(lm.model, kv_budget_bytes=1 << 30, max_running=batch, chunk_tokens=4096,
-                             max_seq_len=args.context + 2 * args.steps + 16)
+                             max_seq_len=args.context + 2 * args.steps + 16, compile=args.compiled)
         handles = [engine.submit([(7 * b + 11 * i) % vocab for i in range(args.context)], SamplingParams(temperature=0),
                                  max_tokens=2 * args.steps + 8) for b in range(batch)]
         while any(h.stats.first_token_at is None for h in handles):  # prefill (and the first tokens)
@@ -61,6 +67,13 @@ def main() -> None:
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
+        step = statistics.median(times)
+        print(f"\nbatch {batch}: step {step * 1e3:.1f} ms, {step * 1e3 / batch:.2f} ms a token, "
+              f"{batch / step:.0f} tok/s (median of {args.steps} steps{'; compiled' if args.compiled else ''})")
+        if args.compiled:
+            for h in handles:
+                h.cancel()
+            continue
         with profile() as prof:
             for _ in range(args.steps):
                 engine.step()
@@ -69,9 +82,7 @@ def main() -> None:
         for e in prof.key_averages():
             groups[group_of(e.key)] += e.self_cpu_time_total
             total += e.self_cpu_time_total
-        step = statistics.median(times)
-        print(f"\nbatch {batch}: step {step * 1e3:.1f} ms, {step * 1e3 / batch:.2f} ms a token, "
-              f"{batch / step:.0f} tok/s (median of {args.steps} steps; profiled self times below)")
+        print("  profiled self times:")
         for label, us in sorted(groups.items(), key=lambda kv: -kv[1]):
             print(f"  {label:52} {us / args.steps / 1e3:7.2f} ms a step  {100 * us / total:5.1f}%")
         for h in handles:

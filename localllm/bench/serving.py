@@ -337,7 +337,8 @@ def run_serving(model: Any, ids: Sequence[int], s: ServingSettings, log: Log) ->
 
 
 def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device: str = "auto",
-                  threads: int | None = None, text: str | None = None, log: Log = log_stderr) -> dict[str, Any]:
+                  threads: int | None = None, text: str | None = None, log: Log = log_stderr,
+                  kernel: str | None = None) -> dict[str, Any]:
     """``localllm bench MODEL --concurrency ... --workload ...``: the JSON-ready result."""
     from localllm.bench.machine import busy_warning, describe_machine, machine_info
     from localllm.loaders.load import load_model, resolve_device
@@ -352,9 +353,9 @@ def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device
     if busy:
         log(f"warning: {busy}")
     source, body = read_text(text)
-    lm = load_model(ref, device=str(dev), quant=quant)
+    lm = load_model(ref, device=str(dev), quant=quant, kernel=kernel)
     ids = lm.tokenizer.encode(body)
-    log(f"{lm.source}: {lm.scheme_label}; workload {s.workload}, concurrency {','.join(map(str, s.levels))}")
+    log(f"{lm.source}: {lm.scheme_label} ({', '.join(sorted(lm.kernels))}); workload {s.workload}, concurrency {','.join(map(str, s.levels))}")
     figures = run_serving(lm.model, ids, s, log)
     import torch
 
@@ -362,6 +363,7 @@ def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device
         "schema": SCHEMA,
         "model": lm.source,
         "scheme": lm.scheme_label,
+        "kernels": dict(sorted(lm.kernels.items())),
         "device": str(dev),
         "workload": s.workload,
         "settings": {"levels": s.levels, "prompt_tokens": s.prompt_tokens, "gen_tokens": s.gen_tokens,

@@ -10,6 +10,7 @@ from localllm.bench.settings import DEFAULT_SCHEMES
 from localllm.commands.common import kv_cache_option, quant_head_option, threads_option
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
+from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
 
 if TYPE_CHECKING:
     from localllm.bench.serving import ServingSettings
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
               help="Serving mode: prompt tokens the engine prefills per step, all requests together. Smaller "
                    "chunks keep running streams' inter-token latency low while a long prompt is prefilled; "
                    "larger ones give that prompt its first token sooner.")
+@click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)),
+              help="Serving mode: force a matmul kernel, as for run (e.g. int4-q8-cpu: int8 activations).")
 def bench(
     model: str,
     quant: str | None,
@@ -73,6 +76,7 @@ def bench(
     concurrency: str | None,
     workload: str | None,
     chunk_tokens: int,
+    kernel: str | None,
 ) -> None:
     """Benchmark MODEL (a model folder, a .gguf file, a stored NAME or 'smollm2') in each weight scheme:
     weight bytes, load time, peak memory, KV cache size, TTFT, prefill and decode speed, decode bandwidth
@@ -96,8 +100,13 @@ def bench(
         s = ServingSettings(workload, parse_levels(concurrency, workload),
                             prompt_tokens=128 if prompt_tokens is None else prompt_tokens, gen_tokens=gen_tokens,
                             chunk_tokens=chunk_tokens, kv_dtype=kv_cache)
-        serving(model, quant, device, threads, json_path, plot_path, text_path, s, compile_ or kv_compare)
+        serving(model, quant, device, threads, json_path, plot_path, text_path, s, compile_ or kv_compare, kernel)
         return
+    if kernel is not None:
+        from localllm.errors import LocalLLMError
+
+        raise LocalLLMError("--kernel applies to the serving mode only",
+                            "add --concurrency or --workload, or time the kernel with `localllm run --kernel`")
     prompt_tokens = 512 if prompt_tokens is None else prompt_tokens
     result = bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
                               kv_compare, not no_quality, quant_head, compile_, kv_dtype=kv_cache)
@@ -105,7 +114,8 @@ def bench(
 
 
 def serving(model: str, quant: str | None, device: str, threads: int | None, json_path: str | None,
-            plot_path: str | None, text_path: str | None, s: ServingSettings, single_stream_flags: bool) -> None:
+            plot_path: str | None, text_path: str | None, s: ServingSettings, single_stream_flags: bool,
+            kernel: str | None = None) -> None:
     """``bench --concurrency/--workload``: the serving figures of one scheme on the batch engine."""
     from localllm.bench.report import report
     from localllm.bench.serving import bench_serving
@@ -117,5 +127,5 @@ def serving(model: str, quant: str | None, device: str, threads: int | None, jso
                             "drop them, or drop --concurrency/--workload")
     if quant is not None and "," in quant:
         raise LocalLLMError(f"serving mode measures one scheme, not '{quant}'", "give one --quant SCHEME")
-    result = bench_serving(model, s, quant, device, threads, text_path)
+    result = bench_serving(model, s, quant, device, threads, text_path, kernel=kernel)
     report(result, json_path, plot_path, table_of=format_serving, plot=write_serving_plot)

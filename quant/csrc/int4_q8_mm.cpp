@@ -1,0 +1,268 @@
+// y = x W^T for int4 weights (fp16 scale and offset per group, localllm's canonical int4) with the
+// activations quantized to int8 per block of 32 inputs, as llama.cpp multiplies its Q4 weights: the
+// dot products of codes run in 8-bit integers (AVX-512 VNNI's vpdpbusd, 64 multiply-adds an
+// instruction against 16 fp32 FMAs), which is what a batched step or a prefill is bound by on a CPU.
+// Lossy in the activations (each rounded to 1/254 of its block's largest), so an opt-in kernel.
+//
+// Activations: per row and block b of 32 inputs, d = amax / 127, q = round(x * 127 / amax) in
+// -127..127 (round half to even), and s = d * sum(q). Weight group g holds G / 32 such blocks.
+//
+// Output: for each row and output n, acc = 0, then for every block in order:
+//   acc = fma(float(sum_k code[n,k] * q[k]), scale[n,g] * d, acc);   (the integer sum is exact)
+//   acc = fma(offset[n,g], s, acc);
+// One chain of fp32 operations a row, the same whatever the other rows of the call, so a sequence's
+// result does not depend on its batch; the VNNI path and the portable one give the same bits.
+//
+// Layout (made at load by quant/kernels.py, Int4Q8CPU.prepare): output rows in tiles of 16;
+//   packed  uint8 (T, K/8, 64): dword j of octet o of tile t holds row 16t + j's codes of columns
+//           8o .. 8o + 7, byte i being column 8o + i (low nibble) and 8o + 4 + i (high nibble), so a
+//           mask or a shift and a mask give four columns' codes a byte, one dword a row: vpdpbusd's
+//           unsigned operand, against four activations broadcast;
+//   scales, offsets  fp16 (T, K/G, 16), as Int4GroupCPU's.
+// Rows past N in the last tile are zeros and are not written. Tiles are split across threads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define LOCALLLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+#endif
+
+namespace {
+
+constexpr int64_t TILE = 16;
+constexpr int64_t QB = 32;  // activations a quantization block
+constexpr int RMAX = 8;     // activation rows a pass over a tile (registers: 8 codes, 8 sums, ...)
+
+bool has_vnni() {
+#if defined(__x86_64__)
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+// The activations, quantized: q (M, K) int8, d and s (M, K/32).
+struct Quantized {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+void quantize_block_portable(const float* x, int8_t* q, float* d, float* s) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int64_t i = 0; i < QB; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv));  // |v| <= 127 by construction
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *d = amax / 127.f;
+  *s = *d * static_cast<float>(sum);
+}
+
+#if defined(__x86_64__)
+LOCALLLM_VNNI void quantize_block_vnni(const float* x, int8_t* q, float* d, float* s) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  // cvtps rounds as MXCSR says: to nearest, ties to even, as nearbyint does.
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *d = amax / 127.f;
+  *s = *d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+}
+#endif
+
+Quantized quantize(const float* x, int64_t M, int64_t K, bool vnni) {
+  const int64_t nb = K / QB;
+  Quantized out{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+#if defined(__x86_64__)
+      if (vnni) {
+        quantize_block_vnni(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i]);
+        continue;
+      }
+#endif
+      quantize_block_portable(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i]);
+    }
+  });
+  return out;
+}
+
+// One tile (16 outputs) by rows activation rows, the order of operations of the header, in scalars.
+void tile_portable(const int8_t* q, const float* d, const float* s, int64_t rows, const uint8_t* w,
+                   const c10::Half* sc, const c10::Half* of, int64_t K, int64_t G, float* y, int64_t ldy,
+                   int64_t valid) {
+  const int64_t nb = K / QB, per = G / QB;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < valid; ++j) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t g = b / per;
+        int32_t isum = 0;
+        for (int64_t o = 0; o < QB / 8; ++o) {
+          const uint8_t* dw = w + ((b * 4 + o) * TILE + j) * 4;
+          const int8_t* xq = q + r * K + b * QB + o * 8;
+          for (int i = 0; i < 4; ++i) isum += (dw[i] & 0x0F) * xq[i] + (dw[i] >> 4) * xq[4 + i];
+        }
+        const float scale = static_cast<float>(sc[g * TILE + j]), offset = static_cast<float>(of[g * TILE + j]);
+        acc = std::fma(static_cast<float>(isum), scale * d[r * nb + b], acc);
+        acc = std::fma(offset, s[r * nb + b], acc);
+      }
+      y[r * ldy + j] = acc;
+    }
+}
+
+#if defined(__x86_64__)
+template <int R>
+LOCALLLM_VNNI void tile_vnni(const int8_t* q, const float* d, const float* s, const uint8_t* w,
+                             const c10::Half* sc, const c10::Half* of, int64_t K, int64_t G, float* y,
+                             int64_t ldy, int64_t valid) {
+  const int64_t nb = K / QB, per = G / QB;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t g = b / per;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + g * TILE)));
+    const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(of + g * TILE)));
+    __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {
+      const __m512i v = _mm512_loadu_si512(w + (b * 4 + o) * 64);
+      lo[o] = _mm512_and_si512(v, mask);
+      hi[o] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = reinterpret_cast<const int32_t*>(q + r * K + b * QB);
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // two chains; integer sums
+#pragma GCC unroll 4
+      for (int o = 0; o < 4; ++o) {
+        s0 = _mm512_dpbusd_epi32(s0, lo[o], _mm512_set1_epi32(xr[2 * o]));
+        s1 = _mm512_dpbusd_epi32(s1, hi[o], _mm512_set1_epi32(xr[2 * o + 1]));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(d[r * nb + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(s[r * nb + b]), acc[r]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+
+template <int R>
+void tile_vnni_tail(int64_t rows, const int8_t* q, const float* d, const float* s, const uint8_t* w,
+                    const c10::Half* sc, const c10::Half* of, int64_t K, int64_t G, float* y, int64_t ldy,
+                    int64_t valid) {
+  if constexpr (R > 0) {
+    if (rows == R) tile_vnni<R>(q, d, s, w, sc, of, K, G, y, ldy, valid);
+    else tile_vnni_tail<R - 1>(rows, q, d, s, w, sc, of, K, G, y, ldy, valid);
+  }
+}
+#endif
+
+void mm(const Quantized& xq, int64_t M, const uint8_t* w, const c10::Half* sc, const c10::Half* of, int64_t K,
+        int64_t G, int64_t N, float* y, bool vnni) {
+  const int64_t T = (N + TILE - 1) / TILE, ng = K / G, nb = K / QB;
+  const int64_t groups = (M + RMAX - 1) / RMAX;  // rows in passes of equal size, at most RMAX
+  // Enough tiles a task that a thread's share is worth waking it: ~64K weights.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (TILE * K));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* wt = w + t * (K / 2) * TILE;
+      const c10::Half* st = sc + t * ng * TILE;
+      const c10::Half* ot = of + t * ng * TILE;
+      const int64_t valid = std::min(TILE, N - t * TILE);
+      int64_t m = 0;
+      for (int64_t p = 0; p < groups; ++p) {
+        const int64_t rows = M / groups + (p < M % groups);
+        const int8_t* q = xq.q.data() + m * K;
+        const float* d = xq.d.data() + m * nb;
+        const float* s = xq.s.data() + m * nb;
+        float* yt = y + m * N + t * TILE;
+#if defined(__x86_64__)
+        if (vnni) {
+          tile_vnni_tail<RMAX>(rows, q, d, s, wt, st, ot, K, G, yt, N, valid);
+          m += rows;
+          continue;
+        }
+#endif
+        tile_portable(q, d, s, rows, wt, st, ot, K, G, yt, N, valid);
+        m += rows;
+      }
+    }
+  });
+}
+
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
+               int64_t group, int64_t N, bool vnni, const char* op) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 4 * TILE && packed.scalar_type() == at::kByte,
+              op, ": packed must be uint8 (tiles, K/8, 64)");
+  const int64_t T = packed.size(0), K = packed.size(1) * 8;
+  TORCH_CHECK(group > 0 && group % QB == 0 && K % group == 0, op, ": group ", group,
+              " must be a multiple of 32 that divides the width ", K);
+  TORCH_CHECK(N > (T - 1) * TILE && N <= T * TILE, op, ": ", N, " rows do not fill ", T, " tiles of 16");
+  for (const at::Tensor* t : {&scales, &offsets}) {
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == T && t->size(1) == K / group &&
+                    t->size(2) == TILE,
+                op, ": scales and offsets must be float16 (tiles, K/group, 16)");
+  }
+  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(),
+              op, ": packed, scales and offsets must be contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be (M, ", K, ")");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M > 0) {
+    const Quantized xq = quantize(xf.data_ptr<float>(), M, K, vnni);
+    mm(xq, M, packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), offsets.data_ptr<c10::Half>(), K, group,
+       N, y.data_ptr<float>(), vnni);
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+at::Tensor int4_q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const at::Tensor& offsets, int64_t group, int64_t N) {
+  return run(x, packed, scales, offsets, group, N, has_vnni(), "int4_q8_mm");
+}
+
+// The same product in portable scalar code (what a CPU without AVX-512 VNNI runs): the tests hold
+// the VNNI path to it bit for bit.
+at::Tensor int4_q8_mm_portable(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                               const at::Tensor& offsets, int64_t group, int64_t N) {
+  return run(x, packed, scales, offsets, group, N, false, "int4_q8_mm_portable");
+}
+
+bool q8_vnni() { return has_vnni(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(localllm, m) {
+  m.def("int4_q8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
+  m.def("int4_q8_mm_portable(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
+  m.def("q8_vnni() -> bool", &q8_vnni);
+}
+
+TORCH_LIBRARY_IMPL(localllm, CPU, m) {
+  m.impl("int4_q8_mm", &int4_q8_mm);
+  m.impl("int4_q8_mm_portable", &int4_q8_mm_portable);
+}
