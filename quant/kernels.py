@@ -15,7 +15,8 @@ int4-tinygemm-cpu      int4    CPU (``torch._weight_int4pack_mm_for_cpu``)   bf1
 int4-tinygemm-cuda     int4    CUDA sm80+ (``torch._weight_int4pack_mm``)    bf16
 int8-weight-only       int8    per-channel (``torch._weight_int8pack_mm``)   bf16 / fp16 / fp32
 int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf16 / fp16 / fp32
-int4-q8-cpu            int4    CPU, AVX-512 VNNI, opt-in (``int4_q8_mm``)     int8 per 32 (from fp32)
+int4-q8-cpu            int4    CPU, AVX-512 VNNI, opt-in (``int4_q8_mm``)    int8 per 32 (from fp32)
+int8-q8-cpu            int8    CPU, AVX-512 VNNI, opt-in (``int8_q8_mm``)    int8 per 32 (from fp32)
 gguf-blocks-cpu        gguf    CPU (``localllm::gguf_mm``): a GGUF's blocks  bf16 / fp16 / fp32
 nf4-bitsandbytes       nf4     bitsandbytes ``matmul_4bit`` (CPU and CUDA)   bf16 / fp16 / fp32
 reference              all     dequantize one layer, ``F.linear``            any
@@ -57,8 +58,11 @@ class Kernel:
     name = "base"
     scheme = ""  # the weight scheme it multiplies by ("" for every scheme)
     device_type: str | None = None  # the one device type it runs on (None: any)
-    #: Taken only when named (``--kernel``): it changes the numbers, not only the speed.
+    #: Taken only when named (``--kernel``): it changes the numbers, not only the speed. Naming one
+    #: opt-in kernel names the others of its ``family`` for the layers it cannot run (int8 activations
+    #: for a model's int4 layers and its int8 head).
     opt_in = False
+    family = ""
 
     @classmethod
     def supports(cls, layer: "QuantLinear", target: "Target | torch.device", act_dtype: torch.dtype) -> bool:
@@ -266,6 +270,11 @@ def _register_fakes() -> None:
                  out_features: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], out_features))
 
+    @torch.library.register_fake("localllm::int8_q8_mm")
+    def _int8_q8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
+                 out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
     @torch.library.register_fake("localllm::int4_group_dequant")
     def _int4_dequant(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
                       out_features: int) -> torch.Tensor:
@@ -281,10 +290,10 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 #: matmul (``csrc/int8_group_mm.cpp``), the grouped int4 one with fp32 activations
 #: (``csrc/int4_group_mm.cpp``) and the one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``).
 LIBRARY = native.NativeLibrary(
-    "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "int4_group_mm.cpp", _CSRC / "int4_q8_mm.cpp",
+    "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "int4_group_mm.cpp", _CSRC / "q8_mm.cpp",
                        _CSRC / "gguf_blocks_mm.cpp"),
     ("int8_group_mm", "int8_group_gemm", "int4_group_mm", "int4_group_gemm", "int4_group_dequant",
-     "int4_q8_mm", "int4_q8_mm_portable", "q8_vnni", "gguf_mm", "gguf_gemm", "gguf_dequant"),
+     "int4_q8_mm", "int4_q8_mm_portable", "int8_q8_mm", "int8_q8_mm_portable", "q8_vnni", "gguf_mm", "gguf_gemm", "gguf_dequant"),
     _register_fakes, headers=(_CSRC / "panel_gemm.h",),
 )
 
@@ -418,7 +427,7 @@ class Int4GroupCPU(Kernel):
 class Int4Q8CPU(Kernel):
     """int4 with an fp16 scale and offset per group (as :class:`Int4GroupCPU`), multiplied by the
     activations quantized to int8 per block of 32 inputs, as llama.cpp multiplies its Q4 weights
-    (``csrc/int4_q8_mm.cpp``): the codes' dot products run in 8-bit integers (AVX-512 VNNI), four
+    (``csrc/q8_mm.cpp``): the codes' dot products run in 8-bit integers (AVX-512 VNNI), four
     times the multiply-adds an instruction of fp32 FMAs, which is what bounds a batched decode step or
     a prefill on a CPU. One kernel for any number of rows, each row one fixed chain of operations: a
     sequence's numbers are the same alone and in any batch. Opt-in (``--kernel int4-q8-cpu``): the
@@ -435,6 +444,7 @@ class Int4Q8CPU(Kernel):
     scheme = "int4"
     device_type = "cpu"
     opt_in = True
+    family = "q8"
 
     @staticmethod
     def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
@@ -473,6 +483,72 @@ class Int4Q8CPU(Kernel):
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         return torch.ops.localllm.int4_q8_mm(x, layer.packed, layer.tile_scales, layer.tile_offsets,
                                              layer.scheme.group_size, layer.out_features)
+
+
+class Int8Q8CPU(Kernel):
+    """int8 weights (a scale per group of a multiple of 32 inputs, a GGUF's Q8_0 head; or per row) by
+    the activations quantized to int8 per block of 32, on AVX-512 VNNI (``csrc/q8_mm.cpp``): the int8
+    member of :class:`Int4Q8CPU`'s opt-in family, which ``--kernel int4-q8-cpu`` also takes for a
+    model's int8 head. Layout (made here): ``packed`` uint8 (tiles of 16 rows, in/4, 64), dword j of
+    quad c holding row 16t + j's codes of columns 4c .. 4c + 3, each plus 128; ``tile_scales`` fp16
+    (tiles, in/group or 1, 16). A tied model's embedding reads its rows back (:meth:`rows_of`)."""
+
+    name = "int8-q8-cpu"
+    scheme = "int8"
+    device_type = "cpu"
+    opt_in = True
+    family = "q8"
+
+    @staticmethod
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        if layer.scheme.name != "int8":
+            return "runs int8 weights only"
+        why = _native_cpu_unsupported(target, act_dtype)
+        if why is not None:
+            return why
+        g = layer.scheme.group_size
+        if (g if g is not None else layer.in_features) % 32:
+            return "needs scales per group (or row) of a multiple of 32 inputs"
+        if not torch.ops.localllm.q8_vnni():
+            return "needs AVX-512 VNNI (this CPU has none; without it the kernel is slower than fp32)"
+        return None
+
+    @staticmethod
+    def _group(layer) -> int:  # type: ignore[no-untyped-def]
+        return layer.scheme.group_size or layer.in_features
+
+    @staticmethod
+    def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
+        if not native.available(LIBRARY):
+            raise RuntimeError("localllm's CPU kernels are not built")
+        tile = Int4GroupCPU.TILE
+        rows = rows or Int4GroupCPU.PACK_ROWS
+        rows -= rows % tile
+        parts = []
+        for a in range(0, layer.out_features, rows):
+            biased = (layer.qweight[a : a + rows].to(torch.int16) + 128).to(torch.uint8)  # (rows, in)
+            parts.append(Int4GroupCPU._tiles(biased.view(torch.int32), tile))  # (rows/16, in/4, 16) dwords
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        scales = layer.scales.half()
+        return {
+            "packed": packed.view(torch.uint8).view(packed.shape[0], packed.shape[1], 4 * tile),
+            "tile_scales": Int4GroupCPU._tiles(scales if scales.dim() == 2 else scales.view(-1, 1), tile),
+        }
+
+    @staticmethod
+    def matmul(layer, x):  # type: ignore[no-untyped-def]
+        return torch.ops.localllm.int8_q8_mm(x, layer.packed, layer.tile_scales, Int8Q8CPU._group(layer),
+                                             layer.out_features)
+
+    @staticmethod
+    def rows_of(layer, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """(n,) row ids -> (n, in) fp32 weights, q * scale (exact in fp32), from the kernel's layout."""
+        t, j = tokens // Int4GroupCPU.TILE, tokens % Int4GroupCPU.TILE
+        tiles, quads, _ = layer.packed.shape
+        codes = layer.packed.view(tiles, quads, Int4GroupCPU.TILE, 4)[t, :, j]  # (n, in/4, 4) uint8
+        q = (codes.reshape(len(tokens), -1).to(torch.int16) - 128).float()  # (n, in)
+        s = layer.tile_scales[t, :, j].float()  # (n, in/group or 1)
+        return (q.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
 
 
 def gguf_dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
@@ -574,7 +650,7 @@ class Nf4Bitsandbytes(Kernel):
 #: In order of preference; the first that supports a layer (and passes its check) is used.
 KERNELS: tuple[type[Kernel], ...] = (
     Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int8GroupCPU, Int8WeightOnly, GGUFBlocksCPU, Nf4Bitsandbytes,
-    Int4Q8CPU, Reference
+    Int4Q8CPU, Int8Q8CPU, Reference
 )
 BY_NAME = {k.name: k for k in KERNELS}
 

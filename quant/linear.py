@@ -39,7 +39,8 @@ class QuantLinear(nn.Module):
                 verdicts: dict[tuple, bool] | None = None, target: Target | None = None,
                 check: bool = True) -> str:
         """Choose the kernel for this device/dtype (or the one named, where it can run this layer: a
-        forced int4 kernel leaves an int8 head to the automatic choice), repack, and return its name.
+        forced int4 kernel leaves an int8 head to the automatic choice, but an opt-in one passes it to
+        its family's int8 member), repack, and return its name.
 
         ``verdicts`` carries the reference checks across the layers of a model: a kernel's layout is
         right or wrong for a shape, not for particular weights, so one layer of each shape is checked
@@ -65,9 +66,11 @@ class QuantLinear(nn.Module):
         elif target.type != device.type:
             raise ValueError(f"layer on {device} prepared for {target.describe()}")
         self.act_dtype = act_dtype
-        if kernel is not None and kernels.BY_NAME[kernel].supports(self, target, act_dtype):
-            choices = [kernels.BY_NAME[kernel]]
-        else:
+        named = kernels.BY_NAME[kernel] if kernel is not None else None
+        kin = [k for k in kernels.KERNELS if k is named or (named is not None and named.opt_in and k.opt_in
+                                                           and k.family == named.family)]
+        choices = [k for k in kin if k.supports(self, target, act_dtype)][:1]
+        if not choices:
             choices = kernels.candidates(self, target, act_dtype)
         verdicts = {} if verdicts is None else verdicts
         disagreeing = []
@@ -232,6 +235,10 @@ class TiedHeadEmbedding(nn.Module):
         head = self._head[0]
         if head.scheme.name == "gguf":
             rows = self._block_rows(head, tokens.reshape(-1))  # (B*T, D) fp32
+            return rows.view(*tokens.shape, head.in_features).to(head.act_dtype)
+        rows_of = getattr(head.kernel, "rows_of", None)
+        if rows_of is not None:  # a kernel that keeps the codes in a layout of its own
+            rows = rows_of(head, tokens.reshape(-1))  # (B*T, D) fp32
             return rows.view(*tokens.shape, head.in_features).to(head.act_dtype)
         scales = head.kscales if hasattr(head, "kscales") else head.scales  # (V,) or (V, D / group)
         rows = head.qweight[tokens].float()  # (B, T, D)

@@ -1,7 +1,8 @@
-"""int4 weights by int8-quantized activations (``--kernel int4-q8-cpu``, issue 13's batched steps).
+"""int4 and int8 weights by int8-quantized activations (``--kernel int4-q8-cpu``, issue 13's batched
+steps).
 
-The kernel is held to a float64 model of its own arithmetic (the activations quantized per block of
-32 as the header of ``quant/csrc/int4_q8_mm.cpp`` says, times the exact weights) within an fp32
+The kernels are held to a float64 model of their own arithmetic (the activations quantized per block of
+32 as the header of ``quant/csrc/q8_mm.cpp`` says, times the exact weights) within an fp32
 summation bound: a different rounding rule for the activations moves outputs by ~1/254 of a block's
 largest, a thousand times the bound. Its VNNI path and its portable path give the same bits, and a
 row's result is the same alone and in any batch, which is what keeps a sequence's batched tokens its
@@ -23,8 +24,9 @@ from tests.test_exact_int4 import FP32_BOUND, panel_rows_are_batch_invariant
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
 
 
-def layer_of(group: int, out: int, inp: int, seed: int = 0) -> tuple[QuantLinear, torch.Tensor]:
-    scheme = parse_scheme("int4", group)
+def layer_of(group: int | None, out: int, inp: int, seed: int = 0, scheme_name: str = "int4"
+             ) -> tuple[QuantLinear, torch.Tensor]:
+    scheme = parse_scheme(scheme_name, group)
     w = torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)) * 0.05
     canonical = quantize(w, scheme)
     layer = QuantLinear(inp, out, scheme)
@@ -43,17 +45,23 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def ops(layer: QuantLinear, portable: bool = False):  # type: ignore[no-untyped-def]
+    if layer.scheme.name == "int8":
+        t = kernels.Int8Q8CPU.prepare(layer)
+        op = torch.ops.localllm.int8_q8_mm_portable if portable else torch.ops.localllm.int8_q8_mm
+        group = layer.scheme.group_size or layer.in_features
+        return lambda x: op(x, t["packed"], t["tile_scales"], group, layer.out_features)
     t = kernels.Int4Q8CPU.prepare(layer)
     op = torch.ops.localllm.int4_q8_mm_portable if portable else torch.ops.localllm.int4_q8_mm
     return lambda x: op(x, t["packed"], t["tile_scales"], t["tile_offsets"], layer.scheme.group_size, layer.out_features)
 
 
-@pytest.mark.parametrize("group,out", [(32, 200), (64, 48), (128, 13)])
+@pytest.mark.parametrize("scheme,group,out", [("int4", 32, 200), ("int4", 64, 48), ("int4", 128, 13),
+                                               ("int8", 32, 200), ("int8", None, 40)])
 @pytest.mark.parametrize("portable", [False, True])
-def test_the_product_is_the_quantized_activations_by_the_exact_weights(group, out, portable):
+def test_the_product_is_the_quantized_activations_by_the_exact_weights(scheme, group, out, portable):
     """Row counts 1 (decode), up to a pass of 8, 9 (5 + 4), 17 and 40 (passes of equal size); output
-    rows past a tile; a block of zeros (its scale 0)."""
-    layer, w = layer_of(group, out, 512)
+    rows past a tile; a block of zeros (its scale 0); int8 per group and per row."""
+    layer, w = layer_of(group, out, 512, scheme_name=scheme)
     op = ops(layer, portable)
     g = torch.Generator().manual_seed(1)
     for rows in (1, 3, 8, 9, 17, 40):
@@ -68,8 +76,9 @@ def test_the_product_is_the_quantized_activations_by_the_exact_weights(group, ou
         assert ((x.double() @ w.t() - want).abs() > 3 * FP32_BOUND * (xq.abs() @ w.abs().t())).any()  # lossy
 
 
-def test_vnni_and_portable_paths_give_the_same_bits_and_rows_ignore_their_batch():
-    layer, _ = layer_of(32, 200, 576)
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_vnni_and_portable_paths_give_the_same_bits_and_rows_ignore_their_batch(scheme):
+    layer, _ = layer_of(32, 200, 576, scheme_name=scheme)
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(3)) * 3
     fast, slow = ops(layer), ops(layer, portable=True)
     assert torch.equal(fast(x), slow(x))
@@ -84,6 +93,19 @@ def test_the_kernel_is_taken_only_when_named():
     named, _ = layer_of(32, 64, 576)
     want = "int4-q8-cpu" if torch.ops.localllm.q8_vnni() else "int4-group-cpu"
     assert named.prepare(torch.float32, "int4-q8-cpu") == want
+
+
+@pytest.mark.skipif(not (native.compiler() and native.available(kernels.LIBRARY) and torch.ops.localllm.q8_vnni()),
+                    reason="int4-q8-cpu is offered on CPUs with AVX-512 VNNI only")
+def test_naming_the_int4_kernel_takes_its_int8_member_for_an_int8_layer_and_rows_read_back():
+    layer, w = layer_of(32, 200, 576, scheme_name="int8")
+    want = dequantize(layer.canonical(), layer.scheme)
+    assert layer.prepare(torch.float32, "int4-q8-cpu") == "int8-q8-cpu"
+    assert not hasattr(layer, "qweight")  # the kernel's layout replaced the canonical codes
+    ids = torch.tensor([0, 15, 16, 199, 17])
+    assert torch.equal(kernels.Int8Q8CPU.rows_of(layer, ids), want[ids])
+    fp32, _ = layer_of(32, 200, 576, scheme_name="int8")
+    assert fp32.prepare(torch.float32, "int4-group-cpu") == "int8-group-cpu"  # a default kernel names no family
 
 
 def test_a_layout_that_does_not_match_is_refused():
@@ -128,7 +150,7 @@ def test_smollm2_with_int8_activations_stays_close_to_the_files_weights(smollm2_
     with torch.inference_mode():
         want = ref.model(ids).float().log_softmax(-1)[0]
         q8 = load_model(str(smollm2_path), device="cpu", kernel="int4-q8-cpu")
-        assert q8.kernels["int4-q8-cpu"] == 120
+        assert q8.kernels["int4-q8-cpu"] == 120 and q8.kernels["int8-q8-cpu"] == 1  # the tied Q8_0 head
         got = q8.model(ids).float().log_softmax(-1)[0]
     kld, top1 = kld_top1(want, got)
     assert 2e-4 < kld < 1e-2 and top1 >= 0.9, (kld, top1)

@@ -1,5 +1,6 @@
-// y = x W^T for int4 weights (fp16 scale and offset per group, localllm's canonical int4) with the
-// activations quantized to int8 per block of 32 inputs, as llama.cpp multiplies its Q4 weights: the
+// y = x W^T for int4 weights (fp16 scale and offset per group, localllm's canonical int4) and for
+// int8 weights (fp16 scale per group or per row, a GGUF's Q8_0) with the activations quantized to
+// int8 per block of 32 inputs, as llama.cpp multiplies its Q4 / Q8 weights: the
 // dot products of codes run in 8-bit integers (AVX-512 VNNI's vpdpbusd, 64 multiply-adds an
 // instruction against 16 fp32 FMAs), which is what a batched step or a prefill is bound by on a CPU.
 // Lossy in the activations (each rounded to 1/254 of its block's largest), so an opt-in kernel.
@@ -9,7 +10,7 @@
 //
 // Output: for each row and output n, acc = 0, then for every block in order:
 //   acc = fma(float(sum_k code[n,k] * q[k]), scale[n,g] * d, acc);   (the integer sum is exact)
-//   acc = fma(offset[n,g], s, acc);
+//   acc = fma(offset[n,g], s, acc);                                   (int4 only)
 // One chain of fp32 operations a row, the same whatever the other rows of the call, so a sequence's
 // result does not depend on its batch; the VNNI path and the portable one give the same bits.
 //
@@ -19,6 +20,9 @@
 //           mask or a shift and a mask give four columns' codes a byte, one dword a row: vpdpbusd's
 //           unsigned operand, against four activations broadcast;
 //   scales, offsets  fp16 (T, K/G, 16), as Int4GroupCPU's.
+// int8 (Int8Q8CPU.prepare): packed uint8 (T, K/4, 64): dword j of quad c holds row 16t + j's codes of
+// columns 4c .. 4c + 3, each plus 128 (vpdpbusd's unsigned operand; the kernel takes 128 * sum(q) back
+// off the integer sum, exactly); scales fp16 (T, K/G, 16), G = K for a scale per row.
 // Rows past N in the last tile are zeros and are not written. Tiles are split across threads.
 
 #include <ATen/Parallel.h>
@@ -54,13 +58,14 @@ bool has_vnni() {
 #endif
 }
 
-// The activations, quantized: q (M, K) int8, d and s (M, K/32).
+// The activations, quantized: q (M, K) int8, d, s and the integer sums of q (M, K/32).
 struct Quantized {
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> sum;
 };
 
-void quantize_block_portable(const float* x, int8_t* q, float* d, float* s) {
+void quantize_block_portable(const float* x, int8_t* q, float* d, float* s, int32_t* qsum) {
   float amax = 0.f;
   for (int64_t i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -72,10 +77,11 @@ void quantize_block_portable(const float* x, int8_t* q, float* d, float* s) {
   }
   *d = amax / 127.f;
   *s = *d * static_cast<float>(sum);
+  *qsum = sum;
 }
 
 #if defined(__x86_64__)
-LOCALLLM_VNNI void quantize_block_vnni(const float* x, int8_t* q, float* d, float* s) {
+LOCALLLM_VNNI void quantize_block_vnni(const float* x, int8_t* q, float* d, float* s, int32_t* qsum) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -83,23 +89,26 @@ LOCALLLM_VNNI void quantize_block_vnni(const float* x, int8_t* q, float* d, floa
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
   *d = amax / 127.f;
-  *s = *d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  *s = *d * static_cast<float>(sum);
+  *qsum = sum;
 }
 #endif
 
 Quantized quantize(const float* x, int64_t M, int64_t K, bool vnni) {
   const int64_t nb = K / QB;
-  Quantized out{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  Quantized out{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
+                std::vector<int32_t>(M * nb)};
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
 #if defined(__x86_64__)
       if (vnni) {
-        quantize_block_vnni(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i]);
+        quantize_block_vnni(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i], &out.sum[i]);
         continue;
       }
 #endif
-      quantize_block_portable(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i]);
+      quantize_block_portable(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i], &out.sum[i]);
     }
   });
   return out;
@@ -180,17 +189,83 @@ void tile_vnni_tail(int64_t rows, const int8_t* q, const float* d, const float* 
 }
 #endif
 
+// int8 weights: one tile by rows activation rows, in scalars.
+void tile8_portable(const int8_t* q, const float* d, const int32_t* qsum, int64_t rows, const uint8_t* w,
+                    const c10::Half* sc, int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
+  (void)qsum;  // the portable sum takes the codes as they are: no bias to take back
+  const int64_t nb = K / QB, per = G / QB;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < valid; ++j) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t isum = 0;
+        for (int64_t c = 0; c < QB / 4; ++c) {
+          const uint8_t* dw = w + ((b * 8 + c) * TILE + j) * 4;
+          const int8_t* xq = q + r * K + b * QB + c * 4;
+          for (int i = 0; i < 4; ++i) isum += (static_cast<int32_t>(dw[i]) - 128) * xq[i];
+        }
+        const float scale = static_cast<float>(sc[(b / per) * TILE + j]);
+        acc = std::fma(static_cast<float>(isum), scale * d[r * nb + b], acc);
+      }
+      y[r * ldy + j] = acc;
+    }
+}
+
+#if defined(__x86_64__)
+template <int R>
+LOCALLLM_VNNI void tile8_vnni(const int8_t* q, const float* d, const int32_t* qsum, const uint8_t* w,
+                              const c10::Half* sc, int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
+  const int64_t nb = K / QB, per = G / QB;
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 scale =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (b / per) * TILE)));
+    __m512i wv[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(w + (b * 8 + c) * 64);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int32_t* xr = reinterpret_cast<const int32_t*>(q + r * K + b * QB);
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int c = 0; c < 8; c += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, wv[c], _mm512_set1_epi32(xr[c]));
+        s1 = _mm512_dpbusd_epi32(s1, wv[c + 1], _mm512_set1_epi32(xr[c + 1]));
+      }
+      const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * qsum[r * nb + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * nb + b])), acc[r]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, acc[r]);
+}
+
+template <int R>
+void tile8_vnni_tail(int64_t rows, const int8_t* q, const float* d, const int32_t* qsum, const uint8_t* w,
+                     const c10::Half* sc, int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
+  if constexpr (R > 0) {
+    if (rows == R) tile8_vnni<R>(q, d, qsum, w, sc, K, G, y, ldy, valid);
+    else tile8_vnni_tail<R - 1>(rows, q, d, qsum, w, sc, K, G, y, ldy, valid);
+  }
+}
+#endif
+
+// y (M, N) = the quantized rows by the tiles of w: int4 (offsets given) or int8 (of null).
 void mm(const Quantized& xq, int64_t M, const uint8_t* w, const c10::Half* sc, const c10::Half* of, int64_t K,
         int64_t G, int64_t N, float* y, bool vnni) {
   const int64_t T = (N + TILE - 1) / TILE, ng = K / G, nb = K / QB;
+  const int64_t tile_bytes = of != nullptr ? K / 2 * TILE : K * TILE;
   const int64_t groups = (M + RMAX - 1) / RMAX;  // rows in passes of equal size, at most RMAX
   // Enough tiles a task that a thread's share is worth waking it: ~64K weights.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (TILE * K));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* wt = w + t * (K / 2) * TILE;
+      const uint8_t* wt = w + t * tile_bytes;
       const c10::Half* st = sc + t * ng * TILE;
-      const c10::Half* ot = of + t * ng * TILE;
+      const c10::Half* ot = of != nullptr ? of + t * ng * TILE : nullptr;
       const int64_t valid = std::min(TILE, N - t * TILE);
       int64_t m = 0;
       for (int64_t p = 0; p < groups; ++p) {
@@ -198,58 +273,86 @@ void mm(const Quantized& xq, int64_t M, const uint8_t* w, const c10::Half* sc, c
         const int8_t* q = xq.q.data() + m * K;
         const float* d = xq.d.data() + m * nb;
         const float* s = xq.s.data() + m * nb;
+        const int32_t* qs = xq.sum.data() + m * nb;
         float* yt = y + m * N + t * TILE;
+        m += rows;
 #if defined(__x86_64__)
         if (vnni) {
-          tile_vnni_tail<RMAX>(rows, q, d, s, wt, st, ot, K, G, yt, N, valid);
-          m += rows;
+          if (ot != nullptr) tile_vnni_tail<RMAX>(rows, q, d, s, wt, st, ot, K, G, yt, N, valid);
+          else tile8_vnni_tail<RMAX>(rows, q, d, qs, wt, st, K, G, yt, N, valid);
           continue;
         }
 #endif
-        tile_portable(q, d, s, rows, wt, st, ot, K, G, yt, N, valid);
-        m += rows;
+        if (ot != nullptr) tile_portable(q, d, s, rows, wt, st, ot, K, G, yt, N, valid);
+        else tile8_portable(q, d, qs, rows, wt, st, K, G, yt, N, valid);
       }
     }
   });
 }
 
-at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
-               int64_t group, int64_t N, bool vnni, const char* op) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 4 * TILE && packed.scalar_type() == at::kByte,
-              op, ": packed must be uint8 (tiles, K/8, 64)");
-  const int64_t T = packed.size(0), K = packed.size(1) * 8;
+void check_scales(const at::Tensor& t, int64_t T, int64_t groups, const char* op) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.dim() == 3 && t.size(0) == T && t.size(1) == groups &&
+                  t.size(2) == TILE && t.is_contiguous(),
+              op, ": scales (and offsets) must be contiguous float16 (tiles, K/group, 16)");
+}
+
+// x (M, K) by packed weights of K columns a tile; offsets undefined for int8.
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t K, const at::Tensor& scales,
+               const at::Tensor* offsets, int64_t group, int64_t N, bool vnni, const char* op) {
+  const int64_t T = packed.size(0);
   TORCH_CHECK(group > 0 && group % QB == 0 && K % group == 0, op, ": group ", group,
               " must be a multiple of 32 that divides the width ", K);
   TORCH_CHECK(N > (T - 1) * TILE && N <= T * TILE, op, ": ", N, " rows do not fill ", T, " tiles of 16");
-  for (const at::Tensor* t : {&scales, &offsets}) {
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == T && t->size(1) == K / group &&
-                    t->size(2) == TILE,
-                op, ": scales and offsets must be float16 (tiles, K/group, 16)");
-  }
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(),
-              op, ": packed, scales and offsets must be contiguous");
+  TORCH_CHECK(packed.is_contiguous(), op, ": packed must be contiguous");
+  check_scales(scales, T, K / group, op);
+  if (offsets != nullptr) check_scales(*offsets, T, K / group, op);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be (M, ", K, ")");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.size(0);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M > 0) {
     const Quantized xq = quantize(xf.data_ptr<float>(), M, K, vnni);
-    mm(xq, M, packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), offsets.data_ptr<c10::Half>(), K, group,
-       N, y.data_ptr<float>(), vnni);
+    mm(xq, M, packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(),
+       offsets != nullptr ? offsets->data_ptr<c10::Half>() : nullptr, K, group, N, y.data_ptr<float>(), vnni);
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-at::Tensor int4_q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                      const at::Tensor& offsets, int64_t group, int64_t N) {
-  return run(x, packed, scales, offsets, group, N, has_vnni(), "int4_q8_mm");
+at::Tensor run4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
+                int64_t group, int64_t N, bool vnni, const char* op) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 4 * TILE && packed.scalar_type() == at::kByte,
+              op, ": packed must be uint8 (tiles, K/8, 64)");
+  return run(x, packed, packed.size(1) * 8, scales, &offsets, group, N, vnni, op);
 }
 
-// The same product in portable scalar code (what a CPU without AVX-512 VNNI runs): the tests hold
-// the VNNI path to it bit for bit.
+at::Tensor run8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group, int64_t N,
+                bool vnni, const char* op) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 4 * TILE && packed.scalar_type() == at::kByte,
+              op, ": packed must be uint8 (tiles, K/4, 64)");
+  return run(x, packed, packed.size(1) * 4, scales, nullptr, group, N, vnni, op);
+}
+
+at::Tensor int4_q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                      const at::Tensor& offsets, int64_t group, int64_t N) {
+  return run4(x, packed, scales, offsets, group, N, has_vnni(), "int4_q8_mm");
+}
+
+// The same products in portable scalar code (what a CPU without AVX-512 VNNI runs): the tests hold
+// the VNNI path to them bit for bit.
 at::Tensor int4_q8_mm_portable(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                                const at::Tensor& offsets, int64_t group, int64_t N) {
-  return run(x, packed, scales, offsets, group, N, false, "int4_q8_mm_portable");
+  return run4(x, packed, scales, offsets, group, N, false, "int4_q8_mm_portable");
+}
+
+// int8 weights; group: inputs a scale (the width for a scale per row).
+at::Tensor int8_q8_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
+                      int64_t N) {
+  return run8(x, packed, scales, group, N, has_vnni(), "int8_q8_mm");
+}
+
+at::Tensor int8_q8_mm_portable(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                               int64_t group, int64_t N) {
+  return run8(x, packed, scales, group, N, false, "int8_q8_mm_portable");
 }
 
 bool q8_vnni() { return has_vnni(); }
@@ -259,10 +362,14 @@ bool q8_vnni() { return has_vnni(); }
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("int4_q8_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
   m.def("int4_q8_mm_portable(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
+  m.def("int8_q8_mm(Tensor x, Tensor packed, Tensor scales, int group, int out_features) -> Tensor");
+  m.def("int8_q8_mm_portable(Tensor x, Tensor packed, Tensor scales, int group, int out_features) -> Tensor");
   m.def("q8_vnni() -> bool", &q8_vnni);
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("int4_q8_mm", &int4_q8_mm);
   m.impl("int4_q8_mm_portable", &int4_q8_mm_portable);
+  m.impl("int8_q8_mm", &int8_q8_mm);
+  m.impl("int8_q8_mm_portable", &int8_q8_mm_portable);
 }
