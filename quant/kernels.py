@@ -546,7 +546,7 @@ class Int8Q8CPU(Kernel):
         t, j = tokens // Int4GroupCPU.TILE, tokens % Int4GroupCPU.TILE
         tiles, quads, _ = layer.packed.shape
         codes = layer.packed.view(tiles, quads, Int4GroupCPU.TILE, 4)[t, :, j]  # (n, in/4, 4) uint8
-        q = (codes.reshape(len(tokens), -1).to(torch.int16) - 128).float()  # (n, in)
+        q = (codes.flatten(1).to(torch.int16) - 128).float()  # (n, in)
         s = layer.tile_scales[t, :, j].float()  # (n, in/group or 1)
         return (q.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
 

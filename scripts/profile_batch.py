@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernel", default=None, help="force a matmul kernel, as run --kernel")
     ap.add_argument("--compiled", action="store_true", help="time the compiled step (no profile)")
+    ap.add_argument("--kv-cache", default="16bit", choices=["16bit", "int8"], help="the pool's dtype, as --kv-cache")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, quant=args.quant, kernel=args.kernel)
@@ -57,7 +58,8 @@ def main() -> None:
     print(f"{args.model}: {lm.model.dtype} activations, {args.threads} threads, {args.context}-token prompts")
     for batch in [int(b) for b in args.batch.split(",")]:
         engine = BatchEngine(lm.model, kv_budget_bytes=1 << 30, max_running=batch, chunk_tokens=4096,
-                             max_seq_len=args.context + 2 * args.steps + 16, compile=args.compiled)
+                             max_seq_len=args.context + 2 * args.steps + 16, compile=args.compiled,
+                             kv_dtype=args.kv_cache)
         handles = [engine.submit([(7 * b + 11 * i) % vocab for i in range(args.context)], SamplingParams(temperature=0),
                                  max_tokens=2 * args.steps + 8) for b in range(batch)]
         while any(h.stats.first_token_at is None for h in handles):  # prefill (and the first tokens)

@@ -33,7 +33,8 @@ TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, 
         "a flask of tea. From the gallery he could see the harbour, the fishing boats coming home, the gulls "
         "circling the breakwater and, far out, the grey line where the sea met the sky. He wrote down the wind, "
         "the swell, the ships that passed and anything else that seemed worth remembering. ") * 40
-VARIANTS = {"default": [], "--no-compile": ["--no-compile"], "--compile": ["--compile"]}
+VARIANTS = {"default": [], "--no-compile": ["--no-compile"], "--compile": ["--compile"],
+            "q8": ["--kernel", "int4-q8-cpu"]}
 
 
 def exact_prompt(model: str, n: int) -> str:

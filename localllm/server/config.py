@@ -71,10 +71,11 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY
     #: Prompt tokens prefilled per engine step (all sequences together).
     chunk_tokens: int = 256
-    #: How every model is loaded (``run``'s --quant, --device, --dtype).
+    #: How every model is loaded (``run``'s --quant, --device, --dtype, --kernel).
     quant: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    kernel: str | None = None
     #: Seconds that in-flight requests get to finish at shutdown before they are cancelled.
     graceful_s: float = 10.0
 

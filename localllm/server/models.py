@@ -212,7 +212,7 @@ class ModelManager:
                 Store().resolve(name)
             except LocalLLMError as e:
                 raise ModelNotFound(e.message, e.hint) from None
-        lm = load_model(ref, device=cfg.device, dtype=cfg.dtype, quant=cfg.quant)
+        lm = load_model(ref, device=cfg.device, dtype=cfg.dtype, quant=cfg.quant, kernel=cfg.kernel)
         engine = BatchEngine(lm.model, kv_budget_bytes=cfg.kv_memory or DEFAULT_KV_BUDGET,
                              max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens,
                              kv_dtype=cfg.kv_dtype, compile="auto")

@@ -289,6 +289,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // tables[b][0], tables[b][1], ... of the pools (n_blocks, KV, block, hd). The arithmetic is attend's,
 // in the same order (scores block by block into one row, one softmax, values block by block into
 // the same accumulators), so it rounds exactly as decode_attention over the gathered rows does.
+// Asks for the n rows of a block (stride rs elements, hd each) ahead of use. A block's rows sit in
+// memory of their own (the pool hands blocks out in any order), so the hardware's stream prefetcher
+// starts cold at each one: at a batch's contexts the sweep waited on memory at every block.
+constexpr int64_t PREFETCH_BLOCKS = 4;  // blocks asked for ahead of the one read (16 KB of fp32 rows)
+
+template <typename KT>
+inline void prefetch_block(const KT* p, int64_t n, int64_t rs, int64_t hd) {
+  for (int64_t r = 0; r < n; ++r) {
+    const char* row = reinterpret_cast<const char*>(p + r * rs);
+    for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(KT)); b += 64) __builtin_prefetch(row + b, 0, 3);
+  }
+}
+
 template <typename T, typename KT, int NV>
 void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
                   const at::Tensor& lens, double scale, at::Tensor& y, const RowScales& rs) {
@@ -321,8 +334,22 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
       for (const auto j : c10::irange(G)) {
         for (const auto d : c10::irange(hd)) qf[j * hd + d] = static_cast<float>(qb[j * qs + d]);
       }
+      // The sweep reads blocks 0 .. nb - 1 of the keys, then of the values: a few ahead are asked for.
+      const int64_t nb = (L + bs - 1) / bs;
+      const auto ahead = [&](int64_t n) {
+        if (n >= 2 * nb) return;
+        const bool value = n >= nb;
+        const int64_t i = value ? n - nb : n;
+        const at::Tensor& pool = value ? vp : kp;
+        prefetch_block((value ? vpp : kpp) + table[i] * pool.stride(0) + h * pool.stride(1),
+                       std::min(bs, L - i * bs), pool.stride(2), hd);
+      };
+      ahead(0);
       for (int64_t i = 0, first = 0; first < L; ++i, first += bs) {
         const KT* kb = kpp + table[i] * kp.stride(0) + h * kp.stride(1);
+        if (i == 0)
+          for (int64_t a = 1; a < PREFETCH_BLOCKS; ++a) ahead(a);
+        ahead(i + PREFETCH_BLOCKS);
         const float* ksc = rs.k == nullptr ? nullptr : rs.k + table[i] * rs.ks[0] + h * rs.ks[1];
         scores_rows<KT, NV>(qf.data(), G, kb, kp.stride(2), std::min(bs, L - first), hd, hv, sc, s.data() + first, L,
                             ksc, ksc ? rs.ks[2] : 0, buf.data());
@@ -330,6 +357,7 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
       softmax<T>(s.data(), G, L, sums.data());
       for (int64_t i = 0, first = 0; first < L; ++i, first += bs) {
         const KT* vb = vpp + table[i] * vp.stride(0) + h * vp.stride(1);
+        ahead(nb + i + PREFETCH_BLOCKS);
         const float* vsc = rs.v == nullptr ? nullptr : rs.v + table[i] * rs.vs[0] + h * rs.vs[1];
         weigh_rows<KT, NV>(s.data() + first, G, vb, vp.stride(2), std::min(bs, L - first), hd, hv, acc.data(), L,
                            i > 0, vsc, vsc ? rs.vs[2] : 0, buf.data());
