@@ -288,12 +288,14 @@ def _register_fakes() -> None:
 _CSRC = Path(__file__).resolve().parent / "csrc"
 #: localllm's quantized CPU matmuls, built by :mod:`localllm.native` as one library: the grouped int8
 #: matmul (``csrc/int8_group_mm.cpp``), the grouped int4 one with fp32 activations
-#: (``csrc/int4_group_mm.cpp``) and the one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``).
+#: (``csrc/int4_group_mm.cpp``), the one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``) and
+#: the opt-in ones with int8 activations (``csrc/q8_mm.cpp``).
 LIBRARY = native.NativeLibrary(
     "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "int4_group_mm.cpp", _CSRC / "q8_mm.cpp",
                        _CSRC / "gguf_blocks_mm.cpp"),
     ("int8_group_mm", "int8_group_gemm", "int4_group_mm", "int4_group_gemm", "int4_group_dequant",
-     "int4_q8_mm", "int4_q8_mm_portable", "int8_q8_mm", "int8_q8_mm_portable", "q8_vnni", "gguf_mm", "gguf_gemm", "gguf_dequant"),
+     "int4_q8_mm", "int4_q8_mm_portable", "int8_q8_mm", "int8_q8_mm_portable", "q8_vnni",
+     "gguf_mm", "gguf_gemm", "gguf_dequant"),
     _register_fakes, headers=(_CSRC / "panel_gemm.h",),
 )
 
@@ -469,7 +471,7 @@ class Int4Q8CPU(Kernel):
         out, half = layer.qweight.shape
         parts = []
         for a in range(0, out, rows):
-            q = unpack_int4(layer.qweight[a : a + rows]).view(-1, half // 4, 2, 4)  # (rows, octets, half, 4)
+            q = unpack_int4(layer.qweight[a : a + rows]).view(-1, half // 4, 2, 4)  # (rows, octets, 2 halves, 4)
             octets = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], -1)  # (rows, in/2): 4 bytes an octet
             parts.append(Int4GroupCPU._tiles(octets.view(torch.int32), tile))  # (rows/16, in/8, 16) dwords
         packed = torch.cat(parts) if len(parts) > 1 else parts[0]

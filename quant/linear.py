@@ -72,6 +72,10 @@ class QuantLinear(nn.Module):
         choices = [k for k in kin if k.supports(self, target, act_dtype)][:1]
         if not choices:
             choices = kernels.candidates(self, target, act_dtype)
+            for k in kin:
+                if k.scheme == self.scheme.name:  # named for this scheme, and it cannot run here: say so
+                    kernels.warn_once(f"kernel {k.name} cannot run {self.scheme.label()} layers here: it "
+                                      f"{k.unsupported(self, target, act_dtype)}; they take the default kernel")
         verdicts = {} if verdicts is None else verdicts
         disagreeing = []
         for k in choices:

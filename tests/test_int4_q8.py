@@ -108,6 +108,14 @@ def test_naming_the_int4_kernel_takes_its_int8_member_for_an_int8_layer_and_rows
     assert fp32.prepare(torch.float32, "int4-group-cpu") == "int8-group-cpu"  # a default kernel names no family
 
 
+def test_a_named_kernel_that_cannot_run_a_layer_says_why(monkeypatch):
+    monkeypatch.setattr(kernels, "WARNED", set())
+    layer, _ = layer_of(32, 64, 576)
+    with pytest.warns(UserWarning, match=r"kernel int4-tinygemm-cpu cannot run int4 \(group 32, asymmetric\) layers "
+                                         r"here: it needs .*; they take the default kernel"):
+        assert layer.prepare(torch.float32, "int4-tinygemm-cpu") == "int4-group-cpu"
+
+
 def test_a_layout_that_does_not_match_is_refused():
     layer, _ = layer_of(32, 32, 64)
     t = kernels.Int4Q8CPU.prepare(layer)

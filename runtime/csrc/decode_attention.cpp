@@ -285,10 +285,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return y;
 }
 
-// Paged, variable-length batch: sequence b's keys/values are the first lens[b] rows of the blocks
-// tables[b][0], tables[b][1], ... of the pools (n_blocks, KV, block, hd). The arithmetic is attend's,
-// in the same order (scores block by block into one row, one softmax, values block by block into
-// the same accumulators), so it rounds exactly as decode_attention over the gathered rows does.
 // Asks for the n rows of a block (stride rs elements, hd each) ahead of use. A block's rows sit in
 // memory of their own (the pool hands blocks out in any order), so the hardware's stream prefetcher
 // starts cold at each one: at a batch's contexts the sweep waited on memory at every block.
@@ -302,6 +298,10 @@ inline void prefetch_block(const KT* p, int64_t n, int64_t rs, int64_t hd) {
   }
 }
 
+// Paged, variable-length batch: sequence b's keys/values are the first lens[b] rows of the blocks
+// tables[b][0], tables[b][1], ... of the pools (n_blocks, KV, block, hd). The arithmetic is attend's,
+// in the same order (scores block by block into one row, one softmax, values block by block into
+// the same accumulators), so it rounds exactly as decode_attention over the gathered rows does.
 template <typename T, typename KT, int NV>
 void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
                   const at::Tensor& lens, double scale, at::Tensor& y, const RowScales& rs) {
