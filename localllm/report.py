@@ -6,6 +6,7 @@ import click
 import torch
 
 from localllm.format import human_size
+from localllm.runtime.cache import kv_element, kv_label
 from localllm.runtime.generate import GenerationStats
 
 
@@ -39,10 +40,9 @@ def describe_model(lm, ctx: int, kv_dtype: str = "16bit") -> None:  # type: igno
     """What runs: source, device, weight scheme, kernels, weight and KV cache bytes (stderr)."""
     act = str(lm.dtype).removeprefix("torch.")
     kernels = ", ".join(f"{name} x{n}" for name, n in sorted(lm.kernels.items())) or "torch (float)"
-    # a generator's cache holds the activations' dtype, or int8 codes and their scales
-    per_value = "int8" if kv_dtype == "int8" else lm.model.dtype.itemsize
-    kv = lm.config.sequence_cache_bytes(ctx, per_value)
-    kv_kind = "int8 + fp32 scales" if kv_dtype == "int8" else str(lm.model.dtype).removeprefix("torch.")
+    # a generator's cache holds the activations' dtype, float16, or int8 codes and their scales
+    kv = lm.config.sequence_cache_bytes(ctx, kv_element(kv_dtype, lm.model.dtype))
+    kv_kind = kv_label(kv_dtype, lm.model.dtype)
     click.echo(f"model:   {lm.source}", err=True)
     threads = torch.get_num_threads()
     on_cpu = f", {threads} thread{'s' if threads != 1 else ''}" if lm.device.type == "cpu" else ""
@@ -51,4 +51,4 @@ def describe_model(lm, ctx: int, kv_dtype: str = "16bit") -> None:  # type: igno
     for kind, became in lm.tensor_import.items():  # a GGUF: what each tensor type became
         click.echo(f"tensors: {kind}: {became}", err=True)
     click.echo(f"kv cache: {human_size(kv)} for {ctx} tokens ({kv_kind}, "
-               f"{human_size(lm.config.kv_cache_bytes(1, per_value))} per token)", err=True)
+               f"{human_size(lm.config.kv_cache_bytes(1, kv_element(kv_dtype, lm.model.dtype)))} per token)", err=True)

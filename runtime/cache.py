@@ -16,8 +16,11 @@ import torch
 from localllm.errors import LocalLLMError
 
 #: What a KV cache stores: "16bit" the keys and values as they are (the model's activation dtype: bf16,
-#: or fp32 for an unquantized model on the CPU), "int8" an int8 code per value and an fp32 scale per
-#: token and kv head (:class:`QuantKV`), half the bytes of a bf16 cache.
+#: or fp32 for an unquantized model on the CPU), "fp16" float16 whatever the activations (half the
+#: bytes of an fp32 cache: with the CPU's fp32 activations a batched step's attention reads its keys
+#: and values from memory, and this halves them; each value rounded once, to 11 significant bits),
+#: "int8" an int8 code per value and an fp32 scale per token and kv head (:class:`QuantKV`), half
+#: the bytes of a bf16 cache.
 #:
 #: An int8 cache holds each key rotated, ``k @ R`` with ``R`` orthogonal (:func:`key_rotation`), and
 #: attention over it takes the query rotated alike: ``(q R) . (k R) = q . k``. Keys have a few
@@ -26,7 +29,7 @@ from localllm.errors import LocalLLMError
 #: (keys' quantization is most of it; values are stored as they are). Attention over an int8 cache
 #: runs in fp32 (rotated queries, dequantized rows, the kernel's probabilities): with bf16 activations
 #: the extra bf16 roundings of rotated queries and dequantized keys cost more than the int8 grid.
-KV_DTYPES = ("16bit", "int8")
+KV_DTYPES = ("16bit", "fp16", "int8")
 DEFAULT_KV_DTYPE = "16bit"
 #: The largest int8 code of the symmetric grid: codes are -127 .. 127, x ~= code * absmax / 127.
 Q8_MAX = 127.0
@@ -114,19 +117,43 @@ def quantize_pair(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantKV, QuantKV]:
     return QuantKV(both.codes[0], both.scales[0]), QuantKV(both.codes[1], both.scales[1])
 
 
+def kv_storage(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The element dtype of a float cache of ``kv_dtype`` under ``dtype`` activations. Refuses an fp16
+    cache under bf16 activations (attention would round each row to bf16 again: use 16bit)."""
+    if kv_dtype != "fp16":
+        return dtype
+    if dtype == torch.bfloat16:
+        raise LocalLLMError("an fp16 KV cache is for float32 (or float16) activations, not bfloat16",
+                            "use --kv-cache 16bit (bf16 already) or int8")
+    return torch.float16
+
+
+def kv_element(kv_dtype: str, dtype: torch.dtype) -> int | str:
+    """What one cached value costs, as :meth:`runtime.config.ModelConfig.kv_cache_bytes` takes it."""
+    return "int8" if kv_dtype == "int8" else kv_storage(kv_dtype, dtype).itemsize
+
+
+def kv_label(kv_dtype: str, dtype: torch.dtype) -> str:
+    """The cache's elements in words ("float32", "float16", "int8 + fp32 scales")."""
+    return "int8 + fp32 scales" if kv_dtype == "int8" else str(kv_storage(kv_dtype, dtype)).removeprefix("torch.")
+
+
 def empty_kv(shape: tuple[int, ...], kv_dtype: str, dtype: torch.dtype,
              device: torch.device) -> torch.Tensor | QuantKV:
-    """Zeroed storage for keys or values of ``shape`` (..., rows, hd): a tensor of ``dtype``, or for an
-    int8 cache the codes and their (..., rows) scales."""
+    """Zeroed storage for keys or values of ``shape`` (..., rows, hd): a tensor of ``dtype`` (float16 for
+    an fp16 cache), or for an int8 cache the codes and their (..., rows) scales."""
     if kv_dtype == "int8":
         return QuantKV(torch.zeros(shape, dtype=torch.int8, device=device),
                        torch.zeros(shape[:-1], dtype=torch.float32, device=device))
-    return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=kv_storage(kv_dtype, dtype), device=device)
 
 
 def readable(x: torch.Tensor | QuantKV, dtype: torch.dtype) -> torch.Tensor:
-    """Keys or values as SDPA takes them: a float tensor as it is, int8 rows dequantized to ``dtype``."""
-    return x.dequantize(dtype) if isinstance(x, QuantKV) else x
+    """Keys or values as SDPA takes them, in ``dtype``: a float tensor as it is (an fp16 cache's rows
+    widened), int8 rows dequantized."""
+    if isinstance(x, QuantKV):
+        return x.dequantize(dtype)
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def kv_rows(x: torch.Tensor | QuantKV, end: int) -> torch.Tensor | QuantKV:
@@ -181,8 +208,12 @@ class KVCache:
         return self.k.shape[2] if isinstance(self.k, torch.Tensor) else self.k.codes.shape[2]
 
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor | QuantKV, torch.Tensor | QuantKV]:
-        """New rows ``k``, ``v`` (B, kv_heads, T, hd) in the cache's form (quantized for an int8 cache)."""
-        return quantize_pair(k, v) if self.quantized else (k, v)
+        """New rows ``k``, ``v`` (B, kv_heads, T, hd) in the cache's form (quantized for an int8 cache,
+        rounded to float16 for an fp16 one)."""
+        if self.quantized:
+            return quantize_pair(k, v)
+        assert isinstance(self.k, torch.Tensor)
+        return (k, v) if k.dtype == self.k.dtype else (k.to(self.k.dtype), v.to(self.k.dtype))
 
     @staticmethod
     def _write(dst: torch.Tensor | QuantKV, rows: torch.Tensor, src: torch.Tensor | QuantKV) -> None:
@@ -297,14 +328,18 @@ class SequenceCache:
 
     @property
     def kv_dtype(self) -> str:
-        """"int8" or "16bit" (see :data:`KV_DTYPES`)."""
-        return "int8" if self.layers and self.layers[0].quantized else "16bit"
+        """"int8", "fp16" or "16bit" (see :data:`KV_DTYPES`)."""
+        if self.layers and self.layers[0].quantized:
+            return "int8"
+        if self.layers and self.layers[0].k.dtype != self.cos.dtype:  # type: ignore[union-attr]
+            return "fp16"
+        return "16bit"
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor, in a fixed order: k and v of each layer, then cos and sin (a 16-bit cache only:
         the fixed-shape step that takes them does not read int8 caches)."""
         if self.kv_dtype != "16bit":
-            raise ValueError("an int8 KV cache has no fixed-shape (compiled) form")
+            raise ValueError(f"an {self.kv_dtype} KV cache has no fixed-shape (compiled) form")
         out = [t for c in self.layers for t in (c.k, c.v)]
         return [*out, self.cos, self.sin]
 

@@ -49,7 +49,7 @@ class Engine:
                  kv_dtype: str = "16bit") -> None:
         if compile not in (True, False, "auto"):
             raise ValueError(f"compile must be True, False or 'auto', not {compile!r}")
-        if compile is True and kv_dtype != "16bit":
+        if compile is True and kv_dtype == "int8":
             raise LocalLLMError(f"the compiled decode step does not support a {kv_dtype} KV cache",
                                 f"leave out --compile or --kv-cache {kv_dtype}")
         self.model = model

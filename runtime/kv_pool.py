@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.runtime.cache import DEFAULT_KV_DTYPE, QuantKV, check_kv_dtype, empty_kv, readable
+from localllm.runtime.cache import (DEFAULT_KV_DTYPE, QuantKV, check_kv_dtype, empty_kv, kv_element, kv_label,
+                                    readable)
 from localllm.runtime.config import ModelConfig
 
 #: Tokens per block. 16 keeps the waste of a sequence's last, partly filled block small; 32 halves
@@ -73,7 +74,7 @@ class PoolPlan:
     bytes_per_block: int  # keys and values of every layer
     budget_bytes: int
     dtype: torch.dtype  # the activations' (a 16-bit pool's elements)
-    kv_dtype: str = DEFAULT_KV_DTYPE  # "16bit" or "int8"
+    kv_dtype: str = DEFAULT_KV_DTYPE  # "16bit", "fp16" or "int8"
     groups: tuple[LayerGroup, ...] = ()  # () before grouping was planned: one group of every layer
 
     @property
@@ -94,7 +95,7 @@ class PoolPlan:
 
     def describe(self) -> str:
         """One line, e.g. ``KV pool: 728 blocks x 16 tokens = 11648 tokens, 256.0 MiB (bfloat16)``."""
-        dtype = "int8 + fp32 scales" if self.kv_dtype == "int8" else str(self.dtype).removeprefix("torch.")
+        dtype = kv_label(self.kv_dtype, self.dtype)
         if len(self.windows) == 1 and self.windows[0] is None:
             return (f"KV pool: {self.n_blocks} blocks x {self.block_size} tokens = {self.tokens} tokens, "
                     f"{self.bytes / 2**20:.1f} MiB ({dtype})")
@@ -132,7 +133,7 @@ def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_dty
 
 
 def _per_value(dtype: torch.dtype, kv_dtype: str) -> int | str:
-    return "int8" if kv_dtype == "int8" else torch.empty((), dtype=dtype).element_size()
+    return kv_element(kv_dtype, dtype)
 
 
 def plan_pool(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
@@ -213,12 +214,13 @@ def gather(k_pool: torch.Tensor | QuantKV, v_pool: torch.Tensor | QuantKV, block
     """One sequence's first ``length`` keys and values as contiguous (1, kv_heads, length, head_dim)
     tensors, copied from the pool tensors (n_blocks, kv_heads, block, head_dim) through its block ids
     ``blocks`` (n,) long (the SDPA path's input, and tests'). An int8 pool's rows are dequantized to
-    ``dtype`` (these rows only: the pool itself stays int8)."""
+    ``dtype`` (these rows only: the pool itself stays int8), an fp16 pool's widened to it."""
     out = []
     for pool in (k_pool, v_pool):
         if isinstance(pool, QuantKV):
             rows = QuantKV(_gather_rows(pool.codes, blocks, length), _gather_rows(pool.scales, blocks, length))
             out.append(readable(rows, dtype or torch.float32))
         else:
-            out.append(_gather_rows(pool, blocks, length))
+            rows = _gather_rows(pool, blocks, length)
+            out.append(rows if dtype is None else readable(rows, dtype))
     return out[0], out[1]

@@ -386,8 +386,8 @@ def _write_slots(kp: torch.Tensor | QuantKV, vp: torch.Tensor | QuantKV, step: P
             pool.scales[step.write_blocks, :, step.write_rows] = q.scales
     else:
         assert isinstance(kp, torch.Tensor) and isinstance(vp, torch.Tensor)
-        kp[step.write_blocks, :, step.write_rows] = k
-        vp[step.write_blocks, :, step.write_rows] = v
+        kp[step.write_blocks, :, step.write_rows] = k.to(kp.dtype)  # an fp16 pool rounds them here
+        vp[step.write_blocks, :, step.write_rows] = v.to(vp.dtype)
 
 
 class MLP(nn.Module):

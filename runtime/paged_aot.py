@@ -38,7 +38,7 @@ def unsupported(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention |
         return "it is built for the CPU only"
     if kernel is None:
         return "it needs localllm's paged attention kernel"
-    if pool.plan.kv_dtype != "16bit":
+    if pool.plan.kv_dtype == "int8":
         return f"it does not take a {pool.plan.kv_dtype} KV pool"
     if any(layer.attn.window is not None for layer in model.layers) or model.config.sliding_window:
         return "sliding-window layers choose their attention per sequence"

@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernel", default=None, help="force a matmul kernel, as run --kernel")
     ap.add_argument("--compiled", action="store_true", help="time the compiled step (no profile)")
-    ap.add_argument("--kv-cache", default="16bit", choices=["16bit", "int8"], help="the pool's dtype, as --kv-cache")
+    ap.add_argument("--kv-cache", default="16bit", choices=["16bit", "fp16", "int8"], help="the pool's dtype, as --kv-cache")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(args.model, quant=args.quant, kernel=args.kernel)

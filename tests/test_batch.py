@@ -60,8 +60,9 @@ def int4(tiny_folder):
     return load_model(str(folder), quant="int4")
 
 
-def alone(lm, p: list[int], n: int | None, stop_ids=(), ctx: int = 256, params=GREEDY) -> list[int]:
-    return list(Generator(lm.model, ctx).generate(p, params, max_tokens=n, stop_ids=stop_ids))
+def alone(lm, p: list[int], n: int | None, stop_ids=(), ctx: int = 256, params=GREEDY, kv_dtype: str = "16bit"
+          ) -> list[int]:
+    return list(Generator(lm.model, ctx, kv_dtype=kv_dtype).generate(p, params, max_tokens=n, stop_ids=stop_ids))
 
 
 def forced_logits(lm, p: list[int], tokens: list[int]) -> torch.Tensor:
@@ -119,6 +120,22 @@ def test_batched_tokens_are_the_tokens_alone(fp32, attention, chunk):
     eng.blocks.check()
     if attention == "auto":
         assert eng.kernel is not None or eng.device.type != "cpu"
+
+
+def test_an_fp16_pool_batches_exactly_and_holds_twice_the_tokens(fp32):
+    """fp32 activations over float16 keys and values: the batch's tokens are each sequence's tokens
+    alone over an fp16 cache, and the same budget holds twice the blocks of an fp32 pool."""
+    eng, handles = run_mixed(fp32, kv_dtype="fp16", chunk_tokens=8)
+    assert eng.pool.k[0].dtype == torch.float16 and "(float16)" in eng.pool.plan.describe()
+    for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
+        assert_same(fp32, p, h.result(), alone(fp32, p, n, kv_dtype="fp16"))
+    wide = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+    assert eng.pool.n_blocks == 2 * wide.pool.n_blocks
+
+
+def test_an_fp16_cache_is_refused_under_bf16_activations(int4):
+    with pytest.raises(LocalLLMError, match="an fp16 KV cache is for float32"):
+        BatchEngine(int4.model, kv_budget_bytes=BIG, kv_dtype="fp16")
 
 
 def test_chunked_prefill_bounds_each_step(fp32):

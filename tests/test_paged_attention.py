@@ -56,6 +56,25 @@ def test_paged_kernel_matches_the_references(dtype, kv, g, hd, bs):
 
 
 @needs_kernel
+def test_float32_queries_read_a_float16_pool():
+    """``--kv-cache fp16``: fp32 activations over float16 pools, each row widened as it is read: bit for
+    bit the one-sequence kernel over the same fp16 rows, and SDPA in fp32 over them within fp32 rounding."""
+    lens = [1, 15, 16, 17, 53, 200]
+    q, k_pool, v_pool, tables, table, ctx = random_batch(torch.float32, 3, 3, 64, 16, lens, seed=7)
+    k_pool, v_pool = k_pool.half(), v_pool.half()
+    got = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, ctx)
+    assert got.dtype == torch.float32
+    for i, n in enumerate(lens):
+        k, v = gather(k_pool, v_pool, tables[i], n)  # float16 rows
+        assert k.dtype == torch.float16
+        assert torch.equal(got[i], cpu_attention.decode_attention(q[i : i + 1], k, v)[0])
+        want = F.scaled_dot_product_attention(q[i : i + 1], k.float(), v.float())[0]
+        assert (got[i] - want).abs().max().item() <= 2e-6 * max(1.0, want.abs().max().item())
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        cpu_attention.paged_decode_attention(q.bfloat16(), k_pool, v_pool, table, ctx)
+
+
+@needs_kernel
 def test_paged_kernel_runs_on_many_threads_alike():
     q, k_pool, v_pool, _, table, ctx = random_batch(torch.float32, 2, 3, 64, 16, [300, 17, 1, 64] * 8, 400)
     saved = torch.get_num_threads()

@@ -69,7 +69,9 @@ def decode_read_bytes(model: torch.nn.Module) -> int:
 
 def kv_cache_figures(config: Any, dtype: torch.dtype, ctx: int, kv_dtype: str = "16bit") -> dict[str, Any]:
     """Bytes of the KV cache per token (an int8 cache: codes and their scales) and at ``ctx``."""
-    per_token = config.kv_cache_bytes(1, "int8" if kv_dtype == "int8" else torch.empty(0, dtype=dtype).element_size())
+    from localllm.runtime.cache import kv_element
+
+    per_token = config.kv_cache_bytes(1, kv_element(kv_dtype, dtype))
     return {"kv_dtype": kv_dtype, "bytes_per_token": per_token, "ctx": ctx, "ctx_bytes": per_token * ctx,
             "max_seq_len": config.max_seq_len, "max_seq_len_bytes": per_token * config.max_seq_len}
 

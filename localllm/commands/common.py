@@ -19,7 +19,8 @@ threads_option = click.option("--threads", type=int, help="CPU threads torch com
 
 kv_cache_option = click.option(
     "--kv-cache", "kv_cache", type=click.Choice(KV_DTYPES), default=DEFAULT_KV_DTYPE, show_default=True,
-    help="KV cache storage: 16bit (the activations' dtype) or int8 (codes with a scale per token and head: "
+    help="KV cache storage: 16bit (the activations' dtype), fp16 (float16 under the CPU's fp32 activations: half "
+         "the bytes, so a batch's attention reads half as much) or int8 (codes with a scale per token and head: "
          "half the bytes of a 16-bit cache).")
 
 

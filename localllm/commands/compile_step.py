@@ -26,7 +26,7 @@ from pathlib import Path
 import click
 import torch
 
-from localllm.commands.common import note, quant_head_option, threads_option
+from localllm.commands.common import kv_cache_option, note, quant_head_option, threads_option
 from localllm.paths import DEFAULT_MODEL, home
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
@@ -46,9 +46,10 @@ class LoadArgs:
     group_size: int | None = None
     quant_head: str | None = None
     kernel: str | None = None
+    kv_cache: str = "16bit"  # the pool's dtype is part of the batch step's shapes
 
     def argv(self) -> list[str]:
-        out = [self.model, "--device", self.device, "--dtype", self.dtype]
+        out = [self.model, "--device", self.device, "--dtype", self.dtype, "--kv-cache", self.kv_cache]
         for flag, value in (("--quant", self.quant), ("--group-size", self.group_size),
                             ("--quant-head", self.quant_head), ("--kernel", self.kernel)):
             if value is not None:
@@ -104,11 +105,12 @@ def start_background_build(args: LoadArgs, ctx: int | None = None, batch: int = 
 @click.option("--group-size", type=int, help="As for run.")
 @quant_head_option("As for run.")
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)), help="As for run.")
+@kv_cache_option
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
               help="Sequences at once the step is built for: 1 for run, serve's --parallel for the server.")
 @click.option("--if-idle", is_flag=True, hidden=True, help="Leave at once if another build is running.")
 def compile_step(model: str, ctx: int | None, device: str, dtype: str, threads: int | None, quant: str | None,
-                 group_size: int | None, quant_head: str | None, kernel: str | None, batch: int,
+                 group_size: int | None, quant_head: str | None, kernel: str | None, kv_cache: str, batch: int,
                  if_idle: bool) -> None:
     """Build MODEL's compiled decode step (AOTInductor, on the CPU) now, so that `localllm run MODEL`
     uses it from its first token; run with the same --threads/--quant/--kernel as those runs.
@@ -138,7 +140,7 @@ def compile_step(model: str, ctx: int | None, device: str, dtype: str, threads: 
     windowed = any(layer.attn.window is not None for layer in lm.model.layers)
     try:
         with FileLock(_lock_path(), timeout=0 if if_idle else -1):
-            step = _SequenceStep(lm.model, ctx) if windowed else _BatchStep(lm.model, batch)
+            step = _SequenceStep(lm.model, ctx) if windowed else _BatchStep(lm.model, batch, kv_cache)
             if step.ready():
                 note(f"the compiled decode step of {model} is already built")
                 return
@@ -165,18 +167,19 @@ class _BatchStep:
     """The batch engine's decode step (:mod:`runtime.paged_aot`), for batches of up to ``batch``: what
     ``run`` (one sequence) and ``serve`` (``--parallel`` sequences) use."""
 
-    def __init__(self, model, batch: int) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model, batch: int, kv_dtype: str = "16bit") -> None:  # type: ignore[no-untyped-def]
         from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, block_bytes
 
-        self.model, self.batch = model, batch
+        self.model, self.batch, self.kv_dtype = model, batch, kv_dtype
         # the packages serve any pool size: the smallest pool will do to find or build them
-        self.budget = 4 * block_bytes(model.config, DEFAULT_BLOCK_SIZE, model.dtype)
+        self.budget = 4 * block_bytes(model.config, DEFAULT_BLOCK_SIZE, model.dtype, kv_dtype)
         self.engine = self._engine("auto")
 
     def _engine(self, compile: bool | str):  # type: ignore[no-untyped-def]
         from localllm.runtime.batch import BatchEngine
 
-        return BatchEngine(self.model, kv_budget_bytes=self.budget, max_running=self.batch, compile=compile)
+        return BatchEngine(self.model, kv_budget_bytes=self.budget, max_running=self.batch, compile=compile,
+                           kv_dtype=self.kv_dtype)
 
     def ready(self) -> bool:
         return self.engine.compiled

@@ -241,7 +241,7 @@ def run(
         describe_model(lm, ctx, kv_cache)
         click.echo(f"decode step: {engine.step_kind}", err=True)
     # Once this run is done (its tokens are not slowed by it): build the step the next run will use.
-    build = LoadArgs(model, device, dtype, quant, group_size, quant_head, kernel)
+    build = LoadArgs(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache)
     needs_build = engine.needs_build
 
     if text is None:

@@ -58,7 +58,7 @@ class ServerConfig:
     parallel: int = 4
     #: KV cache pool of each loaded model, in bytes (None: the engine's default).
     kv_memory: int | None = None
-    #: KV pool storage: "16bit" (the activations' dtype) or "int8" (half the bytes).
+    #: KV pool storage: "16bit" (the activations' dtype), "fp16" or "int8" (see runtime.cache.KV_DTYPES).
     kv_dtype: str = "16bit"
     #: Requests that may wait for a slot per model; beyond it, 503 with Retry-After.
     queue: int = 32

@@ -219,7 +219,8 @@ class ModelManager:
         if engine.needs_build:  # the compiled decode step, for the next time this model is loaded
             from localllm.commands.compile_step import LoadArgs, start_background_build
 
-            start_background_build(LoadArgs(ref, cfg.device, cfg.dtype, cfg.quant), batch=cfg.parallel)
+            start_background_build(LoadArgs(ref, cfg.device, cfg.dtype, cfg.quant, kernel=cfg.kernel,
+                                            kv_cache=cfg.kv_dtype), batch=cfg.parallel)
         engine.start()
         stop_ids = list(dict.fromkeys([*lm.tokenizer.eos_ids, *lm.config.eos_token_ids]))
         return ModelSlot(name, lm, engine, stop_ids, lm.weight_bytes + engine.plan.bytes,

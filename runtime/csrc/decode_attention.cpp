@@ -15,6 +15,9 @@
 // paged_decode_attention is the same for the batch engine: one query per sequence over keys and
 // values held in the paged KV pool's blocks, each sequence with its own block table and length.
 //
+// A float32 query also reads a float16 cache (``--kv-cache fp16``: half the bytes of an fp32 one),
+// each row widened to fp32 as it is loaded; the arithmetic is the fp32 one.
+//
 // The _q8 ops read an 8-bit KV cache: int8 codes (.., L, hd) and an fp32 scale per row (.., L), a row
 // being one token of one kv head (x ~= code * scale). Nothing is dequantized into a buffer: a key's
 // scale multiplies its dot product with the query (s_l = (q . c_l) * scale_l * sc) and a value's
@@ -266,8 +269,9 @@ void attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, d
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "decode_attention: q, k, v must share a dtype");
+  const bool half_cache = q.scalar_type() == at::kFloat && k.scalar_type() == at::kHalf;  // an fp16 cache
+  TORCH_CHECK((q.scalar_type() == k.scalar_type() || half_cache) && k.scalar_type() == v.scalar_type(),
+              "decode_attention: q, k, v must share a dtype (or float32 q over a float16 cache)");
   TORCH_CHECK(k.sizes() == v.sizes(), "decode_attention: k and v must have the same shape");
   TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
               "decode_attention: q (B, KV, G, hd) does not match k (B, KV, L, hd)");
@@ -276,6 +280,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const auto unit = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
   const at::Tensor qc = unit(q), kc = unit(k), vc = unit(v);
   at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (half_cache) {
+    attend_any<float, at::Half>(qc, kc, vc, scale, y);
+    return y;
+  }
   switch (q.scalar_type()) {
     case at::kFloat: attend_any<float>(qc, kc, vc, scale, y); break;
     case at::kBFloat16: attend_any<at::BFloat16>(qc, kc, vc, scale, y); break;
@@ -421,13 +429,18 @@ void check_scales(const char* op, const at::Tensor& codes, const at::Tensor& sca
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   const char* op = "paged_decode_attention";
-  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && k_pool.scalar_type() == v_pool.scalar_type(),
-              op, ": q, k_pool, v_pool must share a dtype");
+  const bool half_pool = q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kHalf;  // an fp16 pool
+  TORCH_CHECK((q.scalar_type() == k_pool.scalar_type() || half_pool) && k_pool.scalar_type() == v_pool.scalar_type(),
+              op, ": q, k_pool, v_pool must share a dtype (or float32 q over float16 pools)");
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   check_paged(op, q, k_pool, v_pool, tables, lens);
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return y;
+  if (half_pool) {
+    attend_paged_any<float, at::Half>(qc, k_pool, v_pool, tables, lens, scale, y);
+    return y;
+  }
   switch (q.scalar_type()) {
     case at::kFloat: attend_paged_any<float>(qc, k_pool, v_pool, tables, lens, scale, y); break;
     case at::kBFloat16: attend_paged_any<at::BFloat16>(qc, k_pool, v_pool, tables, lens, scale, y); break;
