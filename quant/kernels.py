@@ -426,7 +426,41 @@ class Int4GroupCPU(Kernel):
         return op(x, layer.packed, layer.tile_scales, layer.tile_offsets, g, n)
 
 
-class Int4Q8CPU(Kernel):
+class _Q8Kernel(Kernel):
+    """The opt-in family of CPU kernels with int8 activations (``csrc/q8_mm.cpp``): what they share."""
+
+    device_type = "cpu"
+    opt_in = True
+    family = "q8"
+
+    @classmethod
+    def unsupported(cls, layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def,override]
+        if layer.scheme.name != cls.scheme:
+            return f"runs {cls.scheme} weights only"
+        why = _native_cpu_unsupported(target, act_dtype)
+        if why is not None:
+            return why
+        if (layer.scheme.group_size or layer.in_features) % 32:  # a weight scale covers whole activation blocks
+            return "needs weight scales per group (or row) of a multiple of 32 inputs"
+        if not torch.ops.localllm.q8_vnni():
+            return "needs AVX-512 VNNI (this CPU has none; without it the kernel is slower than fp32)"
+        return None
+
+
+def _dword_tiles(layer, row_bytes) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The int8-activation kernels' layout: uint8 (tiles of 16 rows, n/4, 64), dword j of column c being
+    output row 16t + j's 4 bytes c of ``row_bytes(qweight rows)`` ((rows, n) uint8); built
+    :data:`Int4GroupCPU.PACK_ROWS` rows at a time, the last tile padded with zeros."""
+    if not native.available(LIBRARY):
+        raise RuntimeError("localllm's CPU kernels are not built")
+    tile, rows = Int4GroupCPU.TILE, Int4GroupCPU.PACK_ROWS
+    parts = [Int4GroupCPU._tiles(row_bytes(layer.qweight[a : a + rows]).view(torch.int32), tile)
+             for a in range(0, layer.out_features, rows)]  # (rows/16, n/4, 16) dwords each
+    packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return packed.view(torch.uint8).view(packed.shape[0], packed.shape[1], 4 * tile)
+
+
+class Int4Q8CPU(_Q8Kernel):
     """int4 with an fp16 scale and offset per group (as :class:`Int4GroupCPU`), multiplied by the
     activations quantized to int8 per block of 32 inputs, as llama.cpp multiplies its Q4 weights
     (``csrc/q8_mm.cpp``): the codes' dot products run in 8-bit integers (AVX-512 VNNI), four
@@ -444,39 +478,18 @@ class Int4Q8CPU(Kernel):
 
     name = "int4-q8-cpu"
     scheme = "int4"
-    device_type = "cpu"
-    opt_in = True
-    family = "q8"
 
     @staticmethod
-    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
-        if layer.scheme.name != "int4":
-            return "runs int4 weights only"
-        why = _native_cpu_unsupported(target, act_dtype)
-        if why is not None:
-            return why
-        if layer.scheme.group_size % 32:  # int4 groups are 32 to 256 (formats.GROUP_SIZES)
-            return "needs groups of a multiple of 32 inputs"
-        if not torch.ops.localllm.q8_vnni():
-            return "needs AVX-512 VNNI (this CPU has none; without it the kernel is slower than fp32)"
-        return None
+    def _octets(qweight: torch.Tensor) -> torch.Tensor:
+        """(rows, in/2) canonical bytes -> (rows, in/2), 4 bytes an octet of columns (low nibbles 0-3)."""
+        q = unpack_int4(qweight).view(qweight.shape[0], -1, 2, 4)  # (rows, octets, 2 halves, 4)
+        return (q[:, :, 0] | (q[:, :, 1] << 4)).flatten(1)
 
     @staticmethod
-    def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
-        if not native.available(LIBRARY):
-            raise RuntimeError("localllm's CPU kernels are not built")
+    def prepare(layer):  # type: ignore[no-untyped-def]
         tile = Int4GroupCPU.TILE
-        rows = rows or Int4GroupCPU.PACK_ROWS
-        rows -= rows % tile
-        out, half = layer.qweight.shape
-        parts = []
-        for a in range(0, out, rows):
-            q = unpack_int4(layer.qweight[a : a + rows]).view(-1, half // 4, 2, 4)  # (rows, octets, 2 halves, 4)
-            octets = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], -1)  # (rows, in/2): 4 bytes an octet
-            parts.append(Int4GroupCPU._tiles(octets.view(torch.int32), tile))  # (rows/16, in/8, 16) dwords
-        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
         return {
-            "packed": packed.view(torch.uint8).view(packed.shape[0], packed.shape[1], 4 * tile),
+            "packed": _dword_tiles(layer, Int4Q8CPU._octets),
             "tile_scales": Int4GroupCPU._tiles(layer.scales.half(), tile),
             "tile_offsets": Int4GroupCPU._tiles(layer.offsets.half(), tile),
         }
@@ -487,7 +500,7 @@ class Int4Q8CPU(Kernel):
                                              layer.scheme.group_size, layer.out_features)
 
 
-class Int8Q8CPU(Kernel):
+class Int8Q8CPU(_Q8Kernel):
     """int8 weights (a scale per group of a multiple of 32 inputs, a GGUF's Q8_0 head; or per row) by
     the activations quantized to int8 per block of 32, on AVX-512 VNNI (``csrc/q8_mm.cpp``): the int8
     member of :class:`Int4Q8CPU`'s opt-in family, which ``--kernel int4-q8-cpu`` also takes for a
@@ -497,43 +510,18 @@ class Int8Q8CPU(Kernel):
 
     name = "int8-q8-cpu"
     scheme = "int8"
-    device_type = "cpu"
-    opt_in = True
-    family = "q8"
-
-    @staticmethod
-    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
-        if layer.scheme.name != "int8":
-            return "runs int8 weights only"
-        why = _native_cpu_unsupported(target, act_dtype)
-        if why is not None:
-            return why
-        g = layer.scheme.group_size
-        if (g if g is not None else layer.in_features) % 32:
-            return "needs scales per group (or row) of a multiple of 32 inputs"
-        if not torch.ops.localllm.q8_vnni():
-            return "needs AVX-512 VNNI (this CPU has none; without it the kernel is slower than fp32)"
-        return None
 
     @staticmethod
     def _group(layer) -> int:  # type: ignore[no-untyped-def]
         return layer.scheme.group_size or layer.in_features
 
     @staticmethod
-    def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
-        if not native.available(LIBRARY):
-            raise RuntimeError("localllm's CPU kernels are not built")
+    def prepare(layer):  # type: ignore[no-untyped-def]
         tile = Int4GroupCPU.TILE
-        rows = rows or Int4GroupCPU.PACK_ROWS
-        rows -= rows % tile
-        parts = []
-        for a in range(0, layer.out_features, rows):
-            biased = (layer.qweight[a : a + rows].to(torch.int16) + 128).to(torch.uint8)  # (rows, in)
-            parts.append(Int4GroupCPU._tiles(biased.view(torch.int32), tile))  # (rows/16, in/4, 16) dwords
-        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+        packed = _dword_tiles(layer, lambda q: (q.to(torch.int16) + 128).to(torch.uint8))  # codes + 128
         scales = layer.scales.half()
         return {
-            "packed": packed.view(torch.uint8).view(packed.shape[0], packed.shape[1], 4 * tile),
+            "packed": packed,
             "tile_scales": Int4GroupCPU._tiles(scales if scales.dim() == 2 else scales.view(-1, 1), tile),
         }
 

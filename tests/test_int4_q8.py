@@ -17,22 +17,17 @@ import torch
 
 from localllm import native
 from localllm.quant import kernels
-from localllm.quant.formats import dequantize, parse_scheme, quantize
+from localllm.quant.formats import dequantize
 from localllm.quant.linear import QuantLinear
 from tests.test_exact_int4 import FP32_BOUND, panel_rows_are_batch_invariant
+from tests.test_exact_int4 import layer_of as exact_layer_of
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
 
 
-def layer_of(group: int | None, out: int, inp: int, seed: int = 0, scheme_name: str = "int4"
-             ) -> tuple[QuantLinear, torch.Tensor]:
-    scheme = parse_scheme(scheme_name, group)
-    w = torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)) * 0.05
-    canonical = quantize(w, scheme)
-    layer = QuantLinear(inp, out, scheme)
-    for k, v in canonical.items():
-        setattr(layer, k, v)
-    return layer, dequantize(canonical, scheme).double()
+def layer_of(group: int | None, out: int, inp: int, scheme_name: str = "int4") -> tuple[QuantLinear, torch.Tensor]:
+    """test_exact_int4's random layer (weights * 0.05, seed 0) and its dequantized weights (float64)."""
+    return exact_layer_of(scheme_name, group, out, inp)
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
