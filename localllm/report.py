@@ -41,7 +41,8 @@ def describe_model(lm, ctx: int, kv_dtype: str = "16bit") -> None:  # type: igno
     act = str(lm.dtype).removeprefix("torch.")
     kernels = ", ".join(f"{name} x{n}" for name, n in sorted(lm.kernels.items())) or "torch (float)"
     # a generator's cache holds the activations' dtype, float16, or int8 codes and their scales
-    kv = lm.config.sequence_cache_bytes(ctx, kv_element(kv_dtype, lm.model.dtype))
+    per_value = kv_element(kv_dtype, lm.model.dtype)
+    kv = lm.config.sequence_cache_bytes(ctx, per_value)
     kv_kind = kv_label(kv_dtype, lm.model.dtype)
     click.echo(f"model:   {lm.source}", err=True)
     threads = torch.get_num_threads()
@@ -51,4 +52,4 @@ def describe_model(lm, ctx: int, kv_dtype: str = "16bit") -> None:  # type: igno
     for kind, became in lm.tensor_import.items():  # a GGUF: what each tensor type became
         click.echo(f"tensors: {kind}: {became}", err=True)
     click.echo(f"kv cache: {human_size(kv)} for {ctx} tokens ({kv_kind}, "
-               f"{human_size(lm.config.kv_cache_bytes(1, kv_element(kv_dtype, lm.model.dtype)))} per token)", err=True)
+               f"{human_size(lm.config.kv_cache_bytes(1, per_value))} per token)", err=True)

@@ -67,12 +67,13 @@ class QuantLinear(nn.Module):
             raise ValueError(f"layer on {device} prepared for {target.describe()}")
         self.act_dtype = act_dtype
         named = kernels.BY_NAME[kernel] if kernel is not None else None
-        kin = [k for k in kernels.KERNELS if k is named or (named is not None and named.opt_in and k.opt_in
-                                                           and k.family == named.family)]
-        choices = [k for k in kin if k.supports(self, target, act_dtype)][:1]
+        # the kernel named, and for an opt-in one the other members of its family
+        named_family = [k for k in kernels.KERNELS if k is named or (
+            named is not None and named.opt_in and k.opt_in and k.family == named.family)]
+        choices = [k for k in named_family if k.supports(self, target, act_dtype)][:1]
         if not choices:
             choices = kernels.candidates(self, target, act_dtype)
-            for k in kin:
+            for k in named_family:
                 if k.scheme == self.scheme.name:  # named for this scheme, and it cannot run here: say so
                     kernels.warn_once(f"kernel {k.name} cannot run {self.scheme.label()} layers here: it "
                                       f"{k.unsupported(self, target, act_dtype)}; they take the default kernel")

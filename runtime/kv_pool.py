@@ -129,11 +129,7 @@ def capacity_tokens(n_blocks: int, block_size: int, windows: tuple[int | None, .
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
     """Bytes of ``block_size`` tokens' keys and values in every layer (a pool budget of ``n`` of these
     holds ``n`` blocks of a model without windows, at least as many tokens with them)."""
-    return config.kv_cache_bytes(block_size, _per_value(dtype, kv_dtype))
-
-
-def _per_value(dtype: torch.dtype, kv_dtype: str) -> int | str:
-    return kv_element(kv_dtype, dtype)
+    return config.kv_cache_bytes(block_size, kv_element(kv_dtype, dtype))
 
 
 def plan_pool(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
@@ -144,7 +140,7 @@ def plan_pool(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
         raise LocalLLMError(f"a KV block of {block_size} tokens is not possible",
                             f"use one of {', '.join(map(str, BLOCK_SIZES))}")
     groups = layer_groups(config)
-    per_block = 2 * len(groups[0].layers) * config.kv_row_bytes(_per_value(dtype, kv_dtype)) * block_size
+    per_block = 2 * len(groups[0].layers) * config.kv_row_bytes(kv_element(kv_dtype, dtype)) * block_size
     n_blocks = budget_bytes // per_block
     if n_blocks < 1:
         raise LocalLLMError(
