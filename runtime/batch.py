@@ -201,7 +201,8 @@ class BatchEngine:
         #: Totals since creation.
         self.steps = 0
         self.tokens_computed = 0
-        self.last_step_s = 0.0
+        self.last_step_s = 0.0  # the last step's forward and sampling
+        self.last_step_prefill_tokens = 0  # prompt (or recomputed) tokens in it; 0: a decode-only step
 
     def _compile(self, build: bool, max_running: int) -> None:
         from localllm.paths import home
@@ -266,6 +267,7 @@ class BatchEngine:
                 for seq in plan.preempted:
                     self._requests[seq.id].stats.preemptions = seq.preemptions
                 sampling = [self._requests[c.seq.id] for c in plan.chunks if c.samples]
+                prefill_tokens = plan.prefill_tokens  # now: a chunk stops sampling once its token is in
                 self._cond.notify_all()
             if not plan.chunks:
                 return 0
@@ -290,6 +292,7 @@ class BatchEngine:
                 self.steps += 1
                 self.tokens_computed += plan.num_tokens
                 self.last_step_s = now - t0
+                self.last_step_prefill_tokens = prefill_tokens
                 self._cond.notify_all()
             return plan.num_tokens
 

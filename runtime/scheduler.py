@@ -95,6 +95,12 @@ class Chunk:
         """Whether the chunk reaches the sequence's last token, so that a new token is sampled."""
         return self.start + self.length == len(self.seq.token_ids)
 
+    @property
+    def decodes(self) -> bool:
+        """Whether the chunk is one generated token's step (not prompt or recomputed tokens); like
+        :attr:`samples`, true only until the step's token is appended."""
+        return self.length == 1 and self.samples and self.start >= self.seq.prompt_len
+
 
 @dataclass
 class Scheduled:
@@ -107,6 +113,11 @@ class Scheduled:
     @property
     def num_tokens(self) -> int:
         return sum(c.length for c in self.chunks)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens computed for prompts (or recomputed after a preemption), not decoded."""
+        return sum(c.length for c in self.chunks if not c.decodes)
 
 
 class Scheduler:

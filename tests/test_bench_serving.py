@@ -16,12 +16,14 @@ from localllm.bench.serving import (
     MIXED_REQUESTS,
     MIXED_SHORT,
     SCHEMA,
+    ideal_batching,
     percentiles,
 )
 from localllm.cli import main
 
 ROW_KEYS = {"level", "requests", "wall_s", "generated_tokens", "throughput_tok_s", "ttft_ms", "ttft_mean_ms", "itl_ms",
-            "prompt_tokens", "cached_prompt_tokens", "prefill_tokens", "preemptions", "kv_blocks_peak", "kv_blocks"}
+            "prompt_tokens", "cached_prompt_tokens", "prefill_tokens", "preemptions", "kv_blocks_peak", "kv_blocks",
+            "steps", "decode_steps", "decode_step_ms", "decode_steps_s", "prefill_steps_s"}
 
 
 def serving(folder, out, workload: str, levels: str, *extra: str) -> tuple[dict, str]:  # type: ignore[no-untyped-def]
@@ -40,6 +42,9 @@ def assert_row(row: dict) -> None:
         assert 0 <= row[key]["p50"] <= row[key]["p99"]
     assert row["prefill_tokens"] == row["prompt_tokens"] - row["cached_prompt_tokens"]
     assert 0 < row["kv_blocks_peak"] <= row["kv_blocks"]
+    assert 0 < row["decode_steps"] < row["steps"] and row["decode_steps_s"] > 0 and row["prefill_steps_s"] > 0
+    assert 0 < row["decode_step_ms"]["p50"] <= row["decode_step_ms"]["p99"]
+    assert row["decode_steps_s"] + row["prefill_steps_s"] <= row["wall_s"]
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +70,24 @@ def test_uniform_levels_with_a_long_prompt_and_a_plot(llama, tmp_path):
         assert_row(row)
         assert row["requests"] == row["level"] and row["generated_tokens"] == 6 * row["level"]
         assert row["prompt_tokens"] == 24 * row["level"] and row["cached_prompt_tokens"] == 0  # distinct prompts
+        # every prompt fits the first step's chunk budget (256): one step with prompt tokens, then 5 decode-only
+        assert row["steps"] == 6 and row["decode_steps"] == 5
+    c = data["comparison"]
+    assert c["decode_step_c8_over_c1"] is None and c["throughput_c8_over_c1_if_c8_steps_cost_c1"] is None  # no c8
     long = data["comparison"]["with_long_prompt"]
     assert long["level"] == 2 and long["long_prompt_tokens"] == 2000 and long["long_prompt_ttft_ms"] > 0 and long["itl_ms"]["p99"] >= long["itl_ms"]["p50"]
     assert data["comparison"]["itl_p99_with_long_prompt_over_p50_c1"] > 0
     assert stdout.splitlines()[1].split()[:3] == ["level", "tok/s", "TTFT"]
     assert (tmp_path / "serving.png").stat().st_size > 10_000
+
+
+def test_ideal_batching_prices_the_decode_steps_at_the_base_levels_step():
+    base = {"generated_tokens": 10, "prefill_steps_s": 0.1, "decode_steps_s": 0.9, "decode_steps": 9,
+            "decode_step_ms": {"p50": 100.0}}  # 10 tokens in 1 s of steps
+    row = {"generated_tokens": 80, "prefill_steps_s": 0.8, "decode_steps": 9}
+    # at the base's 100 ms a step: 0.8 + 0.9 s for 80 tokens, against 10 tokens a second
+    assert ideal_batching(row, base) == pytest.approx(80 / 1.7 / 10)
+    assert ideal_batching(row, {**base, "decode_step_ms": {"p50": None}}) is None
 
 
 def test_mixed_runs_continuous_and_static_batching_on_the_same_requests(llama, tmp_path):

@@ -40,6 +40,19 @@ def test_prompts_are_prefilled_in_chunks_beside_decodes():
     assert step(s) == [(0, 6, 1), (1, 20, 1)]  # both decoding
 
 
+def test_a_step_counts_its_prompt_tokens_apart_from_its_decodes():
+    s = Scheduler(BlockManager(32, BS), chunk_tokens=8)
+    s.add(seq(0, 3))
+    plan = s.schedule()
+    assert plan.prefill_tokens == 3 and not plan.chunks[0].decodes
+    s.computed(plan.chunks)
+    s.running[0].token_ids.append(1000)
+    s.add(seq(1, 20, first=100))
+    plan = s.schedule()  # seq 0's decode token beside seq 1's first chunk
+    assert [c.decodes for c in plan.chunks] == [True, False]
+    assert plan.num_tokens == 9 and plan.prefill_tokens == 8
+
+
 def test_budget_is_shared_in_arrival_order():
     s = Scheduler(BlockManager(32, BS), chunk_tokens=10)
     for i in range(3):

@@ -5,7 +5,8 @@ from this thread (submit, :meth:`BatchEngine.step`, poll every handle) and repor
 level, the four serving figures: time to first token (p50, p99, from submission), inter-token
 latency (p50, p99: the gaps between a request's consecutive tokens), total throughput (generated
 tokens over the level's wall time, all streams together) and the concurrency itself, plus prompt
-tokens prefilled and served by the prefix cache, and the KV pool's peak use.
+tokens prefilled and served by the prefix cache, the KV pool's peak use, and where the step time
+went (the median decode-only step; the time of steps that carried prompt tokens).
 
 Workloads (prompts are slices of the evaluation text at different offsets, so that no two share a
 first block unless the workload means them to; end-of-sequence is ignored, every request runs to its
@@ -96,6 +97,7 @@ def drive(engine: Any, requests: list[Request], max_in_flight: int | None = None
     active: list[Request] = []
     finished: list[Request] = []
     peak_blocks = 0
+    steps: list[StepTime] = []
     t0 = time.perf_counter()
     step = 0
     while pending or active:
@@ -108,7 +110,8 @@ def drive(engine: Any, requests: list[Request], max_in_flight: int | None = None
             active.append(r)
         if not active:
             raise RuntimeError("no request can start: a workload's turns wait on each other")
-        engine.step()
+        if engine.step():
+            steps.append(StepTime(engine.last_step_s, engine.last_step_prefill_tokens))
         step += 1
         peak_blocks = max(peak_blocks, engine.usage()["blocks_used"])
         for r in list(active):
@@ -122,10 +125,34 @@ def drive(engine: Any, requests: list[Request], max_in_flight: int | None = None
         if on_step is not None:
             on_step(step)
     wall = time.perf_counter() - t0
-    return summarize(finished, wall, peak_blocks, engine)
+    return summarize(finished, wall, peak_blocks, engine, steps)
 
 
-def summarize(finished: list[Request], wall_s: float, peak_blocks: int, engine: Any) -> dict[str, Any]:
+@dataclass(frozen=True)
+class StepTime:
+    """One engine step: its forward and sampling time, and the prompt tokens it computed (0: decode only)."""
+
+    seconds: float
+    prefill_tokens: int
+
+
+def step_figures(steps: Sequence[StepTime]) -> dict[str, Any]:
+    """Where a level's step time went: steps that carried prompt tokens against decode-only ones.
+
+    The decode-only steps' median is the batched step's cost at that level, free of prefill; the
+    uniform workload's comparison uses it to say what batching alone would give (see ``uniform``)."""
+    decode = [s.seconds for s in steps if s.prefill_tokens == 0]
+    return {
+        "steps": len(steps),
+        "decode_steps": len(decode),
+        "decode_step_ms": {k: (v * 1e3 if v is not None else None) for k, v in percentiles(decode).items()},
+        "decode_steps_s": sum(decode),
+        "prefill_steps_s": sum(s.seconds for s in steps if s.prefill_tokens > 0),
+    }
+
+
+def summarize(finished: list[Request], wall_s: float, peak_blocks: int, engine: Any,
+              steps: Sequence[StepTime] = ()) -> dict[str, Any]:
     stats = [r.handle.stats for r in finished]
     for st in stats:
         if st.finish_reason not in ("length", "stop"):
@@ -149,6 +176,7 @@ def summarize(finished: list[Request], wall_s: float, peak_blocks: int, engine: 
         "preemptions": sum(st.preemptions for st in stats),
         "kv_blocks_peak": peak_blocks,
         "kv_blocks": engine.usage()["blocks"],
+        **step_figures(steps),
     }
 
 
@@ -237,12 +265,32 @@ def uniform(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[
     at8 = next((r for r in rows if r["level"] == 8), None)
     comparison = {
         "throughput_c8_over_c1": at8["throughput_tok_s"] / base["throughput_tok_s"] if at8 and base else None,
+        "decode_step_c8_over_c1": _ratio(at8, base, lambda r: r["decode_step_ms"]["p50"]) if at8 and base else None,
+        "throughput_c8_over_c1_if_c8_steps_cost_c1": ideal_batching(at8, base) if at8 and base else None,
         "itl_p99_c8_over_p50_c1": at8["itl_ms"]["p99"] / base["itl_ms"]["p50"] if at8 and base else None,
         "itl_p99_with_long_prompt_over_p50_c1":
             with_long["itl_ms"]["p99"] / base["itl_ms"]["p50"] if base else None,
         "with_long_prompt": with_long,
     }
     return {"concurrency": rows, "comparison": comparison}
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any], get: Callable[[dict[str, Any]], float | None]) -> float | None:
+    x, y = get(a), get(b)
+    return x / y if x is not None and y else None
+
+
+def ideal_batching(row: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """``row``'s throughput over ``base``'s had each of ``row``'s decode-only steps cost what one of
+    ``base``'s did, its steps with prompt tokens as measured: the most that batching decode steps can
+    give while prefill counts in the wall time, as the throughput figure counts it. Both throughputs
+    are over step time alone (no time between steps), so the ratio compares like with like."""
+    s1 = base["decode_step_ms"]["p50"]
+    base_s = base["prefill_steps_s"] + base["decode_steps_s"]
+    if s1 is None or base_s <= 0:
+        return None
+    ideal_s = row["prefill_steps_s"] + row["decode_steps"] * s1 / 1e3
+    return (row["generated_tokens"] / ideal_s) / (base["generated_tokens"] / base_s)
 
 
 def mixed(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:

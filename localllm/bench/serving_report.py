@@ -17,27 +17,34 @@ def _x(v: float | None) -> str:
 
 
 def format_serving(result: dict[str, Any]) -> str:
-    """One row per concurrency level; the workload's comparison below it."""
+    """One row per concurrency level; the workload's comparison below it. ``step``: the median
+    decode-only step; ``prefill s``: the time of the steps that carried prompt tokens."""
     head = (f"{'level':>5}  {'tok/s':>7}  {'TTFT p50':>8}  {'TTFT p99':>8}  {'ITL p50':>7}  {'ITL p99':>7}  "
-            f"{'prompt':>6}  {'cached':>6}  {'KV blocks':>9}")
+            f"{'prompt':>6}  {'cached':>6}  {'KV blocks':>9}  {'step':>5}  {'prefill s':>9}")
     lines = [f"{result['workload']} workload, {result['model']} ({result['scheme']}), ms unless stated", head]
     for r in result["concurrency"]:
         lines.append(
             f"{r['level']:>5}  {r['throughput_tok_s']:>7.1f}  {_ms(r['ttft_ms']['p50']):>8}  "
             f"{_ms(r['ttft_ms']['p99']):>8}  {_ms(r['itl_ms']['p50']):>7}  {_ms(r['itl_ms']['p99']):>7}  "
-            f"{r['prompt_tokens']:>6}  {r['cached_prompt_tokens']:>6}  {r['kv_blocks_peak']:>4}/{r['kv_blocks']:<4}")
+            f"{r['prompt_tokens']:>6}  {r['cached_prompt_tokens']:>6}  {r['kv_blocks_peak']:>4}/{r['kv_blocks']:<4}  "
+            f"{_ms(r['decode_step_ms']['p50']):>5}  {r['prefill_steps_s']:>9.2f}")
     c = result["comparison"]
     if result["workload"] == "uniform":
         w = c["with_long_prompt"]
         lines += [f"throughput c8 / c1: {_x(c['throughput_c8_over_c1'])}; ITL p99 at c8 / p50 at c1: "
                   f"{_x(c['itl_p99_c8_over_p50_c1'])}",
+                  f"decode-only step c8 / c1: {_x(c['decode_step_c8_over_c1'])}; throughput c8 / c1 had a c8 "
+                  f"decode step cost a c1 one (prefill as measured): {_x(c['throughput_c8_over_c1_if_c8_steps_cost_c1'])}",
                   f"c{w['level']} while a {w['long_prompt_tokens']}-token prompt is prefilled: ITL p50 "
                   f"{_ms(w['itl_ms']['p50'])}, p99 {_ms(w['itl_ms']['p99'])} ({_x(c['itl_p99_with_long_prompt_over_p50_c1'])}"
                   f" the p50 at c1); the long prompt's TTFT {_ms(w['long_prompt_ttft_ms'])}"]
     elif result["workload"] == "mixed":
         for r in result["concurrency"]:
+            st = r["static"]
             lines.append(f"slots {r['level']}: continuous {r['throughput_tok_s']:.1f} tok/s, static "
-                         f"{r['static']['throughput_tok_s']:.1f} tok/s: {_x(r['continuous_over_static'])}")
+                         f"{st['throughput_tok_s']:.1f} tok/s: {_x(r['continuous_over_static'])}; steps with prompt "
+                         f"tokens {r['prefill_steps_s']:.2f} s of {r['wall_s']:.2f} s and {st['prefill_steps_s']:.2f} s "
+                         f"of {st['wall_s']:.2f} s")
     else:
         for r in result["concurrency"]:
             n = r["no_cache"]
