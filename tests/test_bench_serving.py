@@ -99,6 +99,7 @@ def test_mixed_runs_continuous_and_static_batching_on_the_same_requests(llama, t
     assert row["generated_tokens"] == row["static"]["generated_tokens"] == want
     assert row["requests"] == row["static"]["requests"] == MIXED_REQUESTS
     assert row["continuous_over_static"] == pytest.approx(row["throughput_tok_s"] / row["static"]["throughput_tok_s"])
+    assert row["continuous_over_static_if_steps_cost_static"] == ideal_batching(row, row["static"]) > 0
     assert "continuous" in stdout and "static" in stdout
 
 

@@ -44,7 +44,8 @@ def format_serving(result: dict[str, Any]) -> str:
             lines.append(f"slots {r['level']}: continuous {r['throughput_tok_s']:.1f} tok/s, static "
                          f"{st['throughput_tok_s']:.1f} tok/s: {_x(r['continuous_over_static'])}; steps with prompt "
                          f"tokens {r['prefill_steps_s']:.2f} s of {r['wall_s']:.2f} s and {st['prefill_steps_s']:.2f} s "
-                         f"of {st['wall_s']:.2f} s")
+                         f"of {st['wall_s']:.2f} s; {_x(r['continuous_over_static_if_steps_cost_static'])} had continuous batching's "
+                         f"decode steps cost static's")
     else:
         for r in result["concurrency"]:
             n = r["no_cache"]
