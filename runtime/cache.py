@@ -92,11 +92,13 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     return torch.mm(rows, key_rotation(hd, torch.float32, x.device)).view(x.shape)
 
 
-def rotate_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rotate` of queries (..., hd) and keys (..., hd) in one mm."""
+def rotate_qk(q: torch.Tensor, k: torch.Tensor,
+              rotation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotate` of queries (..., hd) and keys (..., hd) in one mm (``rotation``: the
+    :func:`key_rotation` matrix, when the caller holds it)."""
     hd = q.shape[-1]
     rows = torch.cat([q.to(torch.float32).reshape(-1, hd), k.to(torch.float32).reshape(-1, hd)])  # (Nq + Nk, hd)
-    out = torch.mm(rows, key_rotation(hd, torch.float32, q.device))
+    out = torch.mm(rows, rotation if rotation is not None else key_rotation(hd, torch.float32, q.device))
     nq = q.numel() // hd
     return out[:nq].view(q.shape), out[nq:].view(k.shape)
 

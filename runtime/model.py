@@ -335,7 +335,7 @@ def paged_attention(
     """
     if isinstance(layer.k, QuantKV):  # an int8 pool holds keys rotated (runtime.cache.key_rotation)
         out_dtype = q.dtype
-        q, k = rotate_qk(q, k)  # fp32, as the one-sequence int8 cache's attention
+        q, k = rotate_qk(q, k, layer.step.rotation)  # fp32, as the one-sequence int8 cache's attention
         return _paged_attention(q, k, v, layer, q_prescale, scale, softcap).to(out_dtype)
     return _paged_attention(q, k, v, layer, q_prescale, scale, softcap)
 

@@ -88,6 +88,9 @@ class PagedStep:
 
     #: This step per layer group, when the pool has more than one (:meth:`build` sets it).
     groups: tuple["PagedStep", ...] = ()
+    #: An int8 pool's key rotation (:func:`runtime.cache.key_rotation`), when the step is handed it
+    #: as a tensor (the compiled step: a traced step may not make it); None: looked up.
+    rotation: torch.Tensor | None = None
 
     def __init__(
         self,

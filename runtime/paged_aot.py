@@ -9,7 +9,8 @@ one package per model structure (and thread count) serves every batch, context a
 As in :mod:`runtime.aot`, the package holds no weights: the model's parameters and the pool's K/V
 tensors are inputs, handed over on every call (the pool is written in place). Steps with a prefill
 chunk, sequences that do not sample, or a model the step does not cover (:func:`unsupported`: sliding
-windows, soft-capped attention, an int8 pool, no paged kernel) run eagerly, as before.
+windows, soft-capped attention, no paged kernel) run eagerly, as before. An int8 pool is handed over as
+each layer's codes and scales; the step quantizes the new rows as the eager one does.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from localllm.runtime import aot
+from localllm.runtime.cache import QuantKV, key_rotation
 from localllm.runtime.compile import compile_unavailable_reason, inductor_cache_dir
 from localllm.runtime.kv_pool import KVPool
 from localllm.runtime.model import Transformer, rope_tables
@@ -38,8 +41,6 @@ def unsupported(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention |
         return "it is built for the CPU only"
     if kernel is None:
         return "it needs localllm's paged attention kernel"
-    if pool.plan.kv_dtype == "int8":
-        return f"it does not take a {pool.plan.kv_dtype} KV pool"
     if any(layer.attn.window is not None for layer in model.layers) or model.config.sliding_window:
         return "sliding-window layers choose their attention per sequence"
     if any(layer.attn.softcap is not None for layer in model.layers):
@@ -84,23 +85,31 @@ class _Step(nn.Module):
     """The decode-only step as a function of its tensors: what gets exported (the model is held in a
     list, so that export lifts none of its weights into the package)."""
 
-    def __init__(self, model: Transformer, names: list[str], block_size: int, kernel: PagedDecodeAttention) -> None:
+    def __init__(self, model: Transformer, names: list[str], block_size: int, kernel: PagedDecodeAttention,
+                 quantized: bool) -> None:
         super().__init__()
         self._model = [model]
         self._names = names
         self._block_size = block_size
         self._kernel = kernel
+        self._quantized = quantized  # an int8 pool: each K or V is two tensors (codes, scales)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 write_blocks: torch.Tensor, write_rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                 tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
         # ids (1, B); positions, write_blocks, write_rows (B,) long; cos, sin (B, hd); tables (B, W) int32;
-        # lens (B,) int32. tensors: the model's parameters and buffers, then each layer's K and V pools.
+        # lens (B,) int32. tensors: the model's parameters and buffers, then each layer's K and V pools
+        # (an int8 pool's K codes, K scales, V codes, V scales, then its key rotation (hd, hd)).
         n = len(self._names)
         params = dict(zip(self._names, tensors[:n]))
-        kv = tensors[n:]
-        pool = _PoolView(list(kv[0::2]), list(kv[1::2]), self._block_size)
+        kv: list[Any] = list(tensors[n:])
+        rotation = None
+        if self._quantized:
+            rotation = kv.pop()
+            kv = [QuantKV(c, sc) for c, sc in zip(kv[0::2], kv[1::2])]
+        pool = _PoolView(kv[0::2], kv[1::2], self._block_size)
         step = DecodeOnlyStep(pool, positions, cos, sin, write_blocks, write_rows, tables, lens, self._kernel)
+        step.rotation = rotation
         logits = torch.func.functional_call(self._model[0], params, (ids, step), strict=False, tie_weights=True)
         return logits[0]  # (B, vocab)
 
@@ -117,11 +126,26 @@ def batch_ranges(model: Transformer) -> list[tuple[int, int]]:
 
 
 def _pool_tensors(pool: KVPool) -> tuple[list[str], list[torch.Tensor]]:
-    names, tensors = [], []
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
     for i, (k, v) in enumerate(zip(pool.k, pool.v)):
-        names += [f"pool.{i}.k", f"pool.{i}.v"]
-        tensors += [k, v]  # (n_blocks, KV, block, hd): the number of blocks is dynamic
+        for part, x in (("k", k), ("v", v)):
+            if isinstance(x, QuantKV):  # codes (n_blocks, KV, block, hd) int8, scales (n_blocks, KV, block)
+                names += [f"pool.{i}.{part}.codes", f"pool.{i}.{part}.scales"]
+                tensors += [x.codes, x.scales]
+            else:
+                names.append(f"pool.{i}.{part}")
+                tensors.append(x)  # (n_blocks, KV, block, hd): the number of blocks is dynamic
+    if pool.plan.kv_dtype == "int8":  # an input, as weights are: a step that made it would hold it
+        hd = tensors[0].shape[-1]
+        names.append("pool.rotation")
+        tensors.append(key_rotation(hd, torch.float32, tensors[0].device))  # (hd, hd)
     return names, tensors
+
+
+def _pool_axis(name: str) -> int | None:
+    """A pool tensor's dynamic axis: its blocks (0); none for the key rotation."""
+    return None if name == "pool.rotation" else 0
 
 
 def package_paths(model: Transformer, pool: KVPool, cache_dir: Path
@@ -132,7 +156,7 @@ def package_paths(model: Transformer, pool: KVPool, cache_dir: Path
     axes: list[int | None] = [None] * len(tensors)
     pool_names, pool_tensors = _pool_tensors(pool)
     key = aot.package_key(model, [*(f"model.{n}" for n in names), *pool_names], [*tensors, *pool_tensors],
-                          [*axes, *([0] * len(pool_tensors))])
+                          [*axes, *(_pool_axis(n) for n in pool_names)])
     paths = [((lo, hi), cache_dir / f"paged-decode-{key}-b{lo}-{hi}.pt2") for lo, hi in batch_ranges(model)]
     return paths, [*tensors, *pool_tensors]
 
@@ -144,7 +168,7 @@ def build_package(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention
     from torch.export import Dim
 
     names, tensors = aot.model_tensors(model)
-    _, pool_tensors = _pool_tensors(pool)
+    pool_names, pool_tensors = _pool_tensors(pool)
     dev = model.device
     lo, hi = batch
     B = max(lo, 2) if hi > lo else lo  # export specialises a dynamic dimension whose example is 0 or 1
@@ -160,11 +184,12 @@ def build_package(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention
     blocks = Dim("pool_blocks", min=2, max=1 << 24)
     dims = (
         {1: b} if b is not None else {}, rows, rows, rows, rows, rows, {**rows, 1: width}, rows,
-        tuple([None] * len(tensors) + [{0: blocks}] * len(pool_tensors)),
+        tuple([None] * len(tensors) + [None if _pool_axis(n) is None else {0: blocks} for n in pool_names]),
     )
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=aot.LEAFSPEC_WARNING, category=FutureWarning)
-        program = torch.export.export(_Step(model, names, pool.block_size, kernel), example, dynamic_shapes=dims)
+        step = _Step(model, names, pool.block_size, kernel, pool.plan.kv_dtype == "int8")
+        program = torch.export.export(step, example, dynamic_shapes=dims)
     aot.write_package(program, path)
 
 
