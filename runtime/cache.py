@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from localllm.errors import LocalLLMError
 
@@ -79,7 +80,10 @@ def key_rotation(hd: int, dtype: torch.dtype = torch.float32, device: torch.devi
         else:
             gen = torch.Generator().manual_seed(hd)
             r, _ = torch.linalg.qr(torch.randn(hd, hd, generator=gen, dtype=torch.float64))
-        _rotations[key] = r.to(dtype=dtype, device=key[2])
+        r = r.to(dtype=dtype, device=key[2])
+        if is_fake(r):  # made while tracing (FakeTensorMode): a fake tensor, not one to keep
+            return r
+        _rotations[key] = r
     return _rotations[key]
 
 

@@ -264,3 +264,16 @@ def test_smollm2_int8_cache_quality(smollm2_path):
     ratio = float(torch.tensor(nll(q8) - nll(ref)).exp())
     kld = (ref.exp() * (ref - q8)).sum(-1).mean().item()
     assert ratio <= PPL_RATIO_MAX and 0 < kld <= KLD_MAX, (ratio, kld)
+
+
+def test_a_rotation_made_while_tracing_is_not_kept():
+    """Tracing (FakeTensorMode: torch.export, the fake CUDA checks) makes a fake matrix; the cache must
+    not hand it to later real calls."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    from localllm.runtime.cache import key_rotation
+
+    with FakeTensorMode():
+        assert key_rotation(48).shape == (48, 48)  # 48: a size no other test asks for
+    r = key_rotation(48)
+    assert not is_fake(r) and torch.allclose(r @ r.T, torch.eye(48), atol=1e-5)
