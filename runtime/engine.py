@@ -23,7 +23,6 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from localllm.errors import LocalLLMError
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.chat import encode_chat
 from localllm.runtime.generate import GenerationStats, Generator, check_prompt
@@ -49,9 +48,6 @@ class Engine:
                  kv_dtype: str = "16bit") -> None:
         if compile not in (True, False, "auto"):
             raise ValueError(f"compile must be True, False or 'auto', not {compile!r}")
-        if compile is True and kv_dtype == "int8":
-            raise LocalLLMError(f"the compiled decode step does not support a {kv_dtype} KV cache",
-                                f"leave out --compile or --kv-cache {kv_dtype}")
         self.model = model
         self.tokenizer = tokenizer
         self.ctx = ctx

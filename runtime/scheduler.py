@@ -97,8 +97,10 @@ class Chunk:
 
     @property
     def decodes(self) -> bool:
-        """Whether the chunk is one generated token's step (not prompt or recomputed tokens); like
-        :attr:`samples`, true only until the step's token is appended."""
+        """Whether the chunk is one generated token's step, as a decode computes it: the last token of a
+        sequence past its prompt (also after a preemption, when the prefix cache held all but that
+        token); prompt chunks and longer recomputations are not. Like :attr:`samples`, true only until
+        the step's token is appended."""
         return self.length == 1 and self.samples and self.start >= self.seq.prompt_len
 
 

@@ -43,6 +43,21 @@ def test_kernel_is_as_accurate_as_sdpa(dtype, kv, g, hd, length):
 
 
 @needs_kernel
+@pytest.mark.parametrize("g", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_kv_groups_heads_round_as_each_head_alone(g, dtype):
+    """The heads of a kv group share each key and value row as it is read; every head's output has the
+    bits it has when it is the group's only head (the fmadds and sums of each element are unchanged)."""
+    gen = torch.Generator().manual_seed(g)
+    q = torch.randn(1, 3, g, 64, generator=gen).to(dtype)
+    k = (torch.randn(1, 3, 83, 64, generator=gen) * 2).to(dtype)
+    v = torch.randn(1, 3, 83, 64, generator=gen).to(dtype)
+    together = cpu_attention.decode_attention(q, k, v)
+    for j in range(g):
+        assert torch.equal(together[:, :, j : j + 1], cpu_attention.decode_attention(q[:, :, j : j + 1], k, v))
+
+
+@needs_kernel
 def test_kernel_takes_a_batch():
     """Each sequence of a batch attends over its own cache rows."""
     q, k, v = torch.randn(3, 2, 2, 32), torch.randn(3, 2, 20, 32), torch.randn(3, 2, 20, 32)

@@ -290,6 +290,8 @@ def ideal_batching(row: dict[str, Any], base: dict[str, Any]) -> float | None:
     if s1 is None or base_s <= 0:
         return None
     ideal_s = row["prefill_steps_s"] + row["decode_steps"] * s1 / 1e3
+    if ideal_s <= 0 or not base["generated_tokens"]:
+        return None
     return (row["generated_tokens"] / ideal_s) / (base["generated_tokens"] / base_s)
 
 

@@ -74,8 +74,8 @@ inline float row_scale(const float* rs, int64_t rss, int64_t l) { return rs == n
 
 #if defined(CPU_CAPABILITY_AVX512)
 // Lane t of the result is the sum of r[t]'s 16 lanes, for 16 vectors at once: 15 additions and 30
-// shuffles instead of 16 reductions of 8 ops each. Each sum is made by the tree vec_reduce_all uses
-// (lane i + lane i^8, then + i^4, + i^2, + i^1), so it has the same bits as reducing r[t] alone.
+// shuffles instead of 16 reductions of 8 ops each. Each sum is made by the tree hsum uses (lane i +
+// lane i^8, then + i^4, + i^2, + i^1), so it has the same bits as reducing r[t] alone.
 inline __m512 sum16(const __m512* r) {
   __m512 x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)  // rows 2i, 2i+1 in the halves: lane d + lane d+8
@@ -91,6 +91,21 @@ inline __m512 sum16(const __m512* r) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w);
 }
 #endif
+
+// One vector's sum: vec_reduce_all's tree on AVX-512 (sum16's), whatever the compiler (ATen takes its
+// shuffle tree only when GCC builds it), so that a row reduced alone rounds as in a group of 16.
+inline float hsum(const Vec& a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 v = a;
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+  return _mm512_cvtss_f32(v);
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
+#endif
+}
 
 // s[j * ld + l] = (q_j . k_l) * scale for the G query rows qf (fp32) and the L key rows of kb.
 // NV > 0: hd is NV vectors exactly, and q_j lives in registers; NV == 0: any hd, through `row`.
@@ -132,7 +147,7 @@ inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t 
           if (c % 2) a1 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a1);
           else a0 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a0);
         }
-        const float dot = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a0 + a1);
+        const float dot = hsum(a0 + a1);
         s[j * ld + l] = ksc == nullptr ? dot * sc : dot * ksc[l * kss] * sc;
       }
     } else {
@@ -140,7 +155,7 @@ inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t 
         const T* kl = kb + l * ks;
         Vec a(0.f);
         for (int64_t d = 0; d < hv; d += VS) a = at::vec::fmadd(Vec::loadu(qj + d), load_f(kl + d), a);
-        float dot = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
+        float dot = hsum(a);
         for (int64_t d = hv; d < hd; ++d) dot += qj[d] * static_cast<float>(kl[d]);
         s[j * ld + l] = ksc == nullptr ? dot * sc : dot * ksc[l * kss] * sc;
       }
@@ -178,7 +193,7 @@ inline void weigh_heads(const float* p, const T* vb, int64_t vs, int64_t L, int6
 template <typename T, int NV>
 inline void weigh(const float* p, int64_t G, const T* vb, int64_t vs, int64_t L, int64_t hd, int64_t hv,
                   float* acc, int64_t ld, bool add, const float* vsc = nullptr, int64_t vss = 0) {
-  if constexpr (NV > 0 && NV <= 4) {  // the heads' accumulators fit the registers (hd <= 4 vectors)
+  if constexpr (NV > 0 && NV <= 4) {  // hd <= 4 vectors: the heads' accumulators fit AVX-512's registers
     switch (G) {
       case 2: return weigh_heads<T, NV, 2>(p, vb, vs, L, hd, acc, ld, add, vsc, vss);
       case 3: return weigh_heads<T, NV, 3>(p, vb, vs, L, hd, acc, ld, add, vsc, vss);
