@@ -62,8 +62,9 @@ class DecodeOnlyStep(PagedStep):
 
     def __init__(self, pool: _PoolView | KVPool, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  write_blocks: torch.Tensor, write_rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 kernel: PagedDecodeAttention) -> None:
+                 kernel: PagedDecodeAttention, rotation: torch.Tensor | None = None) -> None:
         self.pool = pool  # type: ignore[assignment]
+        self.rotation = rotation
         self.positions, self.cos, self.sin = positions, cos, sin
         self.write_blocks, self.write_rows = write_blocks, write_rows
         self.spans = []
@@ -108,8 +109,8 @@ class _Step(nn.Module):
             rotation = kv.pop()
             kv = [QuantKV(c, sc) for c, sc in zip(kv[0::2], kv[1::2])]
         pool = _PoolView(kv[0::2], kv[1::2], self._block_size)
-        step = DecodeOnlyStep(pool, positions, cos, sin, write_blocks, write_rows, tables, lens, self._kernel)
-        step.rotation = rotation
+        step = DecodeOnlyStep(pool, positions, cos, sin, write_blocks, write_rows, tables, lens, self._kernel,
+                              rotation)
         logits = torch.func.functional_call(self._model[0], params, (ids, step), strict=False, tie_weights=True)
         return logits[0]  # (B, vocab)
 

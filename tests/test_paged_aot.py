@@ -15,7 +15,7 @@ from localllm.runtime.aot import PackageMissing
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.compile import compile_unavailable_reason
 from localllm.runtime.paged_aot import MAX_BATCH, PagedAotDecode, batch_ranges
-from tests.test_batch import BIG, GREEDY, MAX_TOKENS, PROMPTS, assert_same
+from tests.test_batch import BIG, DECIDED, GREEDY, MAX_TOKENS, PROMPTS, assert_same
 
 needs_compiler = pytest.mark.skipif(compile_unavailable_reason(torch.device("cpu")) is not None,
                                     reason="no C++ compiler for AOTInductor")
@@ -124,6 +124,12 @@ def test_an_int8_pool_compiles_and_gives_the_eager_int8_engines_tokens(fp32, hom
     sizes = counted(engine)
     eager = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, kv_dtype="int8")
     got, want = run_mixed(engine), run_mixed(eager)
+    for i, w in enumerate(want):  # every expected token decided under int8 keys and values, not a near-tie
+        cache = fp32.model.new_cache(256, kv_dtype="int8")
+        with torch.inference_mode():
+            logits = fp32.model(torch.tensor([PROMPTS[i] + w[:-1]]), cache)[0, len(PROMPTS[i]) - 1 :].float()
+        top2 = logits.topk(2, dim=-1).values
+        assert (top2[:, 0] - top2[:, 1]).min().item() >= DECIDED, "a near-tie in the expectation"
     assert got == want
     assert 1 in sizes and max(sizes) >= 2
     # the pools hold the same codes, each row in its slot, quantized as the eager step does: but for a

@@ -107,6 +107,18 @@ inline float hsum(const Vec& a) {
 #endif
 }
 
+// q . k_l's partial sums (one vector; its lanes' sum is the dot product) for q held in NV registers:
+// two chains, so the FMAs need not wait on each other.
+template <typename T, int NV>
+inline Vec dot_lanes(const Vec* qv, const T* kl) {
+  Vec a0 = qv[0] * load_f(kl), a1(0.f);
+  for (int c = 1; c < NV; ++c) {
+    if (c % 2) a1 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a1);
+    else a0 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a0);
+  }
+  return a0 + a1;
+}
+
 // s[j * ld + l] = (q_j . k_l) * scale for the G query rows qf (fp32) and the L key rows of kb.
 // NV > 0: hd is NV vectors exactly, and q_j lives in registers; NV == 0: any hd, through `row`.
 // ksc: the rows' scales (stride kss) for int8 rows, nullptr for float ones.
@@ -122,15 +134,7 @@ inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t 
 #if defined(CPU_CAPABILITY_AVX512)
       for (; l0 + 16 <= L; l0 += 16) {  // 16 rows' dot products reduced together (sum16: the same bits)
         __m512 r[16];
-        for (int t = 0; t < 16; ++t) {
-          const T* kl = kb + (l0 + t) * ks;
-          Vec a0 = qv[0] * load_f(kl), a1(0.f);
-          for (int c = 1; c < NV; ++c) {
-            if (c % 2) a1 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a1);
-            else a0 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a0);
-          }
-          r[t] = a0 + a1;
-        }
+        for (int t = 0; t < 16; ++t) r[t] = dot_lanes<T, NV>(qv, kb + (l0 + t) * ks);
         __m512 dot = sum16(r);
         if (ksc != nullptr) {
           alignas(64) float rsc[16];
@@ -141,13 +145,7 @@ inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t 
       }
 #endif
       for (int64_t l = l0; l < L; ++l) {
-        const T* kl = kb + l * ks;
-        Vec a0 = qv[0] * load_f(kl), a1(0.f);  // two chains, so the FMAs need not wait on each other
-        for (int c = 1; c < NV; ++c) {
-          if (c % 2) a1 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a1);
-          else a0 = at::vec::fmadd(qv[c], load_f(kl + c * VS), a0);
-        }
-        const float dot = hsum(a0 + a1);
+        const float dot = hsum(dot_lanes<T, NV>(qv, kb + l * ks));
         s[j * ld + l] = ksc == nullptr ? dot * sc : dot * ksc[l * kss] * sc;
       }
     } else {
