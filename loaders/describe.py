@@ -39,7 +39,7 @@ def describe(config: Any, *, name: str | None, path: Path, scheme: Any, dtype: s
         "quantized_modules": quantized,
         "weight_bytes": weight_bytes,
         "kv_cache_bytes_per_token": config.kv_cache_bytes(1, CACHE_VALUE_BYTES),
-        # One sequence's cache at the full context: sliding layers hold only their window (a ring).
+        # One sequence's cache at the full context: sliding layers hold only their window.
         "kv_cache_bytes_context": config.sequence_cache_bytes(config.max_seq_len, CACHE_VALUE_BYTES),
         "sliding_window": config.sliding_window,
         "sliding_layers": (sum(config.layer_window(i) is not None for i in range(config.n_layers))

@@ -219,8 +219,8 @@ def load_model(
     ``quant`` picks the weight scheme (fp32/fp16/bf16/int8/int4/nf4; default: the checkpoint's own,
     i.e. float for HF folders, int4 for Q4 GGUF files, the stored scheme for store entries); the
     weights are quantized as they stream in when the checkpoint holds another format.
-    ``attention_kernel``: on the CPU, decode steps attend with :mod:`runtime.cpu_attention`'s kernel
-    (:mod:`localllm.native`); False keeps SDPA.
+    ``attention_kernel``: on the CPU, build (once) and count :mod:`runtime.cpu_attention`'s paged decode
+    kernel, which the batch engine's steps attend with (:mod:`localllm.native`).
 
     ``device`` is what the user typed (``auto``, ``cpu``, ``cuda:1``: checked by :func:`resolve_device`,
     so ``cuda`` without a GPU is a one-line error), or a :class:`quant.target.Target` the caller has
@@ -267,8 +267,7 @@ def load_model(
     if attention_kernel and dev.type == "cpu":
         from localllm.runtime import cpu_attention
 
-        model.set_decode_attention(cpu_attention.kernel())
-        if model.decode_kernel is not None:
+        if cpu_attention.paged_kernel() is not None:  # built now (once), so the first step does not wait
             used["attention-cpu"] = len(model.layers)
     return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme, used,
                        dequantized_from, imported)

@@ -9,7 +9,7 @@ A plan has five parts (bytes):
   layers at their window (:meth:`runtime.config.ModelConfig.sequence_cache_bytes`), and the RoPE tables
   of ``ctx`` positions beside it;
 * ``activations``: the largest transient of one forward: a prompt of ``prefill_tokens`` (default: the
-  whole context, which :class:`runtime.generate.Generator` prefills in one forward) through an attention
+  whole context, which ``run``'s one-sequence engine prefills as one chunk: :func:`runtime.engine.sequence_engine`) through an attention
   block or an MLP block, plus each sequence's fp32 logits row (:func:`activation_bytes`);
 * ``overhead``: what the runtime adds beyond these (:data:`OVERHEAD_BYTES`, measured);
 * ``runtime``: the process itself before any model: interpreter, torch, localllm and its kernels

@@ -7,7 +7,7 @@ import torch
 
 from localllm.format import human_size
 from localllm.runtime.cache import kv_element, kv_label
-from localllm.runtime.generate import GenerationStats
+from localllm.runtime.batch import GenerationStats
 
 
 def human_duration(seconds: float) -> str:
@@ -24,7 +24,7 @@ def print_stats(stats: GenerationStats, load_s: float | None = None) -> None:
     if load_s is not None:
         rows.append(("load duration", human_duration(load_s)))
     rows += [
-        ("prompt eval count", f"{stats.prompt_tokens} token(s)"
+        ("prompt eval count", f"{stats.prefilled_tokens} token(s)"
          + (f" (+{stats.cached_tokens} cached)" if stats.cached_tokens else "")),
         ("prompt eval duration", human_duration(stats.prompt_s)),
         ("prompt eval rate", f"{stats.prompt_tps:.2f} tokens/s"),

@@ -14,7 +14,7 @@ sequence in **one** forward (:class:`runtime.paged.PagedStep`), samples each seq
 last token with its own :class:`SamplingParams` and seeded generator, and retires finished or cancelled
 sequences at once (their blocks freed; full blocks stay in the prefix cache). With ``compile``, a step
 in which every sequence decodes one token runs through an AOTInductor package of the model's paged
-decode step (:mod:`runtime.paged_aot`) where one is built; every other step runs eagerly.
+decode step (:mod:`runtime.compiled_step`) where one is built; every other step runs eagerly.
 
 It knows nothing of HTTP, text or chat templates: token ids in, token ids out.
 """
@@ -34,7 +34,7 @@ from localllm.runtime.block_manager import BlockManager
 from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_pool
 from localllm.runtime.model import Transformer, cache_rope_tables
 from localllm.runtime.paged import PagedDecodeAttention, PagedStep, SeqChunk
-from localllm.runtime.paged_aot import PagedAotDecode, unsupported
+from localllm.runtime.compiled_step import CompiledDecode, find_step
 from localllm.runtime.sampling import SamplingParams, make_generator, sample
 from localllm.runtime.scheduler import Chunk, Scheduler, Sequence as Seq, Status
 
@@ -43,19 +43,27 @@ DEFAULT_KV_BUDGET = 256 << 20
 
 
 @dataclass
-class RequestStats:
-    """Figures of one request (times from ``time.perf_counter()``)."""
+class GenerationStats:
+    """Figures of one generation (times from ``time.perf_counter()``; durations in seconds, as Ollama
+    reports them): every request the engine runs has one, and ``run``, the server and the bench read it."""
 
     prompt_tokens: int
     cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
     generated_tokens: int = 0
+    max_tokens: int | None = None
     submitted_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    stop_string: bool = False  # the reader cut the text at a stop string (and cancelled the rest)
     preemptions: int = 0
     #: When each generated token was sampled (its step's end): inter-token latencies are the gaps.
     token_times: list[float] = field(default_factory=list)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens actually run (those the prefix cache served are left out)."""
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def ttft_s(self) -> float | None:
@@ -63,12 +71,39 @@ class RequestStats:
         return None if self.first_token_at is None else self.first_token_at - self.submitted_at
 
     @property
+    def prompt_s(self) -> float:
+        """Submission to the first token (to the end, when none came): the prompt's evaluation."""
+        end = self.first_token_at if self.first_token_at is not None else self.finished_at
+        return 0.0 if end is None else end - self.submitted_at
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prefilled_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def decode_s(self) -> float:
+        """From the first generated token to the last."""
+        return self.token_times[-1] - self.token_times[0] if len(self.token_times) > 1 else 0.0
+
+    @property
     def decode_tps(self) -> float:
         """Generated tokens per second after the first."""
-        if self.first_token_at is None or self.finished_at is None or self.generated_tokens < 2:
-            return 0.0
-        span = self.finished_at - self.first_token_at
-        return (self.generated_tokens - 1) / span if span > 0 else 0.0
+        return (len(self.token_times) - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def token_latencies_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def stop_reason(self) -> str:
+        """Why it ended, in ``run``'s words: "eos", "max_tokens", "context", "stop_string",
+        "cancelled", "error" ("" while it runs)."""
+        if self.stop_string:
+            return "stop_string"
+        if self.finish_reason == "length":
+            limited = self.max_tokens is not None and self.generated_tokens >= self.max_tokens
+            return "max_tokens" if limited else "context"
+        return {"stop": "eos", None: ""}.get(self.finish_reason, self.finish_reason or "")
 
 
 class RequestHandle:
@@ -115,7 +150,7 @@ class _Request:
     """A sequence plus what the engine needs to sample and deliver its tokens."""
 
     def __init__(self, seq: Seq, params: SamplingParams, max_tokens: int | None, stop_ids: Sequence[int],
-                 device: torch.device) -> None:
+                 device: torch.device, forced: Sequence[int] | None = None) -> None:
         self.seq = seq
         self.params = params
         self.max_tokens = max_tokens
@@ -125,8 +160,13 @@ class _Request:
         prompt = seq.token_ids
         self.recent: deque[int] | None = (
             deque(prompt[-n:], maxlen=n) if params.repeat_penalty != 1.0 and n > 0 else None)
-        self.stats = RequestStats(prompt_tokens=seq.prompt_len, submitted_at=time.perf_counter())
+        self.stats = GenerationStats(prompt_tokens=seq.prompt_len, max_tokens=max_tokens,
+                                     submitted_at=time.perf_counter())
         self.out: deque[int] = deque()  # produced, not yet taken by the handle
+        #: Teacher forcing (:meth:`BatchEngine.forced_logits`): the tokens fed in place of the sampled
+        #: ones, and the fp32 logits row of every step that sampled.
+        self.forced: deque[int] | None = None if forced is None else deque(forced)
+        self.logits: list[torch.Tensor] = []
         self.finished = False
         self.error: BaseException | None = None
 
@@ -145,7 +185,7 @@ class BatchEngine:
     ``compile``: False runs every step eagerly; "auto" runs decode-only steps through the compiled
     step's packages when they are built (:attr:`needs_build` says when they are not); True builds
     missing ones now (a minute or so a package on two cores). Where the step cannot run the model
-    (:func:`runtime.paged_aot.unsupported`), steps run eagerly and :attr:`compile_note` says why.
+    (:func:`runtime.compiled_step.unsupported`), steps run eagerly and :attr:`compile_note` says why.
     """
 
     def __init__(
@@ -182,7 +222,7 @@ class BatchEngine:
             from localllm.runtime import cpu_attention
 
             self.kernel = cpu_attention.paged_kernel()
-        self._compiled: PagedAotDecode | None = None
+        self._compiled: CompiledDecode | None = None
         #: "auto" found no compiled step built for this model and pool shape (``localllm compile``),
         #: and no build of it failed before.
         self.needs_build = False
@@ -205,22 +245,9 @@ class BatchEngine:
         self.last_step_prefill_tokens = 0  # prompt (or recomputed) tokens in it; 0: a decode-only step
 
     def _compile(self, build: bool, max_running: int) -> None:
-        from localllm.paths import home
-        from localllm.runtime.aot import PackageMissing, failure_marker
-
-        why = unsupported(self.model, self.pool, self.kernel)
-        if why is not None:
-            self.compile_note = f"decode steps run eagerly: {why}"
-            return
-        t0 = time.perf_counter()
-        try:
-            self._compiled = PagedAotDecode(self.model, self.pool, self.kernel, home() / "inductor" / "aot",
-                                            max_running, home() / "inductor", build=build)
-        except PackageMissing as e:  # a build that failed before is not started again by itself
-            self.needs_build = not failure_marker(e.path).exists()
-        except RuntimeError as e:  # no compiler, or the build failed: eager, saying why
-            self.compile_note = f"decode steps run eagerly: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-        self.compile_s = time.perf_counter() - t0
+        found = find_step(self.model, self.pool, self.kernel, max_running, build)
+        self._compiled, self.compile_s = found.step, found.seconds
+        self.needs_build, self.compile_note = found.needs_build, found.note
 
     @property
     def compiled(self) -> bool:
@@ -229,14 +256,15 @@ class BatchEngine:
 
     # Submission ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None = None,
-               stop_ids: Sequence[int] = ()) -> RequestHandle:
+               stop_ids: Sequence[int] = (), *, forced: Sequence[int] | None = None) -> RequestHandle:
         """Queue a request. Raises :class:`runtime.scheduler.EngineBusy` when the queue is full and
-        LocalLLMError when the prompt can never fit. Safe from any thread."""
+        LocalLLMError when the prompt is empty or can never fit (:func:`runtime.scheduler.check_prompt`). Safe from any
+        thread. ``forced``: teacher forcing (see :meth:`forced_logits`)."""
         if max_tokens is not None and max_tokens < 1:
             raise LocalLLMError(f"max tokens {max_tokens} is not positive", "ask for at least 1 token")
         with self._cond:
             seq = Seq(self._next_id, len(prompt_ids), list(prompt_ids), self.max_seq_len)
-            request = _Request(seq, params, max_tokens, stop_ids, self.device)
+            request = _Request(seq, params, max_tokens, stop_ids, self.device, forced)
             self.scheduler.add(seq)  # raises before anything is recorded
             self._next_id += 1
             self._requests[seq.id] = request
@@ -301,12 +329,14 @@ class BatchEngine:
         """One forward over ``chunks``; a token for each chunk that samples (``requests``, in order)."""
         specs = [SeqChunk(c.seq.token_ids[c.start : c.start + c.length], c.start, c.seq.table.groups[0], c.samples,
                           tuple(c.seq.table.groups[1:])) for c in chunks]
-        step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel,
-                                    self.model.config.sliding_window)
+        step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel)
         if self._compiled is not None and self._compiled.takes(step):
             logits = self._compiled(ids, step)  # (S_out, vocab)
         else:
             logits = self.model(ids, step)[0]
+        for i, r in enumerate(requests):
+            if r.forced is not None:
+                r.logits.append(logits[i].float().clone())
         picks: list[torch.Tensor | None] = [None] * len(requests)
         plain = [i for i, r in enumerate(requests) if r.params.greedy and r.recent is None]
         if plain:  # greedy rows in one argmax, of every row: indexing by a list of rows would upload
@@ -329,6 +359,11 @@ class BatchEngine:
         if seq.cancelled:
             self._finish(r, "cancelled")
             return
+        if r.forced is not None:  # teacher forcing: the given token, whatever was sampled
+            if not r.forced:
+                self._finish(r, "length")
+                return
+            tok = r.forced.popleft()
         if tok in r.stop:
             self._finish(r, "stop")
             return
@@ -354,6 +389,15 @@ class BatchEngine:
         r.stats.finish_reason = reason
         r.stats.finished_at = time.perf_counter()
         self._requests.pop(r.seq.id, None)
+
+    def forced_logits(self, prompt_ids: Sequence[int], fed: Sequence[int]) -> torch.Tensor:
+        """Teacher forcing: the fp32 logits (len(fed) + 1, vocab) after ``prompt_ids`` and after each of
+        ``fed`` in turn, fed in place of what the model would pick, through this engine's own steps (its
+        pool, prefix cache and compiled step: what generation computes, not a second forward)."""
+        handle = self.submit(prompt_ids, SamplingParams(temperature=0), forced=fed)
+        handle.result()
+        request = handle._request
+        return torch.stack(request.logits[: len(fed) + 1])
 
     def run_until_done(self) -> None:
         """Step until every submitted request has finished (the simple driver)."""

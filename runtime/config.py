@@ -139,9 +139,9 @@ class ModelConfig:
         return self.kv_dim * kv
 
     def sequence_cache_bytes(self, tokens: int, bytes_per_value: int | str, batch: int = 1) -> int:
-        """Bytes of one sequence's contiguous KV cache of ``tokens`` positions (``bytes_per_value``: as
-        :meth:`kv_row_bytes` takes it): a sliding layer holds at most its window
-        (:class:`runtime.cache.KVCache` as a ring)."""
+        """Bytes of one sequence's keys and values at ``tokens`` positions (``bytes_per_value``: as
+        :meth:`kv_row_bytes` takes it): a sliding layer holds at most its window (the paged pool gives
+        its other blocks back, give or take a partial block at each end)."""
         per_layer = [min(tokens, w) if (w := self.layer_window(i)) else tokens for i in range(self.n_layers)]
         return 2 * sum(per_layer) * self.kv_row_bytes(bytes_per_value) * batch
 

@@ -6,14 +6,9 @@
     engine.stats  # GenerationStats of that call
 
 Token ids come from a :class:`runtime.batch.BatchEngine` of one sequence: the same engine, scheduler,
-paged KV pool and compiled decode step that serve many requests at once (``localllm serve``), so
-there is one generation path. Two exceptions run on the one-sequence path
-(:class:`runtime.generate.Generator`) instead: a model with sliding-window layers (Gemma 3), whose
-one-sequence ring caches have a compiled decode step where the batch engine's runs such models
-eagerly (both hold only the window of those layers); and
-``compile=True`` on CUDA, whose compiled step is that path's ``torch.compile`` (the batch engine's
-compiled step is AOTInductor on the CPU). Text is decoded incrementally (never half a UTF-8
-character) and cut at stop strings without printing any part of one.
+paged KV pool, prefix cache and compiled decode step that serve many requests at once (``localllm
+serve``), for every model family and device: there is one generation path. Text is decoded
+incrementally (never half a UTF-8 character) and cut at stop strings without printing any part of one.
 """
 
 from __future__ import annotations
@@ -23,14 +18,40 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from localllm.runtime.batch import BatchEngine
+from localllm.runtime.batch import BatchEngine, GenerationStats
 from localllm.runtime.chat import encode_chat
-from localllm.runtime.generate import GenerationStats, Generator, check_prompt
-from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, block_bytes
+from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, layer_groups, plan_pool, window_blocks
 from localllm.runtime.model import Transformer
 from localllm.runtime.sampling import SamplingParams
+from localllm.runtime.scheduler import check_prompt
 from localllm.runtime.textstream import StopStringFilter
 from localllm.runtime.tokenizer import Tokenizer
+
+
+def pool_bytes(model: Transformer, ctx: int, kv_dtype: str = "16bit", chunk_tokens: int | None = None) -> int:
+    """KV pool bytes that hold one sequence of ``ctx`` positions, prefilled ``chunk_tokens`` (default
+    all of them) a step: every full-context layer group's blocks for the whole context, each sliding
+    group's for its window behind a chunk."""
+    config = model.config
+    per_group = plan_pool(config, 1 << 62, model.dtype, DEFAULT_BLOCK_SIZE, kv_dtype).bytes_per_block
+    blocks = math.ceil(ctx / DEFAULT_BLOCK_SIZE)
+    queries = min(ctx, chunk_tokens or ctx)
+    need = sum(blocks if g.window is None else min(blocks, window_blocks(g.window, DEFAULT_BLOCK_SIZE, queries))
+               for g in layer_groups(config))
+    return need * per_group
+
+
+def sequence_engine(model: Transformer, ctx: int, compile: bool | str = False, kv_dtype: str = "16bit",
+                    prefix_cache: bool = True) -> BatchEngine:
+    """A :class:`BatchEngine` for one sequence of ``ctx`` positions at a time, its pool sized to hold it.
+
+    The whole prompt runs in one chunk (nothing else is waiting to run), unless a sliding window would
+    then hold the whole prompt: chunks of the window's size keep its blocks to the window."""
+    windows = [g.window for g in layer_groups(model.config) if g.window is not None]
+    chunk = min([ctx, *windows])
+    return BatchEngine(model, kv_budget_bytes=pool_bytes(model, ctx, kv_dtype, chunk), max_seq_len=ctx,
+                       chunk_tokens=chunk, max_running=1, max_waiting=1, kv_dtype=kv_dtype, compile=compile,
+                       prefix_cache=prefix_cache)
 
 
 class Engine:
@@ -41,55 +62,36 @@ class Engine:
 
     ``compile``: False runs every step eagerly; "auto" runs decode steps through the compiled step
     when it is built for this model (``localllm compile``; :attr:`needs_build` says when it is not);
-    True builds it now if missing (a minute or so on two cores). See :mod:`runtime.paged_aot`.
+    True builds it now if missing (a minute or so on two cores). See :mod:`runtime.compiled_step`.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, compile: bool | str = False,
                  kv_dtype: str = "16bit") -> None:
-        if compile not in (True, False, "auto"):
-            raise ValueError(f"compile must be True, False or 'auto', not {compile!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.ctx = ctx
-        self.batch: BatchEngine | None = None
-        self.generator: Generator | None = None
-        if any(layer.attn.window is not None for layer in model.layers) or (
-                compile is True and model.device.type == "cuda"):
-            self.generator = Generator(model, ctx, compile=compile, kv_dtype=kv_dtype)
-        else:
-            blocks = math.ceil(ctx / DEFAULT_BLOCK_SIZE)
-            budget = blocks * block_bytes(model.config, DEFAULT_BLOCK_SIZE, model.dtype, kv_dtype)
-            # The whole prompt in one chunk: nothing else is waiting to run.
-            self.batch = BatchEngine(model, kv_budget_bytes=budget, max_seq_len=ctx, chunk_tokens=ctx,
-                                     max_running=1, max_waiting=1, kv_dtype=kv_dtype, compile=compile)
-            if compile is True and self.batch.compile_note:
-                warnings.warn(self.batch.compile_note)
+        self.batch = sequence_engine(model, ctx, compile, kv_dtype)
+        if compile is True and self.batch.compile_note:
+            warnings.warn(self.batch.compile_note)
         # Stop on the tokenizer's end tokens and the model config's (generation_config.json's).
         self.stop_ids = list(dict.fromkeys([*tokenizer.eos_ids, *model.config.eos_token_ids]))
-        self._stats = GenerationStats()
-
-    @property
-    def stats(self) -> GenerationStats:
+        self.stats = GenerationStats(prompt_tokens=0)
         """Figures of the last (or current) generation."""
-        return self.generator.stats if self.generator is not None else self._stats
 
     @property
     def step_kind(self) -> str:
-        """What runs the decode steps: "aot" (a compiled step), "torch.compile" or "eager"."""
-        if self.generator is not None:
-            return self.generator.step_kind
-        assert self.batch is not None
+        """What runs the decode steps: "aot" (the compiled step) or "eager"."""
         return "aot" if self.batch.compiled else "eager"
 
     @property
     def needs_build(self) -> bool:
         """"auto" found no compiled step for this model, and no build of it failed before."""
-        return self.generator.needs_build if self.generator is not None else bool(self.batch and self.batch.needs_build)
+        return self.batch.needs_build
 
     @property
     def compile_s(self) -> float:
         """Time spent building or loading the compiled step."""
-        return self.generator.compile_s if self.generator is not None else self.batch.compile_s  # type: ignore[union-attr]
+        return self.batch.compile_s
 
     def generate_ids(
         self,
@@ -100,41 +102,16 @@ class Engine:
     ) -> Iterator[int]:
         """Generated token ids one at a time (a stop id, by default the model's end tokens, ends
         generation and is not yielded); :attr:`stats` holds the call's figures."""
-        check_prompt(prompt_ids, self.ctx)
+        check_prompt(len(prompt_ids), self.ctx)
         stop = self.stop_ids if stop_ids is None else stop_ids
-        if self.generator is not None:
-            yield from self.generator.generate(prompt_ids, params, max_tokens, stop)
-            return
-        assert self.batch is not None
-        stats = self._stats = GenerationStats()
         handle = self.batch.submit(prompt_ids, params, max_tokens, stop)
-        r = handle.stats
-        last = None
+        self.stats = handle.stats
         try:
-            for tok in handle:  # each next() runs the engine's steps until the token is there
-                if last is None:
-                    stats.cached_tokens = r.cached_tokens
-                    stats.prompt_tokens = len(prompt_ids) - r.cached_tokens
-                    stats.prompt_s = (r.first_token_at or r.submitted_at) - r.submitted_at
-                else:
-                    stats.token_latencies_s.append(r.token_times[stats.generated_tokens] - last)
-                    stats.decode_s = r.token_times[stats.generated_tokens] - r.token_times[0]
-                last = r.token_times[stats.generated_tokens]
-                stats.generated_tokens += 1
-                yield tok
+            yield from handle  # each next() runs the engine's steps until the token is there
         finally:
             if not handle.done:  # the caller stopped reading (a stop string): free the sequence's blocks
                 handle.cancel()
                 self.batch.step()
-        if r.finish_reason == "stop":
-            stats.stop_reason = "eos"
-            if last is None:  # an end token first: the prefill is all there was
-                stats.cached_tokens = r.cached_tokens
-                stats.prompt_tokens = len(prompt_ids) - r.cached_tokens
-                stats.prompt_s = (r.finished_at or r.submitted_at) - r.submitted_at
-        elif r.finish_reason == "length":
-            limited = max_tokens is not None and stats.generated_tokens >= max_tokens
-            stats.stop_reason = "max_tokens" if limited else "context"
 
     def stream_ids(
         self,
@@ -153,7 +130,7 @@ class Engine:
                 if piece:
                     yield piece
                 if cut.stopped:
-                    self.stats.stop_reason = "stop_string"
+                    self.stats.stop_string = True
                     return
         finally:
             tokens.close()  # a reply cut short (stop string, caller gone) frees its sequence's blocks now

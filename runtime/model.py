@@ -15,39 +15,30 @@ Parameter names (the checkpoint loaders map to these)::
     output.weight                   (the same tensor as embed.weight when tied)
 
 A layer with a sliding window (Mistral, Phi-3: every layer; Gemma 3: five of every six) attends to
-the last ``window`` positions only; its cache is a ring of the window's size when the sequence is
-longer (:class:`runtime.cache.KVCache`).
+the last ``window`` positions only (the paged pool keeps only those blocks: :mod:`runtime.kv_pool`).
 
 No device or dtype is hard-wired: build on ``meta``, ``load_state_dict(assign=True)``.
 
-The model holds no per-sequence state: a sequence's keys/values live in a
-:class:`runtime.cache.SequenceCache` (made by :meth:`Transformer.new_cache` on the weights' device),
-which the caller owns and passes to every forward. A batch of sequences over the batch engine's
-paged KV pool passes a :class:`runtime.paged.PagedStep` instead (:func:`paged_attention`).
+The model holds no per-sequence state. Every generation runs in the batch engine
+(:mod:`runtime.batch`), which passes each forward a :class:`runtime.paged.PagedStep`: the step's
+sequences, their block tables in the engine's paged KV pool and where the new keys/values go
+(:func:`paged_attention`). Without one, a forward is one whole sequence from position 0 that reads and
+writes nothing outside the call (perplexity windows, the transformers comparison).
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localllm.runtime.cache import (DEFAULT_KV_DTYPE, KVCache, QuantKV, SequenceCache, attention_mask,
-                                    check_kv_dtype, empty_kv, kv_rows, quantize_pair, readable, rotate_qk)
+from localllm.runtime.cache import QuantKV, quantize_pair, rotate_qk
 from localllm.runtime.config import SLIDING, ModelConfig
 from localllm.runtime.kv_pool import gather
 from localllm.runtime.paged import PagedLayer, PagedStep
-
-#: One-query attention: q (B, KV, G, hd), the G query heads sharing each kv head; k, v (B, KV, L, hd),
-#: tensors of q's dtype or an int8 cache's :class:`runtime.cache.QuantKV` views.
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor | QuantKV, torch.Tensor | QuantKV], torch.Tensor]
-
 
 class Linear(nn.Linear):
     """``nn.Linear`` without random initialisation: every weight comes from a checkpoint.
@@ -140,7 +131,7 @@ def rope_attention_factor(config: ModelConfig) -> float:
 def rope_rows(config: ModelConfig, positions: torch.Tensor, max_seq: int,
               local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (N, rotary_dim) in fp32 for ``positions`` (N,), in the half-split (rotate_half) layout."""
-    inv = rope_inv_freq(config, local, max_seq).to(positions.device)
+    inv = rope_inv_freq(config, local, max_seq).to(positions.device, non_blocking=True)  # a blocking upload waits for the GPU
     freqs = torch.outer(positions.float(), inv)  # (N, rot/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (N, rot)
     scale = 1.0 if local else rope_attention_factor(config)
@@ -157,8 +148,7 @@ def rope_tables(config: ModelConfig, max_seq: int, device: torch.device,
 
 def cache_rope_tables(config: ModelConfig, max_seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The global tables, and beside them (last axis) the local ones when the sliding layers have a
-    base of their own: what a :class:`SequenceCache` and a :class:`runtime.paged.PagedStep` carry
-    (rows of them), split again by :meth:`Transformer._split_rope`."""
+    base of their own: what a :class:`runtime.paged.PagedStep` carries (rows of them), split again by :meth:`Transformer._split_rope`."""
     cos, sin = rope_tables(config, max_seq, device)
     if config.rope_local_theta is None:
         return cos, sin
@@ -200,16 +190,14 @@ def attend(
     return scores.softmax(-1).to(v.dtype) @ v
 
 
-@dataclass
-class _Pass:
-    """What every layer of one (non-paged) forward shares."""
-
-    rope: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # local? -> cos, sin (T, rot)
-    input_pos: torch.Tensor | None  # (T,) with a cache
-    start: int
-    kv_len: int  # keys a whole-sequence cache attends to: positions [0, kv_len)
-    masks: dict[int | None, torch.Tensor | None]  # window -> mask over [0, kv_len)
-    static: bool  # whole-cache attention with masks from input_pos alone
+def attention_mask(T: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Mask of a whole sequence's T queries over its own keys (positions 0 .. T - 1): None for plain
+    causal attention (SDPA's own), else (T, T) bool, True = attend; a key is seen when
+    ``q - window < k <= q``."""
+    if window is None or T <= window:
+        return None
+    pos = torch.arange(T, device=device)
+    return (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
 
 
 class Attention(nn.Module):
@@ -236,9 +224,6 @@ class Attention(nn.Module):
         #: What q is multiplied by before a kernel that scales by head_dim ** -0.5 (1.0: nothing).
         self.q_prescale = (self.scale / default) if self.scale is not None else 1.0
         self.softcap = config.attn_softcap
-        #: Attention of one query position, ``fn(q (B, KV, G, hd), k, v (B, KV, kv_len, hd)) -> (B, KV, G, hd)``,
-        #: used instead of SDPA when set (see Transformer.set_decode_attention).
-        self.decode_kernel: DecodeAttention | None = None
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -264,44 +249,16 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (B, T, D)
-        kv: KVCache | PagedLayer | None,  # this layer's cache, None = no cache
-        ps: _Pass | None,  # the forward's shared tensors (None: paged, see kv)
+        kv: PagedLayer | None,  # this layer's view of the step's paged pool; None: a whole sequence alone
         cos: torch.Tensor,  # (T, rot)
         sin: torch.Tensor,  # (T, rot)
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self._project(x, cos, sin)
-        if isinstance(kv, PagedLayer):
+        if kv is not None:
             return self.o(paged_attention(q, k, v, kv, self.q_prescale, self.scale, self.softcap))
-        assert ps is not None
-        mask = ps.masks.get(self.window) if ps.masks else None
-        out_dtype = q.dtype
-        if kv is not None and kv.quantized:  # an int8 cache holds keys rotated: rotate the queries alike
-            q, k = rotate_qk(q, k)  # fp32: attention over an int8 cache runs in fp32
-        if kv is not None and ps.input_pos is not None:
-            if kv.window is None:
-                k_all, v_all = kv.update(ps.input_pos, k, v)
-                k, v = kv_rows(k_all, ps.kv_len), kv_rows(v_all, ps.kv_len)  # (B, KV, kv_len, hd)
-            elif ps.static:
-                k, v, mask = kv.update_ring_static(ps.input_pos, k, v)  # (B, KV, W, hd)
-            else:
-                k, v, mask = kv.update_ring(ps.start, ps.input_pos, k, v)
-        if T == 1 and self.softcap is None:
-            # One query: fold the query heads of each kv group into the "sequence" axis so GQA
-            # needs no expanded keys; a (1, kv_len) mask, if any, applies to every folded row.
-            g = self.n_heads // self.n_kv_heads
-            qg = q.reshape(B, self.n_kv_heads, g, self.head_dim)  # (B, KV, G, hd)
-            if self.decode_kernel is not None and mask is None:
-                # an int8 cache's codes and scales go to the kernel as they are (no dequantized copy)
-                y = self.decode_kernel(qg * self.q_prescale if self.q_prescale != 1.0 else qg, k, v)
-            else:
-                y = F.scaled_dot_product_attention(qg, readable(k, q.dtype), readable(v, q.dtype),
-                                                   attn_mask=mask, scale=self.scale)
-            y = y.view(B, self.n_heads, 1, self.head_dim)
-        else:  # SDPA: an int8 cache's rows read here (the filled prefix, or the window) dequantized
-            y = attend(q, readable(k, q.dtype), readable(v, q.dtype), mask, self.scale, self.softcap)  # (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim).to(out_dtype)
-        return self.o(y)
+        y = attend(q, k, v, attention_mask(T, self.window, x.device), self.scale, self.softcap)  # (B, H, T, hd)
+        return self.o(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
 def round_to(value: float, dtype: torch.dtype) -> float:
@@ -335,7 +292,7 @@ def paged_attention(
     """
     if isinstance(layer.k, QuantKV):  # an int8 pool holds keys rotated (runtime.cache.key_rotation)
         out_dtype = q.dtype
-        q, k = rotate_qk(q, k, layer.step.rotation)  # fp32, as the one-sequence int8 cache's attention
+        q, k = rotate_qk(q, k, layer.step.rotation)  # fp32: attention over an int8 pool runs in fp32
         return _paged_attention(q, k, v, layer, q_prescale, scale, softcap).to(out_dtype)
     return _paged_attention(q, k, v, layer, q_prescale, scale, softcap)
 
@@ -344,7 +301,7 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: P
                      scale: float | None, softcap: float | None) -> torch.Tensor:
     """:func:`paged_attention` once q and k are as the pool's keys want them -> (1, N, H * hd) in q's dtype."""
     step = layer.step
-    split = step.split(layer.window, softcap is None)
+    split = step.split(softcap is None)
     _, H, N, hd = q.shape
     KV = k.shape[1]
     kp, vp = layer.k, layer.v  # (n_blocks, KV, block, hd), or int8 codes + (n_blocks, KV, block) scales
@@ -356,7 +313,8 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: P
         qd = qt if split.decode_rows is None else qt.index_select(0, split.decode_rows)  # (S_d, H, hd)
         if q_prescale != 1.0:
             qd = qd * q_prescale
-        decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, split.decode_tables, split.decode_lens)
+        decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, split.decode_tables, split.decode_lens,
+                             layer.window)
         if split.decode_rows is None:
             return decode.reshape(1, N, H * hd)  # (S_d, KV, G, hd), S_d == N: every row in order
     y = q.new_empty(N, H, hd)
@@ -368,7 +326,7 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: P
         qs = q[:, :, span.row : span.row + span.length]  # (1, H, n, hd)
         mask = step.mask(span, layer.window, first)
         if span.length == 1 and mask is None and softcap is None:
-            # one query: fold each kv group's heads into the query axis, as the one-sequence decode does
+            # one query: fold each kv group's heads into the query axis (no expanded keys)
             ys = F.scaled_dot_product_attention(qs.reshape(1, KV, H // KV, hd), ks, vs, scale=scale)  # (1, KV, G, hd)
             y[span.row] = ys.reshape(H, hd)
         else:
@@ -421,9 +379,8 @@ class Block(nn.Module):
         self.post_attn_norm = RMSNorm(config.dim, config.norm_eps, norm) if config.post_norms else None
         self.post_mlp_norm = RMSNorm(config.dim, config.norm_eps, norm) if config.post_norms else None
 
-    def forward(self, x: torch.Tensor, kv: KVCache | PagedLayer | None, ps: _Pass | None,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        a = self.attn(self.attn_norm(x), kv, ps, cos, sin)
+    def forward(self, x: torch.Tensor, kv: PagedLayer | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        a = self.attn(self.attn_norm(x), kv, cos, sin)
         h = x + (self.post_attn_norm(a) if self.post_attn_norm is not None else a)
         m = self.mlp(self.mlp_norm(h))
         return h + (self.post_mlp_norm(m) if self.post_mlp_norm is not None else m)
@@ -453,88 +410,22 @@ class Transformer(nn.Module):
         """Make the output head share the embedding's tensor (no copy)."""
         self.output.weight = self.embed.weight
 
-    def new_cache(self, max_seq: int, batch: int = 1, cache_dtype: torch.dtype | None = None,
-                  kv_dtype: str = DEFAULT_KV_DTYPE) -> SequenceCache:
-        """A sequence's KV caches and RoPE tables for ``max_seq`` positions on the model's device. A
-        sliding-window layer whose window is shorter than ``max_seq`` gets a ring of the window's size.
-        ``kv_dtype`` "int8": int8 codes and per-row scales (:class:`runtime.cache.QuantKV`)."""
-        c = self.config
-        device, dtype = self.device, cache_dtype or self.dtype
-        check_kv_dtype(kv_dtype)
-        layers = []
-        for i in range(c.n_layers):
-            window = c.layer_window(i)
-            ring = window is not None and window < max_seq
-            shape = (batch, c.n_kv_heads, window if ring else max_seq, c.head_dim)
-            layers.append(KVCache(empty_kv(shape, kv_dtype, dtype, device), empty_kv(shape, kv_dtype, dtype, device),
-                                  window if ring else None))
-        cos, sin = cache_rope_tables(c, max_seq, device)
-        return SequenceCache(layers, cos.to(self.dtype), sin.to(self.dtype))
+    def forward(self, tokens: torch.Tensor, step: PagedStep | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits (B, T, vocab) for a whole sequence ``tokens`` (B, T) from position 0, reading and
+        writing nothing outside this call; (B, 1, vocab) for the last position alone with
+        ``last_only`` (the head is the largest matmul).
 
-    @property
-    def decode_kernel(self) -> DecodeAttention | None:
-        """The one-query attention kernel decode steps run (None: SDPA)."""
-        return self.layers[0].attn.decode_kernel if len(self.layers) else None
-
-    def set_decode_attention(self, kernel: DecodeAttention | None) -> None:
-        """Run ``kernel`` rather than SDPA for one-query attention (decode steps without a mask), in
-        every layer: eager and compiled steps alike, so the compiled step stays the eager one fused."""
-        for layer in self.layers:
-            layer.attn.decode_kernel = kernel
-
-    @contextmanager
-    def decode_attention(self, kernel: DecodeAttention | None) -> Iterator[None]:
-        """:meth:`set_decode_attention` within the block only (to compare kernels on one model)."""
-        saved = self.decode_kernel
-        self.set_decode_attention(kernel)
-        try:
-            yield
-        finally:
-            self.set_decode_attention(saved)
-
-    def forward(
-        self, tokens: torch.Tensor, cache: SequenceCache | PagedStep | None = None,
-        input_pos: torch.Tensor | None = None, start: int = 0, static: bool = False, last_only: bool = False,
-    ) -> torch.Tensor:
-        """Logits (B, T, vocab) for ``tokens`` (B, T); (B, 1, vocab) for the last position alone with
-        ``last_only`` (a prompt's prefill needs no more, and the head is the largest matmul).
-
-        With a :class:`runtime.paged.PagedStep` as ``cache``, ``tokens`` (1, N) are the step's flattened
-        batch and the logits are those of its ``logits_rows``, (1, S_out, vocab); the other arguments
-        are not used (see :meth:`forward_paged`).
-
-        With a ``cache`` the tokens sit at positions ``start`` .. ``start + T - 1`` (``start`` given as
-        an int so that no device sync is needed to know it; ``input_pos`` is the same positions as a
-        (T,) tensor, made here when not given): their keys/values are written to the cache and every
-        position before them is read from it. Without a cache the tokens are one whole sequence from
-        position 0 and nothing outside this call is read or written.
-
-        ``static``: attend over the whole cache with a mask built from ``input_pos`` alone, so every
-        decode step has the same shapes whatever the position (what CUDA graphs need; ``start`` is
-        then ignored). Otherwise only the filled prefix of the cache is read, which is cheaper.
+        With a :class:`runtime.paged.PagedStep`, ``tokens`` (1, N) are the step's flattened batch and
+        the logits are those of its ``logits_rows``, (1, S_out, vocab) (see :meth:`forward_paged`).
         """
-        if isinstance(cache, PagedStep):
-            return self.forward_paged(tokens, cache)
-        B, T = tokens.shape
-        if cache is None:
-            start, input_pos = 0, None
-            cos, sin = cache_rope_tables(self.config, T, tokens.device)
-            cos, sin = cos.to(self.dtype), sin.to(self.dtype)  # (T, rot[*2])
-        else:
-            if input_pos is None:
-                input_pos = torch.arange(start, start + T, device=tokens.device)
-            if static:
-                return self._forward_static(tokens, cache, input_pos)
-            # positions start .. start + T - 1: a view, no gather
-            cos, sin = cache.cos[start : start + T], cache.sin[start : start + T]  # (T, rot[*2])
-        kv_len = start + T
-        windows = {layer.attn.window for layer in self.layers}
-        masks = {w: attention_mask(start, T, kv_len, w, tokens.device) for w in windows}
-        ps = _Pass(self._split_rope(cos, sin), input_pos, start, kv_len, masks, False)
+        if step is not None:
+            return self.forward_paged(tokens, step)
+        T = tokens.shape[1]
+        cos, sin = cache_rope_tables(self.config, T, tokens.device)
+        rope = self._split_rope(cos.to(self.dtype), sin.to(self.dtype))  # (T, rot) each
         x = self._embed(tokens)  # (B, T, D)
-        kvs = cache.layers if cache is not None else [None] * len(self.layers)
-        for layer, kv in zip(self.layers, kvs):
-            x = layer(x, kv, ps, *ps.rope[layer.attn.local_rope])
+        for layer in self.layers:
+            x = layer(x, None, *rope[layer.attn.local_rope])
         if last_only:
             x = x[:, -1:]  # (B, 1, D)
         return self._head(x)
@@ -568,29 +459,6 @@ class Transformer(nn.Module):
         x = self._embed(tokens)  # (1, N, D)
         rope = self._split_rope(step.cos, step.sin)  # rows of cache_rope_tables: the local ones beside
         for i, layer in enumerate(self.layers):
-            x = layer(x, step.layer(i, layer.attn.window), None, *rope[layer.attn.local_rope])
+            x = layer(x, step.layer(i, layer.attn.window), *rope[layer.attn.local_rope])
         x = x[:, step.logits_rows]  # (1, S_out, D)
         return self._head(x)
-
-    def _forward_static(self, tokens: torch.Tensor, cache: SequenceCache, input_pos: torch.Tensor) -> torch.Tensor:
-        if cache.kv_dtype != "16bit":
-            raise ValueError("the fixed-shape (compiled) step does not take an int8 KV cache")
-        cos, sin = cache.cos[input_pos], cache.sin[input_pos]  # (T, rot[*2])
-        k_pos = torch.arange(cache.max_seq, device=tokens.device)[None, :]
-        q_pos = input_pos[:, None]
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for w in {layer.attn.window for layer in self.layers}:
-            mask = k_pos <= q_pos  # (T, max_seq)
-            if w is not None:
-                mask &= k_pos > q_pos - w
-            masks[w] = mask
-        ps = _Pass(self._split_rope(cos, sin), input_pos, 0, cache.max_seq, masks, True)
-        x = self._embed(tokens)
-        for layer, kv in zip(self.layers, cache.layers):
-            x = layer(x, kv, ps, *ps.rope[layer.attn.local_rope])
-        return self._head(x)
-
-    def _mask(self, start: int, T: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
-        """None when SDPA needs no explicit mask; else a (T, kv_len) bool mask (True = attend), with
-        the model's window (every layer's: Mistral)."""
-        return attention_mask(start, T, kv_len, self.config.sliding_window, device)

@@ -11,9 +11,10 @@ argument for such a batch (``Transformer.forward(tokens, step)``):
 * which rows need logits (the last token of each sequence that samples this step).
 
 Attention per sequence (``runtime.model.paged_attention``): a sequence with one query this step goes
-to the paged decode kernel when one is given (:mod:`runtime.cpu_attention`), all of them in one call;
-the others (prefill chunks, or everything without a kernel) gather their keys/values from their blocks
-and run SDPA, causal within the chunk with all earlier context visible: the tested reference.
+to the paged decode kernel when one is given (:mod:`runtime.cpu_attention`), all of them in one call,
+each layer passing its own window (the kernel reads only the keys a query sees); the others (prefill
+chunks, or everything without a kernel) gather their keys/values from their blocks and run SDPA,
+causal within the chunk with all earlier context visible: the tested reference.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from localllm.runtime.kv_pool import KVPool
 
 #: Attention of one query per sequence over its blocks: ``fn(q (S, KV, G, hd), k_pool, v_pool
 #: (n_blocks, KV, block, hd) (tensors, or an int8 pool's QuantKV), block_tables (S, max_blocks) int32,
-#: context_lens (S,) int32) -> (S, KV, G, hd)``.
+#: context_lens (S,) int32, window (None: every key; else each query sees its last ``window`` keys))
+#: -> (S, KV, G, hd)``.
 PagedDecodeAttention = Callable[
-    [torch.Tensor, torch.Tensor | QuantKV, torch.Tensor | QuantKV, torch.Tensor, torch.Tensor], torch.Tensor]
+    [torch.Tensor, torch.Tensor | QuantKV, torch.Tensor | QuantKV, torch.Tensor, torch.Tensor, int | None],
+    torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -69,16 +72,12 @@ class PagedLayer:
 
 @dataclass(frozen=True)
 class Split:
-    """Which spans of a step one layer runs through the paged kernel, and which through SDPA."""
+    """Which spans of a step run through the paged kernel, and which through SDPA."""
 
     decode_rows: torch.Tensor | None  # (S_d,) long, None when every row is decode
     decode_tables: torch.Tensor | None  # (S_d, max_blocks) int32, None: no span takes the kernel
     decode_lens: torch.Tensor | None  # (S_d,) int32
     sdpa_spans: list[SeqSpan]  # spans run through SDPA over their gathered blocks
-
-
-#: ``PagedStep.layer``'s default window: the step's own.
-_STEP_WINDOW = -1
 
 
 class PagedStep:
@@ -103,7 +102,6 @@ class PagedStep:
         spans: list[SeqSpan],
         logits_rows: torch.Tensor,  # (S_out,) long
         kernel: PagedDecodeAttention | None = None,
-        sliding_window: int | None = None,
     ) -> None:
         self.pool = pool
         self.positions, self.cos, self.sin = positions, cos, sin
@@ -111,23 +109,18 @@ class PagedStep:
         self.spans = spans
         self.logits_rows = logits_rows
         self.kernel = kernel
-        self.sliding_window = sliding_window
-        self._splits: dict[tuple[int | None, bool], Split] = {}
-        own = self.split(sliding_window)
-        #: The split under the step's own window (see :meth:`split` for a layer's).
+        self._splits: dict[bool, Split] = {}
+        own = self.split()
         self.sdpa_spans = own.sdpa_spans
         self.decode_rows, self.decode_tables, self.decode_lens = own.decode_rows, own.decode_tables, own.decode_lens
 
-    def split(self, window: int | None, use_kernel: bool = True) -> Split:
-        """The spans a layer with ``window`` runs through the kernel (one query, and a context the
-        window does not cut) and through SDPA (made once per step and window)."""
-        key = (window, use_kernel)
-        if key in self._splits:
-            return self._splits[key]
+    def split(self, use_kernel: bool = True) -> Split:
+        """The spans the kernel runs (one query each: the kernel takes any window) and those SDPA runs
+        (made once per step; ``use_kernel=False``: SDPA for all, as soft-capped scores need)."""
+        if use_kernel in self._splits:
+            return self._splits[use_kernel]
         spans = self.spans
-        fits = [s.length == 1 and (window is None or s.context <= window) for s in spans]
-        if self.kernel is None or not use_kernel:
-            fits = [False] * len(spans)
+        fits = [s.length == 1 and self.kernel is not None and use_kernel for s in spans]
         decode = [s for s, f in zip(spans, fits) if f]
         rows = tables = lens = None
         if decode:
@@ -142,7 +135,7 @@ class PagedStep:
                 host_rows = torch.tensor([s.row for s in decode], dtype=torch.long)
                 rows = host_rows.to(device, non_blocking=True)
         split = Split(rows, tables, lens, [s for s, f in zip(spans, fits) if not f])
-        self._splits[key] = split
+        self._splits[use_kernel] = split
         return split
 
     @property
@@ -154,11 +147,10 @@ class PagedStep:
         """Every row is one sequence's single query, all run by the kernel."""
         return self.decode_tables is not None and self.decode_rows is None
 
-    def layer(self, index: int, window: int | None = _STEP_WINDOW) -> PagedLayer:
-        """Layer ``index``'s view of the step, attending with ``window`` (default: the step's own)."""
-        own = self.sliding_window if window == _STEP_WINDOW else window
+    def layer(self, index: int, window: int | None) -> PagedLayer:
+        """Layer ``index``'s view of the step (its group's blocks), attending with ``window``."""
         step = self.groups[self.pool.group_of[index]] if self.groups else self
-        return PagedLayer(step, self.pool.k[index], self.pool.v[index], own)
+        return PagedLayer(step, self.pool.k[index], self.pool.v[index], window)
 
     def first_block(self, span: SeqSpan, window: int | None) -> int:
         """The first of ``span``'s blocks that holds a key its queries see under ``window`` (0 without one)."""
@@ -167,11 +159,10 @@ class PagedStep:
         oldest = max(0, span.context - span.length - window + 1)  # the first query's oldest key
         return oldest // self.pool.block_size
 
-    def mask(self, span: SeqSpan, window: int | None = _STEP_WINDOW, first: int = 0) -> torch.Tensor | None:
+    def mask(self, span: SeqSpan, window: int | None, first: int = 0) -> torch.Tensor | None:
         """SDPA's mask for ``span``'s queries over its context from block ``first`` on: None for plain
         causal attention from position 0 (or one query seeing everything), else (length, keys) bool,
         True = attend."""
-        window = self.sliding_window if window == _STEP_WINDOW else window
         windowed = window is not None and span.context > window
         start = span.context - span.length
         if not windowed and (start == 0 or span.length == 1):
@@ -192,7 +183,6 @@ class PagedStep:
         cos_table: torch.Tensor,  # (max_seq, hd)
         sin_table: torch.Tensor,  # (max_seq, hd)
         kernel: PagedDecodeAttention | None = None,
-        sliding_window: int | None = None,
     ) -> tuple["PagedStep", torch.Tensor]:
         """The step for ``chunks`` (rows in their order) and its input ids (1, N)."""
         device = cos_table.device
@@ -240,7 +230,7 @@ class PagedStep:
         for g in range(n_groups):
             wb, blocks = parts[4 + 2 * g], parts[5 + 2 * g]
             spans = [SeqSpan(row, n, end, blocks[a[g] : a[g] + used]) for row, n, end, a, used in spans_at]
-            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel, sliding_window))
+            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel))
         if n_groups > 1:
             steps[0].groups = tuple(steps)
         return steps[0], ids_t.view(1, N)

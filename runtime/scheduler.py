@@ -39,6 +39,21 @@ from localllm.runtime.block_manager import BlockManager, BlockTable
 from localllm.runtime.kv_pool import capacity_tokens
 
 
+def check_prompt(prompt_len: int, ctx: int, pool: str = "") -> None:
+    """Refuse an empty prompt, or one that leaves no position of a ``ctx`` context to generate in: the
+    one prompt check (the engine's; the server turns its error into the API's 400). ``pool``: what
+    bounds the context when the KV pool does."""
+    if prompt_len < 1:
+        raise LocalLLMError("the prompt is empty", "give some text to continue")
+    if prompt_len >= ctx:
+        raise LocalLLMError(
+            f"the prompt is {prompt_len} tokens and the context holds {ctx} (prompt and reply together"
+            + (f"; {pool})" if pool else ")"),
+            f"use a prompt of at most {ctx - 1} tokens, or a larger context (--ctx {prompt_len + 256} or more)"
+            + (" or KV cache budget" if pool else ""),
+        )
+
+
 class EngineBusy(LocalLLMError):
     """The waiting queue is full: retry later (a server answers 503 with ``Retry-After``)."""
 
@@ -145,15 +160,9 @@ class Scheduler:
 
     def check_fits(self, prompt_len: int, max_len: int) -> None:
         """Refuse a prompt that can never run: no room for it and one generated token."""
-        if prompt_len < 1:
-            raise LocalLLMError("the prompt is empty", "give some text to continue")
-        if prompt_len >= max_len:
-            bm = self.blocks
-            raise LocalLLMError(
-                f"the prompt is {prompt_len} tokens and a sequence holds at most {max_len} positions "
-                f"(the KV pool has {bm.n_blocks} blocks x {bm.block_size} tokens = {self.capacity_tokens})",
-                f"use a prompt of at most {max_len - 1} tokens, or a larger context or KV cache budget",
-            )
+        bm = self.blocks
+        pool = f"the KV pool has {bm.n_blocks} blocks x {bm.block_size} tokens = {self.capacity_tokens}"
+        check_prompt(prompt_len, max_len, pool if self.capacity_tokens <= max_len else "")
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``; :class:`EngineBusy` when the queue is full, LocalLLMError if it can never fit."""

@@ -34,7 +34,7 @@ measured is ``null``; durations in seconds, sizes in bytes, rates per second)::
     settings          schemes [str], baseline str, prompt_tokens, gen_tokens, ctx, runs,
                       warmup_runs, threads, text (path or "built-in eval text"), text_tokens,
                       quality (bool), kv_compare (bool), compile (bool),
-                      step_kinds (how compiled steps ran: "aot", "torch.compile", "eager")
+                      step_kinds (how compiled steps ran: "aot", or "eager" where a build failed)
     machine           cpu_model, cpu_count, threads, gpu_name, gpu_capability, gpu_memory_bytes,
                       torch_version, localllm_version, python_version, platform,
                       load_average ([1, 5, 15] minutes, at the start; a busy machine is warned of)

@@ -97,7 +97,7 @@ def measure(ref: str, scheme: str, prompt_tokens: int, gen_tokens: int, ctx: int
     from localllm.bench.settings import read_text
     from localllm.loaders.load import load_model, load_tokenizer, open_checkpoint
     from localllm.quant.formats import QUANT_SCHEMES
-    from localllm.runtime.generate import Generator
+    from localllm.runtime.engine import sequence_engine
     from localllm.runtime.sampling import SamplingParams
 
     ckpt = open_checkpoint(ref)
@@ -110,8 +110,8 @@ def measure(ref: str, scheme: str, prompt_tokens: int, gen_tokens: int, ctx: int
     meter.start()
     lm = load_model(ref, device=device, quant=scheme, quantize_head=quant_head if scheme in QUANT_SCHEMES else None)
     after_load = meter.now()
-    gen = Generator(lm.model, ctx, kv_dtype=kv_dtype)
-    n = sum(1 for _ in gen.generate(prompt, SamplingParams(temperature=0), max_tokens=gen_tokens, stop_ids=()))
+    engine = sequence_engine(lm.model, ctx, kv_dtype=kv_dtype)
+    n = len(engine.submit(prompt, SamplingParams(temperature=0), max_tokens=gen_tokens).result())
     if n != gen_tokens:
         raise LocalLLMError(f"generated {n} tokens, expected {gen_tokens}", "report this as a bug")
     memory = {**meter.stop(), "after_load_bytes": after_load, "process": "fresh", "library_bytes": fixed}

@@ -27,31 +27,32 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 
 def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, name: str) -> list[dict[str, float]]:
-    """``s.warmup`` untimed then ``s.runs`` timed generations: full prefill, greedy, EOS ignored."""
-    from localllm.runtime.generate import Generator
+    """``s.warmup`` untimed then ``s.runs`` timed generations through the batch engine (one sequence,
+    as ``run``): full prefill (no prefix cache), greedy, EOS ignored."""
+    from localllm.runtime.engine import sequence_engine
     from localllm.runtime.sampling import SamplingParams
 
-    gen = Generator(model, s.context, compile=s.compile, kv_dtype=s.kv_dtype)
+    engine = sequence_engine(model, s.context, compile=s.compile, kv_dtype=s.kv_dtype, prefix_cache=False)
     greedy = SamplingParams(temperature=0)
     runs = []
     for i in range(s.warmup + s.runs):
-        gen.reset()  # nothing reused from the previous run: the whole prompt is prefilled
-        n = sum(1 for _ in gen.generate(list(prompt_ids), greedy, max_tokens=s.gen_tokens, stop_ids=()))
-        st = gen.stats
+        handle = engine.submit(list(prompt_ids), greedy, max_tokens=s.gen_tokens)
+        n = len(handle.result())
+        st = handle.stats
         if n != s.gen_tokens:
             raise RuntimeError(f"{name}: generated {n} tokens, expected {s.gen_tokens} ({st.stop_reason})")
         if i < s.warmup:
             continue
         runs.append({
             "ttft_s": st.ttft_s,
-            "prefill_tps": st.prompt_tokens / st.prompt_s,
+            "prefill_tps": st.prompt_tps,
             "decode_s": st.decode_s,
             "decode_tps": st.decode_tps,
             "inter_token_s": statistics.fmean(st.token_latencies_s),
         })
         log(f"  {name} run {len(runs)}/{s.runs}: TTFT {st.ttft_s * 1e3:.1f} ms, decode {st.decode_tps:.1f} tok/s")
-    if s.compile:  # how the step really ran (a failure on the way falls back, with a warning)
-        s.step_kinds.add(gen.step_kind)
+    if s.compile:  # how the step really ran (a failed build runs eagerly, saying why)
+        s.step_kinds.add("aot" if engine.compiled else "eager")
     return runs
 
 

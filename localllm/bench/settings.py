@@ -46,10 +46,10 @@ class Settings:
     runs: int = 5
     quality: bool = True
     kv_compare: bool = False
-    compile: bool = False  # torch.compile the decode step (compiled before the first run)
+    compile: bool = False  # the compiled decode step (built, if missing, before the first run)
     warmup: int = WARMUP_RUNS
     notes: list[str] = field(default_factory=list)
-    #: How the compiled decode steps actually ran ("aot", "torch.compile", "eager"), filled by the runs.
+    #: How the compiled decode steps actually ran ("aot", "eager"), filled by the runs.
     step_kinds: set[str] = field(default_factory=set)
     kv_dtype: str = "16bit"  # the generators' KV cache: "16bit" (the activations' dtype) or "int8"
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 @click.option("--no-quality", is_flag=True, help="Skip perplexity / KL divergence / top-1 agreement.")
 @quant_head_option("For the quantized schemes only; default: as in run.")
 @click.option("--compile", "compile_", is_flag=True,
-              help="Time the compiled decode step (AOTInductor on the CPU, torch.compile on CUDA; compiled before "
+              help="Time the compiled decode step (AOTInductor, on the CPU; built before "
                    "the runs, not timed).")
 @kv_cache_option
 @click.option("--concurrency", metavar="LEVELS",

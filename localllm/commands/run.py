@@ -8,12 +8,13 @@ from collections.abc import Iterator, Sequence
 import click
 
 from localllm.commands.common import kv_cache_option, note, quant_head_option, threads_option
-from localllm.commands.compile_step import LoadArgs, build_after
+from localllm.commands.compile_step import build_after
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
 from localllm.report import describe_model, print_stats
+from localllm.runtime.compiled_step import LoadArgs
 from localllm.runtime.sampling import SamplingParams
 
 #: The sampling defaults are SamplingParams' own: one source for the CLI, the engine and the server.
@@ -156,8 +157,8 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
 @click.option("--compile/--no-compile", "compile_", default=None,
               help="Default: on the CPU, use the model's compiled decode step when one is built (set-up builds the "
                    "embedded model's; otherwise a first run builds it in the background for the next, see "
-                   "`localllm compile`), else run eagerly. --compile builds it now if needed (about a minute once; "
-                   "torch.compile on CUDA); --no-compile always runs eagerly.")
+                   "`localllm compile`), else run eagerly. --compile builds it now if needed (about a minute once, "
+                   "on the CPU); --no-compile always runs eagerly.")
 @kv_cache_option
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
 @click.option("--think/--no-think", "think", default=None,
@@ -232,7 +233,7 @@ def run(
     ctx = ctx if ctx is not None else min(lm.config.max_seq_len, 4096)
     check_ctx(ctx, lm.config.max_seq_len, prompt_overhead(lm.tokenizer, raw, system), raw)
     if compile_:
-        click.echo("compiling the decode step (about half a minute the first time, a second once cached)...", err=True)
+        click.echo("compiling the decode step if it is not built yet (about a minute once)...", err=True)
     engine = Engine(lm.model, lm.tokenizer, ctx, compile="auto" if compile_ is None else compile_, kv_dtype=kv_cache)
     load_s = lm.load_s + engine.compile_s  # what came before the prompt, as Ollama counts it
     if compile_ and verbose:
@@ -246,7 +247,7 @@ def run(
 
     if text is None:
         _chat(engine, params, system, max_tokens, stop, verbose, load_s, think, not hide_thinking)
-        build_after(build, ctx, needs_build)
+        build_after(build, needs_build)
         return
     if raw:
         pieces = engine.complete(text, params, max_tokens, stop)
@@ -256,7 +257,7 @@ def run(
     _stream(pieces)
     _write("\n")
     _after(engine, verbose, load_s)
-    build_after(build, ctx, needs_build)
+    build_after(build, needs_build)
 
 
 def _ask(prompt: str = ">>> ") -> str:

@@ -47,7 +47,7 @@ def pull(source: str, quant: str, group_size: int | None, quant_head: str | None
 
     SOURCE is a Hub repo (ORG/NAME[@REV]), a local model folder or a local .gguf file.
     """
-    from localllm.commands.compile_step import LoadArgs, start_background_build
+    from localllm.runtime.compiled_step import LoadArgs, start_background_build
 
     options = PullOptions(quant, group_size, quant_head, name, prune, force)
     result = pull_model(parse_source(source, revision, gguf_file), options, notify=note)

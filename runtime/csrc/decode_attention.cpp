@@ -1,25 +1,26 @@
-// One-query attention over a KV cache prefix, for the CPU decode step.
+// One query per sequence over its keys and values in the paged KV pool: the batch engine's decode
+// attention on the CPU (runtime/cpu_attention.py; eager and compiled steps both call it).
 //
-// At batch 1 a decode step attends one query per head over a few hundred cached keys: about 0.1
-// MFLOP a layer. torch's flash-attention CPU kernel spends ~20-30 us a call on that in blocking,
-// buffer allocation and GEMM set-up, ~0.8 ms of a 5 ms SmolLM2 step. This kernel does the same
-// arithmetic straight through: a grouped query's heads share every key and value row they read,
-// a head's output row stays in registers while the values stream past, and nothing is allocated
-// but the output and a few scratch rows.
+// A decode step attends one query per head over a few hundred keys: about 0.1 MFLOP a layer.
+// torch's flash-attention CPU kernel spends ~20-30 us a call on that in blocking, buffer allocation
+// and GEMM set-up; this kernel does the same arithmetic straight through, reading each sequence's
+// blocks where they lie (never a gathered copy): a grouped query's heads share every key and value
+// row they read, a head's output row stays in registers while the values stream past, and nothing
+// is allocated but the output and a few scratch rows.
 //
-// Its rounding follows the flash kernel's for reduced-precision inputs (SDPA still runs prefill):
-// scores in fp32, scaled after the dot product, softmax with at::vec's exp_u20, probabilities
-// rounded to the input dtype before they weight the values, fp32 accumulation, one division by
-// the fp32 sum at the end. Eager and compiled decode both call it (runtime/cpu_attention.py).
+// Its rounding follows the flash kernel's for reduced-precision inputs (SDPA runs prefill): scores
+// in fp32, scaled after the dot product, softmax with at::vec's exp_u20, probabilities rounded to the
+// input dtype before they weight the values, fp32 accumulation, one division by the fp32 sum at the end.
 //
-// paged_decode_attention is the same for the batch engine: one query per sequence over keys and
-// values held in the paged KV pool's blocks, each sequence with its own block table and length.
+// A layer with a sliding window passes it (window > 0): a query at position p then reads keys
+// p - window + 1 .. p only, so a windowed model's step is the same code at every length (what the
+// compiled step needs), and the blocks its window has left (given back to the pool) are never read.
 //
-// A float32 query also reads a float16 cache (``--kv-cache fp16``: half the bytes of an fp32 one),
+// A float32 query also reads a float16 pool (``--kv-cache fp16``: half the bytes of an fp32 one),
 // each row widened to fp32 as it is loaded; the arithmetic is the fp32 one.
 //
-// The _q8 ops read an 8-bit KV cache: int8 codes (.., L, hd) and an fp32 scale per row (.., L), a row
-// being one token of one kv head (x ~= code * scale). Nothing is dequantized into a buffer: a key's
+// The _q8 op reads an 8-bit pool: int8 codes (.., block, hd) and an fp32 scale per row (.., block), a
+// row being one token of one kv head (x ~= code * scale). Nothing is dequantized into a buffer: a key's
 // scale multiplies its dot product with the query (s_l = (q . c_l) * scale_l * sc) and a value's
 // scale its softmax weight (acc += (p_l * scale_l) * c_l), so a row is read as int8 only, converted
 // to fp32 in registers.
@@ -297,89 +298,6 @@ struct RowScales {
   at::IntArrayRef ks, vs;  // strides of the scale tensors
 };
 
-template <typename T, typename KT, int NV>
-void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& y,
-            const RowScales& rs) {
-  // q (B, KV, G, hd); k, v (B, KV, L, hd) with unit stride on hd (T, or int8 codes with rs's scales
-  // (B, KV, L)); y (B, KV, G, hd) contiguous, in q's dtype T.
-  const int64_t B = q.size(0), KV = q.size(1), G = q.size(2), hd = q.size(3), L = k.size(2);
-  const int64_t hv = hd / VS * VS;  // the part of a row taken a vector at a time; the rest one by one
-  const T* qp = q.data_ptr<T>();
-  const KT* kp = k.data_ptr<KT>();
-  const KT* vp = v.data_ptr<KT>();
-  T* yp = y.data_ptr<T>();
-  const float sc = static_cast<float>(scale);
-  // Each (batch, kv head) is one task; split across threads once a task is big enough to pay for
-  // waking them (a hundred keys or so at GQA 3, head size 64). Higher, a model with few KV heads ran
-  // its attention on one thread up to thousands of keys, the step's largest cost at long contexts.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, L * G * hd));
-  at::parallel_for(0, B * KV, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * hd), s(G * L), acc(G * hd), sums(G), buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
-    for (const auto bh : c10::irange(begin, end)) {
-      const int64_t b = bh / KV, h = bh % KV;
-      const T* qb = qp + b * q.stride(0) + h * q.stride(1);
-      const KT* kb = kp + b * k.stride(0) + h * k.stride(1);
-      const KT* vb = vp + b * v.stride(0) + h * v.stride(1);
-      const int64_t ks = k.stride(2), vs = v.stride(2), qs = q.stride(2);
-      const float* ksc = rs.k == nullptr ? nullptr : rs.k + b * rs.ks[0] + h * rs.ks[1];
-      const float* vsc = rs.v == nullptr ? nullptr : rs.v + b * rs.vs[0] + h * rs.vs[1];
-      for (const auto j : c10::irange(G)) {
-        for (const auto d : c10::irange(hd)) qf[j * hd + d] = static_cast<float>(qb[j * qs + d]);
-      }
-      scores_rows<KT, NV>(qf.data(), G, kb, ks, L, hd, hv, sc, s.data(), L, ksc, ksc ? rs.ks[2] : 0, buf.data());
-      softmax<T>(s.data(), G, L, sums.data());
-      weigh_rows<KT, NV>(s.data(), G, vb, vs, L, hd, hv, acc.data(), L, false, vsc, vsc ? rs.vs[2] : 0, buf.data());
-      T* yb = yp + (b * KV + h) * G * hd;
-      for (const auto j : c10::irange(G)) {
-        const float inv = 1.f / sums[j];
-        for (const auto d : c10::irange(hd)) yb[j * hd + d] = static_cast<T>(acc[j * hd + d] * inv);
-      }
-    }
-  });
-}
-
-// The usual head sizes (a whole number of vectors up to 256 floats) with rows held in registers.
-template <typename T, typename KT = T>
-void attend_any(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, at::Tensor& y,
-                const RowScales& rs = {}) {
-  const int64_t hd = q.size(3);
-  if (hd % VS != 0) return attend<T, KT, 0>(q, k, v, scale, y, rs);
-  switch (hd / VS) {
-    case 1: return attend<T, KT, 1>(q, k, v, scale, y, rs);
-    case 2: return attend<T, KT, 2>(q, k, v, scale, y, rs);
-    case 4: return attend<T, KT, 4>(q, k, v, scale, y, rs);
-    case 8: return attend<T, KT, 8>(q, k, v, scale, y, rs);
-    case 16: return attend<T, KT, 16>(q, k, v, scale, y, rs);
-    default: return attend<T, KT, 0>(q, k, v, scale, y, rs);
-  }
-}
-
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D");
-  const bool half_cache = q.scalar_type() == at::kFloat && k.scalar_type() == at::kHalf;  // an fp16 cache
-  TORCH_CHECK((q.scalar_type() == k.scalar_type() || half_cache) && k.scalar_type() == v.scalar_type(),
-              "decode_attention: q, k, v must share a dtype (or float32 q over a float16 cache)");
-  TORCH_CHECK(k.sizes() == v.sizes(), "decode_attention: k and v must have the same shape");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              "decode_attention: q (B, KV, G, hd) does not match k (B, KV, L, hd)");
-  TORCH_CHECK(k.size(2) >= 1, "decode_attention: no keys");
-  // Rows are read with unit stride (a cache slice always has it; anything else is copied first).
-  const auto unit = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
-  const at::Tensor qc = unit(q), kc = unit(k), vc = unit(v);
-  at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (half_cache) {
-    attend_any<float, at::Half>(qc, kc, vc, scale, y);
-    return y;
-  }
-  switch (q.scalar_type()) {
-    case at::kFloat: attend_any<float>(qc, kc, vc, scale, y); break;
-    case at::kBFloat16: attend_any<at::BFloat16>(qc, kc, vc, scale, y); break;
-    case at::kHalf: attend_any<at::Half>(qc, kc, vc, scale, y); break;
-    default: TORCH_CHECK(false, "decode_attention: dtype ", q.scalar_type(), " is not float, bfloat16 or half");
-  }
-  return y;
-}
-
 // Asks for the n rows of a block (stride rs elements, hd each) ahead of use. A block's rows sit in
 // memory of their own (the pool hands blocks out in any order), so the hardware's stream prefetcher
 // starts cold at each one: at a batch's contexts the sweep waited on memory at every block. They are
@@ -395,18 +313,23 @@ inline void prefetch_block(const KT* p, int64_t n, int64_t rs, int64_t hd) {
   }
 }
 
-// Paged, variable-length batch: sequence b's keys/values are the first lens[b] rows of the blocks
-// tables[b][0], tables[b][1], ... of the pools (n_blocks, KV, block, hd). The arithmetic is attend's,
-// in the same order (scores block by block into one row, one softmax, values block by block into
-// the same accumulators), so it rounds exactly as decode_attention over the gathered rows does.
+// The first key position a query at position L - 1 sees: L - window under a sliding window (window
+// > 0), else 0. Keys before it may sit in blocks the pool has given back (their table entries -1).
+inline int64_t window_start(int64_t L, int64_t window) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; }
+
+// Paged, variable-length batch: sequence b's keys/values are rows start_b .. lens[b] - 1 (start_b:
+// window_start) of the blocks tables[b][0], tables[b][1], ... of the pools (n_blocks, KV, block, hd)
+// (row p in block p / block, at row p % block). Scores go block by block into one row, one softmax
+// over them, values block by block into the same accumulators: each key's dot product, the softmax
+// and each output element see the same operations in the same order whatever the blocks' placement.
 template <typename T, typename KT, int NV>
 void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
-                  const at::Tensor& lens, double scale, at::Tensor& y, const RowScales& rs) {
+                  const at::Tensor& lens, double scale, int64_t window, at::Tensor& y, const RowScales& rs) {
   // q (S, KV, G, hd) with unit stride on hd; pools with unit stride on hd (T, or int8 codes with rs's
   // scales (n_blocks, KV, block)); y (S, KV, G, hd) contiguous.
   const int64_t S = q.size(0), KV = q.size(1), G = q.size(2), hd = q.size(3), bs = kp.size(2);
   const int64_t W = tables.size(1);
-  const int64_t hv = hd / VS * VS;
+  const int64_t hv = hd / VS * VS;  // the part of a row taken a vector at a time; the rest one by one
   const T* qp = q.data_ptr<T>();
   const KT* kpp = kp.data_ptr<KT>();
   const KT* vpp = vp.data_ptr<KT>();
@@ -414,50 +337,65 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* yp = y.data_ptr<T>();
   const float sc = static_cast<float>(scale);
-  int64_t max_len = 1, total = 0;
+  int64_t max_keys = 1, total = 0;
   for (const auto b : c10::irange(S)) {
-    max_len = std::max<int64_t>(max_len, lp[b]);
-    total += lp[b];
+    const int64_t keys = lp[b] - window_start(lp[b], window);
+    max_keys = std::max<int64_t>(max_keys, keys);
+    total += keys;
   }
+  // Each (sequence, kv head) is one task; split across threads once a task is big enough to pay for
+  // waking them (a hundred keys or so at GQA 3, head size 64).
   const int64_t mean = std::max<int64_t>(1, total / std::max<int64_t>(1, S));
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, mean * G * hd));
   at::parallel_for(0, S * KV, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * hd), s(G * max_len), acc(G * hd), sums(G), buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
+    std::vector<float> qf(G * hd), s(G * max_keys), acc(G * hd), sums(G), buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
     for (const auto bh : c10::irange(begin, end)) {
       const int64_t b = bh / KV, h = bh % KV, L = lp[b];
+      const int64_t start = window_start(L, window), keys = L - start;
       const int32_t* table = tp + b * W;
       const T* qb = qp + b * q.stride(0) + h * q.stride(1);
       const int64_t qs = q.stride(2);
       for (const auto j : c10::irange(G)) {
         for (const auto d : c10::irange(hd)) qf[j * hd + d] = static_cast<float>(qb[j * qs + d]);
       }
-      // The sweep reads blocks 0 .. nb - 1 of the keys, then of the values: a few ahead are asked for.
-      const int64_t nb = (L + bs - 1) / bs;
-      const auto ahead = [&](int64_t n) {
-        if (n >= 2 * nb) return;
-        const bool value = n >= nb;
-        const int64_t i = value ? n - nb : n;
-        const at::Tensor& pool = value ? vp : kp;
-        prefetch_block((value ? vpp : kpp) + table[i] * pool.stride(0) + h * pool.stride(1),
-                       std::min(bs, L - i * bs), pool.stride(2), hd);
+      // Blocks i0 .. nb - 1 hold the keys seen; the sweep reads them for the keys, then for the values,
+      // and asks for a few ahead of the one it reads.
+      const int64_t i0 = start / bs, nb = (L + bs - 1) / bs, nk = nb - i0;
+      const auto rows_of = [&](int64_t i, int64_t& lo, int64_t& n) {
+        lo = std::max(start, i * bs);
+        n = std::min(L, (i + 1) * bs) - lo;
       };
-      ahead(0);
-      for (int64_t i = 0, first = 0; first < L; ++i, first += bs) {
-        const KT* kb = kpp + table[i] * kp.stride(0) + h * kp.stride(1);
-        if (i == 0)
-          for (int64_t a = 1; a < PREFETCH_BLOCKS; ++a) ahead(a);
-        ahead(i + PREFETCH_BLOCKS);
-        const float* ksc = rs.k == nullptr ? nullptr : rs.k + table[i] * rs.ks[0] + h * rs.ks[1];
-        scores_rows<KT, NV>(qf.data(), G, kb, kp.stride(2), std::min(bs, L - first), hd, hv, sc, s.data() + first, L,
+      const auto ahead = [&](int64_t n) {
+        if (n >= 2 * nk) return;
+        const bool value = n >= nk;
+        const int64_t i = i0 + (value ? n - nk : n);
+        int64_t lo, rows;
+        rows_of(i, lo, rows);
+        const at::Tensor& pool = value ? vp : kp;
+        prefetch_block((value ? vpp : kpp) + table[i] * pool.stride(0) + h * pool.stride(1) + (lo - i * bs) * pool.stride(2),
+                       rows, pool.stride(2), hd);
+      };
+      for (int64_t a = 0; a < PREFETCH_BLOCKS; ++a) ahead(a);
+      for (int64_t i = i0; i < nb; ++i) {
+        int64_t lo, n;
+        rows_of(i, lo, n);
+        ahead(i - i0 + PREFETCH_BLOCKS);
+        const int64_t r0 = lo - i * bs;  // the block's first row seen
+        const KT* kb = kpp + table[i] * kp.stride(0) + h * kp.stride(1) + r0 * kp.stride(2);
+        const float* ksc = rs.k == nullptr ? nullptr : rs.k + table[i] * rs.ks[0] + h * rs.ks[1] + r0 * rs.ks[2];
+        scores_rows<KT, NV>(qf.data(), G, kb, kp.stride(2), n, hd, hv, sc, s.data() + (lo - start), keys,
                             ksc, ksc ? rs.ks[2] : 0, buf.data());
       }
-      softmax<T>(s.data(), G, L, sums.data());
-      for (int64_t i = 0, first = 0; first < L; ++i, first += bs) {
-        const KT* vb = vpp + table[i] * vp.stride(0) + h * vp.stride(1);
-        ahead(nb + i + PREFETCH_BLOCKS);
-        const float* vsc = rs.v == nullptr ? nullptr : rs.v + table[i] * rs.vs[0] + h * rs.vs[1];
-        weigh_rows<KT, NV>(s.data() + first, G, vb, vp.stride(2), std::min(bs, L - first), hd, hv, acc.data(), L,
-                           i > 0, vsc, vsc ? rs.vs[2] : 0, buf.data());
+      softmax<T>(s.data(), G, keys, sums.data());
+      for (int64_t i = i0; i < nb; ++i) {
+        int64_t lo, n;
+        rows_of(i, lo, n);
+        ahead(nk + i - i0 + PREFETCH_BLOCKS);
+        const int64_t r0 = lo - i * bs;
+        const KT* vb = vpp + table[i] * vp.stride(0) + h * vp.stride(1) + r0 * vp.stride(2);
+        const float* vsc = rs.v == nullptr ? nullptr : rs.v + table[i] * rs.vs[0] + h * rs.vs[1] + r0 * rs.vs[2];
+        weigh_rows<KT, NV>(s.data() + (lo - start), G, vb, vp.stride(2), n, hd, hv, acc.data(), keys,
+                           i > i0, vsc, vsc ? rs.vs[2] : 0, buf.data());
       }
       T* yb = yp + (b * KV + h) * G * hd;
       for (const auto j : c10::irange(G)) {
@@ -468,24 +406,26 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
   });
 }
 
+// The usual head sizes (a whole number of vectors up to 256 floats) with rows held in registers.
 template <typename T, typename KT = T>
 void attend_paged_any(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
-                      const at::Tensor& lens, double scale, at::Tensor& y, const RowScales& rs = {}) {
+                      const at::Tensor& lens, double scale, int64_t window, at::Tensor& y, const RowScales& rs = {}) {
   const int64_t hd = q.size(3);
-  if (hd % VS != 0) return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, y, rs);
+  if (hd % VS != 0) return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, window, y, rs);
   switch (hd / VS) {
-    case 1: return attend_paged<T, KT, 1>(q, kp, vp, tables, lens, scale, y, rs);
-    case 2: return attend_paged<T, KT, 2>(q, kp, vp, tables, lens, scale, y, rs);
-    case 4: return attend_paged<T, KT, 4>(q, kp, vp, tables, lens, scale, y, rs);
-    case 8: return attend_paged<T, KT, 8>(q, kp, vp, tables, lens, scale, y, rs);
-    case 16: return attend_paged<T, KT, 16>(q, kp, vp, tables, lens, scale, y, rs);
-    default: return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, y, rs);
+    case 1: return attend_paged<T, KT, 1>(q, kp, vp, tables, lens, scale, window, y, rs);
+    case 2: return attend_paged<T, KT, 2>(q, kp, vp, tables, lens, scale, window, y, rs);
+    case 4: return attend_paged<T, KT, 4>(q, kp, vp, tables, lens, scale, window, y, rs);
+    case 8: return attend_paged<T, KT, 8>(q, kp, vp, tables, lens, scale, window, y, rs);
+    case 16: return attend_paged<T, KT, 16>(q, kp, vp, tables, lens, scale, window, y, rs);
+    default: return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, window, y, rs);
   }
 }
 
-// The paged ops' checks: shapes, and tables that stay inside the pool (a bad one would read outside it).
+// The paged ops' checks: shapes, and tables that stay inside the pool where they are read (a bad one
+// would read outside it; entries before a window's first block are never read).
 void check_paged(const char* op, const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                 const at::Tensor& tables, const at::Tensor& lens) {
+                 const at::Tensor& tables, const at::Tensor& lens, int64_t window) {
   TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.dim() == 4, op, ": q, k_pool, v_pool must be 4-D");
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes(), op, ": k_pool and v_pool must have the same shape");
   TORCH_CHECK(q.size(1) == k_pool.size(1) && q.size(3) == k_pool.size(3),
@@ -495,13 +435,14 @@ void check_paged(const char* op, const at::Tensor& q, const at::Tensor& k_pool, 
               op, ": block_tables must be (S, max_blocks) int32");
   TORCH_CHECK(lens.dim() == 1 && lens.scalar_type() == at::kInt && lens.size(0) == q.size(0),
               op, ": context_lens must be (S,) int32");
+  TORCH_CHECK(window >= 0, op, ": window must be 0 (none) or positive, not ", window);
   const int64_t n_blocks = k_pool.size(0), bs = k_pool.size(2), W = tables.size(1);
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   for (const auto b : c10::irange(q.size(0))) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= W * bs, op, ": sequence ", b, " has context length ",
                 lp[b], ", its table holds ", W * bs);
-    for (int64_t i = 0; i * bs < lp[b]; ++i) {
+    for (int64_t i = window_start(lp[b], window) / bs; i * bs < lp[b]; ++i) {
       TORCH_CHECK(tp[b * W + i] >= 0 && tp[b * W + i] < n_blocks, op, ": block id ",
                   tp[b * W + i], " of sequence ", b, " is outside the pool of ", n_blocks);
     }
@@ -516,47 +457,25 @@ void check_scales(const char* op, const at::Tensor& codes, const at::Tensor& sca
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window) {
   const char* op = "paged_decode_attention";
   const bool half_pool = q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kHalf;  // an fp16 pool
   TORCH_CHECK((q.scalar_type() == k_pool.scalar_type() || half_pool) && k_pool.scalar_type() == v_pool.scalar_type(),
               op, ": q, k_pool, v_pool must share a dtype (or float32 q over float16 pools)");
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
-  check_paged(op, q, k_pool, v_pool, tables, lens);
+  check_paged(op, q, k_pool, v_pool, tables, lens, window);
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return y;
   if (half_pool) {
-    attend_paged_any<float, at::Half>(qc, k_pool, v_pool, tables, lens, scale, y);
+    attend_paged_any<float, at::Half>(qc, k_pool, v_pool, tables, lens, scale, window, y);
     return y;
   }
   switch (q.scalar_type()) {
-    case at::kFloat: attend_paged_any<float>(qc, k_pool, v_pool, tables, lens, scale, y); break;
-    case at::kBFloat16: attend_paged_any<at::BFloat16>(qc, k_pool, v_pool, tables, lens, scale, y); break;
-    case at::kHalf: attend_paged_any<at::Half>(qc, k_pool, v_pool, tables, lens, scale, y); break;
-    default: TORCH_CHECK(false, op, ": dtype ", q.scalar_type(), " is not float, bfloat16 or half");
-  }
-  return y;
-}
-
-at::Tensor decode_attention_q8(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale,
-                               const at::Tensor& v, const at::Tensor& v_scale, double scale) {
-  const char* op = "decode_attention_q8";
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be 4-D");
-  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v must have the same shape");
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(1) == k.size(1) && q.size(3) == k.size(3),
-              op, ": q (B, KV, G, hd) does not match k (B, KV, L, hd)");
-  TORCH_CHECK(k.size(2) >= 1, op, ": no keys");
-  check_scales(op, k, k_scale, "k");
-  check_scales(op, v, v_scale, "v");
-  const auto unit = [](const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); };
-  const at::Tensor qc = unit(q), kc = unit(k), vc = unit(v);
-  const RowScales rs{k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), k_scale.strides(), v_scale.strides()};
-  at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  switch (q.scalar_type()) {
-    case at::kFloat: attend_any<float, int8_t>(qc, kc, vc, scale, y, rs); break;
-    case at::kBFloat16: attend_any<at::BFloat16, int8_t>(qc, kc, vc, scale, y, rs); break;
-    case at::kHalf: attend_any<at::Half, int8_t>(qc, kc, vc, scale, y, rs); break;
+    case at::kFloat: attend_paged_any<float>(qc, k_pool, v_pool, tables, lens, scale, window, y); break;
+    case at::kBFloat16: attend_paged_any<at::BFloat16>(qc, k_pool, v_pool, tables, lens, scale, window, y); break;
+    case at::kHalf: attend_paged_any<at::Half>(qc, k_pool, v_pool, tables, lens, scale, window, y); break;
     default: TORCH_CHECK(false, op, ": dtype ", q.scalar_type(), " is not float, bfloat16 or half");
   }
   return y;
@@ -564,10 +483,11 @@ at::Tensor decode_attention_q8(const at::Tensor& q, const at::Tensor& k, const a
 
 at::Tensor paged_decode_attention_q8(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& k_scale,
                                      const at::Tensor& v_pool, const at::Tensor& v_scale,
-                                     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                     int64_t window) {
   const char* op = "paged_decode_attention_q8";
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
-  check_paged(op, q, k_pool, v_pool, tables, lens);
+  check_paged(op, q, k_pool, v_pool, tables, lens, window);
   check_scales(op, k_pool, k_scale, "k");
   check_scales(op, v_pool, v_scale, "v");
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
@@ -575,9 +495,9 @@ at::Tensor paged_decode_attention_q8(const at::Tensor& q, const at::Tensor& k_po
   at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return y;
   switch (q.scalar_type()) {
-    case at::kFloat: attend_paged_any<float, int8_t>(qc, k_pool, v_pool, tables, lens, scale, y, rs); break;
-    case at::kBFloat16: attend_paged_any<at::BFloat16, int8_t>(qc, k_pool, v_pool, tables, lens, scale, y, rs); break;
-    case at::kHalf: attend_paged_any<at::Half, int8_t>(qc, k_pool, v_pool, tables, lens, scale, y, rs); break;
+    case at::kFloat: attend_paged_any<float, int8_t>(qc, k_pool, v_pool, tables, lens, scale, window, y, rs); break;
+    case at::kBFloat16: attend_paged_any<at::BFloat16, int8_t>(qc, k_pool, v_pool, tables, lens, scale, window, y, rs); break;
+    case at::kHalf: attend_paged_any<at::Half, int8_t>(qc, k_pool, v_pool, tables, lens, scale, window, y, rs); break;
     default: TORCH_CHECK(false, op, ": dtype ", q.scalar_type(), " is not float, bfloat16 or half");
   }
   return y;
@@ -585,18 +505,15 @@ at::Tensor paged_decode_attention_q8(const at::Tensor& q, const at::Tensor& k_po
 
 }  // namespace
 
+// window: the attention window of the layer (0: none): a query at position p sees keys p - window + 1 .. p.
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
-  m.def("decode_attention_q8(Tensor q, Tensor k, Tensor k_scale, Tensor v, Tensor v_scale, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
   m.def("paged_decode_attention_q8(Tensor q, Tensor k_pool, Tensor k_scale, Tensor v_pool, Tensor v_scale, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor context_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
   m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("decode_attention_q8", &decode_attention_q8);
   m.impl("paged_decode_attention_q8", &paged_decode_attention_q8);
 }

@@ -1,0 +1,595 @@
+"""The batch engine's compiled decode step: the one place that knows which step a model needs, where
+its packages live, how they are built (now, or in the background) and loaded, and what a failed
+build leaves behind.
+
+In a step where every running sequence decodes one token (the engine's steady state, and the whole of
+a single stream's generation after its prompt) the eager forward spends about a third of a batch-1
+step in per-op overhead around the matmuls. This step is that forward exported with the batch size,
+the block tables' width and the pool's size as dynamic dimensions, and compiled with AOTInductor: a
+shared library with the same generated kernels, called straight from Python with a list of tensors
+(no dynamo guards or bytecode per call, which cost ~0.7 ms of a ~6 ms batch-1 step under
+``torch.compile``). One package per model structure (and thread count, and range of batch sizes the
+quantized kernels treat alike: :func:`batch_ranges`) serves every batch, context length and pool
+budget. A model with sliding-window layers (Gemma 3) is the same: the paged kernel takes each
+layer's window and each layer group's block table is an input, so the step is the same code at
+every length.
+
+The package holds **no weights**: the model's parameters and the pool's K/V tensors are inputs,
+handed over on every call (the pool is written in place). So a package is a few MB and nothing is
+held twice in memory. It is keyed by what its generated code depends on: the model's structure
+(modules, kernels, tensor shapes and dtypes), the pool's layout, the torch and Python versions, the
+CPU's vector ISA and the thread count (inductor bakes ``num_threads`` into its OpenMP loops).
+
+Steps with a prefill chunk, sequences that do not sample, or a model the step does not cover
+(:func:`unsupported`) run eagerly. An int8 pool is handed over as each layer's codes and scales and
+its key rotation; the step quantizes the new rows as the eager one does.
+
+Building: ``localllm compile`` builds ahead (:func:`build`); a run that finds no package runs
+eagerly and starts :func:`start_background_build` (a detached ``localllm compile`` at the lowest CPU
+priority, its output in ``<home>/logs/compile.log``); builds take a lock so at most one runs at a time;
+a build that fails leaves a mark beside its package (:func:`failure_marker`) so that runs stop
+starting it again. ``LOCALLLM_BACKGROUND_BUILD=0`` turns the background builds off (the tests do).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from localllm import native
+from localllm.paths import home
+from localllm.runtime.cache import QuantKV, key_rotation
+from localllm.runtime.kv_pool import KVPool
+from localllm.runtime.model import Transformer, cache_rope_tables
+from localllm.runtime.paged import PagedDecodeAttention, PagedStep, Split
+
+#: Bumped when the exported step's calling convention changes, so old packages are not picked up.
+FORMAT = 6
+#: The largest batch and block-table width a package takes (the engine's limits are far below).
+MAX_BATCH = 1024
+MAX_TABLE = 1 << 16
+#: Inductor options: round every intermediate to its dtype as eager does (inductor otherwise keeps
+#: fused bf16 math in fp32), so compiled logits match eager's but for a reduction's order now and then.
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+#: torch.export's pytree code trips torch's own deprecation of ``isinstance(treespec, LeafSpec)``: a
+#: warning meant for torch, which reached the user on the first build.
+LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+#: The environment switch of background builds ("0": off).
+ENV_SWITCH = "LOCALLLM_BACKGROUND_BUILD"
+
+
+def aot_dir() -> Path:
+    """Where packages live: ``<home>/inductor/aot``."""
+    return home() / "inductor" / "aot"
+
+
+# Why not / where ----------------------------------------------------------------------------------
+def compile_unavailable_reason(device: torch.device) -> str | None:
+    """Why a step cannot be compiled on ``device`` here, or None."""
+    if device.type != "cpu":
+        return "it is built for the CPU only"
+    if native.compiler() is None:
+        return "no C++ compiler (g++) for inductor's CPU code"
+    return None
+
+
+def unsupported(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention | None) -> str | None:
+    """Why the compiled step cannot run ``model`` over ``pool`` (None: it can)."""
+    if model.device.type != "cpu":
+        return "it is built for the CPU only"
+    if kernel is None:
+        return "it needs localllm's paged attention kernel"
+    if any(layer.attn.softcap is not None for layer in model.layers):
+        return "soft-capped attention does not take the paged kernel"
+    return None
+
+
+@functools.cache
+def _inductor_default_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(default_cache_dir())
+
+
+@contextmanager
+def inductor_cache_dir(folder: Path | None) -> Iterator[None]:
+    """Inductor's cache folder is ``folder`` within the block (unless the user chose one with
+    ``TORCHINDUCTOR_CACHE_DIR``); the environment is as it was afterwards. Inductor reads the folder
+    from the environment only, and only when it compiles."""
+    key = "TORCHINDUCTOR_CACHE_DIR"
+    saved = os.environ.get(key)
+    if saved is not None and os.path.abspath(saved) != _inductor_default_dir():
+        folder = None
+    if folder is None:
+        yield
+        return
+    os.environ[key] = str(folder)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
+# The traced step ----------------------------------------------------------------------------------
+class _PoolView:
+    """The K/V tensors of a pool as a traced step sees them (``KVPool``'s ``k``, ``v``, ``block_size``,
+    ``group_of``)."""
+
+    def __init__(self, k: list[Any], v: list[Any], block_size: int, group_of: list[int]) -> None:
+        self.k, self.v, self.block_size, self.group_of = k, v, block_size, group_of
+
+
+class DecodeOnlyStep(PagedStep):
+    """A :class:`PagedStep` of one layer group in which row i is sequence i's one query, every row
+    through the paged kernel and every row sampled: made from tensors alone, as the exported step
+    needs (no per-sequence spans, nothing decided from values)."""
+
+    def __init__(self, pool: _PoolView | KVPool, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 write_blocks: torch.Tensor, write_rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 kernel: PagedDecodeAttention, rotation: torch.Tensor | None = None) -> None:
+        self.pool = pool  # type: ignore[assignment]
+        self.rotation = rotation
+        self.positions, self.cos, self.sin = positions, cos, sin
+        self.write_blocks, self.write_rows = write_blocks, write_rows
+        self.spans = []
+        self.logits_rows = slice(None)  # type: ignore[assignment]  # every row, in order
+        self.kernel = kernel
+        self._splits = {True: Split(None, tables, lens, [])}
+        self.sdpa_spans = []
+        self.decode_rows, self.decode_tables, self.decode_lens = None, tables, lens
+
+    def split(self, use_kernel: bool = True) -> Split:
+        if not use_kernel:
+            raise ValueError("a decode-only step always takes the kernel")
+        return self._splits[True]
+
+
+def _groups(step: PagedStep) -> tuple[PagedStep, ...]:
+    return step.groups or (step,)
+
+
+class _Step(nn.Module):
+    """The decode-only step as a function of its tensors: what gets exported (the model is held in a
+    list, so that export lifts none of its weights into the package)."""
+
+    def __init__(self, model: Transformer, names: list[str], pool: KVPool, kernel: PagedDecodeAttention) -> None:
+        super().__init__()
+        self._model = [model]
+        self._names = names
+        self._block_size = pool.block_size
+        self._group_of = list(pool.group_of)
+        self._slots = pool_slots(pool)
+        self._n_groups = 1 + max(pool.group_of, default=0)
+        self._kernel = kernel
+        self._quantized = pool.kv_dtype == "int8"  # each K or V is two tensors (codes, scales)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                write_rows: torch.Tensor, lens: torch.Tensor, groups: tuple[torch.Tensor, ...],
+                tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        # ids (1, B); positions, write_rows (B,) long; cos, sin (B, rope); lens (B,) int32; groups: per
+        # layer group its write blocks (B,) long and block tables (B, W) int32. tensors: the model's
+        # parameters and buffers, then each slot's K and V pools (an int8 pool's K codes, K scales,
+        # V codes, V scales, then its key rotation (hd, hd)): pool_slots maps layers to slots.
+        n = len(self._names)
+        params = dict(zip(self._names, tensors[:n]))
+        kv: list[Any] = list(tensors[n:])
+        rotation = None
+        if self._quantized:
+            rotation = kv.pop()
+            kv = [QuantKV(c, sc) for c, sc in zip(kv[0::2], kv[1::2])]
+        ks, vs = kv[0::2], kv[1::2]
+        pool = _PoolView([ks[j] for j in self._slots], [vs[j] for j in self._slots], self._block_size, self._group_of)
+        steps = [DecodeOnlyStep(pool, positions, cos, sin, groups[2 * g], write_rows, groups[2 * g + 1], lens,
+                                self._kernel, rotation) for g in range(self._n_groups)]
+        if self._n_groups > 1:
+            steps[0].groups = tuple(steps)
+        logits = torch.func.functional_call(self._model[0], params, (ids, steps[0]), strict=False, tie_weights=True)
+        return logits[0]  # (B, vocab)
+
+
+def batch_ranges(model: Transformer) -> list[tuple[int, int]]:
+    """The batch sizes one package each covers. A quantized linear picks its kernel by the number of
+    rows (``GEMV_ROWS``: row kernels below, the panel GEMM above), a choice export bakes in; and a
+    batch of one is a shape of its own to export. So: 1, then the spans between the thresholds."""
+    cuts = sorted({k.GEMV_ROWS for m in model.modules() if (k := getattr(m, "kernel", None)) is not None
+                   and isinstance(getattr(k, "GEMV_ROWS", None), int) and 1 <= k.GEMV_ROWS < MAX_BATCH})
+    los = [1, 2, *(c + 1 for c in cuts if c >= 2)]
+    his = [1, *(c for c in cuts if c >= 2), MAX_BATCH]
+    return list(zip(los, his))
+
+
+def model_tensors(model: Transformer) -> tuple[list[str], list[torch.Tensor]]:
+    """Names and tensors of the model's parameters and buffers (each once)."""
+    named = dict(model.named_parameters())
+    named.update(model.named_buffers())
+    names = sorted(named)
+    return names, [named[n] for n in names]
+
+
+def pool_slots(pool: KVPool) -> list[int]:
+    """Each layer's slot: the index of its K/V tensors among the pool's distinct ones (layers in the
+    same slot of different layer groups share a tensor, :mod:`runtime.kv_pool`)."""
+    first: dict[int, int] = {}
+    for k in pool.k:
+        key = id(k.codes if isinstance(k, QuantKV) else k)
+        first.setdefault(key, len(first))
+    return [first[id(k.codes if isinstance(k, QuantKV) else k)] for k in pool.k]
+
+
+def _pool_tensors(pool: KVPool) -> tuple[list[str], list[torch.Tensor]]:
+    """The pool's distinct K/V tensors, each once: an input handed over twice would be two aliases of
+    one mutated tensor, which export cannot take."""
+    slots = pool_slots(pool)
+    names: list[str] = []
+    tensors: list[torch.Tensor] = []
+    for j in range(max(slots, default=-1) + 1):
+        layer = slots.index(j)
+        for part, x in (("k", pool.k[layer]), ("v", pool.v[layer])):
+            if isinstance(x, QuantKV):  # codes (n_blocks, KV, block, hd) int8, scales (n_blocks, KV, block)
+                names += [f"pool.{j}.{part}.codes", f"pool.{j}.{part}.scales"]
+                tensors += [x.codes, x.scales]
+            else:
+                names.append(f"pool.{j}.{part}")
+                tensors.append(x)  # (n_blocks, KV, block, hd): the number of blocks is dynamic
+    if pool.kv_dtype == "int8":  # an input, as weights are: a step that made it would hold it
+        hd = tensors[0].shape[-1]
+        names.append("pool.rotation")
+        tensors.append(key_rotation(hd, torch.float32, tensors[0].device))  # (hd, hd)
+    return names, tensors
+
+
+def _pool_axis(name: str) -> int | None:
+    """A pool tensor's dynamic axis: its blocks (0); none for the key rotation."""
+    return None if name == "pool.rotation" else 0
+
+
+def _shape_key(t: torch.Tensor, axis: int | None) -> str:
+    """A tensor's shape and strides for a package key, its dynamic axis (if any) as ``N``."""
+    shape: list[object] = list(t.shape)
+    stride: list[object] = list(t.stride())
+    if axis is not None:
+        n = shape[axis]
+        shape[axis] = "N"
+        stride = [f"{s // n}N" if i < axis and n and s % n == 0 else s for i, s in enumerate(stride)]
+    return f"{tuple(shape)} {tuple(stride)} {t.dtype}"
+
+
+def package_key(model: Transformer, kernel: PagedDecodeAttention, pool: KVPool, names: list[str],
+                tensors: list[torch.Tensor], axes: list[int | None]) -> str:
+    """What the generated code depends on, hashed (see the module's docstring)."""
+    h = hashlib.sha256()
+    parts = [
+        f"format {FORMAT}", f"attention {kernel.__module__}.{kernel.__qualname__}", torch.__version__,
+        sys.version.split()[0], platform.machine(), torch.backends.cpu.get_cpu_capability(),
+        f"threads {torch.get_num_threads()}", f"groups {pool.group_of} slots {pool_slots(pool)}", repr(model.config),
+        repr(model),
+        *(f"{n} {_shape_key(t, a)}" for n, t, a in zip(names, tensors, axes, strict=True)),
+    ]
+    for p in parts:
+        h.update(p.encode() + b"\0")
+    return h.hexdigest()[:24]
+
+
+def package_paths(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention, cache_dir: Path | None = None
+                  ) -> tuple[list[tuple[tuple[int, int], Path]], list[torch.Tensor]]:
+    """Where the packages for ``model`` over pools shaped as ``pool`` live (built or not), one per range
+    of :func:`batch_ranges`; and the runners' tensor arguments after the step's own."""
+    names, tensors = model_tensors(model)
+    pool_names, pool_tensors = _pool_tensors(pool)
+    key = package_key(model, kernel, pool, [*(f"model.{n}" for n in names), *pool_names], [*tensors, *pool_tensors],
+                      [*([None] * len(tensors)), *(_pool_axis(n) for n in pool_names)])
+    folder = cache_dir or aot_dir()
+    paths = [((lo, hi), folder / f"paged-decode-{key}-b{lo}-{hi}.pt2") for lo, hi in batch_ranges(model)]
+    return paths, [*tensors, *pool_tensors]
+
+
+def failure_marker(package: Path) -> Path:
+    """The file that records a failed build of ``package`` (its text says why), so that runs do not start
+    the same failing build again; a new torch or localllm changes the package's name, and so tries again."""
+    return package.with_suffix(".failed")
+
+
+class PackageMissing(RuntimeError):
+    """No package is built for this model yet (and building was not asked for); ``path`` is the first
+    missing one."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def _example(model: Transformer, pool: KVPool, B: int, tensors: list[torch.Tensor]) -> tuple:
+    dev = model.device
+    cos, _ = cache_rope_tables(model.config, 2, torch.device("cpu"))
+    rope = cos.shape[-1]  # the global tables' columns, and the local ones' beside them (Gemma 3)
+    n_groups = 1 + max(pool.group_of, default=0)
+    groups = []
+    for _ in range(n_groups):
+        groups += [torch.arange(B, device=dev), torch.zeros(B, 2, dtype=torch.int32, device=dev)]
+    return (torch.zeros(1, B, dtype=torch.long, device=dev), torch.arange(3, 3 + B, device=dev),
+            torch.zeros(B, rope, dtype=model.dtype, device=dev), torch.zeros(B, rope, dtype=model.dtype, device=dev),
+            torch.arange(3, 3 + B, device=dev), torch.full((B,), 4, dtype=torch.int32, device=dev),
+            tuple(groups), tuple(tensors))
+
+
+def build_package(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention, path: Path,
+                  batch: tuple[int, int]) -> None:
+    """Export the decode-only step for ``model`` over pools shaped as ``pool``, for batches of
+    ``batch`` (lo, hi) sequences, and compile it to ``path``: under a temporary name, then renamed, so
+    a crash or a concurrent build never leaves a half-written package under the final name."""
+    from torch.export import Dim
+
+    names, tensors = model_tensors(model)
+    pool_names, pool_tensors = _pool_tensors(pool)
+    lo, hi = batch
+    B = max(lo, 2) if hi > lo else lo  # export specialises a dynamic dimension whose example is 0 or 1
+    example = _example(model, pool, B, [*tensors, *pool_tensors])
+    b = Dim("batch", min=lo, max=hi) if hi > lo else None
+    rows = {0: b} if b is not None else {}
+    width = Dim("table_width", min=1, max=MAX_TABLE)  # every group's table is as wide (runtime.paged)
+    blocks = Dim("pool_blocks", min=2, max=1 << 24)
+    groups = tuple(d for _ in range(len(example[6]) // 2) for d in (rows, {**rows, 1: width}))
+    dims = (
+        {1: b} if b is not None else {}, rows, rows, rows, rows, rows, groups,
+        tuple([None] * len(tensors) + [None if _pool_axis(n) is None else {0: blocks} for n in pool_names]),
+    )
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=LEAFSPEC_WARNING, category=FutureWarning)
+        program = torch.export.export(_Step(model, names, pool, kernel), example, dynamic_shapes=dims)
+    sig = program.graph_signature
+    held = [*sig.parameters, *sig.buffers, *(n for n, t in program.constants.items() if t.numel() > 1)]
+    if held:  # weights baked into the package would be stale copies, and held twice
+        raise RuntimeError(f"the exported step holds model tensors of its own ({', '.join(held[:3])}...)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{uuid.uuid4().hex}.tmp.pt2")  # the packager wants .pt2
+    from torch._inductor import aoti_compile_and_package
+
+    try:
+        with warnings.catch_warnings():
+            # a Q8_0 head's fp16 scales beside bf16 activations: inductor says so, and handles it
+            warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
+            warnings.filterwarnings("ignore", message=LEAFSPEC_WARNING, category=FutureWarning)
+            aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=INDUCTOR_OPTIONS)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_runner(path: Path):  # type: ignore[no-untyped-def]
+    """The package's runner (``.run(list of tensors) -> list of tensors``): straight from torch's C++
+    loader when it takes the package (a few ms, where the Python ``aoti_load_package`` first imports
+    inductor, about a second of every start)."""
+    try:
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except (AttributeError, RuntimeError):
+        from torch._inductor import aoti_load_package
+
+        return aoti_load_package(str(path)).loader
+
+
+class CompiledDecode:
+    """The batch engine's decode-only step through its AOTInductor packages, looked up (or, with
+    ``build``, built) once for the engine's model and pool, for batches of up to ``max_batch``
+    sequences. Without ``build`` the packages on disk serve the batch sizes they cover (a server
+    whose batch package is still being built runs its lone streams compiled) and :attr:`missing` lists
+    the others; :class:`PackageMissing` when none is built. RuntimeError when the step cannot run this
+    model or cannot be built here."""
+
+    def __init__(self, model: Transformer, pool: KVPool, kernel: PagedDecodeAttention, max_batch: int,
+                 build: bool = False, cache_dir: Path | None = None) -> None:
+        why = unsupported(model, pool, kernel)
+        if why:
+            raise RuntimeError(f"the compiled step cannot run this model: {why}")
+        paths, tensors = package_paths(model, pool, kernel, cache_dir)
+        paths = [(rng, p) for rng, p in paths if rng[0] <= max_batch]
+        self.build_s = 0.0
+        #: Packages of this engine's batch sizes that are not built (``build=False`` only).
+        self.missing = [p for _, p in paths if not p.exists()]
+        if self.missing and not build and len(self.missing) == len(paths):
+            raise PackageMissing(f"no decode step is built for this model yet ({self.missing[0].name})",
+                                 self.missing[0])
+        for rng, path in paths:
+            if path.exists() or not build:
+                continue
+            reason = compile_unavailable_reason(model.device)
+            if reason:
+                raise RuntimeError(reason)
+            t0 = time.perf_counter()
+            with inductor_cache_dir(home() / "inductor"), torch.inference_mode(False):
+                build_package(model, pool, kernel, path, rng)
+            self.build_s += time.perf_counter() - t0
+        if build:
+            self.missing = []
+        paths = [(rng, p) for rng, p in paths if p.exists()]
+        self.paths = [p for _, p in paths]
+        #: (smallest batch, largest batch, runner) of each package.
+        self._runners = [(lo, hi, load_runner(p)) for (lo, hi), p in paths]
+        self._n_groups = 1 + max(pool.group_of, default=0)
+        # The runner's arguments, made once: a step sets the first ones.
+        self._head = 6 + 2 * self._n_groups
+        self._args: list[torch.Tensor | None] = [None] * self._head + tensors
+
+    def _runner(self, batch: int):  # type: ignore[no-untyped-def]
+        return next((r for lo, hi, r in self._runners if lo <= batch <= hi), None)
+
+    def takes(self, step: PagedStep) -> bool:
+        """Whether ``step`` is one the packages compute: every row a sampled single query on the kernel,
+        and as many rows as a built package takes."""
+        return (step.all_decode and step.logits_rows.shape[0] == step.num_tokens
+                and self._runner(step.num_tokens) is not None)
+
+    def __call__(self, ids: torch.Tensor, step: PagedStep) -> torch.Tensor:
+        """Logits (B, vocab) of a step :meth:`takes`."""
+        runner = self._runner(step.num_tokens)
+        args = self._args
+        args[:6] = [ids, step.positions, step.cos, step.sin, step.write_rows, step.decode_lens]
+        for g, s in enumerate(_groups(step)):
+            args[6 + 2 * g], args[7 + 2 * g] = s.write_blocks, s.decode_tables
+        return runner.run(args)[0]
+
+
+@dataclass
+class StepLookup:
+    """What :func:`find_step` found for an engine."""
+
+    step: CompiledDecode | None  # None: decode steps run eagerly
+    seconds: float = 0.0  # building (``build``) or loading the packages
+    #: Some package this engine's batch sizes need is not built, and no build of it failed before: a
+    #: build would serve (the batch sizes the built ones cover run compiled meanwhile).
+    needs_build: bool = False
+    note: str | None = None  # why steps run eagerly although a compiled step was asked for
+
+
+def find_step(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention | None, max_batch: int,
+              build: bool) -> StepLookup:
+    """The compiled decode step for ``model`` over ``pool``: loaded when built, built now with
+    ``build``, else nothing (with :attr:`StepLookup.needs_build` saying whether a build would serve)."""
+    why = unsupported(model, pool, kernel)
+    if why is not None:
+        return StepLookup(None, note=f"decode steps run eagerly: {why}")
+    assert kernel is not None
+    t0 = time.perf_counter()
+    try:
+        step = CompiledDecode(model, pool, kernel, max_batch, build=build)
+    except PackageMissing as e:  # a build that failed before is not started again by itself
+        return StepLookup(None, time.perf_counter() - t0, needs_build=not failure_marker(e.path).exists())
+    except RuntimeError as e:  # no compiler, or the build failed: eager, saying why
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return StepLookup(None, time.perf_counter() - t0, note=f"decode steps run eagerly: {first}")
+    needs = bool(step.missing) and not failure_marker(step.missing[0]).exists()
+    return StepLookup(step, time.perf_counter() - t0, needs_build=needs)
+
+
+# Building ahead, and in the background ------------------------------------------------------------
+@dataclass(frozen=True)
+class LoadArgs:
+    """How a model was loaded: what a background build must load the same way, since the package is
+    keyed by the model's modules, kernels and tensor shapes, and by the thread count."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    quant: str | None = None
+    group_size: int | None = None
+    quant_head: str | None = None
+    kernel: str | None = None
+    kv_cache: str = "16bit"  # the pool's dtype is part of the step's shapes
+
+    def argv(self) -> list[str]:
+        """The arguments of ``localllm compile`` that load it so."""
+        out = [self.model, "--device", self.device, "--dtype", self.dtype, "--kv-cache", self.kv_cache]
+        for flag, value in (("--quant", self.quant), ("--group-size", self.group_size),
+                            ("--quant-head", self.quant_head), ("--kernel", self.kernel)):
+            if value is not None:
+                out += [flag, str(value)]
+        return out
+
+
+def _lock_path() -> Path:
+    folder = aot_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / ".build.lock"
+
+
+def background_builds_enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") not in ("0", "")
+
+
+def start_background_build(args: LoadArgs, batch: int = 1) -> bool:
+    """Start ``localllm compile`` for ``args`` (and batches of up to ``batch`` sequences) in a detached
+    process at the lowest CPU priority (its output in ``<home>/logs/compile.log``), with this process's
+    thread count. False when background builds are off, no compiler is here, or a build is already
+    running. The caller says so on stderr: the build outlives it."""
+    from filelock import FileLock, Timeout
+
+    if not background_builds_enabled() or compile_unavailable_reason(torch.device("cpu")):
+        return False
+    try:  # a build in progress holds the lock: do not queue a second behind it
+        with FileLock(_lock_path(), timeout=0):
+            pass
+    except Timeout:
+        return False
+    logs = home() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "localllm", "compile", *args.argv(), "--threads", str(torch.get_num_threads()),
+            "--batch", str(batch), "--if-idle"]
+    with open(logs / "compile.log", "ab") as log:
+        log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv[1:])}\n".encode())
+        log.flush()
+        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                         start_new_session=True)  # outlives this process; Ctrl-C here does not reach it
+    return True
+
+
+@dataclass
+class BuildResult:
+    """What :func:`build` did."""
+
+    built: bool  # packages were built now
+    already: bool = False  # every package was there
+    busy: bool = False  # another build held the lock (``wait=False``)
+    seconds: float = 0.0
+    error: str | None = None  # why it failed (recorded beside the missing packages)
+
+
+def build(model: Transformer, batch: int = 1, kv_dtype: str = "16bit", wait: bool = True,
+          background: bool = False) -> BuildResult:
+    """Build ``model``'s missing decode-step packages for batches of up to ``batch`` over ``kv_dtype``
+    pools, under the build lock (``wait=False``: leave at once if another build holds it). A failure
+    is recorded beside each missing package (:func:`failure_marker`); a success clears old marks.
+    ``background``: lower this process's CPU priority first, so the build never competes with a user's
+    run on a small machine."""
+    from filelock import FileLock, Timeout
+
+    from localllm.runtime.batch import BatchEngine
+    from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, block_bytes
+
+    if background and hasattr(os, "nice"):
+        os.nice(19)
+    # the packages serve any pool size: the smallest pool will do to find or build them
+    budget = 4 * block_bytes(model.config, DEFAULT_BLOCK_SIZE, model.dtype, kv_dtype)
+    try:
+        with FileLock(_lock_path(), timeout=-1 if wait else 0):
+            engine = BatchEngine(model, kv_budget_bytes=budget, max_running=batch, kv_dtype=kv_dtype)
+            found = find_step(model, engine.pool, engine.kernel, batch, build=False)
+            if found.step is not None and not found.step.missing:
+                return BuildResult(False, already=True)
+            if found.note is not None:
+                return BuildResult(False, error=found.note)
+            assert engine.kernel is not None  # else found.note says so
+            paths = [p for (lo, _), p in package_paths(model, engine.pool, engine.kernel)[0] if lo <= batch]
+            t0 = time.perf_counter()
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                lookup = find_step(model, engine.pool, engine.kernel, batch, build=True)
+            seconds = time.perf_counter() - t0
+    except Timeout:
+        return BuildResult(False, busy=True)
+    if lookup.step is None:
+        why = "; ".join([lookup.note or "the step runs eagerly", *(str(w.message) for w in said
+                                                                     if "deprecated" not in str(w.message))])
+        for path in paths:
+            if not path.exists():  # each that is missing: a run looks up the first one it misses
+                failure_marker(path).write_text(why + "\n")
+        return BuildResult(False, seconds=seconds, error=why)
+    for path in paths:
+        failure_marker(path).unlink(missing_ok=True)  # an earlier failure, fixed since
+    return BuildResult(True, seconds=seconds)
