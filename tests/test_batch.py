@@ -1,5 +1,6 @@
 """The batch engine on tiny random-weight models: a request's greedy tokens in a batch are its tokens
-alone (runtime.generate.Generator), whatever joins and leaves beside it, with chunked prefill, with
+alone (the plainest loop: a whole cache-less forward per token, tests/engines.py), whatever joins and
+leaves beside it, with chunked prefill, with
 preemption, with prefix-cache hits; refusals, the busy queue, cancellation, stop ids, the context
 limit, seeded sampling and the background thread.
 
@@ -21,10 +22,10 @@ import torch
 from localllm.errors import LocalLLMError
 from localllm.loaders.load import load_model
 from localllm.runtime.batch import BatchEngine
-from localllm.runtime.generate import Generator
 from localllm.runtime.kv_pool import block_bytes
 from localllm.runtime.sampling import SamplingParams
 from localllm.runtime.scheduler import EngineBusy
+from tests import engines
 
 GREEDY = SamplingParams(temperature=0)
 #: A greedy step is decided when its margin is this wide: far above fp32 rounding differences.
@@ -62,7 +63,11 @@ def int4(tiny_folder):
 
 def alone(lm, p: list[int], n: int | None, stop_ids=(), ctx: int = 256, params=GREEDY, kv_dtype: str = "16bit"
           ) -> list[int]:
-    return list(Generator(lm.model, ctx, kv_dtype=kv_dtype).generate(p, params, max_tokens=n, stop_ids=stop_ids))
+    """``p``'s tokens alone: by whole forwards (:func:`tests.engines.reference`), or for a KV cache that
+    stores other values than the activations (fp16, int8), by a one-sequence engine over such a pool."""
+    if kv_dtype == "16bit":
+        return engines.reference(lm.model, p, params, n, ctx, stop_ids)
+    return engines.alone(lm.model, p, params, 10**6 if n is None else n, ctx, kv_dtype, stop_ids)
 
 
 def forced_logits(lm, p: list[int], tokens: list[int]) -> torch.Tensor:
@@ -230,8 +235,8 @@ def test_a_request_that_can_never_fit_is_refused_with_numbers(fp32):
     budget = 4 * block_bytes(fp32.config, 16, torch.float32)
     eng = BatchEngine(fp32.model, kv_budget_bytes=budget)
     assert eng.max_seq_len == 64  # the pool, not the model's 256, bounds a sequence
-    with pytest.raises(LocalLLMError, match=r"the prompt is 64 tokens and a sequence holds at most 64 positions "
-                                            r"\(the KV pool has 4 blocks x 16 tokens = 64\)"):
+    with pytest.raises(LocalLLMError, match=r"the prompt is 64 tokens and the context holds 64 \(prompt and reply "
+                                            r"together; the KV pool has 4 blocks x 16 tokens = 64\)"):
         eng.submit(PROMPTS[3], GREEDY, 1)
     assert eng.submit(PROMPTS[3][:63], GREEDY, 5).result()  # one position left: it runs
     with pytest.raises(LocalLLMError, match="holds no block"):
@@ -295,7 +300,7 @@ def test_a_full_context_ends_with_length(fp32):
     eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_seq_len=48)
     p = PROMPTS[2]  # 40 tokens
     h = eng.submit(p, GREEDY)
-    want = alone(fp32, p, None, ctx=48)  # the Generator's context limit: 48 - 40 + 1 tokens
+    want = alone(fp32, p, None, ctx=48)  # the context's limit: 48 - 40 + 1 tokens
     assert len(want) == 9
     assert_same(fp32, p, h.result(), want)
     assert h.stats.finish_reason == "length"
@@ -315,27 +320,18 @@ def test_seeded_sampling_is_per_request(fp32):
     assert first[0] == first[2] and first[0] != first[1]  # each request its own generator
 
 
-def test_the_generators_repeat_penalty_window_slides_on_the_device(fp32):
-    """The Generator keeps the penalised ids on the device (no upload per token): its tokens are those
-    of the same loop written out with the window of the last repeat_last_n ids kept on the host."""
-    from collections import deque
-
-    from localllm.runtime.generate import decode_one_token, prefill
-    from localllm.runtime.sampling import sample
-
+def test_the_repeat_penalty_window_slides_per_request(fp32):
+    """The engine keeps each request's window of the last repeat_last_n ids: its tokens are the
+    reference loop's, which keeps that window on the host, and the window's length matters."""
     params = SamplingParams(temperature=0, repeat_penalty=3.0, repeat_last_n=4)
     p, n = PROMPTS[4], 16
-    got = alone(fp32, p, n, params=params)
-    model, window, want = fp32.model, deque(p[-4:], maxlen=4), []
-    cache = model.new_cache(256)
-    logits = prefill(model, cache, torch.tensor([p]))
-    for pos in range(len(p), len(p) + n):
-        token = sample(logits, params, torch.tensor([list(window)]))
-        want.append(int(token))
-        window.append(want[-1])
-        logits = decode_one_token(model, cache, token.view(1, 1), torch.tensor([pos]), pos)
-    assert got == want
-    assert got != alone(fp32, p, n, params=SamplingParams(temperature=0, repeat_penalty=3.0, repeat_last_n=64))
+    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+    h = eng.submit(p, params, n)
+    other = eng.submit(PROMPTS[1], GREEDY, n)  # beside a request without a penalty
+    eng.run_until_done()
+    want = alone(fp32, p, n, params=params)
+    assert h.result() == want and other.result() == alone(fp32, PROMPTS[1], n)
+    assert want != alone(fp32, p, n, params=SamplingParams(temperature=0, repeat_penalty=3.0, repeat_last_n=64))
 
 
 def test_background_thread_serves_many_threads(fp32):
@@ -381,8 +377,8 @@ def windowed(tmp_path_factory):
 
 
 def test_sliding_window_batches_like_alone(windowed):
-    """Queries see only the last 8 positions, in chunks and decode steps alike (the kernel, which has
-    no window, is used only while a context is within it)."""
+    """Queries see only the last 8 positions, in chunks and decode steps alike (the paged kernel takes
+    the window: each decode query reads its last 8 keys)."""
     eng = BatchEngine(windowed.model, kv_budget_bytes=BIG, chunk_tokens=8)
     handles = [eng.submit(p, GREEDY, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     eng.run_until_done()

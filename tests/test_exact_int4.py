@@ -136,12 +136,12 @@ def test_int4_kernel_refuses_a_layout_that_does_not_match():
 
 
 def teacher_forced_decode(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """Log-probabilities (T, vocab) of ``ids`` (1, T) fed one token a step through a KV cache: every
-    matmul on the decode (one-row) path."""
-    cache = model.new_cache(ids.shape[1])
-    with torch.inference_mode():
-        rows = [model(ids[:, t : t + 1], cache, torch.tensor([t]), t).float()[0, -1] for t in range(ids.shape[1])]
-    return torch.stack(rows).log_softmax(-1)
+    """Log-probabilities (T, vocab) of ``ids`` (1, T) fed one token a step through the batch engine's
+    decode steps: every matmul on the decode (one-row) path."""
+    from tests.engines import forced
+
+    tokens = ids[0].tolist()
+    return forced(model, tokens[:1], tokens[1:]).log_softmax(-1)
 
 
 def kld_top1(want: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:

@@ -1,5 +1,5 @@
 """The families people download (Gemma 3, Qwen3, Phi-3): tiny random-weight models against transformers
-(fp32), prefill + cached decode against the full forward, the batch engine against the model alone, and
+(fp32), the batch engine's chunked prefill and decode against the full forward and in batches, and
 GGUF files written from the same weights against the same logits."""
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import HFCheckpoint
 from localllm.runtime.config import ModelConfig
-from localllm.runtime.compile import compile_unavailable_reason
-from localllm.runtime.generate import decode_one_token, forward_one_token, prefill
 from tests.conftest import TINY, write_tiny_tokenizer
+from tests.engines import reference
 
 #: Logits tolerance against transformers (fp32): the tightest every family meets on any CPU.
 ATOL = RTOL = 1e-4
@@ -138,60 +137,17 @@ def test_phi3_long_factors_beyond_the_original_context(family):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_prefill_then_cached_decode_equals_full_forward(family, arch):
+    """Prefill chunks of 13 (Gemma: past its window of 8 within a chunk), then decode steps through the
+    paged kernel (each query's last 8 keys in the sliding layers), against one whole forward."""
+    from localllm.runtime.batch import BatchEngine
+
     model = ours_from(family(arch)[1])
     ids = tokens(30, seed=2)
-    full = model(ids)
-    cache = model.new_cache(30)  # Gemma: its sliding layers get a ring of 8 rows
-    n = 13  # the prefill chunk itself wraps the ring; so does a second chunk
-    last = prefill(model, cache, ids[:, :n])
-    torch.testing.assert_close(last, full[:, n - 1], atol=1e-5, rtol=1e-5)
-    last = prefill(model, cache, ids[:, n : n + 6], start=n)
-    torch.testing.assert_close(last, full[:, n + 5], atol=1e-5, rtol=1e-5)
-    for pos in range(n + 6, ids.shape[1]):
-        logits = decode_one_token(model, cache, ids[:, pos : pos + 1], torch.tensor([pos]), pos)
-        torch.testing.assert_close(logits, full[:, pos], atol=1e-5, rtol=1e-5)
-
-
-def test_gemma3_sliding_layers_cache_only_the_window(family):
-    model = ours_from(family("gemma3")[1])
-    cache = model.new_cache(64)
-    rows = [layer.k.shape[2] for layer in cache.layers]
-    assert rows == [WINDOW, 64, WINDOW, WINDOW]
-    c = model.config
-    assert cache.nbytes() == c.sequence_cache_bytes(64, 4) < c.kv_cache_bytes(64, 4)
-
-
-@pytest.mark.skipif(compile_unavailable_reason(torch.device("cpu")) is not None, reason="no compiler here")
-def test_gemma3_compiled_step_over_the_ring(family, tmp_path):
-    """The ahead-of-time step over ring caches: one package below the window, one beyond it (the
-    window's own position runs eagerly), each as exact as eager decode, before and after the wrap."""
-    from localllm.runtime.compile import compiled_decode
-
-    model = ours_from(family("gemma3")[1])
-    step = compiled_decode(forward_one_token, torch.device("cpu"), tmp_path)
-    ids = tokens(24, seed=3)
-    compiled, eager = model.new_cache(32), model.new_cache(32)
-    prefill(model, compiled, ids[:, :3])
-    prefill(model, eager, ids[:, :3])
-    for pos in range(3, 24):  # the window (8) wraps at position 8
-        args = (ids[:, pos : pos + 1], torch.tensor([pos]), pos)
-        torch.testing.assert_close(step(model, compiled, *args), decode_one_token(model, eager, *args),
-                                   atol=1e-5, rtol=1e-5)
-    assert step.kind == "aot"
-    assert sorted(p.name.split("-")[-1] for p in (tmp_path / "aot").glob("decode-*.pt2")) == ["31.pt2", "7.pt2"]
-
-
-def test_gemma3_static_decode_over_the_ring(family):
-    """The fixed-shape decode step (CUDA graphs) over ring caches: masks from input_pos alone."""
-    model = ours_from(family("gemma3")[1])
-    ids = tokens(24, seed=3)
-    full = model(ids)
-    cache = model.new_cache(32)
-    prefill(model, cache, ids[:, :5])
-    for pos in range(5, 24):
-        with torch.no_grad():
-            logits = model(ids[:, pos : pos + 1], cache, torch.tensor([pos]), static=True)[:, -1]
-        torch.testing.assert_close(logits, full[:, pos], atol=1e-5, rtol=1e-5)
+    full = model(ids)[0]
+    # RoPE tables of 30 positions, as the full forward's (Phi-3's longrope picks its factors by length)
+    engine = BatchEngine(model, kv_budget_bytes=1 << 20, chunk_tokens=13, max_seq_len=30)
+    got = engine.forced_logits(ids[0, :19].tolist(), ids[0, 19:].tolist())  # chunks of 13 and 6, then 11 steps
+    torch.testing.assert_close(got, full[18:], atol=1e-5, rtol=1e-5)
 
 
 def test_gemma3_final_softcapping_matches_transformers(tmp_path):
@@ -354,10 +310,9 @@ def test_gguf_of_the_same_weights_gives_the_same_logits(family, arch, tmp_path):
 @pytest.mark.parametrize("attention", ["auto", "sdpa"])
 def test_gemma3_batches_like_alone(family, attention):
     """Gemma 3 in the paged engine: each layer with its own window and RoPE base, chunked prefill and
-    decode past the window, against the same requests alone (ring caches) and the cache-less forward."""
+    decode past the window, against the same requests by the cache-less forward."""
     from localllm.loaders.load import load_model
     from localllm.runtime.batch import BatchEngine
-    from localllm.runtime.generate import Generator
     from localllm.runtime.sampling import SamplingParams
 
     lm = load_model(str(family("gemma3")[1]), quant="fp32")
@@ -367,11 +322,10 @@ def test_gemma3_batches_like_alone(family, attention):
     handles = [eng.submit(p, greedy, 14) for p in prompts]
     eng.run_until_done()
     for p, h in zip(prompts, handles):
-        want = list(Generator(lm.model, 64).generate(p, greedy, max_tokens=14))
+        want = reference(lm.model, p, greedy, 14, 64)
         with torch.inference_mode():
             forced = lm.model(torch.tensor([p + want[:-1]]))[0, len(p) - 1 :]
         top2 = forced.topk(2, dim=-1)
-        assert top2.indices[:, 0].tolist() == want  # alone (ring caches) = the cache-less forward
         assert (top2.values[:, 0] - top2.values[:, 1]).min() > 1e-4  # decided: CPUs agree
         assert h.result() == want
 
@@ -383,7 +337,6 @@ def test_gemma3_paged_pool_holds_only_the_window_of_sliding_layers(family):
     window's blocks cached) and still picks the tokens it picks alone."""
     from localllm.loaders.load import load_model
     from localllm.runtime.batch import BatchEngine
-    from localllm.runtime.generate import Generator
     from localllm.runtime.sampling import SamplingParams
 
     lm = load_model(str(family("gemma3")[1]), quant="fp32")
@@ -397,7 +350,7 @@ def test_gemma3_paged_pool_holds_only_the_window_of_sliding_layers(family):
     while eng.step():
         most = max(most, eng.usage()["blocks_used"])
     assert most <= 5 + 3 * 2  # ceil(70 / 16) full-layer blocks; a window of 8 spans at most 2 blocks
-    want = list(Generator(lm.model, 96).generate(prompt, greedy, max_tokens=30))
+    want = reference(lm.model, prompt, greedy, 30, 96)
     with torch.inference_mode():
         top2 = lm.model(torch.tensor([prompt + want[:-1]]))[0, len(prompt) - 1 :].topk(2, dim=-1).values
     assert (top2[:, 0] - top2[:, 1]).min() > 1e-4  # every step decided: CPUs agree

@@ -15,7 +15,7 @@ import torch
 
 from localllm.loaders.load import load_model
 from localllm.runtime.chat import encode_chat
-from localllm.runtime.generate import Generator
+from localllm.runtime.engine import sequence_engine
 from localllm.runtime.sampling import SamplingParams
 from tests.answers import WIDE_MARGIN
 
@@ -70,8 +70,10 @@ def test_config_read_from_gguf(lm):
     assert (c.sliding_window, c.vocab_size, c.rope_theta, c.rope_local_theta) == (512, 262144, 1e6, 1e4)
     assert c.layer_types == (["sliding"] * 5 + ["full"]) * 3
     assert c.tie_embeddings and lm.model.output.weight is lm.model.embed.weight
-    cache = lm.model.new_cache(2048)
-    assert [k.k.shape[2] for k in cache.layers] == [512 if t == "sliding" else 2048 for t in c.layer_types]
+    engine = sequence_engine(lm.model, 2048)  # what run holds: the full layers' context, the window of the rest
+    assert engine.plan.windows == (None, 512, 512, 512, 512, 512)  # groups of 3 layers: 1 full, 5 sliding
+    # 2048 positions of the full layers; each sliding group its window behind a 512-token prefill chunk
+    assert engine.plan.n_blocks == 2048 // 16 + 5 * ((512 + 512 - 2) // 16 + 2)
 
 
 def test_logits_match_transformers(lm, ref):
@@ -102,8 +104,8 @@ def test_greedy_answer_matches_transformers(lm, ref, text, chat):
     margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
     decided = next((i for i, m in enumerate(margins) if m < WIDE_MARGIN), len(want))
     t0 = time.perf_counter()
-    got = list(Generator(lm.model, 512).generate(ids, SamplingParams(temperature=0), max_tokens=TOKENS,
-                                                 stop_ids=sorted(stop)))
+    engine = sequence_engine(lm.model, 512)
+    got = engine.submit(ids, SamplingParams(temperature=0), max_tokens=TOKENS, stop_ids=sorted(stop)).result()
     tps = len(got) / (time.perf_counter() - t0)
     want = [t for t in want if t not in stop] if want and want[-1] in stop else want
     print(f"{text!r} chat={chat}: {decided}/{len(want)} tokens decided; ours {tps:.1f} tok/s; "

@@ -1,14 +1,14 @@
 """The 8-bit KV cache (``kv_dtype="int8"``): int8 codes with an fp32 scale per token and kv head.
 
 * quantization: symmetric absmax per row, within half a step of the value;
-* the decode kernels read the codes where they lie and give SDPA's attention over the dequantized rows
-  (fp32 tight, bf16 loose), the paged one bit for bit the one-sequence one over the same rows;
-* a model over an int8 cache: prefill + cached decode (kernel) equal the int8 cache's own full forward,
-  through a sliding layer's ring too; the paged forward equals the one-sequence cache; a batch's
-  greedy tokens equal the same request alone, both under int8;
-* SmolLM2 under teacher forcing: an int8 cache stays within a perplexity and KLD bound of the 16-bit
-  cache (a cache that held wrong rows or scales would not);
-* sizes: what config says is what is allocated; the compiled step refuses int8 in one line.
+* the paged decode kernel reads the codes where they lie and gives SDPA's attention over the
+  dequantized rows (fp32 tight, bf16 loose), windowed or not;
+* a model over an int8 pool: chunked prefill + decode through the kernel equal the same steps through
+  SDPA over the gathered, dequantized rows, sliding layers included; a batch's greedy tokens equal
+  the same request alone, both under int8;
+* SmolLM2 under teacher forcing: an int8 pool stays within a perplexity and KLD bound of the 16-bit
+  one (a pool that held wrong rows or scales would not);
+* sizes: what config says is what is allocated.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from localllm import native
 from localllm.errors import LocalLLMError
 from localllm.runtime import cpu_attention
-from localllm.runtime.cache import KVCache, QuantKV, SequenceCache, empty_kv, quantize_kv
-from localllm.runtime.generate import Generator, decode_one_token, prefill
+from localllm.runtime.batch import BatchEngine
+from localllm.runtime.cache import QuantKV, quantize_kv
 from localllm.runtime.kv_pool import KVPool, gather, plan_pool
 from localllm.runtime.sampling import SamplingParams
+from tests import engines
 
 needs_kernel = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the kernel")
 
@@ -47,23 +48,9 @@ def _q8(shape: tuple[int, ...], gen: torch.Generator, spread: float = 2.0) -> Qu
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv,g,hd,length", [(3, 3, 64, 300), (2, 1, 16, 37), (1, 4, 40, 513), (2, 2, 128, 1)])
-def test_kernel_matches_sdpa_on_dequantized_rows(dtype, kv, g, hd, length):
-    gen = torch.Generator().manual_seed(hd + length)
-    q = torch.randn(2, kv, g, hd, generator=gen).to(dtype)
-    k_all, v_all = _q8((2, kv, length + 9, hd), gen, 4.0), _q8((2, kv, length + 9, hd), gen)
-    k, v = k_all.rows(length), v_all.rows(length)  # the filled prefix of a longer cache: strided views
-    got = cpu_attention.decode_attention(q, k, v)
-    assert got.shape == q.shape and got.dtype == dtype
-    want = F.scaled_dot_product_attention(q.float(), k.dequantize(torch.float32), v.dequantize(torch.float32))
-    tol = 2e-6 if dtype == torch.float32 else 2e-2
-    assert (got.float() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv,g,hd,bs", [(3, 3, 64, 16), (1, 4, 40, 32), (2, 1, 36, 16)])
-def test_paged_kernel_matches_references_over_an_int8_pool(dtype, kv, g, hd, bs):
+@pytest.mark.parametrize("window", [None, 21])
+def test_paged_kernel_matches_sdpa_over_an_int8_pool(dtype, kv, g, hd, bs, window):
     gen = torch.Generator().manual_seed(hd * bs)
     lens = [1, bs - 1, bs, 3 * bs + 5, 200]
     n_blocks = 40
@@ -77,27 +64,29 @@ def test_paged_kernel_matches_references_over_an_int8_pool(dtype, kv, g, hd, bs)
     table = torch.zeros(len(lens), max(len(t) for t in tables) + 1, dtype=torch.int32)
     for i, t in enumerate(tables):
         table[i, : len(t)] = t
-    got = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32))
+    if window is not None:  # blocks the window has left are given back: their entries are never read
+        for i, n in enumerate(lens):
+            table[i, : max(0, n - window) // bs] = -1
+    got = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, torch.tensor(lens, dtype=torch.int32),
+                                               window)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     for i, n in enumerate(lens):
-        rows = tables[i]
-        codes_k, codes_v = gather(k_pool.codes, v_pool.codes, rows, n)  # (1, KV, n, hd) int8
-        sc_k, sc_v = gather(k_pool.scales, v_pool.scales, rows, n)  # (1, KV, n)
-        one = cpu_attention.decode_attention(q[i : i + 1], QuantKV(codes_k, sc_k), QuantKV(codes_v, sc_v))
-        assert torch.equal(got[i], one[0])  # the engine's decode rounds as the Generator's
-        k, v = gather(k_pool, v_pool, rows, n, torch.float32)  # dequantized
-        want = F.scaled_dot_product_attention(q[i : i + 1].float(), k, v)[0]
+        k, v = gather(k_pool, v_pool, tables[i], n, torch.float32)  # dequantized
+        first = 0 if window is None else max(0, n - window)
+        want = F.scaled_dot_product_attention(q[i : i + 1].float(), k[:, :, first:], v[:, :, first:])[0]
         assert (got[i].float() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
 
 
 @needs_kernel
 def test_kernel_refuses_mismatched_scales():
     q = torch.randn(1, 2, 2, 16)
-    k = quantize_kv(torch.randn(1, 2, 10, 16))
+    k = quantize_kv(torch.randn(3, 2, 16, 16))  # a pool of 3 blocks of 16
+    tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    op = torch.ops.localllm.paged_decode_attention_q8
     with pytest.raises(RuntimeError, match="scales must be float32"):
-        torch.ops.localllm.decode_attention_q8(q, k.codes, k.scales[:, :, :5], k.codes, k.scales, 0.25)
+        op(q, k.codes, k.scales[:, :, :5], k.codes, k.scales, tables, lens, 0.25, 0)
     with pytest.raises(RuntimeError, match="codes must be int8"):
-        torch.ops.localllm.decode_attention_q8(q, k.codes.float(), k.scales, k.codes, k.scales, 0.25)
+        op(q, k.codes.float(), k.scales, k.codes, k.scales, tables, lens, 0.25, 0)
 
 
 @pytest.fixture(scope="module")
@@ -110,113 +99,58 @@ def lm(tiny_folder):
 
 def test_sizes_are_what_config_says(lm):
     model, c = lm.model, lm.config
-    cache = model.new_cache(64, kv_dtype="int8")
-    assert cache.kv_dtype == "int8" and cache.nbytes() == c.kv_cache_bytes(64, "int8")
     assert c.kv_cache_bytes(1, "int8") == 2 * c.n_layers * c.n_kv_heads * (c.head_dim + 4)
     plan = plan_pool(c, 1 << 20, model.dtype, 16, "int8")
     pool = KVPool.allocate(c, plan, model.device)
     assert sum(x.nbytes for x in pool.k + pool.v) == plan.bytes <= 1 << 20
+    assert plan.bytes_per_block == c.kv_cache_bytes(16, "int8")
     assert plan.n_blocks > plan_pool(c, 1 << 20, torch.bfloat16, 16).n_blocks  # int8 beats 16-bit
     assert "int8" in plan.describe()
     with pytest.raises(LocalLLMError, match="unknown KV cache type"):
-        model.new_cache(8, kv_dtype="int4")
+        plan_pool(c, 1 << 20, model.dtype, 16, "int4")
 
 
-def test_compiled_step_refuses_int8(lm):
-    with pytest.raises(LocalLLMError, match="compiled decode step does not support a int8 KV cache"):
-        Generator(lm.model, 32, compile=True, kv_dtype="int8")
-
-
-def _full_length_int8(model, max_seq: int) -> SequenceCache:
-    """An int8 cache whose every layer holds all ``max_seq`` positions (no ring): the reference a
-    sliding layer's ring must match (its window then comes from the mask)."""
-    c = model.config
-    ring = model.new_cache(max_seq, kv_dtype="int8")
-    shape = (1, c.n_kv_heads, max_seq, c.head_dim)
-    layers = [KVCache(empty_kv(shape, "int8", model.dtype, model.device),
-                      empty_kv(shape, "int8", model.dtype, model.device)) for _ in range(c.n_layers)]
-    return SequenceCache(layers, ring.cos, ring.sin)
-
-
-def _chunked_then_decoded(model, ids: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """Logits of positions n-1, n+5, n+6, ...: a prefill chunk of n, one of 6, then decode steps, all
-    over one int8 cache."""
-    cache = model.new_cache(ids.shape[1], kv_dtype="int8")
-    out = [prefill(model, cache, ids[:, :n]), prefill(model, cache, ids[:, n : n + 6], start=n)]
-    for pos in range(n + 6, ids.shape[1]):
-        out.append(decode_one_token(model, cache, ids[:, pos : pos + 1], torch.tensor([pos]), pos))
-    return out
+def _kernel_and_sdpa(model, ids: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced logits over an int8 pool, prefilled in chunks of ``n``, then decoded: through the
+    paged kernel (reading codes and scales where they lie), and through SDPA over the gathered rows."""
+    out = []
+    for attention in ("auto", "sdpa"):
+        engine = BatchEngine(model, kv_budget_bytes=1 << 20, chunk_tokens=n, kv_dtype="int8", attention=attention)
+        out.append(engine.forced_logits(ids[: n + 6], ids[n + 6 :]))
+    return out[0], out[1]
 
 
 @needs_kernel
-def test_int8_prefill_then_kernel_decode_equals_the_int8_full_forward(lm):
-    """Decode steps read the codes with the kernel, prefill reads dequantized rows with SDPA: the same values."""
+def test_int8_kernel_decode_equals_sdpa_over_the_dequantized_rows(lm):
+    """Decode steps read the codes with the kernel, prefill reads dequantized rows with SDPA: the same
+    values; and int8 is close to the 16-bit pool, not equal."""
     model = lm.model
-    assert model.decode_kernel is not None
-    ids = torch.randint(3, 380, (1, 40), generator=torch.Generator().manual_seed(3))
-    with torch.inference_mode():
-        full = model(ids, _full_length_int8(model, 40), start=0)  # (1, 40, vocab)
-        got = _chunked_then_decoded(model, ids, 13)
-        plain = model(ids)  # 16-bit: int8 is close, not equal
-    want = [full[:, 12], full[:, 18], *(full[:, p] for p in range(19, 40))]
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    assert 0 < (full - plain).abs().max() < 0.1 * plain.abs().max()
+    ids = torch.randint(3, 380, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    got, want = _kernel_and_sdpa(model, ids, 13)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    plain = model(torch.tensor([ids]))[0, 18:]  # 16-bit
+    assert 0 < (want - plain).abs().max() < 0.1 * plain.abs().max()
 
 
 @needs_kernel
-def test_int8_ring_of_a_sliding_layer(tmp_path):
-    """Gemma 3's sliding layers keep a ring of int8 rows: chunks that wrap it, then decode past the
-    window through the kernel, equal an int8 cache that keeps every row (windowed by the mask)."""
+def test_int8_pool_of_sliding_layers(tmp_path):
+    """Gemma 3's sliding layers over an int8 pool: chunks past the window, then decode far past it
+    through the kernel (each query's last 8 rows), equal SDPA over the window's gathered rows."""
     from tests.conftest import write_tiny_tokenizer
-    from tests.test_families import WINDOW, gemma3_model, ours_from
+    from tests.test_families import gemma3_model, ours_from
 
     ref = gemma3_model()
     ref.save_pretrained(tmp_path, safe_serialization=True)
     write_tiny_tokenizer(tmp_path, ref.config.vocab_size)
     model = ours_from(tmp_path)
-    model.set_decode_attention(cpu_attention.kernel())
-    ids = torch.randint(3, ref.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(2))
-    with torch.inference_mode():
-        assert [layer.rows for layer in model.new_cache(30, kv_dtype="int8").layers][0] == WINDOW
-        full = model(ids, _full_length_int8(model, 30), start=0)
-        got = _chunked_then_decoded(model, ids, 13)  # the first chunk itself wraps the ring of 8
-    want = [full[:, 12], full[:, 18], *(full[:, p] for p in range(19, 30))]
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
-def test_paged_int8_forward_gives_the_int8_sequence_cache_logits(lm, attention):
-    """Two sequences through paged steps over an int8 pool (chunk beside prompt, rest beside a decode
-    token, two decode tokens): each row's logits are the one-sequence int8 cache's."""
-    kernel = cpu_attention.paged_kernel() if attention == "kernel" else None
-    if attention == "kernel" and kernel is None:
-        pytest.skip("no C++ kernel here")
-    from tests.test_paged_attention import P1, P2, three_paged_steps
-
-    model = lm.model
-    _, (s1, s2, s3) = three_paged_steps(model, "int8", kernel)
-    p1, p2 = P1, P2
-    with torch.inference_mode():
-        c1, c2 = model.new_cache(64, kv_dtype="int8"), model.new_cache(64, kv_dtype="int8")
-        p2_logits = prefill(model, c2, torch.tensor([p2]))
-        c1_a = prefill(model, c1, torch.tensor([p1[:20]]))  # the chunking the paged run used
-        p1_logits = prefill(model, c1, torch.tensor([p1[20:]]), start=20)
-        p1_11 = decode_one_token(model, c1, torch.tensor([[11]]), torch.tensor([40]), 40)
-        p2_9 = decode_one_token(model, c2, torch.tensor([[9]]), torch.tensor([7]), 7)
-        p2_9_12 = decode_one_token(model, c2, torch.tensor([[12]]), torch.tensor([8]), 8)
-    del c1_a
-    pairs = [(s1[0], p2_logits[0]), (s2[0], p1_logits[0]), (s2[1], p2_9[0]), (s3[0], p1_11[0]),
-             (s3[1], p2_9_12[0])]
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    ids = torch.randint(3, ref.config.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    got, want = _kernel_and_sdpa(model, ids, 13)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_batch_under_int8_equals_the_request_alone(lm):
     """The batch engine over an int8 pool: each request's greedy tokens are its tokens alone over an
-    int8 cache (margins checked by teacher forcing, as tests/test_batch.py does)."""
-    from localllm.runtime.batch import BatchEngine
+    int8 pool (margins checked by teacher forcing, as tests/test_batch.py does)."""
     from tests.test_batch import DECIDED, prompt
 
     greedy = SamplingParams(temperature=0)
@@ -225,12 +159,10 @@ def test_batch_under_int8_equals_the_request_alone(lm):
     assert eng.plan.kv_dtype == "int8" and isinstance(eng.pool.k[0], QuantKV)
     handles = [eng.submit(p, greedy, max_tokens=n) for p in prompts]
     eng.run_until_done()
+    judge = BatchEngine(lm.model, kv_budget_bytes=1 << 20, kv_dtype="int8")
     for p, h in zip(prompts, handles):
-        want = list(Generator(lm.model, 256, kv_dtype="int8").generate(p, greedy, max_tokens=n))
-        cache = lm.model.new_cache(256, kv_dtype="int8")
-        with torch.inference_mode():  # the alone run's margins, under teacher forcing over an int8 cache
-            logits = lm.model(torch.tensor([p + want[:-1]]), cache, start=0)[0, len(p) - 1 :].float()
-        top2 = logits.topk(2).values
+        want = engines.alone(lm.model, p, greedy, n, kv_dtype="int8")
+        top2 = judge.forced_logits(p, want[:-1]).topk(2).values  # the alone run's margins, int8 pool
         assert (top2[:, 0] - top2[:, 1]).min() >= DECIDED, "a near-tie: pick another prompt"
         assert h.result() == want
     assert eng.usage()["blocks_used"] == 0
@@ -245,11 +177,10 @@ KLD_MAX = 1e-3
 
 
 def cache_logprobs(model, ids: list[int], kv_dtype: str) -> torch.Tensor:
-    """Next-token log-probabilities (T, vocab) of ``ids`` run as one prefill over a cache of
-    ``kv_dtype`` (its attention reads the cache: for int8, every key and value as stored)."""
-    with torch.inference_mode():
-        cache = model.new_cache(len(ids), kv_dtype=kv_dtype)
-        return model(torch.tensor([ids]), cache, start=0)[0].float().log_softmax(-1)
+    """Next-token log-probabilities (T, vocab) of ``ids`` teacher-forced through decode steps over a
+    pool of ``kv_dtype`` (each step reads every earlier key and value as stored)."""
+    engine = BatchEngine(model, kv_budget_bytes=64 << 20, kv_dtype=kv_dtype)
+    return engine.forced_logits(ids[:1], ids[1:]).log_softmax(-1)
 
 
 def test_smollm2_int8_cache_quality(smollm2_path):

@@ -1,6 +1,6 @@
-"""A KV cache belongs to the sequence being generated, not to the model: generators (and engines) that
-share one model, run interleaved, each produce what a fresh run alone produces; a perplexity run on the
-same model meanwhile changes nothing. fp32 tiny model: greedy is exact on one machine, and every
+"""A KV cache belongs to the sequence being generated, not to the model: engines that share one model,
+run interleaved, each produce what a fresh run alone produces, and each keeps its own prefix cache; a
+perplexity run on the same model meanwhile changes nothing. fp32 tiny model: greedy is exact on one machine, and every
 expectation is a fresh run on this machine, not hard-coded tokens."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import torch
 
 from localllm.loaders.load import load_model
 from localllm.runtime.engine import Engine
-from localllm.runtime.generate import Generator
 from localllm.runtime.quality import compare
 from localllm.runtime.sampling import SamplingParams
 
@@ -25,7 +24,11 @@ def lm(tiny_folder):
 
 
 def fresh(lm, prompt: list[int], params: SamplingParams, n: int, ctx: int = 96) -> list[int]:
-    return list(Generator(lm.model, ctx).generate(prompt, params, max_tokens=n))
+    return list(Engine(lm.model, lm.tokenizer, ctx).generate_ids(prompt, params, max_tokens=n, stop_ids=()))
+
+
+def gen(lm, ctx: int) -> Engine:
+    return Engine(lm.model, lm.tokenizer, ctx)
 
 
 def interleave(*streams) -> list[list[int]]:
@@ -41,19 +44,18 @@ def interleave(*streams) -> list[list[int]]:
     return out
 
 
-def test_interleaved_generators_match_fresh_runs(lm):
+def test_interleaved_engines_on_one_model_match_fresh_runs(lm):
     p1, p2 = [5, 17, 42, 99, 3, 8], [200, 11, 64]
     want1, want2 = fresh(lm, p1, GREEDY, 24), fresh(lm, p2, SAMPLED, 20, ctx=64)
-    a, b = Generator(lm.model, 96), Generator(lm.model, 64)  # different lengths too
-    got1, got2 = interleave(a.generate(p1, GREEDY, max_tokens=24), b.generate(p2, SAMPLED, max_tokens=20))
+    a, b = gen(lm, 96), gen(lm, 64)  # different lengths too
+    got1, got2 = interleave(a.generate_ids(p1, GREEDY, 24, ()), b.generate_ids(p2, SAMPLED, 20, ()))
     assert got1 == want1 and got2 == want2
     assert len(set(want1)) > 3  # not a degenerate repetition that any cache would give
 
-    # A follow-up on each reuses its own cached prefix, though the other ran in between.
+    # A follow-up on each reuses its own cached prefix (its full blocks), though the other ran in between.
     f1, f2 = p1 + got1 + [33, 34], p2 + got2[:-1] + [77]
-    got_f1, got_f2 = interleave(a.generate(f1, GREEDY, max_tokens=12), b.generate(f2, GREEDY, max_tokens=12))
-    assert a.stats.cached_tokens == len(p1) + len(got1) - 1  # the last reply token never went through decode
-    assert b.stats.cached_tokens == len(p2) + len(got2) - 1
+    got_f1, got_f2 = interleave(a.generate_ids(f1, GREEDY, 12, ()), b.generate_ids(f2, GREEDY, 12, ()))
+    assert a.stats.cached_tokens == 16 and b.stats.cached_tokens == 16  # 16-token blocks
     assert got_f1 == fresh(lm, f1, GREEDY, 12) and got_f2 == fresh(lm, f2, GREEDY, 12, ctx=64)
 
 
@@ -66,11 +68,10 @@ def test_interleaved_engines_match_fresh_runs(lm):
     assert want[0] != want[1]
 
 
-def test_quality_compare_beside_a_live_generator(lm):
+def test_quality_compare_beside_a_live_generation(lm):
     prompt = [9, 8, 7, 6, 5]
     want = fresh(lm, prompt, GREEDY, 20)
-    gen = Generator(lm.model, 96)
-    stream = gen.generate(prompt, GREEDY, max_tokens=20)
+    stream = gen(lm, 96).generate_ids(prompt, GREEDY, 20, ())
     got = [next(stream) for _ in range(7)]
     ids = torch.randint(3, lm.config.vocab_size, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     q = compare(lm.model, {"same": lm.model}, ids, window=32)["same"]
@@ -79,25 +80,12 @@ def test_quality_compare_beside_a_live_generator(lm):
     assert got == want
 
 
-def test_a_resumed_stale_generation_is_refused(lm):
-    """One Generator runs one sequence: an earlier generate()'s iterator, resumed after a later call
-    took the cache, would write over it; it raises instead."""
-    gen = Generator(lm.model, 64)
-    old = gen.generate([5, 6, 7], GREEDY, max_tokens=10)
-    next(old)
-    new = gen.generate([8, 9], GREEDY, max_tokens=10)
-    next(new)
-    with pytest.raises(RuntimeError, match="one Generator runs one sequence at a time"):
-        next(old)
-    assert list(new) == fresh(lm, [8, 9], GREEDY, 10, ctx=64)[1:]
-
-
 def test_the_model_holds_no_cache(lm):
-    gen = Generator(lm.model, 64)
-    list(gen.generate([5, 6, 7], GREEDY, max_tokens=4))
+    engine = gen(lm, 64)
+    list(engine.generate_ids([5, 6, 7], GREEDY, 4, ()))
     names = [n for n, _ in lm.model.named_buffers()] + [n for n, _ in lm.model.named_parameters()]
-    assert not [n for n in names if "cache" in n]
-    assert gen.cache.tokens[:3] == [5, 6, 7] and gen.cache.max_seq == 64
+    assert not [n for n in names if "cache" in n or "pool" in n]
+    assert engine.batch.usage()["blocks_cached"] == 0  # 7 positions: no full block to keep
 
 
 def test_a_reply_cut_short_frees_its_sequence_for_the_next(lm):

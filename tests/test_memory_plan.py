@@ -72,7 +72,8 @@ def test_plan_takes_the_activation_dtype_load_model_takes(tiny_folder, model: st
     plan = plan_memory(ref, quant, 64, device="cpu", quantize_head=head)
     lm = load_model(ref, device="cpu", quant=quant, quantize_head=head)
     assert lm.model.dtype == want and plan.dtype == str(want).removeprefix("torch.")
-    assert plan.kv_cache == lm.model.new_cache(64).nbytes() + 2 * 64 * lm.config.head_dim * want.itemsize  # + RoPE
+    kv = lm.config.kv_cache_bytes(64, want.itemsize)  # 64 positions of every layer's keys and values
+    assert plan.kv_cache == kv + 2 * 64 * lm.config.head_dim * want.itemsize  # + RoPE
 
 
 PROBED = ("bf16", "int8")

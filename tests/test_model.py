@@ -1,4 +1,5 @@
-"""The transformer against transformers' reference, and cached decode against a full forward."""
+"""The transformer against transformers' reference, and the batch engine's paged steps (prefill, chunked
+prefill, decode through the paged kernel) against a full forward."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 
 from localllm.loaders.build import empty_model, load_weights
 from localllm.loaders.checkpoint import HFCheckpoint
-from localllm.runtime.generate import decode_one_token, prefill
+from localllm.runtime.batch import BatchEngine
+from tests.engines import forced
 
 ARCHS = ["llama", "mistral", "qwen2"]
 
@@ -41,25 +43,21 @@ def test_prefill_then_cached_decode_equals_full_forward(tiny_folder, arch):
     model = ours_from(folder)
     ids = tokens(20, seed=2)
     full = model(ids)  # (1, 20, V), no cache
-    cache = model.new_cache(64)
     n = 12
-    last = prefill(model, cache, ids[:, :n])
-    torch.testing.assert_close(last, full[:, n - 1], atol=1e-5, rtol=1e-5)
-    for pos in range(n, ids.shape[1]):
-        logits = decode_one_token(model, cache, ids[:, pos : pos + 1], torch.tensor([pos]), pos)
-        torch.testing.assert_close(logits, full[:, pos], atol=1e-5, rtol=1e-5)
+    got = forced(model, ids[0, :n].tolist(), ids[0, n:].tolist())  # prefill, then decode steps
+    torch.testing.assert_close(got, full[0, n - 1 :], atol=1e-5, rtol=1e-5)
 
 
 def test_chunked_prefill_from_an_offset_matches(tiny_folder):
-    """A second prefill chunk starting mid-sequence (a chat's new turn) sees the cached prefix."""
+    """Prefill chunks after the first (a long prompt in pieces, a chat's new turn) see the blocks
+    written before them."""
     _, folder = tiny_folder("llama")
     model = ours_from(folder)
     ids = tokens(30, seed=3)
     full = model(ids)
-    cache = model.new_cache(64)
-    prefill(model, cache, ids[:, :10])
-    last = prefill(model, cache, ids[:, 10:], start=10)
-    torch.testing.assert_close(last, full[:, -1], atol=1e-5, rtol=1e-5)
+    engine = BatchEngine(model, kv_budget_bytes=1 << 20, chunk_tokens=10)
+    got = engine.forced_logits(ids[0].tolist(), [])
+    torch.testing.assert_close(got[0], full[0, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_sliding_window_matches_transformers():
@@ -77,11 +75,8 @@ def test_sliding_window_matches_transformers():
     with torch.no_grad():
         expected = ref(ids).logits
     torch.testing.assert_close(model(ids), expected, atol=1e-4, rtol=1e-4)
-    cache = model.new_cache(32)
-    prefill(model, cache, ids[:, :15])
-    for pos in range(15, 20):
-        logits = decode_one_token(model, cache, ids[:, pos : pos + 1], torch.tensor([pos]), pos)
-        torch.testing.assert_close(logits, expected[:, pos], atol=1e-4, rtol=1e-4)
+    got = forced(model, ids[0, :15].tolist(), ids[0, 15:].tolist())  # windowed decode in the paged kernel
+    torch.testing.assert_close(got, expected[0, 14:], atol=1e-4, rtol=1e-4)
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
@@ -117,25 +112,8 @@ def test_fused_projections_change_nothing(tiny_folder, arch):
     assert fused.layers[0].attn.qkv is not None and not hasattr(fused.layers[0].attn, "q")
     ids = tokens(16, seed=7)
     torch.testing.assert_close(fused(ids), plain(ids), atol=1e-5, rtol=1e-5)
-    cache = fused.new_cache(32)
-    prefill(fused, cache, ids[:, :10])
-    logits = decode_one_token(fused, cache, ids[:, 10:11], torch.tensor([10]), 10)
-    torch.testing.assert_close(logits, plain(ids[:, :11])[:, -1], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_static_whole_cache_decode_matches(tiny_folder, arch):
-    """The fixed-shape decode (whole cache + mask, for CUDA graphs) gives the prefix-slicing result."""
-    _, folder = tiny_folder(arch)
-    model = ours_from(folder)
-    ids = tokens(20, seed=8)
-    full = model(ids)
-    cache = model.new_cache(48)
-    prefill(model, cache, ids[:, :12])
-    for pos in range(12, 20):
-        with torch.no_grad():
-            logits = model(ids[:, pos : pos + 1], cache, torch.tensor([pos]), static=True)[:, -1]
-        torch.testing.assert_close(logits, full[:, pos], atol=1e-5, rtol=1e-5)
+    got = forced(fused, ids[0, :10].tolist(), ids[0, 10:11].tolist())
+    torch.testing.assert_close(got[-1], plain(ids[:, :11])[0, -1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("quant", ["bf16", "int4"])

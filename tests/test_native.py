@@ -40,7 +40,7 @@ def test_failed_build_leaves_torch_kernels_and_says_why_once(monkeypatch, tmp_pa
     monkeypatch.setenv("LOCALLLM_KERNELS", str(tmp_path))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert cpu_attention.kernel(tmp_path) is None
+        assert cpu_attention.paged_kernel(tmp_path) is None
         assert not native.available(cpu_attention.LIBRARY, tmp_path)  # remembered: not tried, nor said, again
         _, folder = tiny_folder("llama")
         lm = load_model(str(folder), quant="int8")
@@ -48,7 +48,7 @@ def test_failed_build_leaves_torch_kernels_and_says_why_once(monkeypatch, tmp_pa
     assert msgs == ["localllm's CPU kernels are unavailable (no C++ compiler (g++) to build localllm's CPU "
                     "kernels); using torch's own (slower)"]
     assert list(tmp_path.iterdir()) == []  # nothing half-built
-    assert lm.model.decode_kernel is None and "attention-cpu" not in lm.kernels  # SDPA decodes
+    assert "attention-cpu" not in lm.kernels  # SDPA over gathered blocks decodes
 
 
 @pytest.mark.slow
