@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     ap.add_argument("--compile", action="store_true",
-                    help="time the compiled decode step (CUDA graphs through torch.compile's reduce-overhead)")
+                    help="time the compiled decode step (runtime.compiled_step: CPU only, so on CUDA the steps "
+                         "run eagerly and the table's notes say 'eager')")
     ap.add_argument("--out", type=Path, help="results folder (default: results/bench-gpu/<shape>-<time>)")
     return ap.parse_args(argv)
 

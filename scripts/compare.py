@@ -4,7 +4,10 @@
     .venv/bin/python scripts/compare.py [--threads 2] [--runs 5] [--gen 64] [--prompt-tokens 128]
 
 Every engine runs the same GGUF (the embedded SmolLM2 by default) on the same prompt, greedy, for
-the same number of tokens (end-of-sequence ignored). Prefill rate = prompt tokens / time to the
+the same number of tokens (end-of-sequence ignored). localllm runs through its batch engine of one
+sequence (``runtime.engine.sequence_engine``, what ``run`` uses; prefix cache off, so every round
+prefills the whole prompt); the ``-compiled`` rows take the compiled decode step, built first if
+missing (``localllm compile``; about a minute once). Prefill rate = prompt tokens / time to the
 first token; decode rate = (tokens - 1) / (time from the first token to the last). Figures are
 medians over ``--runs`` rounds, run round-robin after a warm-up of each; the ratio column divides by
 transformers fp32 decode.
@@ -70,24 +73,27 @@ def summarize(timings: list[Timing], prompt_tokens: int, gen: int) -> dict[str, 
 def localllm_engine(path: Path, quant: str, ids: list[int], gen: int, head: str | None = None,
                     compile: bool = False) -> Callable[[], Timing]:
     from localllm.loaders.load import load_model
-    from localllm.runtime.generate import Generator
+    from localllm.runtime.engine import sequence_engine
     from localllm.runtime.sampling import SamplingParams
 
     lm = load_model(str(path), device="cpu", quant=quant, quantize_head=head)
-    g = Generator(lm.model, len(ids) + gen + 8, compile=compile)
+    # one sequence, as `run`; no prefix cache, so that every round prefills the whole prompt
+    engine = sequence_engine(lm.model, len(ids) + gen + 8, compile=compile, prefix_cache=False)
     out = lm.model.output
     head_label = out.scheme.label() if hasattr(out, "scheme") else str(lm.dtype).removeprefix("torch.")
-    # say how it really runs (a failed compilation falls back, with a warning)
+    # say how it really runs (a failed build runs eagerly, saying why)
+    step = "aot" if engine.compiled else "eager"
     print(f"localllm {quant}: head {head_label}, kernels {dict(lm.kernels)}"
-          + (f"; decode step {g.step_kind}, compiled or loaded in {g.compile_s:.1f} s" if compile else ""),
+          + (f"; decode step {step}, built or loaded in {engine.compile_s:.1f} s" if compile else "")
+          + (f" ({engine.compile_note})" if compile and engine.compile_note else ""),
           file=sys.stderr)
     greedy = SamplingParams(temperature=0)
 
     def once() -> Timing:
-        g.reset()
-        n = sum(1 for _ in g.generate(ids, greedy, max_tokens=gen))
-        assert n == gen
-        return g.stats.prompt_s, g.stats.decode_s
+        handle = engine.submit(ids, greedy, max_tokens=gen)  # no stop ids: end-of-sequence ignored
+        n = len(handle.result())
+        assert n == gen, (n, handle.stats.stop_reason)
+        return handle.stats.prompt_s, handle.stats.decode_s
 
     return once
 

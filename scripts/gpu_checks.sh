@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every check that needs a CUDA GPU, in one go (one device run): the CUDA tests and the CUDA dry run
 # (tests/test_cuda_dryrun.py, which CI runs without a GPU: here it checks that fake and real CUDA
-# agree on choices, shapes and syncs), then the 7B-shape bench eager and compiled (CUDA graphs),
-# within 10 minutes in all.
+# agree on choices, shapes and syncs), then the 7B-shape bench (eager: the compiled step is the CPU's;
+# CUDA graphs are issue 28), within 10 minutes in all.
 # Figures and logs go to $OUT (default results/gpu).
 #
 #   bash scripts/gpu_checks.sh            # on a CUDA machine, from any folder
@@ -29,5 +29,4 @@ status=0
 timeout 120 "$PY" -m pytest tests -m "cuda or cuda_dryrun" -q -p no:cacheprovider --continue-on-collection-errors 2>&1 \
   | tail -40 | tee "$OUT/pytest-cuda.txt" || status=1
 timeout 180 "$PY" scripts/bench_gpu.py --quant "$schemes" --runs 3 --out "$OUT/eager" 2>&1 | tee "$OUT/eager.log" | tail -30 || status=1
-timeout 270 "$PY" scripts/bench_gpu.py --quant fp16,int4 --runs 3 --compile --out "$OUT/compiled" 2>&1 | tee "$OUT/compiled.log" | tail -30 || status=1
 exit $status

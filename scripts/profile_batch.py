@@ -8,6 +8,7 @@ which every sequence decodes one token (no prefill), grouped into matmuls, atten
 Each batch size gets a fresh engine: that many sequences of --context prompt tokens are prefilled
 first (not profiled), then --steps decode steps are timed (median step time) and profiled. Prints,
 per batch size, the step time, the time per generated token and the self time of each group of ops.
+``--batch 1`` is a single stream's decode step: what ``run`` does after the prompt.
 --compiled times the compiled step (``localllm compile``; built if missing), whose ops the profiler
 cannot see inside: its step time only.
 """

@@ -229,7 +229,8 @@ def test_compiled_int4_decode_picks_the_eager_tokens_on_smollm2(smollm2_path, ho
     assert ties <= 3
 
 
-def test_what_the_step_does_not_cover_runs_eagerly_and_says_why(fp32, monkeypatch):
+def test_what_the_step_does_not_cover_runs_eagerly_and_says_why(fp32, monkeypatch, tmp_path):
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))  # nothing built: compile=True would have to build
     sdpa = BatchEngine(fp32.model, kv_budget_bytes=BIG, compile="auto", attention="sdpa")
     assert not sdpa.compiled and "paged attention kernel" in sdpa.compile_note and not sdpa.needs_build
     monkeypatch.setattr(compiled_step.native, "compiler", lambda: None)
