@@ -217,7 +217,7 @@ class ModelManager:
                              max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens,
                              kv_dtype=cfg.kv_dtype, compile="auto")
         if engine.needs_build:  # the compiled decode step, for the next time this model is loaded
-            from localllm.commands.compile_step import LoadArgs, start_background_build
+            from localllm.runtime.compiled_step import LoadArgs, start_background_build
 
             start_background_build(LoadArgs(ref, cfg.device, cfg.dtype, cfg.quant, kernel=cfg.kernel,
                                             kv_cache=cfg.kv_dtype), batch=cfg.parallel)
