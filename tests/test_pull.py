@@ -452,10 +452,10 @@ def tiny_repo(hub: HubServer, tiny_folder) -> str:  # type: ignore[no-untyped-de
 
 
 def test_pull_again_force_name_and_conflicts(tiny_repo: str, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import localllm.commands.compile_step as compile_step
+    import localllm.runtime.compiled_step as compile_step
 
-    builds: list[object] = []  # what pull asks to build in the background (tests/test_compile.py runs one)
-    monkeypatch.setattr(compile_step, "start_background_build", lambda args, ctx=None: builds.append(args) or True)
+    builds: list[object] = []  # what pull asks to build in the background (tests/test_compiled_step.py runs one)
+    monkeypatch.setattr(compile_step, "start_background_build", lambda args, batch=1: builds.append(args) or True)
     first = in_process("pull", tiny_repo)
     assert first.exit_code == 0 and "quantizing" in first.stderr and first.stdout == ""
     assert builds == [compile_step.LoadArgs("tiny-llama:int4")]  # the stored model, loaded as run loads it

@@ -122,8 +122,8 @@ def test_preempted_full_blocks_come_back_from_the_cache():
 
 def test_requests_that_can_never_fit_are_refused_with_numbers():
     s = Scheduler(BlockManager(4, BS))
-    with pytest.raises(LocalLLMError, match=r"the prompt is 16 tokens and a sequence holds at most 16 "
-                                            r"positions \(the KV pool has 4 blocks x 4 tokens = 16\)"):
+    with pytest.raises(LocalLLMError, match=r"the prompt is 16 tokens and the context holds 16 \(prompt and "
+                                            r"reply together; the KV pool has 4 blocks x 4 tokens = 16\)"):
         s.add(seq(0, 16, max_len=16))
     with pytest.raises(LocalLLMError, match="the prompt is empty"):
         s.add(seq(1, 0))
