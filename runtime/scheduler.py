@@ -57,9 +57,9 @@ def check_prompt(prompt_len: int, ctx: int, pool: str = "") -> None:
 class EngineBusy(LocalLLMError):
     """The waiting queue is full: retry later (a server answers 503 with ``Retry-After``)."""
 
-    def __init__(self, waiting: int, retry_after_s: float = 1.0) -> None:
+    def __init__(self, waiting: int, retry_after_s: float = 1.0, what: str = "") -> None:
         self.retry_after_s = retry_after_s
-        super().__init__(f"the server is busy: {waiting} requests are already waiting",
+        super().__init__(f"the server is busy: {waiting} requests are already waiting" + (f" {what}" if what else ""),
                          f"retry after {retry_after_s:g} s")
 
 

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
+from localllm.errors import LocalLLMError
+from localllm.runtime import scheduler
 from localllm.server.config import ServerConfig
 from localllm.server.errors import ApiError, error_response, from_exception
 from localllm.server.metrics import Metrics
-from localllm.server.models import ModelManager, ModelSlot
-from localllm.server.generation import Generation, Outcome
+from localllm.server.models import DEFAULT, Lease, ModelManager, ModelSlot
+from localllm.server.generation import Outcome
 from localllm.server.streaming import ClientGone, unless_disconnected
 
 #: Status logged for a client that left before its answer (nginx's convention).
@@ -63,14 +65,17 @@ def endpoint(api: str, route: str) -> Callable[[Endpoint], Endpoint]:
 
 
 def check_prompt(ids: Sequence[int], slot: ModelSlot, ctx: int | None = None, param: str = "prompt") -> int:
-    """Refuse an empty prompt or one with no room for a reply in the context; the context used."""
+    """The engine's prompt check (:func:`runtime.scheduler.check_prompt`) against the context the
+    request may use (``ctx``, as Ollama's ``num_ctx``, capped by the model's), as the API's 400; that
+    context."""
     limit = min(ctx, slot.context_length) if ctx else slot.context_length
-    if not ids:
-        raise ApiError(400, "the prompt is empty; give some text", param=param)
-    if len(ids) >= limit:
-        raise ApiError(400, f"the prompt is {len(ids)} tokens and the context holds {limit} "
-                       f"(prompt and reply together); shorten the prompt to at most {limit - 1} tokens",
-                       param=param, code="context_length_exceeded")
+    try:
+        scheduler.check_prompt(len(ids), limit)
+    except LocalLLMError as e:
+        if not ids:
+            raise ApiError(400, f"{e.message}; give some text", param=param) from None
+        raise ApiError(400, f"{e.message}; shorten the prompt to at most {limit - 1} tokens", param=param,
+                       code="context_length_exceeded") from None
     return limit
 
 
@@ -82,13 +87,35 @@ def now_s() -> int:
     return int(time.time())
 
 
-async def whole_reply(request: Request, st: ServerState, slot: ModelSlot, gen: Generation) -> tuple[str, Outcome]:
-    """A non-streaming reply: its whole text (a client that leaves cancels it), the model's slot
-    released either way, and a failed generation raised as the API's error."""
+async def start_reply(request: Request, prepare: Callable[[Lease], Awaitable[None]], model: str,
+                      keep_alive: object = DEFAULT) -> Lease:
+    """Hold ``model`` (loading it if needed) and run ``prepare(lease)`` on it (encode the prompt, check
+    it, :meth:`Lease.submit`), while listening for the client: one that leaves meanwhile, the model
+    still loading included, ends it (:class:`ClientGone`) and releases what it held, as does a
+    failure. The caller closes the lease it gets."""
+
+    async def start() -> Lease:
+        lease = await state(request).manager.lease(model, keep_alive)
+        try:
+            await prepare(lease)
+        except BaseException:
+            lease.close()
+            raise
+        return lease
+
+    return await unless_disconnected(request, start)
+
+
+async def whole_reply(request: Request, lease: Lease) -> tuple[str, Outcome]:
+    """A non-streaming reply: its whole text (a client that leaves cancels it), the lease closed
+    either way, and a failed generation raised as the API's error."""
+    gen = lease.gen
+    if gen is None:
+        raise RuntimeError("whole_reply needs a submitted lease")
     try:
         text = await unless_disconnected(request, gen.text)
     finally:
-        st.manager.release(slot, gen)
+        lease.close()
     o = gen.outcome
     if o is None:  # gen.text returns only once the pump has recorded the outcome
         raise RuntimeError("a generation ended without an outcome")

@@ -6,6 +6,13 @@ UTF-8, stop strings cut without showing any part of one) and hands each piece to
 with ``call_soon_threadsafe``. The event loop never waits on a model step. Cancelling (a client that
 went away, a stop string) calls ``handle.cancel()``: the engine retires the sequence and frees its
 KV blocks at its next step, and the pump ends as the handle does.
+
+Between the engine and a slow client nothing grows without bound. At most :data:`MAX_PENDING` text
+pieces wait for the consumer: past that the pump blocks (backpressure) until the consumer takes one,
+and the consumer itself waits on the socket (the ASGI server's ``send`` waits while the transport's
+buffer is full). Meanwhile the engine runs the sequence on to its end, which frees its KV blocks and
+its slot for the other requests sooner than pausing it would; what it produced waits as token ids
+in the handle, at most one per position of the context.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ from dataclasses import dataclass
 from localllm.runtime.batch import RequestHandle
 from localllm.runtime.textstream import StopStringFilter
 from localllm.runtime.tokenizer import Tokenizer
+
+#: Text pieces handed to the event loop and not yet taken by the client's response (see the module's doc).
+MAX_PENDING = 64
 
 
 @dataclass
@@ -39,13 +49,14 @@ class Generation:
     """Text pieces of one submitted request, as an async iterator; :attr:`outcome` once it has ended."""
 
     def __init__(self, handle: RequestHandle, tokenizer: Tokenizer, stop: Sequence[str],
-                 on_end: Callable[[Outcome], None] | None = None) -> None:
+                 on_end: Callable[[Outcome], None] | None = None, max_pending: int = MAX_PENDING) -> None:
         self.handle = handle
         self._tokenizer = tokenizer
         self._stop = list(stop)
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[str | Outcome] = asyncio.Queue()
         self._cancelled = threading.Event()
+        self._room = threading.Semaphore(max_pending)  # pieces the pump may still hand over
         self._on_end = on_end
         self.outcome: Outcome | None = None
         self.tokens = 0  # token ids taken from the engine so far
@@ -62,6 +73,12 @@ class Generation:
             self.handle.cancel()
             return False
 
+    def _put_piece(self, piece: str) -> bool:
+        """Hand ``piece`` over once the consumer has room for it (blocks: backpressure); False when
+        nobody will take it any more."""
+        self._room.acquire()
+        return not self._cancelled.is_set() and self._put(piece)
+
     def _pump(self) -> None:
         decoder = self._tokenizer.stream(skip_special=True)
         cut = StopStringFilter(self._stop)
@@ -73,7 +90,7 @@ class Generation:
                 if self._cancelled.is_set():
                     break
                 piece = cut.feed(decoder.feed(token))
-                if piece and not self._put(piece):
+                if piece and not self._put_piece(piece):
                     break
                 if cut.stopped:
                     self.handle.cancel()  # the stop string ends it: free its blocks now
@@ -82,7 +99,7 @@ class Generation:
             else:
                 tail = cut.feed(decoder.flush()) + cut.flush()
                 if tail:
-                    self._put(tail)
+                    self._put_piece(tail)
         except BaseException as e:  # noqa: BLE001 - the engine's error, delivered to the client
             error = e
         stats = self.handle.stats
@@ -104,6 +121,12 @@ class Generation:
         """Stop generating (safe to call more than once, and after the end)."""
         self._cancelled.set()
         self.handle.cancel()
+        self._room.release()  # a pump blocked on a full queue wakes, sees the cancel and ends
+
+    @property
+    def pending(self) -> int:
+        """Pieces handed over and not yet taken."""
+        return self._queue.qsize()
 
     async def pieces(self) -> AsyncIterator[str]:
         """The text as it comes; a cancelled consumer (a disconnect) cancels the request."""
@@ -113,6 +136,7 @@ class Generation:
                 if isinstance(item, Outcome):
                     self.outcome = item
                     return
+                self._room.release()
                 yield item
         finally:
             if self.outcome is None:

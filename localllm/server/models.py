@@ -3,6 +3,12 @@
 and unloaded when that runs out or when a memory budget needs room for another model (the least
 recently used idle model goes first). A model with requests in flight is never unloaded, except at
 shutdown, which cancels them.
+
+A request holds its model through a :class:`Lease`, closed exactly once however the request ends
+(answered, failed, or its client gone at any moment): closing cancels its generation, which frees
+its KV blocks and its slot in the batch, and releases its hold, which starts the keep-alive. Work
+that can take long (loading, unloading and collecting the freed memory, sizing a model from its
+files) runs on worker threads, never on the event loop.
 """
 
 from __future__ import annotations
@@ -78,9 +84,43 @@ class ModelSlot:
         except EngineBusy:
             metrics.rejected()
             raise
-        gen = Generation(handle, self.lm.tokenizer, stop, on_end=metrics.outcome)
+        try:
+            gen = Generation(handle, self.lm.tokenizer, stop, on_end=metrics.outcome)
+        except BaseException:
+            handle.cancel()  # queued, but nobody will read it: retire it at the engine's next step
+            raise
         self.generations.add(gen)
         return gen
+
+
+@dataclass(eq=False)
+class Lease:
+    """One request's hold on a loaded model and, once submitted, its generation (see the module's doc).
+
+    ``load_s``: the seconds the request waited for the model to load (0 when it was loaded)."""
+
+    manager: "ModelManager"
+    slot: ModelSlot
+    load_s: float = 0.0
+    gen: Generation | None = None
+    closed: bool = False
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None,
+               stop: Sequence[str]) -> Generation:
+        """Queue the generation on the model's engine (once per lease)."""
+        if self.gen is not None or self.closed:
+            raise RuntimeError("a lease submits one generation, before it is closed")
+        self.gen = self.slot.submit(prompt_ids, params, max_tokens, stop, self.manager.metrics)
+        return self.gen
+
+    def close(self) -> None:
+        """Cancel the generation (nothing if it has ended) and release the model; once, from the event loop."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.gen is not None:
+            self.gen.cancel()
+        self.manager.release(self.slot, self.gen)
 
 
 def estimate_bytes(ref: str) -> int:
@@ -98,6 +138,14 @@ def estimate_bytes(ref: str) -> int:
         return 0
 
 
+def _drop(slot: ModelSlot) -> None:
+    """On a worker thread: stop the engine, let go of the model and give its memory back to the system."""
+    slot.engine.stop()
+    del slot.engine, slot.lm
+    gc.collect()
+    release_freed_memory()
+
+
 class ModelManager:
     """The loaded models of one server (all calls from the event loop)."""
 
@@ -106,6 +154,9 @@ class ModelManager:
         self.metrics = metrics
         self.slots: dict[str, ModelSlot] = {}
         self._loading: dict[str, asyncio.Task[ModelSlot]] = {}
+        #: Requests waiting for each model's load: they count against the queue limit, as the
+        #: engine's own queue would count them.
+        self._load_waiters: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -140,14 +191,29 @@ class ModelManager:
                 if keep_alive is not DEFAULT:
                     slot.keep_alive_s = keep_alive  # type: ignore[assignment]
                 return slot, waited
+            waiters = self._load_waiters.get(name, 0)
+            if waiters >= self.config.parallel + self.config.queue:
+                self.metrics.rejected()
+                raise EngineBusy(waiters, what="for the model to load")
             task = self._loading.get(name)
             if task is None:
                 task = asyncio.create_task(self._load(name))
                 self._loading[name] = task
                 task.add_done_callback(lambda t, n=name: self._loading.pop(n, None))
             t0 = time.perf_counter()
-            await asyncio.shield(task)  # a client that leaves does not stop the load others wait for
+            self._load_waiters[name] = waiters + 1
+            try:
+                await asyncio.shield(task)  # a client that leaves does not stop the load others wait for
+            finally:
+                left = self._load_waiters.pop(name) - 1
+                if left:
+                    self._load_waiters[name] = left
             waited += time.perf_counter() - t0
+
+    async def lease(self, name: str, keep_alive: object = DEFAULT) -> Lease:
+        """:meth:`acquire` for one request: the hold as a :class:`Lease`, to close when the request ends."""
+        slot, waited = await self.acquire(name, keep_alive)
+        return Lease(self, slot, waited)
 
     def release(self, slot: ModelSlot, gen: Generation | None = None) -> None:
         """A request is done with ``slot``; its keep-alive starts now (0: unload at once when idle)."""
@@ -179,7 +245,7 @@ class ModelManager:
 
     # ------------------------------------------------------------------ loading
     async def _load(self, name: str) -> ModelSlot:
-        need = estimate_bytes(name) + (self.config.kv_memory or DEFAULT_KV_BUDGET)
+        need = await anyio.to_thread.run_sync(estimate_bytes, name) + (self.config.kv_memory or DEFAULT_KV_BUDGET)
         await self._make_room(need, keep=None)
         slot = await anyio.to_thread.run_sync(self._load_blocking, name)
         self.slots[name] = slot
@@ -244,11 +310,8 @@ class ModelManager:
             return
         del self.slots[slot.name]
         self.metrics.models_unloaded_total += 1
-        await anyio.to_thread.run_sync(slot.engine.stop)
         slot.generations.clear()
-        del slot.engine, slot.lm
-        gc.collect()
-        release_freed_memory()
+        await anyio.to_thread.run_sync(_drop, slot)
         log.info("unloaded %s", slot.name)
 
     async def _reap(self) -> None:

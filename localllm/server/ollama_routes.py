@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -26,11 +26,11 @@ import localllm
 from localllm.errors import LocalLLMError
 from localllm.runtime.chat import encode_chat
 from localllm.runtime.sampling import SamplingParams
-from localllm.server.common import check_prompt, endpoint, state, whole_reply
+from localllm.server.common import check_prompt, endpoint, start_reply, state, whole_reply
 from localllm.server.config import parse_duration
 from localllm.server.errors import OLLAMA, ApiError, ModelNotFound, from_exception
 from localllm.server.generation import Outcome
-from localllm.server.models import DEFAULT
+from localllm.server.models import DEFAULT, Lease
 from localllm.server.streaming import ndjson_line, ndjson_response
 from localllm.server.validate import Fields, messages, read_json
 
@@ -131,7 +131,6 @@ async def _load_or_unload(request: Request, run: Run) -> Response | None:
 
 
 async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Response:
-    st = state(request)
     started = time.perf_counter()
     if not prompt:  # load (or unload) only
         await _load_or_unload(request, run)
@@ -139,20 +138,21 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
                 "done_reason": "unload" if run.keep_alive == 0 else "load"}
         done.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
         return JSONResponse(done)
-    slot, load_s = await st.manager.acquire(run.model, run.keep_alive)
-    try:
-        tok = slot.lm.tokenizer
+
+    async def prepare(lease: Lease) -> None:
+        tok = lease.slot.lm.tokenizer
         ids = await anyio.to_thread.run_sync(lambda: encode_chat(tok, prompt) if isinstance(prompt, list)
                                              else tok.encode(prompt))
-        ctx = check_prompt(ids, slot, run.num_ctx, param="messages" if chat else "prompt")
+        ctx = check_prompt(ids, lease.slot, run.num_ctx, param="messages" if chat else "prompt")
         max_tokens = run.max_tokens
         if run.num_ctx is not None:  # the reply ends where the asked-for context is full
             room = ctx - len(ids)
             max_tokens = room if max_tokens is None else min(max_tokens, room)
-        gen = slot.submit(ids, run.params, max_tokens, run.stop, st.metrics)
-    except BaseException:
-        st.manager.release(slot)
-        raise
+        lease.submit(ids, run.params, max_tokens, run.stop)
+
+    lease = await start_reply(request, prepare, run.model, run.keep_alive)
+    gen = lease.gen
+    assert gen is not None  # start_reply submitted it
 
     def piece_obj(text: str) -> dict[str, Any]:
         base: dict[str, Any] = {"model": run.model, "created_at": iso_now()}
@@ -161,25 +161,22 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
 
     def final(o: Outcome, text: str) -> dict[str, Any]:
         body = piece_obj(text)
-        body.update({"done": True, "done_reason": _done_reason(o), **_stats(o, started, load_s)})
+        body.update({"done": True, "done_reason": _done_reason(o), **_stats(o, started, lease.load_s)})
         return body
 
     if run.stream:
-        async def lines() -> AsyncIterator[str]:
-            try:
-                async for piece in gen.pieces():
-                    yield ndjson_line({**piece_obj(piece), "done": False})
-                o = gen.outcome
-                assert o is not None
-                if o.finish_reason == "error":
-                    yield ndjson_line({"error": from_exception(o.error or RuntimeError("failed")).message})
-                else:
-                    yield ndjson_line(final(o, ""))
-            finally:
-                st.manager.release(slot, gen)
+        async def lines() -> AsyncGenerator[str, None]:
+            async for piece in gen.pieces():
+                yield ndjson_line({**piece_obj(piece), "done": False})
+            o = gen.outcome
+            assert o is not None
+            if o.finish_reason == "error":
+                yield ndjson_line({"error": from_exception(o.error or RuntimeError("failed")).message})
+            else:
+                yield ndjson_line(final(o, ""))
 
-        return ndjson_response(lines())
-    text, o = await whole_reply(request, st, slot, gen)
+        return ndjson_response(lines(), on_close=lease.close)
+    text, o = await whole_reply(request, lease)
     return JSONResponse(final(o, text))
 
 
@@ -352,7 +349,7 @@ async def pull(request: Request) -> Response:
                 return
 
     if stream:
-        async def lines() -> AsyncIterator[str]:
+        async def lines() -> AsyncGenerator[str, None]:
             async for item in messages_():
                 item.pop("_status", None)
                 item.pop("model", None)

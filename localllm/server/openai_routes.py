@@ -3,7 +3,7 @@ ending in ``[DONE]``, or one JSON answer), ``GET /v1/models``."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +14,10 @@ from starlette.routing import Route
 
 from localllm.runtime.chat import encode_chat
 from localllm.runtime.sampling import SamplingParams
-from localllm.server.common import check_prompt, endpoint, now_s, request_id, state, whole_reply
+from localllm.server.common import check_prompt, endpoint, now_s, request_id, start_reply, state, whole_reply
 from localllm.server.errors import OPENAI, ApiError, from_exception, openai_body
-from localllm.server.generation import Generation, Outcome
-from localllm.server.models import ModelSlot
+from localllm.server.generation import Outcome
+from localllm.server.models import Lease
 from localllm.server.streaming import SSE_DONE, sse_event, sse_response
 from localllm.server.validate import Fields, messages, read_json
 
@@ -81,13 +81,12 @@ def finish_reason(o: Outcome) -> str:
     return "length" if o.finish_reason == "length" else "stop"
 
 
-async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> tuple[ModelSlot, Generation]:
+async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> Lease:
     """Load the model, encode the prompt (on a worker thread: templates and long prompts take time),
-    check it fits, and queue it."""
-    st = state(request)
-    slot, _ = await st.manager.acquire(ask.model)
-    try:
-        tok = slot.lm.tokenizer
+    check it fits, and queue it; a client that leaves meanwhile ends it (:func:`start_reply`)."""
+
+    async def prepare(lease: Lease) -> None:
+        tok = lease.slot.lm.tokenizer
         if chat:
             ids = await anyio.to_thread.run_sync(encode_chat, tok, prompt)
         elif isinstance(prompt, str):
@@ -97,11 +96,10 @@ async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> tuple[M
             if any(not 0 <= i < tok.vocab_size for i in ids):
                 raise ApiError(400, f"'prompt' has token ids outside the vocabulary (0..{tok.vocab_size - 1})",
                                param="prompt")
-        check_prompt(ids, slot, param="messages" if chat else "prompt")
-        return slot, slot.submit(ids, ask.params, ask.max_tokens, ask.stop, st.metrics)
-    except BaseException:
-        st.manager.release(slot)
-        raise
+        check_prompt(ids, lease.slot, param="messages" if chat else "prompt")
+        lease.submit(ids, ask.params, ask.max_tokens, ask.stop)
+
+    return await start_reply(request, prepare, ask.model)
 
 
 def _prompt_of(f: Fields) -> str | list[int]:
@@ -119,8 +117,9 @@ def _prompt_of(f: Fields) -> str | list[int]:
     raise ApiError(400, "'prompt' must be a string or an array of token ids", param="prompt")
 
 
-async def _respond(request: Request, ask: Ask, slot: ModelSlot, gen: Generation, chat: bool) -> Response:
-    st = state(request)
+async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool) -> Response:
+    gen = lease.gen
+    assert gen is not None  # start_reply submitted it
     rid = request_id("chatcmpl" if chat else "cmpl")
     created = now_s()
     kind = "chat.completion" if chat else "text_completion"
@@ -143,27 +142,24 @@ async def _respond(request: Request, ask: Ask, slot: ModelSlot, gen: Generation,
         return body
 
     if ask.stream:
-        async def events() -> AsyncIterator[str]:
-            try:
-                if chat:
-                    yield sse_event(chunk([choice("", None, first=True)]))
-                async for piece in gen.pieces():
-                    yield sse_event(chunk([choice(piece, None)]))
-                o = gen.outcome
-                assert o is not None
-                if o.finish_reason == "error":
-                    yield sse_event(openai_body(from_exception(o.error or RuntimeError("generation failed"))))
-                else:
-                    yield sse_event(chunk([choice(None if chat else "", finish_reason(o))]))
-                    if ask.include_usage:
-                        yield sse_event(chunk([], usage(o)))
-                yield SSE_DONE
-            finally:
-                st.manager.release(slot, gen)
+        async def events() -> AsyncGenerator[str, None]:
+            if chat:
+                yield sse_event(chunk([choice("", None, first=True)]))
+            async for piece in gen.pieces():
+                yield sse_event(chunk([choice(piece, None)]))
+            o = gen.outcome
+            assert o is not None
+            if o.finish_reason == "error":
+                yield sse_event(openai_body(from_exception(o.error or RuntimeError("generation failed"))))
+            else:
+                yield sse_event(chunk([choice(None if chat else "", finish_reason(o))]))
+                if ask.include_usage:
+                    yield sse_event(chunk([], usage(o)))
+            yield SSE_DONE
 
-        return sse_response(events())
+        return sse_response(events(), on_close=lease.close)
 
-    text, o = await whole_reply(request, st, slot, gen)
+    text, o = await whole_reply(request, lease)
     if chat:
         answer = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                   "logprobs": None, "finish_reason": finish_reason(o)}
@@ -183,8 +179,8 @@ async def chat_completions(request: Request) -> Response:
     msgs = messages(f.raw("messages"))
     if not msgs:
         raise ApiError(400, "'messages' is empty; give at least one message", param="messages")
-    slot, gen = await _start(request, ask, msgs, chat=True)
-    return await _respond(request, ask, slot, gen, chat=True)
+    lease = await _start(request, ask, msgs, chat=True)
+    return await _respond(request, ask, lease, chat=True)
 
 
 @endpoint(OPENAI, "/v1/completions")
@@ -193,8 +189,8 @@ async def completions(request: Request) -> Response:
     f = Fields(body)
     ask = _ask(f, COMPLETIONS_DEFAULT_MAX_TOKENS)
     prompt = _prompt_of(f)
-    slot, gen = await _start(request, ask, prompt, chat=False)
-    return await _respond(request, ask, slot, gen, chat=False)
+    lease = await _start(request, ask, prompt, chat=False)
+    return await _respond(request, ask, lease, chat=False)
 
 
 def model_names() -> list[tuple[str, int]]:
