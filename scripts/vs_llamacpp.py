@@ -15,6 +15,13 @@ itself (`localllm run FILE PROMPT --raw -n N --temperature 0 --verbose`, its own
 llama-bench's pp/tg tests: prefill of that many tokens into an empty context; generation of --tokens
 tokens after a context of --prompt-tokens (its -d), as localllm's follow their prompt.
 
+`--also LABEL=COMMAND` (repeatable) adds a row that runs COMMAND in place of this checkout's CLI, with
+the default variant's flags, in the same interleaved rounds: a before/after of two checkouts, e.g.
+`--also "before=env PYTHONPATH=/tmp/oldpkg LOCALLLM_HOME=/tmp/home-old python -m localllm"`, where
+/tmp/oldpkg holds the other checkout as an importable `localllm` (its compiled steps built in
+its own LOCALLLM_HOME). Every row runs from the filesystem's root, so that `python -m localllm`
+imports what PYTHONPATH names, never the current folder's package.
+
 The JSON goes to results/vs_llamacpp.json (an ignored folder) unless --json says otherwise.
 """
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -51,10 +59,11 @@ def exact_prompt(model: str, n: int) -> str:
     raise SystemExit(f"could not make a prompt of exactly {n} tokens")
 
 
-def localllm_row(model: str, prompt: str, tokens: int, threads: int, flags: list[str]) -> dict[str, float | str]:
-    cmd = [str(ROOT / ".venv/bin/localllm"), "run", model, prompt, "--raw", "-n", str(tokens), "--temperature", "0",
-           "--verbose", "--threads", str(threads), *flags]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+def localllm_row(model: str, prompt: str, tokens: int, threads: int, flags: list[str],
+                 cli: list[str] | None = None) -> dict[str, float | str]:
+    cmd = [*(cli or [str(ROOT / ".venv/bin/localllm")]), "run", model, prompt, "--raw", "-n", str(tokens),
+           "--temperature", "0", "--verbose", "--threads", str(threads), *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd="/").stderr
 
     def figure(label: str) -> float:
         m = re.search(rf"^{label}:\s+([\d.]+)", out, re.M)
@@ -87,15 +96,23 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"localllm rows, of {', '.join(VARIANTS)}")
+    ap.add_argument("--also", action="append", default=[], metavar="LABEL=COMMAND",
+                    help="a row running COMMAND (another checkout's CLI) with the default variant's flags")
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "vs_llamacpp.json")
     args = ap.parse_args()
+    also: dict[str, list[str]] = {}
+    for item in args.also:
+        label, sep, command = item.partition("=")
+        if not sep or not label.strip() or not command.strip():
+            ap.error(f"--also {item!r}: write it as LABEL=COMMAND")
+        also[label.strip()] = shlex.split(command)
     if args.model is None:
         from localllm.paths import default_model_gguf
 
         args.model = str(default_model_gguf())
     prompt = exact_prompt(args.model, args.prompt_tokens)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    rounds: dict[str, list[dict[str, float | str]]] = {"llama.cpp": [], **{v: [] for v in variants}}
+    rounds: dict[str, list[dict[str, float | str]]] = {"llama.cpp": [], **{v: [] for v in [*variants, *also]}}
     if not args.llama_bench:
         del rounds["llama.cpp"]
     if "--compile" in variants:  # its one-time build is not a round's figure
@@ -106,6 +123,8 @@ def main() -> None:
                                                  args.threads))
         for v in variants:
             rounds[v].append(localllm_row(args.model, prompt, args.tokens, args.threads, VARIANTS[v]))
+        for label, cli in also.items():
+            rounds[label].append(localllm_row(args.model, prompt, args.tokens, args.threads, [], cli))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
     table = {}

@@ -168,6 +168,9 @@ def test_client_gone_while_its_model_loads_and_load_waiters_count_against_the_qu
             s.close()
     engine = server.manager.slots[name].engine
     assert engine._next_id == PARALLEL + QUEUE  # the client that left never queued a sequence
+    # The thread that loaded the model has ended: alive, it would keep an OpenMP team that slows the
+    # engine thread's parallel ops (models.in_own_thread).
+    assert not [t for t in threading.enumerate() if t.name.startswith("localllm-load-")]
     wait_for(lambda: settled(server, name), what="a settled server")
 
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 
@@ -35,6 +37,8 @@ from localllm.server.generation import Generation
 from localllm.server.metrics import Metrics
 
 log = logging.getLogger("localllm.server")
+
+T = TypeVar("T")
 
 #: "keep the server's default" (None already means "forever").
 DEFAULT = object()
@@ -136,6 +140,38 @@ def estimate_bytes(ref: str) -> int:
         return Store().resolve(ref).size_bytes
     except (OSError, LocalLLMError):
         return 0
+
+
+async def in_own_thread(fn: Callable[[str], T], arg: str) -> T:
+    """``fn(arg)`` on a thread of its own that ends with it (a model's load).
+
+    Not on a pooled worker thread: a thread that has run torch's parallel CPU ops keeps a team of
+    OpenMP workers for as long as it lives, and while the process holds more such workers than the
+    machine has cores, libgomp stops them spinning between parallel regions. Every small op of the
+    engine thread's decode step then waits for its workers to wake: a server stream decoded at a
+    fraction of ``run``'s speed while the thread that loaded its model lived on as an idle worker
+    (``scripts/stream_vs_run.py``)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def work() -> None:
+        try:
+            result = fn(arg)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, None, e)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=work, name=f"localllm-load-{arg}", daemon=True).start()
+    return await future
 
 
 def _drop(slot: ModelSlot) -> None:
@@ -247,7 +283,7 @@ class ModelManager:
     async def _load(self, name: str) -> ModelSlot:
         need = await anyio.to_thread.run_sync(estimate_bytes, name) + (self.config.kv_memory or DEFAULT_KV_BUDGET)
         await self._make_room(need, keep=None)
-        slot = await anyio.to_thread.run_sync(self._load_blocking, name)
+        slot = await in_own_thread(self._load_blocking, name)
         self.slots[name] = slot
         self.metrics.models_loaded_total += 1
         await self._make_room(0, keep=slot)
