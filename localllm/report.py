@@ -32,6 +32,9 @@ def print_stats(stats: GenerationStats, load_s: float | None = None) -> None:
         ("eval duration", human_duration(stats.decode_s)),
         ("eval rate", f"{stats.decode_tps:.2f} tokens/s"),
     ]
+    if stats.drafted_tokens:
+        rows.append(("draft tokens", f"{stats.accepted_tokens} of {stats.drafted_tokens} accepted, "
+                                     f"{stats.mean_accepted:.2f} per verify step ({stats.draft_steps} steps)"))
     for name, value in rows:
         click.echo(f"{name + ':':<22}{value}", err=True)
 

@@ -21,6 +21,7 @@ It knows nothing of HTTP, text or chat templates: token ids in, token ids out.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections import deque
@@ -35,8 +36,9 @@ from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_
 from localllm.runtime.model import Transformer, cache_rope_tables
 from localllm.runtime.paged import PagedDecodeAttention, PagedStep, SeqChunk
 from localllm.runtime.compiled_step import CompiledDecode, find_step
-from localllm.runtime.sampling import SamplingParams, make_generator, sample
+from localllm.runtime.sampling import SamplingParams, sample, unit_random
 from localllm.runtime.scheduler import Chunk, Scheduler, Sequence as Seq, Status
+from localllm.runtime.speculate import MAX_DRAFT, Acceptance, NgramIndex, Proposal, StepCosts, plan_drafts
 
 #: KV memory when none is given: ~11k tokens of SmolLM2-135M in bf16.
 DEFAULT_KV_BUDGET = 256 << 20
@@ -57,6 +59,15 @@ class GenerationStats:
     finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
     stop_string: bool = False  # the reader cut the text at a stop string (and cancelled the rest)
     preemptions: int = 0
+    #: Speculative decoding: proposed tokens verified, and those of them kept.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_steps: int = 0  # steps that verified a draft of this request
+
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens kept per verify step (each such step adds one token more of its own)."""
+        return self.accepted_tokens / self.draft_steps if self.draft_steps else 0.0
     #: When each generated token was sampled (its step's end): inter-token latencies are the gaps.
     token_times: list[float] = field(default_factory=list)
 
@@ -150,12 +161,13 @@ class _Request:
     """A sequence plus what the engine needs to sample and deliver its tokens."""
 
     def __init__(self, seq: Seq, params: SamplingParams, max_tokens: int | None, stop_ids: Sequence[int],
-                 device: torch.device, forced: Sequence[int] | None = None) -> None:
+                 forced: Sequence[int] | None = None) -> None:
         self.seq = seq
         self.params = params
         self.max_tokens = max_tokens
         self.stop = frozenset(stop_ids)
-        self.generator = make_generator(params.seed, device)
+        #: Fixes the draw of the token at each position (:func:`runtime.sampling.unit_random`).
+        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
         n = params.repeat_last_n
         prompt = seq.token_ids
         self.recent: deque[int] | None = (
@@ -167,6 +179,11 @@ class _Request:
         #: ones, and the fp32 logits row of every step that sampled.
         self.forced: deque[int] | None = None if forced is None else deque(forced)
         self.logits: list[torch.Tensor] = []
+        #: Speculative decoding: the sequence's n-gram index (made at its first proposal), its record of
+        #: accepted drafts, and the match length of the draft in flight.
+        self.index: NgramIndex | None = None
+        self.acceptance = Acceptance()
+        self.ngram = 0
         self.finished = False
         self.error: BaseException | None = None
 
@@ -186,6 +203,8 @@ class BatchEngine:
     step's packages when they are built (:attr:`needs_build` says when they are not); True builds
     missing ones now (a minute or so a package on two cores). Where the step cannot run the model
     (:func:`runtime.compiled_step.unsupported`), steps run eagerly and :attr:`compile_note` says why.
+    ``speculate``: propose tokens from each sequence's own history and verify them in the step where
+    that pays (:mod:`runtime.speculate`); the tokens are the same either way.
     """
 
     def __init__(
@@ -202,6 +221,7 @@ class BatchEngine:
         prefix_cache: bool = True,
         kv_dtype: str = "16bit",
         compile: bool | str = False,
+        speculate: bool = True,
     ) -> None:
         if attention not in ("auto", "sdpa"):
             raise ValueError(f"attention must be 'auto' or 'sdpa', not {attention!r}")
@@ -229,6 +249,7 @@ class BatchEngine:
         self.compile_s = 0.0  # building (True) or loading the compiled step's packages
         #: Why steps run eagerly although compiling was asked for (None: they do not, or it was not).
         self.compile_note: str | None = None
+        self.speculate = speculate
         if compile:
             self._compile(compile is True, max_running)
         self._requests: dict[int, _Request] = {}  # live (not finished) requests by sequence id
@@ -238,14 +259,21 @@ class BatchEngine:
         self._step_lock = threading.Lock()  # one step at a time, whoever drives
         self._thread: threading.Thread | None = None
         self._stopping = False
+        #: Measured decode step times by query rows: what the drafts' cost is weighed against.
+        self.costs = StepCosts()
         #: Totals since creation.
         self.steps = 0
         self.tokens_computed = 0
+        self.drafted_tokens = 0  # speculative decoding: proposed tokens verified
+        self.accepted_tokens = 0  # ... and kept
+        self.verify_steps = 0  # steps with a draft in them
         self.last_step_s = 0.0  # the last step's forward and sampling
         self.last_step_prefill_tokens = 0  # prompt (or recomputed) tokens in it; 0: a decode-only step
 
     def _compile(self, build: bool, max_running: int) -> None:
-        found = find_step(self.model, self.pool, self.kernel, max_running, build)
+        # Verify steps have more rows than sequences: packages built for such batches serve them too.
+        rows = max_running * (1 + MAX_DRAFT) if self.speculate else max_running
+        found = find_step(self.model, self.pool, self.kernel, max_running, build, load_batch=rows)
         self._compiled, self.compile_s = found.step, found.seconds
         self.needs_build, self.compile_note = found.needs_build, found.note
 
@@ -264,7 +292,7 @@ class BatchEngine:
             raise LocalLLMError(f"max tokens {max_tokens} is not positive", "ask for at least 1 token")
         with self._cond:
             seq = Seq(self._next_id, len(prompt_ids), list(prompt_ids), self.max_seq_len)
-            request = _Request(seq, params, max_tokens, stop_ids, self.device, forced)
+            request = _Request(seq, params, max_tokens, stop_ids, forced)
             self.scheduler.add(seq)  # raises before anything is recorded
             self._next_id += 1
             self._requests[seq.id] = request
@@ -289,6 +317,8 @@ class BatchEngine:
                 for r in list(self._requests.values()):
                     if r.seq.cancelled:
                         self._finish(r, "cancelled")
+                if self.speculate:
+                    self._propose()
                 plan = self.scheduler.schedule()
                 for seq in plan.admitted:
                     self._requests[seq.id].stats.cached_tokens = seq.cached_tokens  # the first admission's
@@ -301,7 +331,7 @@ class BatchEngine:
                 return 0
             t0 = time.perf_counter()
             try:
-                tokens = self._run(plan.chunks, sampling)
+                tokens = self._run(plan.chunks, sampling)  # per sampling request: its accepted drafts, then its token
             except BaseException as e:
                 with self._cond:
                     for c in plan.chunks:
@@ -312,10 +342,19 @@ class BatchEngine:
                     self._cond.notify_all()
                 raise
             with self._cond:
-                self.scheduler.computed(plan.chunks)
                 now = time.perf_counter()
-                for r, tok in zip(sampling, tokens):
-                    if not r.finished:
+                drafts = {r.seq.id: toks[:-1] for r, toks in zip(sampling, tokens) if r.seq.draft}
+                self.scheduler.computed(plan.chunks, drafts)
+                if not prefill_tokens:
+                    self.costs.record(plan.num_tokens, now - t0)
+                if drafts:
+                    self.verify_steps += 1
+                for r, toks in zip(sampling, tokens):
+                    if r.seq.draft:
+                        self._record_draft(r, len(toks) - 1)
+                    for tok in toks:
+                        if r.finished:
+                            break
                         self._deliver(r, tok, now)
                 self.steps += 1
                 self.tokens_computed += plan.num_tokens
@@ -324,34 +363,109 @@ class BatchEngine:
                 self._cond.notify_all()
             return plan.num_tokens
 
+    def _propose(self) -> None:
+        """Set the drafts of this step's decoding sequences (called with the lock held): in a step
+        where every running sequence decodes and none waits, each one's n-gram proposal, as far as
+        :func:`runtime.speculate.plan_drafts` finds it pays."""
+        sched = self.scheduler
+        running = sched.running
+        if sched.waiting or not running or any(s.pending != 1 for s in running):
+            for s in running:
+                s.draft = []
+            return
+        proposals: list[Proposal | None] = []
+        for seq in running:
+            r = self._requests[seq.id]
+            room = min(MAX_DRAFT, seq.max_len - len(seq.token_ids))
+            if r.max_tokens is not None:
+                room = min(room, r.max_tokens - r.stats.generated_tokens - 1)  # the step adds a token of its own
+            if r.forced is not None or room < 1 or seq.cancelled:
+                proposals.append(None)
+                continue
+            if r.index is None:
+                r.index = NgramIndex()
+            tokens, n = r.index.propose(seq.token_ids, room)
+            proposals.append(Proposal(tokens, n, r.acceptance.rate(n)) if tokens else None)
+        for seq, p, k in zip(running, proposals, plan_drafts(proposals, self.costs)):
+            seq.draft = p.tokens[:k] if p is not None and k else []
+            if seq.draft:
+                self._requests[seq.id].ngram = p.ngram  # type: ignore[union-attr]
+
+    def _record_draft(self, r: _Request, kept: int) -> None:
+        drafted = len(r.seq.draft)
+        r.acceptance.record(r.ngram, drafted, kept)
+        r.stats.drafted_tokens += drafted
+        r.stats.accepted_tokens += kept
+        r.stats.draft_steps += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += kept
+        r.seq.draft = []
+
     @torch.inference_mode()
-    def _run(self, chunks: list[Chunk], requests: list[_Request]) -> list[int]:
-        """One forward over ``chunks``; a token for each chunk that samples (``requests``, in order)."""
-        specs = [SeqChunk(c.seq.token_ids[c.start : c.start + c.length], c.start, c.seq.table.groups[0], c.samples,
-                          tuple(c.seq.table.groups[1:])) for c in chunks]
+    def _run(self, chunks: list[Chunk], requests: list[_Request]) -> list[list[int]]:
+        """One forward over ``chunks``; for each chunk that samples (``requests``, in order) the tokens
+        it adds: a verify chunk's accepted drafts, then one token of its own; otherwise one token."""
+        specs = [SeqChunk([*c.seq.token_ids[c.start : c.start + c.length - c.draft], *c.seq.draft[: c.draft]],
+                          c.start, c.seq.table.groups[0], c.samples, tuple(c.seq.table.groups[1:]), c.draft > 0)
+                 for c in chunks]
         step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel)
         if self._compiled is not None and self._compiled.takes(step):
             logits = self._compiled(ids, step)  # (S_out, vocab)
         else:
             logits = self.model(ids, step)[0]
-        for i, r in enumerate(requests):
+        # Each request's logits rows: one, or a verify chunk's 1 + len(draft).
+        spans, row = [], 0
+        for r in requests:
+            spans.append((row, 1 + len(r.seq.draft)))
+            row += spans[-1][1]
+        for (at, _), r in zip(spans, requests):
             if r.forced is not None:
-                r.logits.append(logits[i].float().clone())
+                r.logits.append(logits[at].float().clone())
         picks: list[torch.Tensor | None] = [None] * len(requests)
         plain = [i for i, r in enumerate(requests) if r.params.greedy and r.recent is None]
         if plain:  # greedy rows in one argmax, of every row: indexing by a list of rows would upload
             best = logits.argmax(-1)  # it with a blocking copy (a host sync on CUDA)
             for i in plain:
-                picks[i] = best[i : i + 1]
+                at, n = spans[i]
+                picks[i] = best[at : at + n]
+        # What sampling needs from the host (each row's draw, the penalty's recent ids), uploaded in one
+        # non-blocking copy for the whole step: a blocking upload waits for the GPU, one per request adds up.
+        host: list[float] = []
+        inputs: dict[int, tuple[tuple[int, int] | None, list[tuple[int, int]] | None]] = {}
         for i, r in enumerate(requests):
-            if picks[i] is None:
-                recent = None
-                if r.recent is not None:  # non-blocking: a blocking upload waits for the GPU (CUDA)
-                    recent = torch.tensor([list(r.recent)], dtype=torch.long).to(logits.device, non_blocking=True)
-                picks[i] = sample(logits[i : i + 1], r.params, recent, r.generator)  # (1,)
+            if picks[i] is not None:
+                continue
+            n, draft, length = spans[i][1], r.seq.draft, len(r.seq.token_ids)
+            draws = None
+            if not r.params.greedy:  # the draw of each row's position
+                draws = (len(host), n)
+                host += [unit_random(r.seed, length + j) for j in range(n)]
+            rows = None
+            if r.recent is not None:  # the penalty's window of each row: the drafts before it too
+                rows, window = [], r.params.repeat_last_n
+                for j in range(n):
+                    ids = [*r.recent, *draft[:j]][-window:]
+                    rows.append((len(host), len(ids)))
+                    host += ids  # token ids are exact in float64
+            inputs[i] = (draws, rows)
+        up = torch.tensor(host, dtype=torch.float64).to(logits.device, non_blocking=True) if host else None
+        for i, (draws, rows) in inputs.items():
+            assert up is not None
+            at, n = spans[i]
+            u = None if draws is None else up[draws[0] : draws[0] + draws[1]]
+            recent = None if rows is None else [up[a : a + w].long() for a, w in rows]
+            picks[i] = sample(logits[at : at + n], requests[i].params, u, recent)  # (n,)
         if not picks:
             return []
-        return torch.cat(picks).tolist()  # the one transfer to the host per step
+        chosen = torch.cat(picks).tolist()  # type: ignore[arg-type]  # the one transfer to the host per step
+        out = []
+        for (at, n), r in zip(spans, requests):
+            rows, draft = chosen[at : at + n], r.seq.draft
+            kept = 0  # a draft token stays while it is the token its row picks (the same draw: exact)
+            while kept < len(draft) and rows[kept] == draft[kept]:
+                kept += 1
+            out.append([*draft[:kept], rows[kept]])
+        return out
 
     def _deliver(self, r: _Request, tok: int, now: float) -> None:
         """A sampled token: end on a stop id (not delivered), else hand it over and end at the limits."""
@@ -482,4 +596,6 @@ class BatchEngine:
                 "blocks": bm.n_blocks, "blocks_used": bm.num_used, "blocks_cached": bm.num_cached,
                 "blocks_free": bm.num_free - bm.num_cached, "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting), "preemptions": self.scheduler.preemptions,
+                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens,
+                "verify_steps": self.verify_steps,
             }

@@ -394,12 +394,14 @@ class CompiledDecode:
     model or cannot be built here."""
 
     def __init__(self, model: Transformer, pool: KVPool, kernel: PagedDecodeAttention, max_batch: int,
-                 build: bool = False, cache_dir: Path | None = None) -> None:
+                 build: bool = False, cache_dir: Path | None = None, load_batch: int = 0) -> None:
         why = unsupported(model, pool, kernel)
         if why:
             raise RuntimeError(f"the compiled step cannot run this model: {why}")
-        paths, tensors = package_paths(model, pool, kernel, cache_dir)
-        paths = [(rng, p) for rng, p in paths if rng[0] <= max_batch]
+        every, tensors = package_paths(model, pool, kernel, cache_dir)
+        paths = [(rng, p) for rng, p in every if rng[0] <= max_batch]
+        # Built packages of more rows than sequences (a verify step's drafts) serve too; none is built for them.
+        extra = [(rng, p) for rng, p in every if max_batch < rng[0] <= load_batch and p.exists()]
         self.build_s = 0.0
         #: Packages of this engine's batch sizes that are not built (``build=False`` only).
         self.missing = [p for _, p in paths if not p.exists()]
@@ -418,7 +420,7 @@ class CompiledDecode:
             self.build_s += time.perf_counter() - t0
         if build:
             self.missing = []
-        paths = [(rng, p) for rng, p in paths if p.exists()]
+        paths = [(rng, p) for rng, p in paths if p.exists()] + extra
         self.paths = [p for _, p in paths]
         #: (smallest batch, largest batch, runner) of each package.
         self._runners = [(lo, hi, load_runner(p)) for (lo, hi), p in paths]
@@ -459,7 +461,7 @@ class StepLookup:
 
 
 def find_step(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention | None, max_batch: int,
-              build: bool) -> StepLookup:
+              build: bool, load_batch: int = 0) -> StepLookup:
     """The compiled decode step for ``model`` over ``pool``: loaded when built, built now with
     ``build``, else nothing (with :attr:`StepLookup.needs_build` saying whether a build would serve)."""
     why = unsupported(model, pool, kernel)
@@ -468,7 +470,7 @@ def find_step(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention | N
     assert kernel is not None
     t0 = time.perf_counter()
     try:
-        step = CompiledDecode(model, pool, kernel, max_batch, build=build)
+        step = CompiledDecode(model, pool, kernel, max_batch, build=build, load_batch=load_batch)
     except PackageMissing as e:  # a build that failed before is not started again by itself
         return StepLookup(None, time.perf_counter() - t0, needs_build=not failure_marker(e.path).exists())
     except RuntimeError as e:  # no compiler, or the build failed: eager, saying why

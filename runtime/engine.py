@@ -42,7 +42,7 @@ def pool_bytes(model: Transformer, ctx: int, kv_dtype: str = "16bit", chunk_toke
 
 
 def sequence_engine(model: Transformer, ctx: int, compile: bool | str = False, kv_dtype: str = "16bit",
-                    prefix_cache: bool = True) -> BatchEngine:
+                    prefix_cache: bool = True, speculate: bool = True) -> BatchEngine:
     """A :class:`BatchEngine` for one sequence of ``ctx`` positions at a time, its pool sized to hold it.
 
     The whole prompt runs in one chunk (nothing else is waiting to run), unless a sliding window would
@@ -51,7 +51,7 @@ def sequence_engine(model: Transformer, ctx: int, compile: bool | str = False, k
     chunk = min([ctx, *windows])
     return BatchEngine(model, kv_budget_bytes=pool_bytes(model, ctx, kv_dtype, chunk), max_seq_len=ctx,
                        chunk_tokens=chunk, max_running=1, max_waiting=1, kv_dtype=kv_dtype, compile=compile,
-                       prefix_cache=prefix_cache)
+                       prefix_cache=prefix_cache, speculate=speculate)
 
 
 class Engine:
@@ -63,14 +63,16 @@ class Engine:
     ``compile``: False runs every step eagerly; "auto" runs decode steps through the compiled step
     when it is built for this model (``localllm compile``; :attr:`needs_build` says when it is not);
     True builds it now if missing (a minute or so on two cores). See :mod:`runtime.compiled_step`.
+    ``speculate``: verify tokens proposed from the text's own history where it pays
+    (:mod:`runtime.speculate`); the tokens are the same either way.
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, compile: bool | str = False,
-                 kv_dtype: str = "16bit") -> None:
+                 kv_dtype: str = "16bit", speculate: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.ctx = ctx
-        self.batch = sequence_engine(model, ctx, compile, kv_dtype)
+        self.batch = sequence_engine(model, ctx, compile, kv_dtype, speculate=speculate)
         if compile is True and self.batch.compile_note:
             warnings.warn(self.batch.compile_note)
         # Stop on the tokenizer's end tokens and the model config's (generation_config.json's).

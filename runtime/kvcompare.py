@@ -27,7 +27,7 @@ def decode_latencies(model: Transformer, prompt: torch.Tensor, steps: int, use_c
     times: list[float] = []
     T = prompt.shape[1]
     if use_cache:
-        engine = sequence_engine(model, T + steps + 2)  # this run's own pool, freed when it returns
+        engine = sequence_engine(model, T + steps + 2, speculate=False)  # one token a step; its own pool
         handle = engine.submit(prompt[0].tolist(), SamplingParams(temperature=0), max_tokens=steps + 1)
         handle.result()
         return handle.stats.token_latencies_s[:steps]

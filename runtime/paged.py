@@ -10,6 +10,10 @@ argument for such a batch (``Transformer.forward(tokens, step)``):
 * each sequence's query span in the batch, its context length after this step and its block table;
 * which rows need logits (the last token of each sequence that samples this step).
 
+A verify chunk (a decode token and its draft, speculative decoding) is a span per token: row i sees the
+keys up to its own position, which the step has written before attention runs, so the whole chunk
+goes to the decode kernel as that many single queries, and every row has logits.
+
 Attention per sequence (``runtime.model.paged_attention``): a sequence with one query this step goes
 to the paged decode kernel when one is given (:mod:`runtime.cpu_attention`), all of them in one call,
 each layer passing its own window (the kernel reads only the keys a query sees); the others (prefill
@@ -47,6 +51,9 @@ class SeqChunk:
     #: The block tables of the pool's other layer groups (:func:`runtime.kv_pool.layer_groups`), in
     #: order; a sliding-window group's table holds -1 for blocks its window has left.
     more: tuple[Sequence[int], ...] = ()
+    #: A verify chunk (speculative decoding: a decode token and its draft): every token is a query of
+    #: its own, seeing the keys up to its position (the paged decode kernel's rows), with logits.
+    verify: bool = False
 
 
 @dataclass(frozen=True)
@@ -205,14 +212,19 @@ class PagedStep:
             row = len(ids)
             ids.extend(c.tokens)
             used = -(-end // bs)
-            spans_at.append((row, n, end, [len(t) for t in tables], used))
+            at = [len(t) for t in tables]
+            if c.verify:  # a span per token: row i's context ends at its own position
+                spans_at.extend((row + i, 1, c.start + i + 1, at, -(-(c.start + i + 1) // bs)) for i in range(n))
+                logits_rows.extend(range(row, row + n - 1))  # the last row's is added below
+            else:
+                spans_at.append((row, n, end, at, used))
             for p in range(c.start, end):
                 positions.append(p)
                 wrows.append(p % bs)
             for g, t in enumerate(own):
                 wblocks[g].extend(t[p // bs] for p in range(c.start, end))
                 tables[g].extend(t[:used])
-            if c.logits:
+            if c.logits or c.verify:
                 logits_rows.append(row + n - 1)
         # Every index of the step goes to the device in one non-blocking copy. A blocking copy per
         # tensor (torch.tensor(..., device="cuda")) makes the host wait for the GPU at each: 6 and one

@@ -1,11 +1,15 @@
 """Turning logits into the next token: greedy, temperature, top-k, top-p, min-p, repetition penalty.
 
-Everything stays on the logits' device; only the chosen token id needs to leave it.
+Everything stays on the logits' device; only the chosen token id needs to leave it. A sampled token
+is drawn by inverse CDF from a uniform number fixed by the request's seed and the token's position
+(:func:`unit_random`), so a seeded request gives the same tokens however its steps are batched or
+speculated.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +47,21 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    """A seeded generator on ``device`` for reproducible sampling, or None (global RNG)."""
-    if seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+MASK64 = (1 << 64) - 1
+
+
+def unit_random(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on ``seed`` and ``position`` (splitmix64 of the
+    two, 53 bits): the draw that picks the token at that position of a sequence.
+
+    Tying each draw to its position, not to how many draws came before, makes a seeded request's
+    tokens a function of its seed alone: the same whether its tokens were sampled one per step or
+    several at once by speculative decoding (:mod:`runtime.speculate`), on any device."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
 
 
 def apply_repeat_penalty(logits: torch.Tensor, recent: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -93,14 +105,29 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample(
     logits: torch.Tensor,
     p: SamplingParams,
-    recent: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    u: torch.Tensor | None = None,
+    recent: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Next token ids (B,) from logits (B, V)."""
-    if recent is not None:
-        logits = apply_repeat_penalty(logits, recent, p.repeat_penalty)
+    """Next token ids (B,) from logits (B, V): the argmax when greedy, else the token where ``u`` (B,)
+    (uniform in [0, 1), float64; see :func:`unit_random`) falls in the cumulative distribution of
+    :func:`candidates` (inverse-CDF sampling: token t is picked with its probability). ``recent``: each
+    row's last ``repeat_last_n`` token ids (1-D long tensors on the logits' device) for the repeat
+    penalty (None: no penalty)."""
+    if recent is not None and p.repeat_penalty != 1.0:
+        logits = torch.cat([apply_repeat_penalty(logits[i : i + 1], ids[None], p.repeat_penalty)
+                            for i, ids in enumerate(recent)])
     if p.greedy:
         return logits.argmax(-1)
+    if u is None:
+        raise ValueError("sampling needs a uniform draw per row")
     vals, idx = candidates(logits, p)
-    choice = torch.multinomial(vals.softmax(-1), 1, generator=generator)  # (B, 1)
+    probs = vals.softmax(-1).double()  # (B, n)
+    cdf = probs.cumsum(-1)
+    # The first candidate whose cumulative probability exceeds u * total: never one of probability 0.
+    u = u.to(cdf.device, non_blocking=True)  # a blocking upload would wait for the GPU (CUDA)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # (B, 1)
+    # u * total rounded up to the total: past the end, where only the last candidate of probability
+    # above 0 can be meant (the cumulative sum rises only there).
+    last = (probs > 0).long().cumsum(-1).argmax(-1, keepdim=True)
+    choice = torch.minimum(choice, last)
     return (choice if idx is None else idx.gather(-1, choice)).squeeze(-1)

@@ -86,6 +86,9 @@ class Sequence:
     preemptions: int = 0
     #: Set from any thread; the engine retires the sequence at the start of its next step.
     cancelled: bool = False
+    #: Proposed tokens to verify after the last one in the next step (speculative decoding): kept
+    #: apart from ``token_ids`` until accepted; the step's plan drops them when the pool is short.
+    draft: list[int] = field(default_factory=list)
 
     @property
     def pending(self) -> int:
@@ -99,16 +102,18 @@ class Sequence:
 
 @dataclass(frozen=True)
 class Chunk:
-    """``seq`` computes ``token_ids[start : start + length]`` this step."""
+    """``seq`` computes ``token_ids[start : start + length - draft]`` this step, then its ``draft``
+    proposed tokens (a verify chunk: every row is sampled)."""
 
     seq: Sequence
     start: int
     length: int
+    draft: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether the chunk reaches the sequence's last token, so that a new token is sampled."""
-        return self.start + self.length == len(self.seq.token_ids)
+        return self.start + self.length - self.draft == len(self.seq.token_ids)
 
     @property
     def decodes(self) -> bool:
@@ -116,7 +121,7 @@ class Chunk:
         sequence past its prompt (also after a preemption, when the prefix cache held all but that
         token); prompt chunks and longer recomputations are not. Like :attr:`samples`, true only until
         the step's token is appended."""
-        return self.length == 1 and self.samples and self.start >= self.seq.prompt_len
+        return self.length - self.draft == 1 and self.samples and self.start >= self.seq.prompt_len
 
 
 @dataclass
@@ -194,6 +199,7 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.table)  # its full blocks stay cached: the recompute may find them
         seq.computed = 0
+        seq.draft = []
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.preemptions += 1
@@ -210,6 +216,14 @@ class Scheduler:
                 continue
             if self._grow(seq, len(seq.token_ids), preempted):
                 chunks.append(Chunk(seq, seq.computed, 1))
+        # ... and their drafts where free blocks allow: a draft never preempts anything
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            if seq.draft and seq.status is Status.RUNNING and \
+                    self.blocks.grow(seq.table, len(seq.token_ids) + len(seq.draft)):
+                chunks[i] = Chunk(seq, c.start, 1 + len(seq.draft), len(seq.draft))
+            else:
+                seq.draft = []
         # 2. the next chunk of each prefilling sequence, within the budget
         budget = self.chunk_tokens
         for seq in list(self.running):
@@ -254,12 +268,19 @@ class Scheduler:
                 return False
         return True
 
-    def computed(self, chunks: Seq[Chunk]) -> None:
-        """Record that ``chunks`` ran: their keys/values are in the pool, full blocks get keyed."""
+    def computed(self, chunks: Seq[Chunk], accepted: dict[int, Seq[int]] | None = None) -> None:
+        """Record that ``chunks`` ran: their keys/values are in the pool, full blocks get keyed.
+        ``accepted``: by sequence id, the tokens kept of a verify chunk's draft; the rows of the rest
+        hold rejected tokens, are not counted as computed, never keyed, and get overwritten."""
         for c in chunks:
             seq = c.seq
             if seq.status is not Status.RUNNING:
                 continue
+            tokens: Seq[int] = seq.token_ids
             seq.computed = c.start + c.length
-            self.blocks.commit(seq.table, seq.token_ids, seq.computed)
+            if c.draft:
+                kept = list((accepted or {}).get(seq.id, ()))[: c.draft]
+                seq.computed -= c.draft - len(kept)
+                tokens = [*seq.token_ids, *kept]
+            self.blocks.commit(seq.table, tokens, seq.computed)
             self.blocks.release(seq.table, seq.computed)

@@ -37,21 +37,21 @@ def forced(model: Transformer, prompt: Sequence[int], fed: Sequence[int], ctx: i
 def reference(model: Transformer, prompt: Sequence[int], params: SamplingParams = GREEDY, n: int | None = 16,
               ctx: int = 256, stop_ids: Sequence[int] = ()) -> list[int]:
     """The tokens of ``prompt`` by the plainest loop there is: a whole cache-less forward per token
-    (SDPA over the sequence, no pool, no kernel, no engine), sampled as the engine samples (its seeded
-    generator, the repeat penalty's window of the last ``repeat_last_n`` ids), ending as the engine ends
+    (SDPA over the sequence, no pool, no kernel, no engine), sampled as the engine samples (the draw
+    its seed fixes at each position, the repeat penalty's window of the last ``repeat_last_n`` ids), ending as the engine ends
     (a stop id, ``n`` tokens, or no position left in ``ctx``). What the engine's runs are checked against."""
     from collections import deque
 
-    from localllm.runtime.sampling import make_generator, sample
+    from localllm.runtime.sampling import sample, unit_random
 
     seq, out = list(prompt), []
-    gen = make_generator(params.seed, model.device)
     window = params.repeat_last_n
     recent = deque(seq[-window:], maxlen=window) if params.repeat_penalty != 1.0 and window > 0 else None
     while True:
         logits = model(torch.tensor([seq], device=model.device), last_only=True)[0]  # (1, vocab)
-        ids = None if recent is None else torch.tensor([list(recent)], device=model.device)
-        tok = int(sample(logits, params, ids, gen))
+        u = None if params.seed is None else torch.tensor([unit_random(params.seed, len(seq))], dtype=torch.float64)
+        ids = None if recent is None else [torch.tensor(list(recent), dtype=torch.long, device=model.device)]
+        tok = int(sample(logits, params, u, ids))
         if tok in stop_ids:
             return out
         out.append(tok)

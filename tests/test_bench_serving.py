@@ -63,7 +63,7 @@ def test_percentiles_are_nearest_rank():
 
 def test_uniform_levels_with_a_long_prompt_and_a_plot(llama, tmp_path):
     data, stdout = serving(llama, tmp_path, "uniform", "1,2", "--prompt-tokens", "24", "--gen-tokens", "6",
-                           "--plot", str(tmp_path / "serving.png"))
+                           "--plot", str(tmp_path / "serving.png"), "--speculate", "off")
     assert data["schema"] == SCHEMA and data["workload"] == "uniform"
     assert [r["level"] for r in data["concurrency"]] == [1, 2]
     for row in data["concurrency"]:
@@ -139,3 +139,18 @@ def test_an_int8_kv_pool_holds_about_twice_the_blocks_of_a_16_bit_one(llama, tmp
     # the same budget: int8 codes plus an fp32 scale per token and head, against fp32 values (the tiny
     # model's activations), hold about 3.5x the blocks; against 16-bit ones about 2x
     assert r8["kv_blocks"] > 1.8 * r16["kv_blocks"]
+
+
+def test_the_open_workload_runs_speculation_off_and_on_side_by_side(llama, tmp_path):
+    """Each level with speculation off and on, interleaved rounds: the same tokens generated both
+    ways, the drafts counted, and the table says the ratio."""
+    from localllm.bench.speculation import ROUNDS
+
+    data, stdout = serving(llama, tmp_path, "open", "1", "--prompt-tokens", "24", "--gen-tokens", "12")
+    (row,) = data["concurrency"]
+    assert_row(row)
+    sp = row["speculation"]
+    assert sp["off_tok_s"] > 0 and sp["on_tok_s"] > 0 and sp["on_over_off"] > 0
+    assert sp["accepted_tokens"] <= sp["drafted_tokens"] and "1" in sp["step_ms_by_rows_off"]
+    assert data["settings"]["speculate"] == "on" and f"{ROUNDS} interleaved rounds" in " ".join(data["notes"])
+    assert "speculative decoding" in stdout and "level 1: off" in stdout

@@ -134,14 +134,25 @@ def test_compiled_steps_give_the_eager_engines_tokens(fp32, home):
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and inductor_config.emulate_precision_casts == casts
     packages = list((home / "inductor" / "aot").glob("paged-decode-*.pt2"))
     assert len(packages) == 2 and all(p.stat().st_size < 20e6 for p in packages)  # batch 1, and 2 on
-    engine = BatchEngine(fp32.model, kv_budget_bytes=2 * BIG, max_running=4, compile="auto")  # another pool size
-    assert engine.compiled and not engine.needs_build
+    # one token per step here (the packages' batch sizes are what is checked); speculation below
+    engine = BatchEngine(fp32.model, kv_budget_bytes=2 * BIG, max_running=4, compile="auto", speculate=False)
+    assert engine.compiled and not engine.needs_build  # another pool size
     sizes = counted(engine)
-    eager = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4)
+    eager = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, speculate=False)
     got, want = run_mixed(engine), run_mixed(eager)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_same(fp32, PROMPTS[i], g, w)
     assert 1 in sizes and max(sizes) >= 2  # both packages ran: a lone sequence and a batch
+    # Verify steps (a decode token and its draft per sequence: more rows than sequences) run through
+    # the batch package too, and keep the tokens.
+    from tests.test_speculate import Flat
+
+    spec = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto")
+    spec.costs = Flat()
+    verify_sizes = counted(spec)
+    for i, g in enumerate(run_mixed(spec)):
+        assert_same(fp32, PROMPTS[i], g, want[i])
+    assert spec.verify_steps > 0 and spec.accepted_tokens > 0 and max(verify_sizes) > 4
     alone = engine.submit(PROMPTS[2], GREEDY, 12)
     engine.run_until_done()
     assert_same(fp32, PROMPTS[2], alone.result(), want[2][:12])
@@ -150,7 +161,7 @@ def test_compiled_steps_give_the_eager_engines_tokens(fp32, home):
     batch_package = max(packages, key=lambda p: p.name)  # ...-b2-1024.pt2
     aside = batch_package.rename(batch_package.with_suffix(".aside"))
     try:
-        partial = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto")
+        partial = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto", speculate=False)
         assert partial.compiled and partial.needs_build
         sizes = counted(partial)
         run_mixed(partial)

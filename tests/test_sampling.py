@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.runtime.sampling import SamplingParams, apply_repeat_penalty, filter_logits, sample
+from localllm.runtime.sampling import SamplingParams, apply_repeat_penalty, filter_logits, sample, unit_random
 
 PROBS = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
 LOGITS = PROBS.log()
@@ -47,12 +47,31 @@ def test_repeat_penalty_divides_positive_and_multiplies_negative():
     assert out.tolist() == [[1.0, -4.0, 1.0]]
 
 
-def test_sampling_follows_the_distribution():
-    g = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=1, top_k=0, top_p=1)
-    draws = torch.stack([sample(LOGITS, params, generator=g) for _ in range(4000)])
-    freq = torch.bincount(draws.flatten(), minlength=5).float() / 4000
-    torch.testing.assert_close(freq, PROBS[0], atol=0.03, rtol=0)
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_sampling_follows_the_distribution(top_k):
+    """Inverse-CDF draws at 4,000 positions of one seed: each token as often as its probability
+    (after top-k: renormalised over the kept ones), one row at a time and all rows at once alike."""
+    params = SamplingParams(temperature=1, top_k=top_k, top_p=1)
+    u = torch.tensor([unit_random(3, pos) for pos in range(4000)], dtype=torch.float64)
+    draws = sample(LOGITS.expand(4000, -1), params, u)
+    assert draws.tolist()[:50] == [int(sample(LOGITS, params, u[i : i + 1])) for i in range(50)]
+    want = filter_logits(LOGITS, params).softmax(-1)[0]
+    freq = torch.bincount(draws, minlength=5).float() / 4000
+    torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
+    assert freq[3:].sum() == 0 or top_k == 0  # a filtered token is never drawn
+
+
+def test_a_draw_is_fixed_by_seed_and_position():
+    assert unit_random(7, 12) == unit_random(7, 12)
+    assert len({unit_random(7, p) for p in range(1000)} | {unit_random(8, p) for p in range(1000)}) == 2000
+    draws = [unit_random(seed, p) for seed in range(20) for p in range(500)]
+    assert 0 <= min(draws) and max(draws) < 1 and abs(sum(draws) / len(draws) - 0.5) < 0.01
+
+
+def test_a_draw_at_the_top_of_the_cdf_never_picks_a_filtered_token():
+    params = SamplingParams(temperature=1, top_k=0, top_p=1, min_p=0.25)  # tokens 3 and 4 filtered out
+    u = torch.tensor([0.0, 1.0 - 2**-53], dtype=torch.float64)
+    assert sample(LOGITS.expand(2, -1), params, u).tolist() == [0, 2]
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(min_p=1.0), dict(top_k=-1),

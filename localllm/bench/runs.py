@@ -28,11 +28,14 @@ def spread(values: Sequence[float]) -> dict[str, float]:
 
 def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, name: str) -> list[dict[str, float]]:
     """``s.warmup`` untimed then ``s.runs`` timed generations through the batch engine (one sequence,
-    as ``run``): full prefill (no prefix cache), greedy, EOS ignored."""
+    as ``run``): full prefill (no prefix cache), greedy, EOS ignored, one token per step (no speculative
+    decoding: these rows measure the weights' decode step, which the bandwidth figures divide; the
+    serving workloads measure speculation)."""
     from localllm.runtime.engine import sequence_engine
     from localllm.runtime.sampling import SamplingParams
 
-    engine = sequence_engine(model, s.context, compile=s.compile, kv_dtype=s.kv_dtype, prefix_cache=False)
+    engine = sequence_engine(model, s.context, compile=s.compile, kv_dtype=s.kv_dtype, prefix_cache=False,
+                             speculate=False)
     greedy = SamplingParams(temperature=0)
     runs = []
     for i in range(s.warmup + s.runs):

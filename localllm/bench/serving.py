@@ -36,8 +36,9 @@ from localllm.bench.settings import Log, log_stderr, read_text
 from localllm.errors import LocalLLMError
 
 SCHEMA = "localllm.bench.serving/1"
-WORKLOADS = ("uniform", "mixed", "agent")
-DEFAULT_LEVELS = {"uniform": (1, 2, 4, 8, 16), "mixed": (8,), "agent": (4,)}
+WORKLOADS = ("uniform", "mixed", "agent", "edit", "summarize", "open")
+DEFAULT_LEVELS = {"uniform": (1, 2, 4, 8, 16), "mixed": (8,), "agent": (4,), "edit": (1, 8), "summarize": (1, 8),
+                  "open": (1, 8)}
 MIXED_REQUESTS = 32
 MIXED_SHORT, MIXED_LONG = 8, 256
 AGENT_TURNS = 6
@@ -176,6 +177,11 @@ def summarize(finished: list[Request], wall_s: float, peak_blocks: int, engine: 
         "preemptions": sum(st.preemptions for st in stats),
         "kv_blocks_peak": peak_blocks,
         "kv_blocks": engine.usage()["blocks"],
+        "drafted_tokens": sum(st.drafted_tokens for st in stats),
+        "accepted_tokens": sum(st.accepted_tokens for st in stats),
+        "draft_steps": sum(st.draft_steps for st in stats),
+        # decode-only steps (no prompt chunk) by their query rows, as the engine measured them
+        "step_ms_by_rows": {str(r): t * 1e3 for r, t in engine.costs.table().items()},
         **step_figures(steps),
     }
 
@@ -196,6 +202,9 @@ class ServingSettings:
     kv_budget_bytes: int | None = None
     chunk_tokens: int = 256
     kv_dtype: str = "16bit"  # the engine's KV pool: "16bit" (the activations' dtype) or "int8"
+    #: "on", "off", or "compare" (each level with speculation off and on, side by side; the edit,
+    #: summarize and open workloads always compare).
+    speculate: str | bool = "on"
 
 
 def check_serving(s: ServingSettings) -> None:
@@ -226,7 +235,8 @@ def make_engine(model: Any, s: ServingSettings, slots: int, prefix_cache: bool =
 
     return BatchEngine(model, kv_budget_bytes=s.kv_budget_bytes or DEFAULT_KV_BUDGET, max_running=slots,
                        max_waiting=max(64, 2 * MIXED_REQUESTS), chunk_tokens=s.chunk_tokens,
-                       prefix_cache=prefix_cache, kv_dtype=s.kv_dtype, compile="auto")
+                       prefix_cache=prefix_cache, kv_dtype=s.kv_dtype, compile="auto",
+                       speculate=s.speculate is True or s.speculate == "on")
 
 
 def warm_up(model: Any, s: ServingSettings, text: TextSlicer) -> None:
@@ -343,7 +353,7 @@ def _next_turn(turn: Request, following: Request, tool: list[int], reply: list[i
     following.prompt = turn.prompt + reply + tool
 
 
-def _kv_bytes(model: Any, tokens: int, kv_dtype: str) -> int:
+def kv_bytes(model: Any, tokens: int, kv_dtype: str) -> int:
     """Bytes of a pool holding ``tokens`` tokens of ``model``'s keys and values (whole blocks)."""
     from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, block_bytes
 
@@ -363,7 +373,7 @@ def agent(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[st
         # turn's new tokens on top): what a server for N agents is given, so that the figures measure the
         # prefix cache, not evictions from a pool too small for the workload.
         sized = s if s.kv_budget_bytes else replace(
-            s, kv_budget_bytes=_kv_bytes(model, level * (longest + AGENT_TOOL), s.kv_dtype))
+            s, kv_budget_bytes=kv_bytes(model, level * (longest + AGENT_TOOL), s.kv_dtype))
         for kind in ("cache", "no_cache"):
             start = text.offset
             engine = make_engine(model, sized, level, prefix_cache=kind == "cache")
@@ -383,11 +393,20 @@ def agent(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[st
 RUNNERS = {"uniform": uniform, "mixed": mixed, "agent": agent}
 
 
-def run_serving(model: Any, ids: Sequence[int], s: ServingSettings, log: Log) -> dict[str, Any]:
+def run_serving(model: Any, tokenizer: Any, ids: Sequence[int], s: ServingSettings, log: Log) -> dict[str, Any]:
     """The workload's figures (the JSON's ``concurrency`` list and ``comparison``)."""
+    from localllm.bench import speculation
+
     check_serving(s)
     text = TextSlicer(ids)
     warm_up(model, s, text)
+    if s.workload in speculation.SPEC_WORKLOADS:
+        return speculation.speculative(model, tokenizer, s, text, log)
+    if s.speculate == "compare":
+        if s.workload != "agent":
+            raise LocalLLMError(f"--speculate compare is for the agent, edit, summarize and open workloads, not "
+                                f"{s.workload}", "use --workload agent, edit, summarize or open")
+        return speculation.agent_compare(model, s, text, log)
     return RUNNERS[s.workload](model, s, text, log)
 
 
@@ -411,7 +430,7 @@ def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device
     lm = load_model(ref, device=str(dev), quant=quant, kernel=kernel)
     ids = lm.tokenizer.encode(body)
     log(f"{lm.source}: {lm.scheme_label} ({', '.join(sorted(lm.kernels))}); workload {s.workload}, concurrency {','.join(map(str, s.levels))}")
-    figures = run_serving(lm.model, ids, s, log)
+    figures = run_serving(lm.model, lm.tokenizer, ids, s, log)
     import torch
 
     return {
@@ -423,17 +442,26 @@ def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device
         "workload": s.workload,
         "settings": {"levels": s.levels, "prompt_tokens": s.prompt_tokens, "gen_tokens": s.gen_tokens,
                      "long_prompt_tokens": s.long_prompt_tokens, "chunk_tokens": s.chunk_tokens,
-                     "kv_budget_bytes": s.kv_budget_bytes, "kv_dtype": s.kv_dtype, "threads": torch.get_num_threads(), "text": source},
+                     "kv_budget_bytes": s.kv_budget_bytes, "kv_dtype": s.kv_dtype, "threads": torch.get_num_threads(),
+                     "text": source, "speculate": s.speculate},
         "machine": machine,
         **figures,
         "notes": [
             "TTFT from submission (queueing included); ITL = gaps between a request's consecutive tokens; "
             "throughput = generated tokens of all streams / the level's wall time",
             "greedy, end-of-sequence ignored; prompts are slices of the text at distinct offsets",
-            f"workload: {WORKLOAD_NOTES[s.workload]}",
+            f"workload: {_workload_note(s)}",
             *([f"warning: {busy}"] if busy else []),
         ],
     }
+
+
+def _workload_note(s: ServingSettings) -> str:
+    from localllm.bench import speculation
+
+    if s.workload in speculation.SPEC_WORKLOADS or s.speculate == "compare":
+        return f"{speculation.NOTES[s.workload]}; speculation off and on, {speculation.ROUNDS} interleaved rounds"
+    return WORKLOAD_NOTES[s.workload]
 
 
 WORKLOAD_NOTES = {

@@ -29,7 +29,17 @@ def format_serving(result: dict[str, Any]) -> str:
             f"{r['prompt_tokens']:>6}  {r['cached_prompt_tokens']:>6}  {r['kv_blocks_peak']:>4}/{r['kv_blocks']:<4}  "
             f"{_ms(r['decode_step_ms']['p50']):>5}  {r['prefill_steps_s']:>9.2f}")
     c = result["comparison"]
-    if result["workload"] == "uniform":
+    if all("speculation" in r for r in result["concurrency"]):
+        lines += ["speculative decoding, medians of rounds run side by side (step ms by query rows, as measured):"]
+        for r in result["concurrency"]:
+            sp = r["speculation"]
+            rate = "-" if sp["acceptance"] is None else f"{sp['acceptance']:.0%}"
+            mean = "-" if sp["mean_accepted"] is None else f"{sp['mean_accepted']:.2f}"
+            steps = ", ".join(f"{k}: {_ms(v)}" for k, v in list(sp["step_ms_by_rows_on"].items())[:8])
+            lines.append(f"level {r['level']}: off {sp['off_tok_s']:.1f} tok/s, on {sp['on_tok_s']:.1f} tok/s "
+                         f"({_x(sp['on_over_off'])}); {sp['accepted_tokens']} of {sp['drafted_tokens']} drafted tokens "
+                         f"accepted ({rate}), {mean} per verify step; step ms by rows {{{steps}}}")
+    elif result["workload"] == "uniform":
         w = c["with_long_prompt"]
         lines += [f"throughput c8 / c1: {_x(c['throughput_c8_over_c1'])}; ITL p99 at c8 / p50 at c1: "
                   f"{_x(c['itl_p99_c8_over_p50_c1'])}",

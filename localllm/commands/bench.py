@@ -45,11 +45,16 @@ if TYPE_CHECKING:
               help="Serving mode: drive the batch engine with this many concurrent streams per level, e.g. "
                    "1,2,4,8,16 (one scheme: --quant SCHEME or the model's own). Reports TTFT, inter-token "
                    "latency, throughput, prefix-cache hits. Default levels per workload: uniform 1,2,4,8,16, "
-                   "mixed 8 slots, agent 4 agents.")
-@click.option("--workload", type=click.Choice(["uniform", "mixed", "agent"]),
+                   "mixed 8 slots, agent 4 agents, edit/summarize/open 1,8.")
+@click.option("--workload", type=click.Choice(["uniform", "mixed", "agent", "edit", "summarize", "open"]),
               help="Serving mode's workload (implies serving mode; default uniform): same-length requests; "
                    "32 short and long replies, continuous vs static batching; agents resending a growing "
-                   "history, with and without the prefix cache.")
+                   "history, with and without the prefix cache; edit (a source file returned with one change), "
+                   "summarize (an article summarised with quotes) and open (free text), each with speculative "
+                   "decoding off and on side by side.")
+@click.option("--speculate", type=click.Choice(["on", "off", "compare"]), default="on", show_default=True,
+              help="Serving mode: speculative decoding in the engine; compare: each level with it off and on, "
+                   "interleaved rounds (the edit, summarize and open workloads always compare).")
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True,
               help="Serving mode: prompt tokens the engine prefills per step, all requests together. Smaller "
                    "chunks keep running streams' inter-token latency low while a long prompt is prefilled; "
@@ -75,6 +80,7 @@ def bench(
     kv_cache: str,
     concurrency: str | None,
     workload: str | None,
+    speculate: str,
     chunk_tokens: int,
     kernel: str | None,
 ) -> None:
@@ -99,7 +105,7 @@ def bench(
         workload = workload or "uniform"
         s = ServingSettings(workload, parse_levels(concurrency, workload),
                             prompt_tokens=128 if prompt_tokens is None else prompt_tokens, gen_tokens=gen_tokens,
-                            chunk_tokens=chunk_tokens, kv_dtype=kv_cache)
+                            chunk_tokens=chunk_tokens, kv_dtype=kv_cache, speculate=speculate)
         serving(model, quant, device, threads, json_path, plot_path, text_path, s, compile_ or kv_compare, kernel)
         return
     if kernel is not None:

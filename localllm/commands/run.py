@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 
 import click
 
-from localllm.commands.common import kv_cache_option, note, quant_head_option, threads_option
+from localllm.commands.common import kv_cache_option, note, quant_head_option, speculate_option, threads_option
 from localllm.commands.compile_step import build_after
 from localllm.errors import LocalLLMError
 from localllm.paths import DEFAULT_MODEL
@@ -160,6 +160,7 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
                    "`localllm compile`), else run eagerly. --compile builds it now if needed (about a minute once, "
                    "on the CPU); --no-compile always runs eagerly.")
 @kv_cache_option
+@speculate_option
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
 @click.option("--think/--no-think", "think", default=None,
               help="Thinking models (Qwen3): let the model think before answering, or not (the template's "
@@ -189,6 +190,7 @@ def run(
     kernel: str | None,
     compile_: bool | None,
     kv_cache: str,
+    speculate: str,
     raw: bool,
     think: bool | None,
     hide_thinking: bool,
@@ -234,7 +236,8 @@ def run(
     check_ctx(ctx, lm.config.max_seq_len, prompt_overhead(lm.tokenizer, raw, system), raw)
     if compile_:
         click.echo("compiling the decode step if it is not built yet (about a minute once)...", err=True)
-    engine = Engine(lm.model, lm.tokenizer, ctx, compile="auto" if compile_ is None else compile_, kv_dtype=kv_cache)
+    engine = Engine(lm.model, lm.tokenizer, ctx, compile="auto" if compile_ is None else compile_, kv_dtype=kv_cache,
+                    speculate=speculate == "on")
     load_s = lm.load_s + engine.compile_s  # what came before the prompt, as Ollama counts it
     if compile_ and verbose:
         click.echo(f"compiled in {engine.compile_s:.1f} s ({engine.step_kind})", err=True)

@@ -6,7 +6,7 @@ import socket
 
 import click
 
-from localllm.commands.common import kv_cache_option, note, threads_option
+from localllm.commands.common import kv_cache_option, note, speculate_option, threads_option
 from localllm.errors import LocalLLMError
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
@@ -78,10 +78,11 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)),
               help="Force a matmul kernel, as for run (int4-q8-cpu: int8 activations, faster batches, lossy).")
 @threads_option
+@speculate_option
 @click.option("--preload", multiple=True, metavar="MODEL", help="Load MODEL before serving (repeatable).")
 def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, queue: int, keep_alive: str, api_key: str | None,
           models_memory: str | None, max_body: str, quant: str | None, device: str, dtype: str, kernel: str | None,
-          threads: int | None, preload: tuple[str, ...]) -> None:
+          threads: int | None, speculate: str, preload: tuple[str, ...]) -> None:
     """Serve models over HTTP: OpenAI's API under /v1, Ollama's under /api, Prometheus /metrics.
 
     Models are named as `localllm run` takes them, loaded on first use and kept alive while used.
@@ -102,7 +103,7 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
                           keep_alive_s=keep, api_key=api_key or None,
                           models_memory=parse_size(models_memory) if models_memory else None,
                           max_body_bytes=parse_size(max_body), quant=quant, device=device, dtype=dtype,
-                          kernel=kernel)
+                          kernel=kernel, speculate=speculate == "on")
     set_threads(threads)
     warning = exposure_warning(host, config.api_key)
     if warning:

@@ -71,6 +71,8 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY
     #: Prompt tokens prefilled per engine step (all sequences together).
     chunk_tokens: int = 256
+    #: Speculative decoding: verify tokens proposed from each sequence's own text where it pays.
+    speculate: bool = True
     #: How every model is loaded (``run``'s --quant, --device, --dtype, --kernel).
     quant: str | None = None
     device: str = "auto"

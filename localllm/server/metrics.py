@@ -79,6 +79,13 @@ class Metrics:
                 for m, u, _ in engines])
         family("preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
                [(f'{{model="{m}"}}', u["preemptions"]) for m, u, _ in engines])
+        family("draft_tokens_total", "counter", "Speculative decoding: proposed tokens verified.",
+               [(f'{{model="{m}"}}', u["drafted_tokens"]) for m, u, _ in engines])
+        family("draft_accepted_tokens_total", "counter", "Speculative decoding: proposed tokens accepted.",
+               [(f'{{model="{m}"}}', u["accepted_tokens"]) for m, u, _ in engines])
+        family("verify_steps_total", "counter", "Speculative decoding: steps that verified a draft (the mean "
+               "accepted length is draft_accepted_tokens_total over this).",
+               [(f'{{model="{m}"}}', u["verify_steps"]) for m, u, _ in engines])
         return "\n".join(out) + "\n"
 
 

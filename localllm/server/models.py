@@ -317,7 +317,7 @@ class ModelManager:
         lm = load_model(ref, device=cfg.device, dtype=cfg.dtype, quant=cfg.quant, kernel=cfg.kernel)
         engine = BatchEngine(lm.model, kv_budget_bytes=cfg.kv_memory or DEFAULT_KV_BUDGET,
                              max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens,
-                             kv_dtype=cfg.kv_dtype, compile="auto")
+                             kv_dtype=cfg.kv_dtype, compile="auto", speculate=cfg.speculate)
         if engine.needs_build:  # the compiled decode step, for the next time this model is loaded
             from localllm.runtime.compiled_step import LoadArgs, start_background_build
 

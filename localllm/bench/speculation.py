@@ -1,0 +1,167 @@
+"""Speculative decoding's serving figures: each workload with speculation and without, in one run.
+
+``localllm bench MODEL --workload edit|summarize|open [--concurrency 1,8]`` runs the workload's
+requests on a fresh engine with speculation off, then on (the order alternating by round, ``ROUNDS``
+rounds, so that the machine's drift falls on both alike), and reports per concurrency level the
+median throughput of each and their ratio, drafted and accepted tokens, the acceptance rate, the
+mean accepted length per verify step, and what the engine measured a decode step to cost by its
+number of query rows (a verify step of k drafts has k more rows than the sequences in it).
+``--workload agent --speculate compare`` does the same for the agent workload's turns.
+
+Workloads (chat-templated prompts, greedy, end-of-sequence ignored, ``gen_tokens`` per request):
+
+* ``edit``: a source file of about ``EDIT_TOKENS`` tokens (localllm's own modules, a different one
+  per stream), asked back whole with one change: a reply that mostly copies its prompt.
+* ``summarize``: an article of about ``SUMMARY_TOKENS`` tokens (slices of the evaluation text),
+  asked for a summary that quotes it.
+* ``open``: the uniform workload's free text: a slice of the evaluation text, continued.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from localllm.bench.settings import Log
+
+ROUNDS = 3
+EDIT_TOKENS = 1000
+SUMMARY_TOKENS = 1500
+SPEC_WORKLOADS = ("edit", "summarize", "open")
+#: The source files the edit workload sends: modules of this installation.
+SOURCES = ["scheduler", "block_manager", "paged", "kv_pool", "textstream", "sampling", "speculate", "cache"]
+
+NOTES = {
+    "edit": f"N streams, each a ~{EDIT_TOKENS}-token source file asked back whole with one change",
+    "summarize": f"N streams, each a ~{SUMMARY_TOKENS}-token article asked for a summary that quotes it",
+    "open": "N streams continuing free text (the uniform workload's prompts)",
+    "agent": "the agent workload's turns",
+}
+
+
+def _clip(tokenizer: Any, text: str, tokens: int) -> str:
+    """``text`` cut at a line end to about ``tokens`` tokens."""
+    ids = tokenizer.encode(text)
+    if len(ids) <= tokens:
+        return text
+    cut = tokenizer.decode(ids[:tokens])
+    return cut[: cut.rfind("\n") + 1] or cut
+
+
+def edit_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    from localllm.runtime.chat import encode_chat
+
+    out = []
+    for i in range(n):
+        spec = importlib.util.find_spec(f"localllm.runtime.{SOURCES[i % len(SOURCES)]}")
+        assert spec is not None and spec.origin is not None
+        source = _clip(tokenizer, Path(spec.origin).read_text(encoding="utf-8"), EDIT_TOKENS)
+        ask = ("Here is a Python file:\n\n```python\n" + source + "```\n\nReturn the whole file unchanged, except "
+               "that the `from __future__ import annotations` line is removed. Write only the code.")
+        out.append(encode_chat(tokenizer, [{"role": "user", "content": ask}]))
+    return out
+
+
+def summary_prompts(tokenizer: Any, text: Any, n: int) -> list[list[int]]:
+    from localllm.runtime.chat import encode_chat
+
+    out = []
+    for _ in range(n):
+        article = tokenizer.decode(text.take(SUMMARY_TOKENS))
+        ask = ("Summarize the following article in a few paragraphs, quoting its most important sentences "
+               "word for word.\n\n" + article)
+        out.append(encode_chat(tokenizer, [{"role": "user", "content": ask}]))
+    return out
+
+
+def _requests(workload: str, tokenizer: Any, text: Any, level: int, gen_tokens: int, prompt_tokens: int) -> list[Any]:
+    from localllm.bench.serving import Request
+
+    if workload == "edit":
+        prompts = edit_prompts(tokenizer, level)
+    elif workload == "summarize":
+        prompts = summary_prompts(tokenizer, text, level)
+    else:
+        prompts = [text.take(prompt_tokens) for _ in range(level)]
+    return [Request(p, gen_tokens) for p in prompts]
+
+
+def speculation_row(off: Sequence[dict[str, Any]], on: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One level's comparison from its rounds' figures (``drive``'s), speculation off and on."""
+    last = on[-1]
+    drafted = sum(r["drafted_tokens"] for r in on)
+    accepted = sum(r["accepted_tokens"] for r in on)
+    steps = sum(r["draft_steps"] for r in on)
+    return {
+        "off_tok_s": statistics.median(r["throughput_tok_s"] for r in off),
+        "on_tok_s": statistics.median(r["throughput_tok_s"] for r in on),
+        # per round, on over off: the ratio of runs made next to each other
+        "on_over_off": statistics.median(b["throughput_tok_s"] / a["throughput_tok_s"] for a, b in zip(off, on)),
+        "off_itl_p50_ms": statistics.median(r["itl_ms"]["p50"] for r in off),
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance": accepted / drafted if drafted else None,
+        "mean_accepted": accepted / steps if steps else None,
+        "verify_steps": steps,
+        "step_ms_by_rows_on": last["step_ms_by_rows"],
+        "step_ms_by_rows_off": off[-1]["step_ms_by_rows"],
+    }
+
+
+def compare(levels: Sequence[int], run_level: Callable[[int, bool], dict[str, Any]], log: Log,
+            label: str) -> list[dict[str, Any]]:
+    """Each level ``ROUNDS`` times with speculation off and on, alternating which goes first."""
+    rows = []
+    for level in levels:
+        runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+        for rnd in range(ROUNDS):
+            for speculate in ((False, True) if rnd % 2 == 0 else (True, False)):
+                runs[speculate].append(run_level(level, speculate))
+        row = {"level": level, **runs[True][-1], "speculation": speculation_row(runs[False], runs[True])}
+        sp = row["speculation"]
+        log(f"  {label} c={level}: {sp['off_tok_s']:.1f} tok/s off, {sp['on_tok_s']:.1f} on ({sp['on_over_off']:.2f}x); "
+            f"{sp['accepted_tokens']} of {sp['drafted_tokens']} drafts accepted")
+        rows.append(row)
+    return rows
+
+
+def speculative(model: Any, tokenizer: Any, s: Any, text: Any, log: Log) -> dict[str, Any]:
+    """``--workload edit|summarize|open``: every level with speculation off and on."""
+    from localllm.bench.serving import drive, make_engine
+
+    def run_level(level: int, speculate: bool) -> dict[str, Any]:
+        start = text.offset
+        requests = _requests(s.workload, tokenizer, text, level, s.gen_tokens, s.prompt_tokens)
+        text.offset = start  # the same prompts both ways and every round
+        engine = make_engine(model, replace(s, speculate=speculate), level)
+        return drive(engine, requests)
+
+    return _result(compare(s.levels, run_level, log, s.workload))
+
+
+def agent_compare(model: Any, s: Any, text: Any, log: Log) -> dict[str, Any]:
+    """``--workload agent --speculate compare``: the agents' turns with speculation off and on (prefix
+    cache on, the pool sized as the agent workload sizes it)."""
+    from localllm.bench.serving import AGENT_HISTORY, AGENT_REPLY, AGENT_TOOL, AGENT_TURNS, agent_requests, drive, \
+        kv_bytes, make_engine
+
+    longest = AGENT_HISTORY + AGENT_TURNS * (AGENT_TOOL + AGENT_REPLY)
+
+    def run_level(level: int, speculate: bool) -> dict[str, Any]:
+        start = text.offset
+        sized = replace(s, speculate=speculate, kv_budget_bytes=s.kv_budget_bytes or kv_bytes(
+            model, level * (longest + AGENT_TOOL), s.kv_dtype))
+        figures = drive(make_engine(model, sized, level), agent_requests(text, level))
+        text.offset = start
+        return figures
+
+    return _result(compare(s.levels, run_level, log, "agent"))
+
+
+def _result(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"concurrency": rows, "comparison": {"on_over_off": {str(r["level"]): r["speculation"]["on_over_off"]
+                                                                for r in rows}}}
