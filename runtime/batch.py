@@ -182,7 +182,7 @@ class _Request:
         #: Speculative decoding: the sequence's n-gram index (made at its first proposal), its record of
         #: accepted drafts, and the match length of the draft in flight.
         self.index: NgramIndex | None = None
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance()  # the engine's at submission (BatchEngine.submit)
         self.ngram = 0
         self.finished = False
         self.error: BaseException | None = None
@@ -261,6 +261,8 @@ class BatchEngine:
         self._stopping = False
         #: Measured decode step times by query rows: what the drafts' cost is weighed against.
         self.costs = StepCosts()
+        #: Every sequence's drafts together: where a new sequence's record starts.
+        self.acceptance = Acceptance()
         #: Totals since creation.
         self.steps = 0
         self.tokens_computed = 0
@@ -293,6 +295,7 @@ class BatchEngine:
         with self._cond:
             seq = Seq(self._next_id, len(prompt_ids), list(prompt_ids), self.max_seq_len)
             request = _Request(seq, params, max_tokens, stop_ids, forced)
+            request.acceptance = self.acceptance.start()
             self.scheduler.add(seq)  # raises before anything is recorded
             self._next_id += 1
             self._requests[seq.id] = request
@@ -394,6 +397,7 @@ class BatchEngine:
     def _record_draft(self, r: _Request, kept: int) -> None:
         drafted = len(r.seq.draft)
         r.acceptance.record(r.ngram, drafted, kept)
+        self.acceptance.record(r.ngram, drafted, kept)
         r.stats.drafted_tokens += drafted
         r.stats.accepted_tokens += kept
         r.stats.draft_steps += 1

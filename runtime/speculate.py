@@ -75,6 +75,12 @@ class Acceptance:
     PRIOR_TRIALS = 2.0
     DECAY = 0.9
 
+    def start(self, weight: float = 0.5) -> "Acceptance":
+        """A new sequence's record: this one's (an engine's, over every sequence it ran) at ``weight``,
+        so that a new request starts from what drafts of its kind got, and its own soon outweigh it."""
+        return Acceptance({n: a * weight for n, a in self.accepted.items()},
+                          {n: t * weight for n, t in self.trials.items()})
+
     def rate(self, n: int) -> float:
         return (self.accepted.get(n, 0.0) + self.PRIOR_ACCEPTED) / (self.trials.get(n, 0.0) + self.PRIOR_TRIALS)
 

@@ -177,6 +177,8 @@ def summarize(finished: list[Request], wall_s: float, peak_blocks: int, engine: 
         "preemptions": sum(st.preemptions for st in stats),
         "kv_blocks_peak": peak_blocks,
         "kv_blocks": engine.usage()["blocks"],
+        # each stream's tokens after its first over the time they took (prefill left out), median of streams
+        "stream_decode_tok_s": statistics.median(st.decode_tps for st in stats) if stats else None,
         "drafted_tokens": sum(st.drafted_tokens for st in stats),
         "accepted_tokens": sum(st.accepted_tokens for st in stats),
         "draft_steps": sum(st.draft_steps for st in stats),

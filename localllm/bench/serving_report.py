@@ -37,7 +37,8 @@ def format_serving(result: dict[str, Any]) -> str:
             mean = "-" if sp["mean_accepted"] is None else f"{sp['mean_accepted']:.2f}"
             steps = ", ".join(f"{k}: {_ms(v)}" for k, v in list(sp["step_ms_by_rows_on"].items())[:8])
             lines.append(f"level {r['level']}: off {sp['off_tok_s']:.1f} tok/s, on {sp['on_tok_s']:.1f} tok/s "
-                         f"({_x(sp['on_over_off'])}); {sp['accepted_tokens']} of {sp['drafted_tokens']} drafted tokens "
+                         f"({_x(sp['on_over_off'])}); a stream decodes {sp['off_stream_decode_tok_s']:.1f} -> "
+                         f"{sp['on_stream_decode_tok_s']:.1f} tok/s ({_x(sp['stream_decode_on_over_off'])}); {sp['accepted_tokens']} of {sp['drafted_tokens']} drafted tokens "
                          f"accepted ({rate}), {mean} per verify step; step ms by rows {{{steps}}}")
     elif result["workload"] == "uniform":
         w = c["with_long_prompt"]
