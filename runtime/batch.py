@@ -21,6 +21,7 @@ It knows nothing of HTTP, text or chat templates: token ids in, token ids out.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -36,9 +37,12 @@ from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_
 from localllm.runtime.model import Transformer, cache_rope_tables
 from localllm.runtime.paged import PagedDecodeAttention, PagedStep, SeqChunk
 from localllm.runtime.compiled_step import CompiledDecode, find_step
+from localllm.runtime.constrain import Constraint, apply_masks
 from localllm.runtime.sampling import SamplingParams, sample, unit_random
 from localllm.runtime.scheduler import Chunk, Scheduler, Sequence as Seq, Status
 from localllm.runtime.speculate import MAX_DRAFT, Acceptance, NgramIndex, Proposal, StepCosts, plan_drafts
+
+log = logging.getLogger("localllm.engine")
 
 #: KV memory when none is given: ~11k tokens of SmolLM2-135M in bf16.
 DEFAULT_KV_BUDGET = 256 << 20
@@ -56,7 +60,10 @@ class GenerationStats:
     submitted_at: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
-    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    #: "stop", "length", "cancelled", "error", or "constraint" (the grammar refused every token the
+    #: model could give; :attr:`constraint_error` says why)
+    finish_reason: str | None = None
+    constraint_error: str | None = None
     stop_string: bool = False  # the reader cut the text at a stop string (and cancelled the rest)
     preemptions: int = 0
     #: Speculative decoding: proposed tokens verified, and those of them kept.
@@ -161,8 +168,9 @@ class _Request:
     """A sequence plus what the engine needs to sample and deliver its tokens."""
 
     def __init__(self, seq: Seq, params: SamplingParams, max_tokens: int | None, stop_ids: Sequence[int],
-                 forced: Sequence[int] | None = None) -> None:
+                 forced: Sequence[int] | None = None, constraint: Constraint | None = None) -> None:
         self.seq = seq
+        self.constraint = constraint  # the grammar its tokens must follow (None: free)
         self.params = params
         self.max_tokens = max_tokens
         self.stop = frozenset(stop_ids)
@@ -286,15 +294,18 @@ class BatchEngine:
 
     # Submission ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None = None,
-               stop_ids: Sequence[int] = (), *, forced: Sequence[int] | None = None) -> RequestHandle:
+               stop_ids: Sequence[int] = (), *, forced: Sequence[int] | None = None,
+               constraint: Constraint | None = None) -> RequestHandle:
         """Queue a request. Raises :class:`runtime.scheduler.EngineBusy` when the queue is full and
         LocalLLMError when the prompt is empty or can never fit (:func:`runtime.scheduler.check_prompt`). Safe from any
-        thread. ``forced``: teacher forcing (see :meth:`forced_logits`)."""
+        thread. ``forced``: teacher forcing (see :meth:`forced_logits`). ``constraint``: a grammar the
+        tokens must follow (:mod:`runtime.constrain`; one per request, never shared); the request ends
+        with "stop" where the grammar is complete."""
         if max_tokens is not None and max_tokens < 1:
             raise LocalLLMError(f"max tokens {max_tokens} is not positive", "ask for at least 1 token")
         with self._cond:
             seq = Seq(self._next_id, len(prompt_ids), list(prompt_ids), self.max_seq_len)
-            request = _Request(seq, params, max_tokens, stop_ids, forced)
+            request = _Request(seq, params, max_tokens, stop_ids, forced, constraint)
             request.acceptance = self.acceptance.start()
             self.scheduler.add(seq)  # raises before anything is recorded
             self._next_id += 1
@@ -388,6 +399,8 @@ class BatchEngine:
             if r.index is None:
                 r.index = NgramIndex()
             tokens, n = r.index.propose(seq.token_ids, room)
+            if r.constraint is not None:  # only what the grammar takes: a refused draft could not be kept
+                tokens = tokens[: r.constraint.valid_prefix(tokens)]
             proposals.append(Proposal(tokens, n, r.acceptance.rate(n)) if tokens else None)
         for seq, p, k in zip(running, proposals, plan_drafts(proposals, self.costs)):
             seq.draft = p.tokens[:k] if p is not None and k else []
@@ -413,20 +426,35 @@ class BatchEngine:
                           c.start, c.seq.table.groups[0], c.samples, tuple(c.seq.table.groups[1:]), c.draft > 0)
                  for c in chunks]
         step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel)
-        if self._compiled is not None and self._compiled.takes(step):
-            logits = self._compiled(ids, step)  # (S_out, vocab)
-        else:
-            logits = self.model(ids, step)[0]
         # Each request's logits rows: one, or a verify chunk's 1 + len(draft).
         spans, row = [], 0
         for r in requests:
             spans.append((row, 1 + len(r.seq.draft)))
             row += spans[-1][1]
+        constrained = [i for i, r in enumerate(requests) if r.constraint is not None]
+        # The grammars' masks: on the CPU before the forward, while the caches still hold the grammar's
+        # state rather than the weights; on a GPU after it is queued, while the device runs it.
+        early = constrained and self.device.type == "cpu"
+        bits = self._grammar_bits(spans, requests, constrained) if early else None
+        if self._compiled is not None and self._compiled.takes(step):
+            logits = self._compiled(ids, step)  # (S_out, vocab)
+        else:
+            logits = self.model(ids, step)[0]
+        if constrained and bits is None:
+            bits = self._grammar_bits(spans, requests, constrained)
         for (at, _), r in zip(spans, requests):
             if r.forced is not None:
                 r.logits.append(logits[at].float().clone())
+        rows_of = {i: logits[at : at + n] for i, (at, n) in enumerate(spans)}
+        if bits is not None:  # each constrained request's rows, refused tokens at -inf (in place: its own rows)
+            row = 0
+            for i in constrained:
+                n = spans[i][1]
+                apply_masks(rows_of[i], bits[row : row + n])
+                row += n
         picks: list[torch.Tensor | None] = [None] * len(requests)
-        plain = [i for i, r in enumerate(requests) if r.params.greedy and r.recent is None]
+        plain = [i for i, r in enumerate(requests)
+                 if r.params.greedy and r.recent is None and r.constraint is None]
         if plain:  # greedy rows in one argmax, of every row: indexing by a list of rows would upload
             best = logits.argmax(-1)  # it with a blocking copy (a host sync on CUDA)
             for i in plain:
@@ -454,11 +482,9 @@ class BatchEngine:
             inputs[i] = (draws, rows)
         up = torch.tensor(host, dtype=torch.float64).to(logits.device, non_blocking=True) if host else None
         for i, (draws, rows) in inputs.items():
-            assert up is not None
-            at, n = spans[i]
-            u = None if draws is None else up[draws[0] : draws[0] + draws[1]]
-            recent = None if rows is None else [up[a : a + w].long() for a, w in rows]
-            picks[i] = sample(logits[at : at + n], requests[i].params, u, recent)  # (n,)
+            u = None if draws is None or up is None else up[draws[0] : draws[0] + draws[1]]
+            recent = None if rows is None or up is None else [up[a : a + w].long() for a, w in rows]
+            picks[i] = sample(rows_of[i], requests[i].params, u, recent)  # (n,)
         if not picks:
             return []
         chosen = torch.cat(picks).tolist()  # type: ignore[arg-type]  # the one transfer to the host per step
@@ -470,6 +496,20 @@ class BatchEngine:
                 kept += 1
             out.append([*draft[:kept], rows[kept]])
         return out
+
+    @staticmethod
+    def _grammar_bits(spans: list[tuple[int, int]], requests: list[_Request], which: list[int]) -> torch.Tensor:
+        """The allowed-token bitmask of every row of each constrained request in ``which``, stacked
+        (rows, words) int32: a verify chunk's row j is the mask after its first j draft tokens."""
+        n_rows = sum(spans[i][1] for i in which)
+        words = requests[which[0]].constraint.words  # type: ignore[union-attr]  # one vocabulary per model
+        bits = torch.empty(n_rows, words, dtype=torch.int32)
+        row = 0
+        for i in which:
+            n = spans[i][1]
+            requests[i].constraint.fill(bits[row : row + n], requests[i].seq.draft)  # type: ignore[union-attr]
+            row += n
+        return bits
 
     def _deliver(self, r: _Request, tok: int, now: float) -> None:
         """A sampled token: end on a stop id (not delivered), else hand it over and end at the limits."""
@@ -485,6 +525,13 @@ class BatchEngine:
         if tok in r.stop:
             self._finish(r, "stop")
             return
+        if r.constraint is not None and not r.constraint.take(tok):
+            # No token was allowed (the grammar hit a limit, or broke): end here, and say why.
+            stats.constraint_error = r.constraint.error or f"token {tok} refused"
+            log.warning("request %d: the grammar allows no further token (%s); it ends here",
+                        seq.id, stats.constraint_error)
+            self._finish(r, "constraint")
+            return
         if stats.first_token_at is None:
             stats.first_token_at = now
         stats.token_times.append(now)
@@ -493,7 +540,9 @@ class BatchEngine:
         r.out.append(tok)
         if r.recent is not None:
             r.recent.append(tok)
-        if r.max_tokens is not None and stats.generated_tokens >= r.max_tokens:
+        if r.constraint is not None and r.constraint.done:  # the grammar is complete: nothing may follow
+            self._finish(r, "stop")
+        elif r.max_tokens is not None and stats.generated_tokens >= r.max_tokens:
             self._finish(r, "length")
         elif len(seq.token_ids) > seq.max_len:  # the newest token has no position left to run at
             self._finish(r, "length")

@@ -20,6 +20,7 @@ from typing import Any
 
 from localllm.runtime.batch import BatchEngine, GenerationStats
 from localllm.runtime.chat import encode_chat
+from localllm.runtime.constrain import Constraints, Grammar
 from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, layer_groups, plan_pool, window_blocks
 from localllm.runtime.model import Transformer
 from localllm.runtime.sampling import SamplingParams
@@ -77,6 +78,7 @@ class Engine:
             warnings.warn(self.batch.compile_note)
         # Stop on the tokenizer's end tokens and the model config's (generation_config.json's).
         self.stop_ids = list(dict.fromkeys([*tokenizer.eos_ids, *model.config.eos_token_ids]))
+        self.constraints = Constraints(tokenizer, self.stop_ids)
         self.stats = GenerationStats(prompt_tokens=0)
         """Figures of the last (or current) generation."""
 
@@ -101,12 +103,15 @@ class Engine:
         params: SamplingParams,
         max_tokens: int | None = None,
         stop_ids: Sequence[int] | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[int]:
         """Generated token ids one at a time (a stop id, by default the model's end tokens, ends
-        generation and is not yielded); :attr:`stats` holds the call's figures."""
+        generation and is not yielded); :attr:`stats` holds the call's figures. ``grammar``: what the
+        reply must match (:mod:`runtime.constrain`)."""
         check_prompt(len(prompt_ids), self.ctx)
         stop = self.stop_ids if stop_ids is None else stop_ids
-        handle = self.batch.submit(prompt_ids, params, max_tokens, stop)
+        constraint = None if grammar is None else self.constraints.start(grammar)
+        handle = self.batch.submit(prompt_ids, params, max_tokens, stop, constraint=constraint)
         self.stats = handle.stats
         try:
             yield from handle  # each next() runs the engine's steps until the token is there
@@ -121,11 +126,12 @@ class Engine:
         params: SamplingParams,
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
+        grammar: Grammar | None = None,
     ) -> Iterator[str]:
         """Text pieces generated after ``prompt_ids``, as soon as each is printable."""
         decoder = self.tokenizer.stream(skip_special=True)
         cut = StopStringFilter(stop)
-        tokens = self.generate_ids(prompt_ids, params, max_tokens)
+        tokens = self.generate_ids(prompt_ids, params, max_tokens, grammar=grammar)
         try:
             for token in tokens:
                 piece = cut.feed(decoder.feed(token))
@@ -141,10 +147,11 @@ class Engine:
             yield tail
 
     def complete(
-        self, prompt: str, params: SamplingParams, max_tokens: int | None = None, stop: Sequence[str] = ()
+        self, prompt: str, params: SamplingParams, max_tokens: int | None = None, stop: Sequence[str] = (),
+        grammar: Grammar | None = None,
     ) -> Iterator[str]:
         """Continue raw ``prompt`` text (no chat template)."""
-        return self.stream_ids(self.tokenizer.encode(prompt), params, max_tokens, stop)
+        return self.stream_ids(self.tokenizer.encode(prompt), params, max_tokens, stop, grammar)
 
     def chat(
         self,
@@ -153,6 +160,7 @@ class Engine:
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         think: bool | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[str]:
         """The assistant's reply to ``messages`` ({"role", "content"} dicts), via the chat template.
 
@@ -164,4 +172,4 @@ class Engine:
         shared prefix, so a multi-turn chat only processes what is new.
         """
         extra = {} if think is None else {"enable_thinking": think}
-        return self.stream_ids(encode_chat(self.tokenizer, messages, **extra), params, max_tokens, stop)
+        return self.stream_ids(encode_chat(self.tokenizer, messages, **extra), params, max_tokens, stop, grammar)

@@ -75,9 +75,10 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
 
 def _native_libraries():
     from localllm.quant.kernels import LIBRARY as INT8
+    from localllm.runtime.constrain import LIBRARY as TOKEN_MASK
     from localllm.runtime.cpu_attention import LIBRARY as ATTENTION
 
-    return (ATTENTION, INT8)
+    return (ATTENTION, INT8, TOKEN_MASK)
 
 
 NATIVE_LIBRARIES = _native_libraries()

@@ -248,3 +248,24 @@ def test_debug_shows_the_traceback():
     proc = subprocess.run([*LOCALLLM, "run", "./no/such/model", "hi"], capture_output=True, text=True,
                           env={**os.environ, "LOCALLLM_DEBUG": "1"}, stdin=subprocess.DEVNULL, timeout=120)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+# ------------------------------------------------------------------------------ --format
+def test_format_schema_file_holds_the_reply_and_bad_schemas_are_one_line(tiny_folder, tmp_path: Path):
+    """A random-weight model's reply to --format SCHEMA_FILE parses and validates (the grammar decides
+    every token it may pick); a schema it cannot enforce is refused before anything loads."""
+    import jsonschema
+
+    from tests.test_constrain import PERSON
+
+    _, folder = tiny_folder("llama")
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    proc = run_cli("run", str(folder), "Who?", "--raw", "--format", str(schema), "--temperature", "1", "--top-k", "0",
+                   "--top-p", "1", "--seed", "4", "-n", "400")
+    assert proc.returncode == 0, proc.stderr
+    jsonschema.validate(json.loads(proc.stdout), PERSON)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}))
+    assert_one_line_error(run_cli("run", str(folder), "hi", "--format", str(bad)),
+                          "--format.properties.ids uses 'uniqueItems', which localllm cannot enforce")

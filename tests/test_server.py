@@ -118,6 +118,39 @@ def test_openai_completions_stream_and_not(server: ServerThread) -> None:
     assert MODEL in models
 
 
+def test_structured_outputs_through_both_clients(server: ServerThread) -> None:
+    """openai's ``parse`` with a Pydantic model (its strict json_schema), a streamed json_object reply, and
+    ollama's ``format`` with a schema: each reply parses and validates, and ends by the grammar ("stop")."""
+    openai = pytest.importorskip("openai")
+    ollama = pytest.importorskip("ollama")
+    jsonschema = pytest.importorskip("jsonschema")
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Capital(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        city: str = Field(max_length=24)
+        country: str = Field(max_length=24)
+        population_millions: int = Field(ge=0, le=1000)
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    ask = [{"role": "user", "content": f"{FRANCE} Answer in JSON."}]
+    parsed = client.chat.completions.parse(model=MODEL, messages=ask, temperature=0, max_tokens=60,
+                                           response_format=Capital)
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Capital)
+    assert choice.message.parsed.city == "Paris"  # the grammar leaves the model its answer
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ask, temperature=0.7, seed=3, max_tokens=80,
+                                                 stream=True, response_format={"type": "json_object"}))
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks)), dict)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    schema = Capital.model_json_schema()
+    reply = ollama.Client(host=server.url).chat(model=MODEL, messages=ask, format=schema,
+                                                options={"temperature": 0.9, "seed": 5, "num_predict": 60})
+    jsonschema.validate(json.loads(reply.message.content), schema)
+    assert reply.done_reason == "stop"
+    wait_for(lambda: idle(server), what="every block back")
+
+
 # --------------------------------------------------------------------------- Ollama
 def test_ollama_client_generate_chat_list_show_ps(server: ServerThread) -> None:
     ollama = pytest.importorskip("ollama")
@@ -183,6 +216,15 @@ BAD = [
      "not found"),
     ("POST", "/api/generate", {"model": MODEL, "prompt": "word " * 6000, "stream": False}, 400, "the context holds"),
     ("DELETE", "/api/delete", {"model": "no-such-model"}, 404, "not found"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                      "response_format": {"type": "json_schema", "json_schema": {
+                                          "name": "x", "schema": {"type": "object", "properties": {"a": {"not": {}}}}}}},
+     400, "response_format.json_schema.schema.properties.a uses 'not', which localllm cannot enforce"),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "response_format": {"type": "xml"}}, 400,
+     "'response_format.type' is 'xml'"),
+    ("POST", "/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "format": {"type": "strng"}},
+     400, "format.type is 'strng', not a JSON Schema type"),
+    ("POST", "/api/generate", {"model": MODEL, "prompt": "x", "format": "yaml"}, 400, "'format' must be \"json\""),
 ]
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import click
 
@@ -15,6 +17,7 @@ from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
 from localllm.report import describe_model, print_stats
 from localllm.runtime.compiled_step import LoadArgs
+from localllm.runtime.constrain import Grammar, any_json_object, json_schema
 from localllm.runtime.sampling import SamplingParams
 
 #: The sampling defaults are SamplingParams' own: one source for the CLI, the engine and the server.
@@ -67,6 +70,27 @@ def answer_only(pieces: Iterator[str], show_thinking: bool) -> Iterator[str]:
     yield from route(splitter.flush())
     if thinking and show_thinking:
         click.echo("\n...done thinking.", err=True)
+
+
+def parse_format(value: str | None) -> Grammar | None:
+    """``--format``: "json" (any JSON object), a JSON Schema file, or a schema written inline."""
+    if value is None:
+        return None
+    if value == "json":
+        return any_json_object()
+    fix = "give --format json, a JSON Schema file, or a schema inline ('{\"type\": \"object\", ...}')"
+    if value.lstrip().startswith("{"):
+        text, source = value, "the --format schema"
+    else:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise LocalLLMError(f"--format {value!r} is neither json nor a schema file", fix)
+        text, source = path.read_text(encoding="utf-8", errors="replace"), str(path)
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise LocalLLMError(f"{source} is not JSON ({e.msg} at line {e.lineno} column {e.colno})", fix) from None
+    return json_schema(schema, where="--format")
 
 
 # --------------------------------------------------------------------------- input text
@@ -161,6 +185,9 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
                    "on the CPU); --no-compile always runs eagerly.")
 @kv_cache_option
 @speculate_option
+@click.option("--format", "format_", metavar="json|SCHEMA",
+              help="Hold the reply to JSON: 'json' (any object), or a JSON Schema (a file, or written inline) "
+                   "it must validate against. Enforced token by token, so the reply always parses.")
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
 @click.option("--think/--no-think", "think", default=None,
               help="Thinking models (Qwen3): let the model think before answering, or not (the template's "
@@ -191,6 +218,7 @@ def run(
     compile_: bool | None,
     kv_cache: str,
     speculate: str,
+    format_: str | None,
     raw: bool,
     think: bool | None,
     hide_thinking: bool,
@@ -216,6 +244,7 @@ def run(
         raise LocalLLMError(f"--ctx {ctx} is not positive", f"give the context length in tokens: {MIN_CTX} or more "
                             "(one prompt token, one generated token), plus what the model adds to a prompt (a "
                             "start-of-text token, a chat template); or leave it out")
+    grammar = parse_format(format_)  # a bad schema is refused before anything loads
     check_local_path(model)
     set_threads(threads)
     args = [clean_arg(s) for s in (prompt or "", system or "", *stop)]
@@ -249,14 +278,14 @@ def run(
     needs_build = engine.needs_build
 
     if text is None:
-        _chat(engine, params, system, max_tokens, stop, verbose, load_s, think, not hide_thinking)
+        _chat(engine, params, system, max_tokens, stop, verbose, load_s, think, not hide_thinking, grammar)
         build_after(build, needs_build)
         return
     if raw:
-        pieces = engine.complete(text, params, max_tokens, stop)
+        pieces = engine.complete(text, params, max_tokens, stop, grammar)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        pieces = answer_only(engine.chat(messages, params, max_tokens, stop, think), not hide_thinking)
+        pieces = answer_only(engine.chat(messages, params, max_tokens, stop, think, grammar), not hide_thinking)
     _stream(pieces)
     _write("\n")
     _after(engine, verbose, load_s)
@@ -286,12 +315,15 @@ def _ask(prompt: str = ">>> ") -> str:
 def _after(engine, verbose: bool, load_s: float | None) -> None:  # type: ignore[no-untyped-def]
     if engine.stats.stop_reason == "context":
         click.echo(f"\nstopped: the context of {engine.ctx} tokens is full; use --ctx to allow more", err=True)
+    elif engine.stats.stop_reason == "constraint":
+        click.echo(f"\nstopped: the --format grammar allowed no further token ({engine.stats.constraint_error})",
+                   err=True)
     if verbose:
         print_stats(engine.stats, load_s)
 
 
 def _chat(engine, params, system, max_tokens, stop: Sequence[str], verbose,  # type: ignore[no-untyped-def]
-          load_s, think: bool | None = None, show_thinking: bool = True) -> None:
+          load_s, think: bool | None = None, show_thinking: bool = True, grammar: Grammar | None = None) -> None:
     """Multi-turn chat on a terminal: history kept, /clear forgets it, Ctrl-D or /bye ends it."""
     click.echo(">>> Chat (Ctrl-D or /bye to quit, /clear to forget the conversation, Ctrl-C stops a reply)", err=True)
     messages = [{"role": "system", "content": system}] if system else []
@@ -314,7 +346,7 @@ def _chat(engine, params, system, max_tokens, stop: Sequence[str], verbose,  # t
         messages.append({"role": "user", "content": line})
         reply: list[str] = []
         try:
-            for piece in answer_only(engine.chat(messages, params, max_tokens, stop, think), show_thinking):
+            for piece in answer_only(engine.chat(messages, params, max_tokens, stop, think, grammar), show_thinking):
                 _write(piece)
                 reply.append(piece)
         except KeyboardInterrupt:

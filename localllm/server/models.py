@@ -29,6 +29,7 @@ import anyio
 from localllm.errors import LocalLLMError
 from localllm.loaders.load import LoadedModel, release_freed_memory
 from localllm.runtime.batch import DEFAULT_KV_BUDGET, BatchEngine
+from localllm.runtime.constrain import Constraint, Constraints, Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.runtime.scheduler import EngineBusy
 from localllm.server.config import ServerConfig
@@ -59,6 +60,10 @@ class ModelSlot:
     active: int = 0
     last_used: float = field(default_factory=time.monotonic)
     generations: set[Generation] = field(default_factory=set)
+    constraints: Constraints = field(init=False)  # its vocabulary and compiled grammars (structured outputs)
+
+    def __post_init__(self) -> None:
+        self.constraints = Constraints(self.lm.tokenizer, self.stop_ids)
 
     @property
     def context_length(self) -> int:
@@ -81,10 +86,10 @@ class ModelSlot:
         return now + timedelta(seconds=left)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None,
-               stop: Sequence[str], metrics: Metrics) -> Generation:
+               stop: Sequence[str], metrics: Metrics, constraint: Constraint | None = None) -> Generation:
         """Queue a generation on this model's engine; raises EngineBusy (queue full) or LocalLLMError."""
         try:
-            handle = self.engine.submit(prompt_ids, params, max_tokens, self.stop_ids)
+            handle = self.engine.submit(prompt_ids, params, max_tokens, self.stop_ids, constraint=constraint)
         except EngineBusy:
             metrics.rejected()
             raise
@@ -110,12 +115,20 @@ class Lease:
     closed: bool = False
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None,
-               stop: Sequence[str]) -> Generation:
+               stop: Sequence[str], constraint: Constraint | None = None) -> Generation:
         """Queue the generation on the model's engine (once per lease)."""
         if self.gen is not None or self.closed:
             raise RuntimeError("a lease submits one generation, before it is closed")
-        self.gen = self.slot.submit(prompt_ids, params, max_tokens, stop, self.manager.metrics)
+        self.gen = self.slot.submit(prompt_ids, params, max_tokens, stop, self.manager.metrics, constraint)
         return self.gen
+
+    async def constraint(self, grammar: Grammar | None) -> Constraint | None:
+        """A constraint of ``grammar`` for this request, compiled (or copied from the model's cache) on
+        a worker thread: the first one builds the model's vocabulary index, a second or two for a large
+        vocabulary, which the event loop never waits on."""
+        if grammar is None:
+            return None
+        return await anyio.to_thread.run_sync(self.slot.constraints.start, grammar)
 
     def close(self) -> None:
         """Cancel the generation (nothing if it has ended) and release the model; once, from the event loop."""

@@ -25,6 +25,7 @@ from starlette.routing import Route
 import localllm
 from localllm.errors import LocalLLMError
 from localllm.runtime.chat import encode_chat
+from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, start_reply, state, whole_reply
 from localllm.server.config import parse_duration
@@ -32,6 +33,7 @@ from localllm.server.errors import OLLAMA, ApiError, ModelNotFound, from_excepti
 from localllm.server.generation import Outcome
 from localllm.server.models import DEFAULT, Lease
 from localllm.server.streaming import ndjson_line, ndjson_response
+from localllm.server.structured import ollama_format
 from localllm.server.validate import Fields, messages, read_json
 
 _DEFAULTS = SamplingParams()
@@ -57,6 +59,7 @@ class Run:
     stop: list[str]
     stream: bool
     keep_alive: object
+    grammar: Grammar | None  # what the reply must match ("format"); None: free text
 
 
 def _run(f: Fields) -> Run:
@@ -64,7 +67,7 @@ def _run(f: Fields) -> Run:
     assert model is not None
     if not model.strip():
         raise ApiError(400, "'model' is empty", param="model")
-    for key in ("format", "images", "template", "suffix", "context", "tools"):
+    for key in ("images", "template", "suffix", "context", "tools"):
         if f.raw(key) not in (None, "", []):
             raise ApiError(400, f"'{key}' is not supported by this server", param=key)
     o = f.obj("options") or Fields({}, "options.")
@@ -100,7 +103,8 @@ def _run(f: Fields) -> Run:
         except LocalLLMError as e:
             raise ApiError(400, f"'keep_alive': {e.one_line()}", param="keep_alive") from None
     max_tokens = num_predict if num_predict is not None and num_predict > 0 else None
-    return Run(model, params, max_tokens, num_ctx, stop, f.boolean("stream", True), keep_alive)
+    return Run(model, params, max_tokens, num_ctx, stop, f.boolean("stream", True), keep_alive,
+               ollama_format(f.raw("format")))
 
 
 def _stats(o: Outcome, started: float, load_s: float) -> dict[str, Any]:
@@ -148,7 +152,7 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
         if run.num_ctx is not None:  # the reply ends where the asked-for context is full
             room = ctx - len(ids)
             max_tokens = room if max_tokens is None else min(max_tokens, room)
-        lease.submit(ids, run.params, max_tokens, run.stop)
+        lease.submit(ids, run.params, max_tokens, run.stop, await lease.constraint(run.grammar))
 
     lease = await start_reply(request, prepare, run.model, run.keep_alive)
     gen = lease.gen

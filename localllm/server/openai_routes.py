@@ -13,12 +13,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from localllm.runtime.chat import encode_chat
+from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, now_s, request_id, start_reply, state, whole_reply
 from localllm.server.errors import OPENAI, ApiError, from_exception, openai_body
 from localllm.server.generation import Outcome
 from localllm.server.models import Lease
 from localllm.server.streaming import SSE_DONE, sse_event, sse_response
+from localllm.server.structured import openai_response_format
 from localllm.server.validate import Fields, messages, read_json
 
 #: The legacy completions API's default reply length (OpenAI's own).
@@ -28,7 +30,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 #: Fields this server does not implement, and the values that ask for nothing (accepted).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
-    "tools": ([],), "response_format": ({"type": "text"},),
+    "tools": ([],),
 }
 
 
@@ -42,6 +44,7 @@ class Ask:
     stop: list[str]
     stream: bool
     include_usage: bool
+    grammar: Grammar | None  # what the reply must match (response_format); None: free text
 
 
 def _ask(f: Fields, default_max_tokens: int | None) -> Ask:
@@ -68,7 +71,8 @@ def _ask(f: Fields, default_max_tokens: int | None) -> Ask:
     include_usage = options.boolean("include_usage", False) if options is not None else False
     params = SamplingParams(temperature=1.0 if temperature is None else temperature, top_k=0,
                             top_p=1.0 if top_p is None else top_p, seed=seed)
-    return Ask(model, params, max_tokens, f.stop("stop", most=4), stream, include_usage)  # type: ignore[arg-type]
+    grammar = openai_response_format(f.raw("response_format"))
+    return Ask(model, params, max_tokens, f.stop("stop", most=4), stream, include_usage, grammar)  # type: ignore[arg-type]
 
 
 def usage(o: Outcome) -> dict[str, Any]:
@@ -97,7 +101,7 @@ async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> Lease:
                 raise ApiError(400, f"'prompt' has token ids outside the vocabulary (0..{tok.vocab_size - 1})",
                                param="prompt")
         check_prompt(ids, lease.slot, param="messages" if chat else "prompt")
-        lease.submit(ids, ask.params, ask.max_tokens, ask.stop)
+        lease.submit(ids, ask.params, ask.max_tokens, ask.stop, await lease.constraint(ask.grammar))
 
     return await start_reply(request, prepare, ask.model)
 
