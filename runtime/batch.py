@@ -44,6 +44,9 @@ from localllm.runtime.speculate import MAX_DRAFT, Acceptance, NgramIndex, Propos
 
 log = logging.getLogger("localllm.engine")
 
+#: Alternatives a token's log-probability entry lists at most (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
 #: KV memory when none is given: ~11k tokens of SmolLM2-135M in bf16.
 DEFAULT_KV_BUDGET = 256 << 20
 
@@ -124,6 +127,17 @@ class GenerationStats:
         return {"stop": "eos", None: ""}.get(self.finish_reason, self.finish_reason or "")
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's own distribution (log-softmax of its
+    logits: before temperature, top-k/top-p, penalties and grammar masks), and the ``top`` most likely
+    tokens there, as (id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class RequestHandle:
     """A submitted request: iterate it for its token ids as they come; :meth:`cancel` to stop it.
 
@@ -163,13 +177,24 @@ class RequestHandle:
         """Every remaining token id, waiting for the end."""
         return list(self)
 
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """With ``logprobs`` asked at :meth:`BatchEngine.submit`: one entry per generated token so far,
+        in order (entry i is token i's, there before token i can be taken)."""
+        return self._request.token_logprobs
+
 
 class _Request:
     """A sequence plus what the engine needs to sample and deliver its tokens."""
 
     def __init__(self, seq: Seq, params: SamplingParams, max_tokens: int | None, stop_ids: Sequence[int],
-                 forced: Sequence[int] | None = None, constraint: Constraint | None = None) -> None:
+                 forced: Sequence[int] | None = None, constraint: Constraint | None = None,
+                 logprobs: int | None = None) -> None:
         self.seq = seq
+        #: Log-probabilities: None (not asked), or how many alternatives each token lists (0 to 20).
+        self.top_logprobs = logprobs
+        self.token_logprobs: list[TokenLogprob] = []
+        self.step_logprobs: list[TokenLogprob] = []  # the current step's rows, for _deliver
         self.constraint = constraint  # the grammar its tokens must follow (None: free)
         self.params = params
         self.max_tokens = max_tokens
@@ -295,17 +320,20 @@ class BatchEngine:
     # Submission ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None = None,
                stop_ids: Sequence[int] = (), *, forced: Sequence[int] | None = None,
-               constraint: Constraint | None = None) -> RequestHandle:
+               constraint: Constraint | None = None, logprobs: int | None = None) -> RequestHandle:
         """Queue a request. Raises :class:`runtime.scheduler.EngineBusy` when the queue is full and
         LocalLLMError when the prompt is empty or can never fit (:func:`runtime.scheduler.check_prompt`). Safe from any
         thread. ``forced``: teacher forcing (see :meth:`forced_logits`). ``constraint``: a grammar the
         tokens must follow (:mod:`runtime.constrain`; one per request, never shared); the request ends
-        with "stop" where the grammar is complete."""
+        with "stop" where the grammar is complete. ``logprobs``: record each generated token's
+        log-probability and this many alternatives (0 to 20; :attr:`RequestHandle.logprobs`)."""
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise LocalLLMError(f"top logprobs {logprobs} is out of range", f"ask for 0 to {MAX_TOP_LOGPROBS}")
         if max_tokens is not None and max_tokens < 1:
             raise LocalLLMError(f"max tokens {max_tokens} is not positive", "ask for at least 1 token")
         with self._cond:
             seq = Seq(self._next_id, len(prompt_ids), list(prompt_ids), self.max_seq_len)
-            request = _Request(seq, params, max_tokens, stop_ids, forced, constraint)
+            request = _Request(seq, params, max_tokens, stop_ids, forced, constraint, logprobs)
             request.acceptance = self.acceptance.start()
             self.scheduler.add(seq)  # raises before anything is recorded
             self._next_id += 1
@@ -366,10 +394,10 @@ class BatchEngine:
                 for r, toks in zip(sampling, tokens):
                     if r.seq.draft:
                         self._record_draft(r, len(toks) - 1)
-                    for tok in toks:
+                    for j, tok in enumerate(toks):
                         if r.finished:
                             break
-                        self._deliver(r, tok, now)
+                        self._deliver(r, tok, now, r.step_logprobs[j] if r.step_logprobs else None)
                 self.steps += 1
                 self.tokens_computed += plan.num_tokens
                 self.last_step_s = now - t0
@@ -446,6 +474,9 @@ class BatchEngine:
             if r.forced is not None:
                 r.logits.append(logits[at].float().clone())
         rows_of = {i: logits[at : at + n] for i, (at, n) in enumerate(spans)}
+        # The model's own distribution, before any mask below changes these rows in place.
+        scored = {i: torch.log_softmax(rows_of[i].float(), -1) for i, r in enumerate(requests)
+                  if r.top_logprobs is not None}  # (n, V)
         if bits is not None:  # each constrained request's rows, refused tokens at -inf (in place: its own rows)
             row = 0
             for i in constrained:
@@ -495,7 +526,21 @@ class BatchEngine:
             while kept < len(draft) and rows[kept] == draft[kept]:
                 kept += 1
             out.append([*draft[:kept], rows[kept]])
+        for i, lp in scored.items():
+            r, (at, n) = requests[i], spans[i]
+            r.step_logprobs = self._logprobs(lp[: len(out[i])], out[i], r.top_logprobs or 0)
         return out
+
+    @staticmethod
+    def _logprobs(lp: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+        """Each row's entry: ``lp`` (rows, V) log-probabilities, ``tokens`` the token of each row."""
+        picked = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+        if top:
+            values, ids = lp.topk(top, dim=-1)
+            alts = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        else:
+            alts = [()] * len(tokens)
+        return [TokenLogprob(t, p, a) for t, p, a in zip(tokens, picked, alts)]
 
     @staticmethod
     def _grammar_bits(spans: list[tuple[int, int]], requests: list[_Request], which: list[int]) -> torch.Tensor:
@@ -511,7 +556,7 @@ class BatchEngine:
             row += n
         return bits
 
-    def _deliver(self, r: _Request, tok: int, now: float) -> None:
+    def _deliver(self, r: _Request, tok: int, now: float, logprob: TokenLogprob | None = None) -> None:
         """A sampled token: end on a stop id (not delivered), else hand it over and end at the limits."""
         seq, stats = r.seq, r.stats
         if seq.cancelled:
@@ -537,6 +582,8 @@ class BatchEngine:
         stats.token_times.append(now)
         seq.token_ids.append(tok)
         stats.generated_tokens += 1
+        if logprob is not None:
+            r.token_logprobs.append(logprob)  # before the token can be taken
         r.out.append(tok)
         if r.recent is not None:
             r.recent.append(tok)

@@ -166,7 +166,8 @@ class Constraint:
 
 class Constraints:
     """A model's vocabulary as llguidance reads it (built at the first constrained request: a large
-    vocabulary takes a second or two), and its compiled grammars by content."""
+    vocabulary takes a second or two), and its compiled grammars by content. Also each token's own
+    bytes (:meth:`token_bytes`: log-probability entries show them)."""
 
     def __init__(self, tokenizer: Tokenizer, stop_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
@@ -182,6 +183,12 @@ class Constraints:
             self._vocab = llguidance.LLTokenizer(tk.backend.to_str(), n_vocab=tk.vocab_size,
                                                  eos_token=self._stop_ids or None)
         return self._vocab
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes (half a UTF-8 character, for some; a special token's name)."""
+        with self._lock:
+            vocab = self._vocabulary()
+        return vocab.decode_bytes([token_id])
 
     def start(self, grammar: Grammar) -> Constraint:
         """A fresh constraint for one sequence (compiling ``grammar`` against the vocabulary the first

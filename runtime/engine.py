@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from localllm.runtime.batch import BatchEngine, GenerationStats
+from localllm.runtime.batch import BatchEngine, GenerationStats, TokenLogprob
 from localllm.runtime.chat import encode_chat
 from localllm.runtime.constrain import Constraints, Grammar
 from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, layer_groups, plan_pool, window_blocks
@@ -81,6 +81,8 @@ class Engine:
         self.constraints = Constraints(tokenizer, self.stop_ids)
         self.stats = GenerationStats(prompt_tokens=0)
         """Figures of the last (or current) generation."""
+        self.logprobs: list[TokenLogprob] = []
+        """The last generation's log-probability entries (when it asked for them), one per token."""
 
     @property
     def step_kind(self) -> str:
@@ -104,15 +106,18 @@ class Engine:
         max_tokens: int | None = None,
         stop_ids: Sequence[int] | None = None,
         grammar: Grammar | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[int]:
         """Generated token ids one at a time (a stop id, by default the model's end tokens, ends
         generation and is not yielded); :attr:`stats` holds the call's figures. ``grammar``: what the
-        reply must match (:mod:`runtime.constrain`)."""
+        reply must match (:mod:`runtime.constrain`). ``logprobs``: record each token's log-probability
+        and this many alternatives in :attr:`logprobs`."""
         check_prompt(len(prompt_ids), self.ctx)
         stop = self.stop_ids if stop_ids is None else stop_ids
         constraint = None if grammar is None else self.constraints.start(grammar)
-        handle = self.batch.submit(prompt_ids, params, max_tokens, stop, constraint=constraint)
+        handle = self.batch.submit(prompt_ids, params, max_tokens, stop, constraint=constraint, logprobs=logprobs)
         self.stats = handle.stats
+        self.logprobs = handle.logprobs
         try:
             yield from handle  # each next() runs the engine's steps until the token is there
         finally:
@@ -127,11 +132,12 @@ class Engine:
         max_tokens: int | None = None,
         stop: Sequence[str] = (),
         grammar: Grammar | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[str]:
         """Text pieces generated after ``prompt_ids``, as soon as each is printable."""
         decoder = self.tokenizer.stream(skip_special=True)
         cut = StopStringFilter(stop)
-        tokens = self.generate_ids(prompt_ids, params, max_tokens, grammar=grammar)
+        tokens = self.generate_ids(prompt_ids, params, max_tokens, grammar=grammar, logprobs=logprobs)
         try:
             for token in tokens:
                 piece = cut.feed(decoder.feed(token))
@@ -148,10 +154,10 @@ class Engine:
 
     def complete(
         self, prompt: str, params: SamplingParams, max_tokens: int | None = None, stop: Sequence[str] = (),
-        grammar: Grammar | None = None,
+        grammar: Grammar | None = None, logprobs: int | None = None,
     ) -> Iterator[str]:
         """Continue raw ``prompt`` text (no chat template)."""
-        return self.stream_ids(self.tokenizer.encode(prompt), params, max_tokens, stop, grammar)
+        return self.stream_ids(self.tokenizer.encode(prompt), params, max_tokens, stop, grammar, logprobs)
 
     def chat(
         self,
@@ -161,6 +167,7 @@ class Engine:
         stop: Sequence[str] = (),
         think: bool | None = None,
         grammar: Grammar | None = None,
+        logprobs: int | None = None,
     ) -> Iterator[str]:
         """The assistant's reply to ``messages`` ({"role", "content"} dicts), via the chat template.
 
@@ -172,4 +179,5 @@ class Engine:
         shared prefix, so a multi-turn chat only processes what is new.
         """
         extra = {} if think is None else {"enable_thinking": think}
-        return self.stream_ids(encode_chat(self.tokenizer, messages, **extra), params, max_tokens, stop, grammar)
+        return self.stream_ids(encode_chat(self.tokenizer, messages, **extra), params, max_tokens, stop, grammar,
+                               logprobs)

@@ -253,7 +253,8 @@ def test_debug_shows_the_traceback():
 # ------------------------------------------------------------------------------ --format
 def test_format_schema_file_holds_the_reply_and_bad_schemas_are_one_line(tiny_folder, tmp_path: Path):
     """A random-weight model's reply to --format SCHEMA_FILE parses and validates (the grammar decides
-    every token it may pick); a schema it cannot enforce is refused before anything loads."""
+    every token it may pick), --logprobs lists its tokens on stderr; a schema it cannot enforce is
+    refused before anything loads."""
     import jsonschema
 
     from tests.test_constrain import PERSON
@@ -262,9 +263,13 @@ def test_format_schema_file_holds_the_reply_and_bad_schemas_are_one_line(tiny_fo
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(PERSON))
     proc = run_cli("run", str(folder), "Who?", "--raw", "--format", str(schema), "--temperature", "1", "--top-k", "0",
-                   "--top-p", "1", "--seed", "4", "-n", "400")
+                   "--top-p", "1", "--seed", "4", "-n", "400", "--logprobs", "2")
     assert proc.returncode == 0, proc.stderr
     jsonschema.validate(json.loads(proc.stdout), PERSON)
+    # --logprobs: a line per generated token (one byte each here) on stderr, with two alternatives
+    header, *lines = proc.stderr.splitlines()
+    assert header.startswith("token probabilities") and len(lines) == len(proc.stdout.strip().encode())
+    assert lines[0].startswith("  '{'") and all(line.count("%") == 3 for line in lines)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}))
     assert_one_line_error(run_cli("run", str(folder), "hi", "--format", str(bad)),

@@ -151,6 +151,34 @@ def test_structured_outputs_through_both_clients(server: ServerThread) -> None:
     wait_for(lambda: idle(server), what="every block back")
 
 
+def test_logprobs_in_every_shape(server: ServerThread) -> None:
+    """OpenAI chat (whole and streamed: the same entries), legacy completions and Ollama: one entry per
+    generated token whose bytes make the text, greedy tokens first among their alternatives."""
+    openai = pytest.importorskip("openai")
+    ollama = pytest.importorskip("ollama")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": FRANCE}], "temperature": 0, "max_tokens": 6,
+           "logprobs": True, "top_logprobs": 3}
+    whole = client.chat.completions.create(**ask)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    assert b"".join(bytes(e.bytes) for e in content).decode() == whole.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token and e.logprob <= 0
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+    streamed = [e for c in client.chat.completions.create(**ask, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    legacy = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4,
+                                       logprobs=2).choices[0]
+    assert "".join(legacy.logprobs.tokens) == legacy.text and len(legacy.logprobs.top_logprobs[0]) == 2
+    assert legacy.logprobs.text_offset == sorted(legacy.logprobs.text_offset) and legacy.logprobs.text_offset[0] == 0
+    reply = ollama.Client(host=server.url).generate(model=MODEL, prompt=FRANCE, logprobs=True, top_logprobs=2,
+                                                    options={"temperature": 0, "num_predict": 5})
+    assert "".join(e.token for e in reply.logprobs) == reply.response and len(reply.logprobs[0].top_logprobs) == 2
+    assert reply.logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-4)  # the same first token
+
+
 # --------------------------------------------------------------------------- Ollama
 def test_ollama_client_generate_chat_list_show_ps(server: ServerThread) -> None:
     ollama = pytest.importorskip("ollama")
@@ -225,6 +253,12 @@ BAD = [
     ("POST", "/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "format": {"type": "strng"}},
      400, "format.type is 'strng', not a JSON Schema type"),
     ("POST", "/api/generate", {"model": MODEL, "prompt": "x", "format": "yaml"}, 400, "'format' must be \"json\""),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                      "top_logprobs": 21}, 400, "'top_logprobs' is 21; it must be at least 0 and at most 20"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                      "top_logprobs": 2}, 400, "'top_logprobs' needs 'logprobs': true"),
+    ("POST", "/api/generate", {"model": MODEL, "prompt": "x", "logprobs": True, "top_logprobs": -1}, 400,
+     "'top_logprobs' is -1"),
 ]
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import click
@@ -16,6 +17,7 @@ from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
 from localllm.report import describe_model, print_stats
+from localllm.runtime.batch import TokenLogprob
 from localllm.runtime.compiled_step import LoadArgs
 from localllm.runtime.constrain import Grammar, any_json_object, json_schema
 from localllm.runtime.sampling import SamplingParams
@@ -188,6 +190,9 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
 @click.option("--format", "format_", metavar="json|SCHEMA",
               help="Hold the reply to JSON: 'json' (any object), or a JSON Schema (a file, or written inline) "
                    "it must validate against. Enforced token by token, so the reply always parses.")
+@click.option("--logprobs", type=click.IntRange(0, 20), metavar="N",
+              help="After the answer, on stderr: each generated token's probability under the model (before "
+                   "temperature, filters and --format), and the N most likely tokens in its place.")
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
 @click.option("--think/--no-think", "think", default=None,
               help="Thinking models (Qwen3): let the model think before answering, or not (the template's "
@@ -219,6 +224,7 @@ def run(
     kv_cache: str,
     speculate: str,
     format_: str | None,
+    logprobs: int | None,
     raw: bool,
     think: bool | None,
     hide_thinking: bool,
@@ -282,14 +288,29 @@ def run(
         build_after(build, needs_build)
         return
     if raw:
-        pieces = engine.complete(text, params, max_tokens, stop, grammar)
+        pieces = engine.complete(text, params, max_tokens, stop, grammar, logprobs)
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        pieces = answer_only(engine.chat(messages, params, max_tokens, stop, think, grammar), not hide_thinking)
+        pieces = answer_only(engine.chat(messages, params, max_tokens, stop, think, grammar, logprobs),
+                             not hide_thinking)
     _stream(pieces)
     _write("\n")
+    if logprobs is not None:
+        print_logprobs(engine.logprobs, engine.constraints.token_bytes)
     _after(engine, verbose, load_s)
     build_after(build, needs_build)
+
+
+def print_logprobs(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> None:
+    """Each generated token with its probability, then its alternatives, one line each, on stderr."""
+    def show(token_id: int) -> str:
+        return repr(token_bytes(token_id).decode("utf-8", errors="replace"))
+
+    click.echo("token probabilities (the model's own, before sampling settings; then the most likely there):",
+               err=True)
+    for e in entries:
+        alts = "  ".join(f"{show(i)} {math.exp(v):.1%}" for i, v in e.top)
+        click.echo(f"  {show(e.token):<18} {math.exp(e.logprob):>6.1%}" + (f"   | {alts}" if alts else ""), err=True)
 
 
 def _ask(prompt: str = ">>> ") -> str:

@@ -18,17 +18,27 @@ in the handle, at most one per position of the context.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from localllm.runtime.batch import RequestHandle
+from localllm.runtime.batch import RequestHandle, TokenLogprob
 from localllm.runtime.textstream import StopStringFilter
 from localllm.runtime.tokenizer import Tokenizer
 
 #: Text pieces handed to the event loop and not yet taken by the client's response (see the module's doc).
 MAX_PENDING = 64
+
+
+@dataclass
+class Piece:
+    """Text as the client gets it, with the log-probability entries of the tokens that made it (empty
+    unless asked for; a token can make no text of its own, half a character, and then lands on the next)."""
+
+    text: str
+    logprobs: list[TokenLogprob]
 
 
 @dataclass
@@ -54,17 +64,18 @@ class Generation:
         self._tokenizer = tokenizer
         self._stop = list(stop)
         self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[str | Outcome] = asyncio.Queue()
+        self._queue: asyncio.Queue[Piece | Outcome] = asyncio.Queue()
         self._cancelled = threading.Event()
         self._room = threading.Semaphore(max_pending)  # pieces the pump may still hand over
         self._on_end = on_end
         self.outcome: Outcome | None = None
         self.tokens = 0  # token ids taken from the engine so far
+        self.logprobs: list[TokenLogprob] = []  # every entry handed over so far (a whole reply's, at its end)
         self._thread = threading.Thread(target=self._pump, name=f"localllm-req-{handle.id}", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ engine side (pump thread)
-    def _put(self, item: str | Outcome) -> bool:
+    def _put(self, item: Piece | Outcome) -> bool:
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
             return True
@@ -74,10 +85,12 @@ class Generation:
             return False
 
     def _put_piece(self, piece: str) -> bool:
-        """Hand ``piece`` over once the consumer has room for it (blocks: backpressure); False when
-        nobody will take it any more."""
+        """Hand ``piece`` over (with the entries of the tokens since the last piece) once the consumer
+        has room for it (blocks: backpressure); False when nobody will take it any more."""
         self._room.acquire()
-        return not self._cancelled.is_set() and self._put(piece)
+        entries = self.handle.logprobs[len(self.logprobs) : self.tokens]
+        self.logprobs += entries
+        return not self._cancelled.is_set() and self._put(Piece(piece, entries))
 
     def _pump(self) -> None:
         decoder = self._tokenizer.stream(skip_special=True)
@@ -128,8 +141,9 @@ class Generation:
         """Pieces handed over and not yet taken."""
         return self._queue.qsize()
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """The text as it comes; a cancelled consumer (a disconnect) cancels the request."""
+    async def parts(self) -> AsyncIterator[Piece]:
+        """The text as it comes, with its tokens' log-probabilities; a cancelled consumer (a
+        disconnect) cancels the request."""
         try:
             while True:
                 item = await self._queue.get()
@@ -141,6 +155,12 @@ class Generation:
         finally:
             if self.outcome is None:
                 self.cancel()
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The text as it comes (:meth:`parts` without the log-probabilities)."""
+        async with contextlib.aclosing(self.parts()) as parts:  # closed with this one: a disconnect cancels
+            async for part in parts:
+                yield part.text
 
     async def text(self) -> str:
         """All of the text, waiting for the end."""

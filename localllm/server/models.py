@@ -86,10 +86,13 @@ class ModelSlot:
         return now + timedelta(seconds=left)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None,
-               stop: Sequence[str], metrics: Metrics, constraint: Constraint | None = None) -> Generation:
-        """Queue a generation on this model's engine; raises EngineBusy (queue full) or LocalLLMError."""
+               stop: Sequence[str], metrics: Metrics, constraint: Constraint | None = None,
+               logprobs: int | None = None) -> Generation:
+        """Queue a generation on this model's engine; raises EngineBusy (queue full) or LocalLLMError.
+        ``logprobs``: record each token's log-probability and that many alternatives."""
         try:
-            handle = self.engine.submit(prompt_ids, params, max_tokens, self.stop_ids, constraint=constraint)
+            handle = self.engine.submit(prompt_ids, params, max_tokens, self.stop_ids, constraint=constraint,
+                                        logprobs=logprobs)
         except EngineBusy:
             metrics.rejected()
             raise
@@ -115,12 +118,19 @@ class Lease:
     closed: bool = False
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None,
-               stop: Sequence[str], constraint: Constraint | None = None) -> Generation:
+               stop: Sequence[str], constraint: Constraint | None = None, logprobs: int | None = None) -> Generation:
         """Queue the generation on the model's engine (once per lease)."""
         if self.gen is not None or self.closed:
             raise RuntimeError("a lease submits one generation, before it is closed")
-        self.gen = self.slot.submit(prompt_ids, params, max_tokens, stop, self.manager.metrics, constraint)
+        self.gen = self.slot.submit(prompt_ids, params, max_tokens, stop, self.manager.metrics, constraint, logprobs)
         return self.gen
+
+    async def token_bytes(self) -> Callable[[int], bytes]:
+        """Each token's bytes, for log-probability entries (the model's vocabulary index is built on a
+        worker thread the first time: call this before answering, so the event loop never builds it)."""
+        vocab = self.slot.constraints
+        await anyio.to_thread.run_sync(vocab.token_bytes, 0)
+        return vocab.token_bytes
 
     async def constraint(self, grammar: Grammar | None) -> Constraint | None:
         """A constraint of ``grammar`` for this request, compiled (or copied from the model's cache) on

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 import localllm
 from localllm.errors import LocalLLMError
+from localllm.runtime.batch import MAX_TOP_LOGPROBS, TokenLogprob
 from localllm.runtime.chat import encode_chat
 from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
@@ -31,6 +32,7 @@ from localllm.server.common import check_prompt, endpoint, start_reply, state, w
 from localllm.server.config import parse_duration
 from localllm.server.errors import OLLAMA, ApiError, ModelNotFound, from_exception
 from localllm.server.generation import Outcome
+from localllm.server.logprobs import chat_content
 from localllm.server.models import DEFAULT, Lease
 from localllm.server.streaming import ndjson_line, ndjson_response
 from localllm.server.structured import ollama_format
@@ -60,6 +62,7 @@ class Run:
     stream: bool
     keep_alive: object
     grammar: Grammar | None  # what the reply must match ("format"); None: free text
+    logprobs: int | None  # alternatives each token's entry lists ("top_logprobs"); None: no entries
 
 
 def _run(f: Fields) -> Run:
@@ -103,8 +106,10 @@ def _run(f: Fields) -> Run:
         except LocalLLMError as e:
             raise ApiError(400, f"'keep_alive': {e.one_line()}", param="keep_alive") from None
     max_tokens = num_predict if num_predict is not None and num_predict > 0 else None
+    top = f.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+    logprobs = (top or 0) if f.boolean("logprobs", False) or top else None
     return Run(model, params, max_tokens, num_ctx, stop, f.boolean("stream", True), keep_alive,
-               ollama_format(f.raw("format")))
+               ollama_format(f.raw("format")), logprobs)
 
 
 def _stats(o: Outcome, started: float, load_s: float) -> dict[str, Any]:
@@ -152,26 +157,31 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
         if run.num_ctx is not None:  # the reply ends where the asked-for context is full
             room = ctx - len(ids)
             max_tokens = room if max_tokens is None else min(max_tokens, room)
-        lease.submit(ids, run.params, max_tokens, run.stop, await lease.constraint(run.grammar))
+        if run.logprobs is not None:
+            await lease.token_bytes()
+        lease.submit(ids, run.params, max_tokens, run.stop, await lease.constraint(run.grammar), run.logprobs)
 
     lease = await start_reply(request, prepare, run.model, run.keep_alive)
     gen = lease.gen
     assert gen is not None  # start_reply submitted it
+    token_bytes = lease.slot.constraints.token_bytes if run.logprobs is not None else None  # built in prepare
 
-    def piece_obj(text: str) -> dict[str, Any]:
+    def piece_obj(text: str, entries: list[TokenLogprob] | None = None) -> dict[str, Any]:
         base: dict[str, Any] = {"model": run.model, "created_at": iso_now()}
         base.update({"message": {"role": "assistant", "content": text}} if chat else {"response": text})
+        if token_bytes is not None and entries is not None:
+            base["logprobs"] = chat_content(entries, token_bytes)
         return base
 
-    def final(o: Outcome, text: str) -> dict[str, Any]:
-        body = piece_obj(text)
+    def final(o: Outcome, text: str, entries: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        body = piece_obj(text, entries)
         body.update({"done": True, "done_reason": _done_reason(o), **_stats(o, started, lease.load_s)})
         return body
 
     if run.stream:
         async def lines() -> AsyncGenerator[str, None]:
-            async for piece in gen.pieces():
-                yield ndjson_line({**piece_obj(piece), "done": False})
+            async for part in gen.parts():
+                yield ndjson_line({**piece_obj(part.text, part.logprobs), "done": False})
             o = gen.outcome
             assert o is not None
             if o.finish_reason == "error":
@@ -181,7 +191,7 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
 
         return ndjson_response(lines(), on_close=lease.close)
     text, o = await whole_reply(request, lease)
-    return JSONResponse(final(o, text))
+    return JSONResponse(final(o, text, gen.logprobs))
 
 
 @endpoint(OLLAMA, "/api/generate")

@@ -12,12 +12,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from localllm.runtime.batch import MAX_TOP_LOGPROBS, TokenLogprob
 from localllm.runtime.chat import encode_chat
 from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, now_s, request_id, start_reply, state, whole_reply
 from localllm.server.errors import OPENAI, ApiError, from_exception, openai_body
 from localllm.server.generation import Outcome
+from localllm.server.logprobs import chat_content, completion_logprobs
 from localllm.server.models import Lease
 from localllm.server.streaming import SSE_DONE, sse_event, sse_response
 from localllm.server.structured import openai_response_format
@@ -29,8 +31,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 #: Fields this server does not implement, and the values that ask for nothing (accepted).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,), "suffix": ("",),
-    "tools": ([],),
+    "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],),
 }
 
 
@@ -45,9 +46,23 @@ class Ask:
     stream: bool
     include_usage: bool
     grammar: Grammar | None  # what the reply must match (response_format); None: free text
+    logprobs: int | None  # alternatives each token's log-probability entry lists; None: no entries
 
 
-def _ask(f: Fields, default_max_tokens: int | None) -> Ask:
+def _logprobs(f: Fields, chat: bool) -> int | None:
+    """Chat: ``logprobs`` true, with ``top_logprobs`` alternatives (0-20); completions: ``logprobs``
+    as the number of alternatives."""
+    if not chat:
+        return f.integer("logprobs", 0, MAX_TOP_LOGPROBS)
+    top = f.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if not f.boolean("logprobs", False):
+        if top:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return None
+    return top or 0
+
+
+def _ask(f: Fields, default_max_tokens: int | None, chat: bool) -> Ask:
     model = f.string("model", required=True)
     n = f.integer("n")
     if n is not None and n != 1:
@@ -72,7 +87,8 @@ def _ask(f: Fields, default_max_tokens: int | None) -> Ask:
     params = SamplingParams(temperature=1.0 if temperature is None else temperature, top_k=0,
                             top_p=1.0 if top_p is None else top_p, seed=seed)
     grammar = openai_response_format(f.raw("response_format"))
-    return Ask(model, params, max_tokens, f.stop("stop", most=4), stream, include_usage, grammar)  # type: ignore[arg-type]
+    return Ask(model, params, max_tokens, f.stop("stop", most=4), stream, include_usage, grammar,  # type: ignore[arg-type]
+               _logprobs(f, chat))
 
 
 def usage(o: Outcome) -> dict[str, Any]:
@@ -101,7 +117,9 @@ async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> Lease:
                 raise ApiError(400, f"'prompt' has token ids outside the vocabulary (0..{tok.vocab_size - 1})",
                                param="prompt")
         check_prompt(ids, lease.slot, param="messages" if chat else "prompt")
-        lease.submit(ids, ask.params, ask.max_tokens, ask.stop, await lease.constraint(ask.grammar))
+        if ask.logprobs is not None:
+            await lease.token_bytes()
+        lease.submit(ids, ask.params, ask.max_tokens, ask.stop, await lease.constraint(ask.grammar), ask.logprobs)
 
     return await start_reply(request, prepare, ask.model)
 
@@ -124,19 +142,33 @@ def _prompt_of(f: Fields) -> str | list[int]:
 async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool) -> Response:
     gen = lease.gen
     assert gen is not None  # start_reply submitted it
+    token_bytes = lease.slot.constraints.token_bytes if ask.logprobs is not None else None  # built in prepare
+    offset = 0  # legacy completions: where the next token's text starts
+
+    def scored(entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        nonlocal offset
+        if token_bytes is None:
+            return None
+        if chat:
+            return {"content": chat_content(entries, token_bytes), "refusal": None}
+        out = completion_logprobs(entries, token_bytes, offset)
+        offset = out["text_offset"][-1] + len(out["tokens"][-1]) if entries else offset
+        return out
+
     rid = request_id("chatcmpl" if chat else "cmpl")
     created = now_s()
     kind = "chat.completion" if chat else "text_completion"
 
-    def choice(text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+    def choice(text: str | None, reason: str | None, first: bool = False,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
     def chunk(choices: list[dict[str, Any]], use: dict[str, Any] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"id": rid, "object": kind + ".chunk" if chat else kind, "created": created,
@@ -149,8 +181,8 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool) -> Resp
         async def events() -> AsyncGenerator[str, None]:
             if chat:
                 yield sse_event(chunk([choice("", None, first=True)]))
-            async for piece in gen.pieces():
-                yield sse_event(chunk([choice(piece, None)]))
+            async for part in gen.parts():
+                yield sse_event(chunk([choice(part.text, None, logprobs=scored(part.logprobs))]))
             o = gen.outcome
             assert o is not None
             if o.finish_reason == "error":
@@ -166,9 +198,9 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool) -> Resp
     text, o = await whole_reply(request, lease)
     if chat:
         answer = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": None, "finish_reason": finish_reason(o)}
+                  "logprobs": scored(gen.logprobs), "finish_reason": finish_reason(o)}
     else:
-        answer = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(o)}
+        answer = {"index": 0, "text": text, "logprobs": scored(gen.logprobs), "finish_reason": finish_reason(o)}
     return JSONResponse({"id": rid, "object": kind, "created": created, "model": ask.model,
                          "system_fingerprint": None, "choices": [answer], "usage": usage(o)})
 
@@ -177,7 +209,7 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool) -> Resp
 async def chat_completions(request: Request) -> Response:
     body = await read_json(request, state(request).config.max_body_bytes)
     f = Fields(body)
-    ask = _ask(f, None)
+    ask = _ask(f, None, chat=True)
     if f.raw("messages") is None:
         raise ApiError(400, "'messages' is required", param="messages")
     msgs = messages(f.raw("messages"))
@@ -191,7 +223,7 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     body = await read_json(request, state(request).config.max_body_bytes)
     f = Fields(body)
-    ask = _ask(f, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    ask = _ask(f, COMPLETIONS_DEFAULT_MAX_TOKENS, chat=False)
     prompt = _prompt_of(f)
     lease = await _start(request, ask, prompt, chat=False)
     return await _respond(request, ask, lease, chat=False)
