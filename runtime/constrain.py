@@ -129,9 +129,12 @@ def _find_value(schema: Any, key: str, value: str, where: str) -> str | None:
 class Constraint:
     """One sequence's grammar state (an llguidance matcher): its masks, and the tokens it has taken."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_words: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_words: int, stop_ids: Sequence[int] = ()) -> None:
         self._m = matcher
         self.words = vocab_words  # int32 words of one mask row: ceil(tokenizer vocabulary / 32)
+        #: (word, bit mask) of each stop id: cleared from a row where the reply cannot end yet (a stop
+        #: token whose text is ordinary bytes, "</s>" in a plain vocabulary, would pass inside a string)
+        self._stops = [(i // 32, 1 << (i % 32)) for i in stop_ids if i < 32 * vocab_words]
 
     @property
     def done(self) -> bool:
@@ -154,6 +157,10 @@ class Constraint:
         for j in range(len(draft) + 1):
             row = out[j]
             self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            if self._stops and not self._m.is_accepting():
+                words = row.numpy().view("uint32")
+                for w, bit in self._stops:
+                    words[w] &= ~bit & 0xFFFFFFFF
             if j < len(draft):
                 self._m.consume_token(draft[j])
         if draft:
@@ -208,7 +215,7 @@ class Constraints:
             else:
                 self._compiled.move_to_end(grammar.text)
             matcher = template.deep_copy()
-        return Constraint(matcher, (vocab.vocab_size + 31) // 32)
+        return Constraint(matcher, (vocab.vocab_size + 31) // 32, self._stop_ids)
 
 
 def apply_masks(logits: torch.Tensor, bits: torch.Tensor) -> None:

@@ -179,6 +179,91 @@ def test_logprobs_in_every_shape(server: ServerThread) -> None:
     assert reply.logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-4)  # the same first token
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the current time in a time zone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
+                   "required": ["timezone"]}}}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def test_tool_calls_through_both_clients(server: ServerThread) -> None:
+    """tool_choice enforced (required: a call of one of the tools; a named function: a call of it,
+    streamed as fragments the openai client assembles), then a round trip (the call and its result in
+    the history, the answer as text); Ollama's tools from a Python function, each call whole in one
+    streamed chunk with its arguments as an object."""
+    openai = pytest.importorskip("openai")
+    ollama = pytest.importorskip("ollama")
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    schemas = {t["function"]["name"]: {**t["function"]["parameters"], "additionalProperties": False} for t in tools}
+    r = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=tools, tool_choice="required",
+                                       parallel_tool_calls=False, temperature=0, max_tokens=80)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    with client.chat.completions.stream(model=MODEL, messages=WEATHER_ASK, tools=tools, tool_choice=named,
+                                        parallel_tool_calls=False, temperature=0, max_tokens=80) as stream:
+        final = stream.get_final_completion()
+    (streamed,) = final.choices[0].message.tool_calls
+    assert streamed.function.name == "get_time" and final.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(streamed.function.arguments), schemas["get_time"])
+    history = WEATHER_ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_celsius": 21, "sky": "sunny"}'}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=tools, tool_choice="none",
+                                            temperature=0, max_tokens=40).choices[0]
+    assert answer.message.content and not answer.message.tool_calls and answer.finish_reason in ("stop", "length")
+
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city.
+
+        Args:
+          city: The city's name
+        """
+        return "sunny"
+
+    said_before = [WEATHER_ASK[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_name": "get_weather", "content": "sunny"}, {"role": "user", "content": "And in Rome?"}]
+    chunks = list(ollama.Client(host=server.url).chat(model=MODEL, messages=said_before, tools=[get_weather],
+                                                      stream=True, options={"temperature": 0, "num_predict": 80}))
+    with_calls = [c for c in chunks if c.message.tool_calls]
+    assert len(with_calls) == 1 and chunks[-1].done, [c.message for c in chunks]
+    (ocall,) = with_calls[0].message.tool_calls
+    assert ocall.function.name == "get_weather" and isinstance(ocall.function.arguments, dict)
+    assert set(ocall.function.arguments) <= {"city"}
+    wait_for(lambda: idle(server), what="every block back")
+
+
+def test_bad_tools_get_400s(http: httpx.Client) -> None:
+    base = {"model": MODEL, "messages": WEATHER_ASK}
+    cases = [
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "'tools[0].function.name' is required"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+         "'tools[0].function.parameters' must be a JSON Schema object"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_news"}}},
+         "'tool_choice' names 'get_news', which is not among the tools"),
+        ({"tool_choice": "required"}, "no 'tools' are given"),
+        ({"tools": [WEATHER_TOOL], "n": 2}, "n = 1 only"),
+        ({"tools": [WEATHER_TOOL], "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ]
+    for extra, needle in cases:
+        r = http.post("/v1/chat/completions", json={**base, **extra})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (extra, r.text)
+    r = http.post("/api/chat", json={**base, "tools": [{"type": "function", "function": {"name": "bad name!"}}]})
+    assert r.status_code == 400 and "'tools[0].function.name' is required" in r.json()["error"]
+
+
 # --------------------------------------------------------------------------- Ollama
 def test_ollama_client_generate_chat_list_show_ps(server: ServerThread) -> None:
     ollama = pytest.importorskip("ollama")

@@ -25,7 +25,7 @@ from starlette.routing import Route
 import localllm
 from localllm.errors import LocalLLMError
 from localllm.runtime.batch import MAX_TOP_LOGPROBS, TokenLogprob
-from localllm.runtime.chat import encode_chat
+from localllm.runtime.tools import CallSyntax, ToolCall, parse_calls
 from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, start_reply, state, whole_reply
@@ -35,7 +35,9 @@ from localllm.server.generation import Outcome
 from localllm.server.logprobs import chat_content
 from localllm.server.models import DEFAULT, Lease
 from localllm.server.streaming import ndjson_line, ndjson_response
+from localllm.server import tool_calls
 from localllm.server.structured import ollama_format
+from localllm.server.tool_calls import ToolAsk
 from localllm.server.validate import Fields, messages, read_json
 
 _DEFAULTS = SamplingParams()
@@ -63,6 +65,7 @@ class Run:
     keep_alive: object
     grammar: Grammar | None  # what the reply must match ("format"); None: free text
     logprobs: int | None  # alternatives each token's entry lists ("top_logprobs"); None: no entries
+    tools: ToolAsk | None  # /api/chat's tools (None: none)
 
 
 def _run(f: Fields) -> Run:
@@ -70,7 +73,7 @@ def _run(f: Fields) -> Run:
     assert model is not None
     if not model.strip():
         raise ApiError(400, "'model' is empty", param="model")
-    for key in ("images", "template", "suffix", "context", "tools"):
+    for key in ("images", "template", "suffix", "context"):
         if f.raw(key) not in (None, "", []):
             raise ApiError(400, f"'{key}' is not supported by this server", param=key)
     o = f.obj("options") or Fields({}, "options.")
@@ -108,8 +111,12 @@ def _run(f: Fields) -> Run:
     max_tokens = num_predict if num_predict is not None and num_predict > 0 else None
     top = f.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
     logprobs = (top or 0) if f.boolean("logprobs", False) or top else None
+    grammar, tools = ollama_format(f.raw("format")), tool_calls.ollama_tools(f.raw("tools"))
+    if grammar is not None and tools is not None:
+        raise ApiError(400, "'format' and 'tools' cannot be combined: a reply is either calls or the format",
+                       param="format")
     return Run(model, params, max_tokens, num_ctx, stop, f.boolean("stream", True), keep_alive,
-               ollama_format(f.raw("format")), logprobs)
+               grammar, logprobs, tools)
 
 
 def _stats(o: Outcome, started: float, load_s: float) -> dict[str, Any]:
@@ -148,10 +155,17 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
         done.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
         return JSONResponse(done)
 
+    syntax: CallSyntax | None = None
+
     async def prepare(lease: Lease) -> None:
+        nonlocal syntax
         tok = lease.slot.lm.tokenizer
-        ids = await anyio.to_thread.run_sync(lambda: encode_chat(tok, prompt) if isinstance(prompt, list)
-                                             else tok.encode(prompt))
+        grammar = run.grammar
+        if isinstance(prompt, list):
+            ids, syntax, tool_grammar = await anyio.to_thread.run_sync(tool_calls.prepare, tok, prompt, run.tools)
+            grammar = grammar or tool_grammar
+        else:
+            ids = await anyio.to_thread.run_sync(tok.encode, prompt)
         ctx = check_prompt(ids, lease.slot, run.num_ctx, param="messages" if chat else "prompt")
         max_tokens = run.max_tokens
         if run.num_ctx is not None:  # the reply ends where the asked-for context is full
@@ -159,31 +173,45 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
             max_tokens = room if max_tokens is None else min(max_tokens, room)
         if run.logprobs is not None:
             await lease.token_bytes()
-        lease.submit(ids, run.params, max_tokens, run.stop, await lease.constraint(run.grammar), run.logprobs)
+        lease.submit(ids, run.params, max_tokens, run.stop, await lease.constraint(grammar), run.logprobs)
 
     lease = await start_reply(request, prepare, run.model, run.keep_alive)
     gen = lease.gen
     assert gen is not None  # start_reply submitted it
     token_bytes = lease.slot.constraints.token_bytes if run.logprobs is not None else None  # built in prepare
 
-    def piece_obj(text: str, entries: list[TokenLogprob] | None = None) -> dict[str, Any]:
+    def piece_obj(text: str, entries: list[TokenLogprob] | None = None,
+                  calls: list[ToolCall] | None = None) -> dict[str, Any]:
         base: dict[str, Any] = {"model": run.model, "created_at": iso_now()}
         base.update({"message": {"role": "assistant", "content": text}} if chat else {"response": text})
+        if calls:
+            base["message"]["tool_calls"] = tool_calls.ollama_calls(calls)
         if token_bytes is not None and entries is not None:
             base["logprobs"] = chat_content(entries, token_bytes)
         return base
 
-    def final(o: Outcome, text: str, entries: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        body = piece_obj(text, entries)
+    def final(o: Outcome, text: str, entries: list[TokenLogprob] | None = None,
+              calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        body = piece_obj(text, entries, calls)
         body.update({"done": True, "done_reason": _done_reason(o), **_stats(o, started, lease.load_s)})
         return body
 
     if run.stream:
         async def lines() -> AsyncGenerator[str, None]:
+            split = tool_calls.splitter(syntax, run.tools) if syntax is not None else None
+            entries: list[TokenLogprob] = []  # of text held back (it might have opened a call)
             async for part in gen.parts():
-                yield ndjson_line({**piece_obj(part.text, part.logprobs), "done": False})
+                entries += part.logprobs
+                text = split.feed(part.text) if split is not None else part.text
+                if text:
+                    yield ndjson_line({**piece_obj(text, entries), "done": False})
+                    entries = []
             o = gen.outcome
             assert o is not None
+            if split is not None:
+                rest, calls = split.finish()
+                if rest or calls:  # each call whole, in one chunk
+                    yield ndjson_line({**piece_obj(rest, entries, calls), "done": False})
             if o.finish_reason == "error":
                 yield ndjson_line({"error": from_exception(o.error or RuntimeError("failed")).message})
             else:
@@ -191,13 +219,19 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
 
         return ndjson_response(lines(), on_close=lease.close)
     text, o = await whole_reply(request, lease)
-    return JSONResponse(final(o, text, gen.logprobs))
+    calls: list[ToolCall] = []
+    if syntax is not None and run.tools is not None:
+        content, calls = parse_calls(syntax, text)
+        text = content or ""
+    return JSONResponse(final(o, text, gen.logprobs, calls))
 
 
 @endpoint(OLLAMA, "/api/generate")
 async def generate(request: Request) -> Response:
     f = Fields(await read_json(request, state(request).config.max_body_bytes))
     run = _run(f)
+    if run.tools is not None:
+        raise ApiError(400, "'tools' is for /api/chat", param="tools")
     prompt = f.string("prompt", default="") or ""
     system = f.string("system")
     if prompt and not f.boolean("raw", False):

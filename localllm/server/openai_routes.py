@@ -3,6 +3,7 @@ ending in ``[DONE]``, or one JSON answer), ``GET /v1/models``."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from localllm.runtime.batch import MAX_TOP_LOGPROBS, TokenLogprob
-from localllm.runtime.chat import encode_chat
+from localllm.runtime.tools import CallSyntax, ToolCall, parse_calls
 from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, now_s, request_id, start_reply, state, whole_reply
@@ -22,7 +23,9 @@ from localllm.server.generation import Outcome
 from localllm.server.logprobs import chat_content, completion_logprobs
 from localllm.server.models import Lease
 from localllm.server.streaming import SSE_DONE, sse_event, sse_response
+from localllm.server import tool_calls
 from localllm.server.structured import openai_response_format
+from localllm.server.tool_calls import ToolAsk
 from localllm.server.validate import Fields, messages, read_json
 
 #: The legacy completions API's default reply length (OpenAI's own).
@@ -31,7 +34,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 #: Fields this server does not implement, and the values that ask for nothing (accepted).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "best_of": (1,), "suffix": ("",), "tools": ([],),
+    "echo": (False,), "best_of": (1,), "suffix": ("",),
 }
 
 
@@ -47,6 +50,7 @@ class Ask:
     include_usage: bool
     grammar: Grammar | None  # what the reply must match (response_format); None: free text
     logprobs: int | None  # alternatives each token's log-probability entry lists; None: no entries
+    tools: ToolAsk | None = None  # chat: the tools offered and tool_choice (None: none)
 
 
 def _logprobs(f: Fields, chat: bool) -> int | None:
@@ -101,14 +105,19 @@ def finish_reason(o: Outcome) -> str:
     return "length" if o.finish_reason == "length" else "stop"
 
 
-async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> Lease:
+async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> tuple[Lease, CallSyntax | None]:
     """Load the model, encode the prompt (on a worker thread: templates and long prompts take time),
-    check it fits, and queue it; a client that leaves meanwhile ends it (:func:`start_reply`)."""
+    check it fits, and queue it; a client that leaves meanwhile ends it (:func:`start_reply`). Also
+    the model's tool call syntax, for a chat."""
+    syntax: CallSyntax | None = None
 
     async def prepare(lease: Lease) -> None:
+        nonlocal syntax
         tok = lease.slot.lm.tokenizer
+        grammar = ask.grammar
         if chat:
-            ids = await anyio.to_thread.run_sync(encode_chat, tok, prompt)
+            ids, syntax, tool_grammar = await anyio.to_thread.run_sync(tool_calls.prepare, tok, prompt, ask.tools)
+            grammar = grammar or tool_grammar
         elif isinstance(prompt, str):
             ids = await anyio.to_thread.run_sync(tok.encode, prompt)
         else:
@@ -119,9 +128,10 @@ async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> Lease:
         check_prompt(ids, lease.slot, param="messages" if chat else "prompt")
         if ask.logprobs is not None:
             await lease.token_bytes()
-        lease.submit(ids, ask.params, ask.max_tokens, ask.stop, await lease.constraint(ask.grammar), ask.logprobs)
+        lease.submit(ids, ask.params, ask.max_tokens, ask.stop, await lease.constraint(grammar), ask.logprobs)
 
-    return await start_reply(request, prepare, ask.model)
+    lease = await start_reply(request, prepare, ask.model)
+    return lease, syntax
 
 
 def _prompt_of(f: Fields) -> str | list[int]:
@@ -139,7 +149,7 @@ def _prompt_of(f: Fields) -> str | list[int]:
     raise ApiError(400, "'prompt' must be a string or an array of token ids", param="prompt")
 
 
-async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool) -> Response:
+async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, syntax: CallSyntax | None = None) -> Response:
     gen = lease.gen
     assert gen is not None  # start_reply submitted it
     token_bytes = lease.slot.constraints.token_bytes if ask.logprobs is not None else None  # built in prepare
@@ -160,13 +170,15 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool) -> Resp
     kind = "chat.completion" if chat else "text_completion"
 
     def choice(text: str | None, reason: str | None, first: bool = False,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if calls is not None:
+                delta["tool_calls"] = calls
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
@@ -181,14 +193,27 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool) -> Resp
         async def events() -> AsyncGenerator[str, None]:
             if chat:
                 yield sse_event(chunk([choice("", None, first=True)]))
+            split = tool_calls.splitter(syntax, ask.tools) if syntax is not None else None
+            entries: list[TokenLogprob] = []  # of text held back (it might have opened a call)
             async for part in gen.parts():
-                yield sse_event(chunk([choice(part.text, None, logprobs=scored(part.logprobs))]))
+                entries += part.logprobs
+                text = split.feed(part.text) if split is not None else part.text
+                if text:
+                    yield sse_event(chunk([choice(text, None, logprobs=scored(entries))]))
+                    entries = []
             o = gen.outcome
             assert o is not None
+            calls: list[ToolCall] = []
+            if split is not None:
+                rest, calls = split.finish()
+                if rest:
+                    yield sse_event(chunk([choice(rest, None, logprobs=scored(entries))]))
+                for deltas in tool_calls.openai_call_deltas(calls):
+                    yield sse_event(chunk([choice(None, None, calls=deltas)]))
             if o.finish_reason == "error":
                 yield sse_event(openai_body(from_exception(o.error or RuntimeError("generation failed"))))
             else:
-                yield sse_event(chunk([choice(None if chat else "", finish_reason(o))]))
+                yield sse_event(chunk([choice(None if chat else "", "tool_calls" if calls else finish_reason(o))]))
                 if ask.include_usage:
                     yield sse_event(chunk([], usage(o)))
             yield SSE_DONE
@@ -197,8 +222,15 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool) -> Resp
 
     text, o = await whole_reply(request, lease)
     if chat:
-        answer = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                  "logprobs": scored(gen.logprobs), "finish_reason": finish_reason(o)}
+        content: str | None = text
+        calls = []
+        if syntax is not None and ask.tools is not None:
+            content, calls = parse_calls(syntax, text)
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if calls:
+            message["tool_calls"] = tool_calls.openai_calls(calls)
+        answer = {"index": 0, "message": message, "logprobs": scored(gen.logprobs),
+                  "finish_reason": "tool_calls" if calls else finish_reason(o)}
     else:
         answer = {"index": 0, "text": text, "logprobs": scored(gen.logprobs), "finish_reason": finish_reason(o)}
     return JSONResponse({"id": rid, "object": kind, "created": created, "model": ask.model,
@@ -215,8 +247,13 @@ async def chat_completions(request: Request) -> Response:
     msgs = messages(f.raw("messages"))
     if not msgs:
         raise ApiError(400, "'messages' is empty; give at least one message", param="messages")
-    lease = await _start(request, ask, msgs, chat=True)
-    return await _respond(request, ask, lease, chat=True)
+    offered = tool_calls.openai_tools(f.raw("tools"), f.raw("tool_choice"), f.raw("parallel_tool_calls"))
+    if offered is not None and ask.grammar is not None:
+        raise ApiError(400, "'response_format' and 'tools' cannot be combined: a reply is either calls or the "
+                       "format", param="response_format")
+    ask = dataclasses.replace(ask, tools=offered)
+    lease, syntax = await _start(request, ask, msgs, chat=True)
+    return await _respond(request, ask, lease, chat=True, syntax=syntax)
 
 
 @endpoint(OPENAI, "/v1/completions")
@@ -224,8 +261,10 @@ async def completions(request: Request) -> Response:
     body = await read_json(request, state(request).config.max_body_bytes)
     f = Fields(body)
     ask = _ask(f, COMPLETIONS_DEFAULT_MAX_TOKENS, chat=False)
+    if f.raw("tools"):
+        raise ApiError(400, "'tools' is for /v1/chat/completions", param="tools")
     prompt = _prompt_of(f)
-    lease = await _start(request, ask, prompt, chat=False)
+    lease, _ = await _start(request, ask, prompt, chat=False)
     return await _respond(request, ask, lease, chat=False)
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
 
+from localllm.runtime.tools import Tool
 from localllm.server.errors import ApiError
 
 _MISSING = object()
@@ -158,12 +160,12 @@ class Fields:
         return None if value is _MISSING else value
 
 
-def messages(value: Any, param: str = "messages") -> list[dict[str, str]]:
+def messages(value: Any, param: str = "messages") -> list[dict[str, Any]]:
     """Chat messages as ``{"role", "content"}`` with text content. OpenAI's content parts
     (``[{"type": "text", "text": ...}]``) are joined; any other part (images, audio) is refused."""
     if not isinstance(value, list):
         raise ApiError(400, f"'{param}' must be an array of messages, not {_kind(value)}", param=param)
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(value):
         where = f"{param}[{i}]"
         if not isinstance(m, dict):
@@ -187,5 +189,66 @@ def messages(value: Any, param: str = "messages") -> list[dict[str, str]]:
             raise ApiError(400, f"'{where}.content' must be a string, not {_kind(content)}", param=f"{where}.content")
         if m.get("images"):
             raise ApiError(400, f"'{where}.images': this server runs text models only", param=f"{where}.images")
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+        for key in ("tool_call_id", "name", "tool_name"):
+            if isinstance(m.get(key), str):
+                message[key] = m[key]
+        out.append(message)
+    return out
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls, as chat templates take them: ``{"type": "function",
+    "function": {"name", "arguments": object}}`` (OpenAI sends the arguments as a JSON string, Ollama
+    as an object), with the call's id where there is one."""
+    if not isinstance(value, list):
+        raise ApiError(400, f"'{where}' must be an array of calls", param=where)
+    calls = []
+    for i, c in enumerate(value):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"'{where}[{i}].function.name' is required", param=f"{where}[{i}]")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise ApiError(400, f"'{where}[{i}].function.arguments' is not JSON", param=f"{where}[{i}]") from None
+        if not isinstance(args, dict):
+            raise ApiError(400, f"'{where}[{i}].function.arguments' must be a JSON object", param=f"{where}[{i}]")
+        call: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        calls.append(call)
+    return calls
+
+
+def tools(value: Any, param: str = "tools") -> list[Tool]:
+    """OpenAI/Ollama ``tools``: ``[{"type": "function", "function": {"name", "description", "parameters"}}]``."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ApiError(400, f"'{param}' must be an array of tools", param=param)
+    out: list[Tool] = []
+    for i, t in enumerate(value):
+        where = f"{param}[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise ApiError(400, f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}", param=where)
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+            raise ApiError(400, f"'{where}.function.name' is required: letters, digits, '_', '.' or '-' (at most 64)",
+                           param=f"{where}.function.name")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ApiError(400, f"'{where}.function.parameters' must be a JSON Schema object",
+                           param=f"{where}.function.parameters")
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise ApiError(400, f"'{where}.function.description' must be a string", param=f"{where}.function.description")
+        if any(o.name == name for o in out):
+            raise ApiError(400, f"'{where}.function.name': {name!r} is given twice", param=f"{where}.function.name")
+        out.append(Tool(name, description, params))
     return out

@@ -1,0 +1,265 @@
+"""Tool calling: how a model writes a call, the grammar that holds it to ``tool_choice``, and the
+reply parsed back into calls.
+
+The call syntax comes from the model's chat template (what the model was trained to write):
+
+* ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call (Qwen2.5,
+  Qwen3, Hermes); also the generic form below;
+* ``llama3``: the reply is ``{"name": ..., "parameters": {...}}`` (Llama 3.1-3.3);
+* ``mistral``: the ``[TOOL_CALLS]`` token, then ``[{"name": ..., "arguments": {...}}, ...]``.
+
+A template that takes no ``tools`` (SmolLM2's, Gemma 3's) gets the **generic** form: the tools are
+described in a system message (:func:`tools_system_prompt`) and calls are written in the hermes form.
+
+``tool_choice`` is enforced by a grammar (:func:`call_grammar`): "required" and a named function allow
+nothing but calls (of that function); "auto" allows text, or calls once the reply opens one, each call
+held to its function's parameter schema; "none" sends no tools at all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from localllm.errors import LocalLLMError
+from localllm.runtime.constrain import JSON_WHITESPACE, Grammar, json_schema
+
+HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, what it does, and its arguments' JSON Schema."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def spec(self) -> dict[str, Any]:
+        """As chat templates and the APIs take it: ``{"type": "function", "function": {...}}``."""
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                                                 "parameters": dict(self.parameters)}}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How one model writes calls. ``generic``: its template takes no tools (they go in a system
+    message); ``marker_id``: the token that opens calls, where the syntax has one (mistral)."""
+
+    kind: str
+    generic: bool = False
+    marker_id: int | None = None
+
+    @property
+    def opener(self) -> str:
+        """Text a reply that calls starts with (as decoded, special tokens left out)."""
+        return {HERMES: "<tool_call>", LLAMA3: "{", MISTRAL: "["}[self.kind]
+
+
+def call_syntax(template: str | None, token_to_id: Any) -> CallSyntax:
+    """The syntax ``template`` (the model's chat template source) trains its model to call in."""
+    text = template or ""
+    if "[TOOL_CALLS]" in text and token_to_id("[TOOL_CALLS]") is not None:
+        return CallSyntax(MISTRAL, marker_id=token_to_id("[TOOL_CALLS]"))
+    if "<tool_call>" in text:
+        return CallSyntax(HERMES)
+    if "<|python_tag|>" in text or ("ipython" in text and "parameters" in text):
+        return CallSyntax(LLAMA3)
+    return CallSyntax(HERMES, generic=True)
+
+
+def tools_system_prompt(tools: Sequence[Tool]) -> str:
+    """The generic form's instructions: each tool as JSON, and how to call."""
+    listed = "\n".join(json.dumps(t.spec()["function"], ensure_ascii=False) for t in tools)
+    return ("You can call these tools (each one's arguments follow its JSON Schema):\n"
+            f"{listed}\n"
+            "To call a tool, reply with only <tool_call>{\"name\": TOOL NAME, \"arguments\": {ARGUMENTS}}</tool_call>, "
+            "one block per call. Otherwise, answer normally.")
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with every object that lists its properties closed to others where it does not say
+    (``additionalProperties: false``), as llama.cpp's grammars do: a call's arguments are the
+    function's parameters, and a small model otherwise pads them with keys of its own."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {k: closed(v) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), Mapping):
+        out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def _body_schema(syntax: CallSyntax, tools: Sequence[Tool]) -> dict[str, Any]:
+    key = "parameters" if syntax.kind == LLAMA3 else "arguments"
+    variants = [{"type": "object", "properties": {"name": {"const": t.name}, key: closed(t.parameters)},
+                 "required": ["name", key], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+
+
+def call_grammar(syntax: CallSyntax, tools: Sequence[Tool], choice: str | None, parallel: bool = True) -> Grammar:
+    """What a reply may be, for ``choice`` "auto" (text, or calls), "required" (calls) or a tool's name
+    (calls of it). Raises LocalLLMError when a tool's parameters are a schema that cannot be enforced."""
+    if choice not in ("auto", "required") and not any(t.name == choice for t in tools):
+        raise LocalLLMError(f"tool_choice names {choice!r}, which is not among the tools", "name one of the tools")
+    allowed = [t for t in tools if t.name == choice] if choice not in ("auto", "required") else list(tools)
+    for t in allowed:  # a schema llguidance cannot enforce is refused by name, not left loose
+        json_schema(t.parameters, where=f"tools[{tools.index(t)}].function.parameters")
+    body = json.dumps(_body_schema(syntax, allowed))
+    if syntax.kind == HERMES:
+        calls = 'call (WS? call)*' if parallel else 'call'
+        rules = f'calls: {calls}\ncall: "<tool_call>" WS? body WS? "</tool_call>"\n'
+        text = r"/[^<](.|\n)*/"
+    elif syntax.kind == LLAMA3:
+        rules = "calls: body\n"
+        text = r"/[^{](.|\n)*/"
+    else:
+        array = {"type": "array", "items": json.loads(body), "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                 "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+        rules = f"calls: marker WS? %json {json.dumps(array)}\nmarker: <[{syntax.marker_id}]>\n"
+        text = r"/[^\[](.|\n)*/"
+    start = "start: calls\n" if choice != "auto" else "start: TEXT | calls\n"
+    lark = f"{start}{rules}body: %json {body}\nTEXT: {text}\nWS: /[ \\t\\n]+/\n"
+    from llguidance import LLMatcher
+
+    grammar = LLMatcher.grammar_from_lark(lark)
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        raise LocalLLMError(f"the tools do not make a grammar: {messages[0] if messages else 'invalid'}",
+                            "check each tool's parameters schema")
+    return Grammar(grammar, "the tools' call grammar")
+
+
+def parse_calls(syntax: CallSyntax, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A reply as (its text outside calls, or None when there is none; its calls). Text that is not a
+    well-formed call stays text."""
+    calls: list[ToolCall] = []
+    if syntax.kind == HERMES:
+        rest = []
+        last = 0
+        for m in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S):
+            call = _call(m.group(1), "arguments")
+            if call is None:
+                continue
+            rest.append(text[last : m.start()])
+            last = m.end()
+            calls.append(call)
+        rest.append(text[last:])
+        content = "".join(rest).strip()
+        return (content or None), calls
+    body = text.strip()
+    if syntax.kind == LLAMA3:
+        body = body.removeprefix("<|python_tag|>").strip()
+        call = _call(body, "parameters") if body.startswith("{") else None
+        return (None, [call]) if call is not None else (text, [])
+    body = body.removeprefix("[TOOL_CALLS]").strip()
+    if body.startswith("["):
+        try:
+            items = json.loads(body)
+        except json.JSONDecodeError:
+            return text, []
+        parsed = [_call(json.dumps(i), "arguments") for i in items] if isinstance(items, list) else []
+        if parsed and all(c is not None for c in parsed):
+            return None, parsed  # type: ignore[return-value]
+    return text, []
+
+
+def _call(body: str, key: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return ToolCall(obj["name"], args) if isinstance(args, dict) else None
+
+
+def generic_history(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    """A conversation for a template that takes no tools: the tools' system prompt first (joined to
+    the conversation's own system message), earlier calls written as the assistant wrote them, and
+    tool results as user turns in ``<tool_response>`` blocks."""
+    out: list[dict[str, Any]] = []
+    prompt = tools_system_prompt(tools) if tools else ""
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            written = "".join("<tool_call>" + json.dumps({"name": c["function"]["name"],
+                                                          "arguments": c["function"]["arguments"]}) + "</tool_call>"
+                              for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (content + written) if content else written})
+        elif role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        else:
+            out.append({"role": role, "content": content})
+    if prompt:
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def encode_tool_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool],
+                     syntax: CallSyntax, **extra: Any) -> list[int]:
+    """A conversation's token ids with ``tools`` offered: through the template's own ``tools`` where it
+    takes them, else in the generic form (:func:`generic_history`, also for a history of calls when
+    no tools are offered now)."""
+    from localllm.runtime.chat import encode_chat
+
+    if syntax.generic:
+        return encode_chat(tokenizer, generic_history(messages, tools), **extra)
+    return encode_chat(tokenizer, messages, tools=[t.spec() for t in tools] or None, **extra)
+
+
+class ReplySplitter:
+    """A streamed reply told apart as it comes: text is passed on as soon as it cannot be the start of
+    a call; a reply that opens a call is held to its end and parsed (:meth:`finish`). With a forced
+    choice ("required", a name) every reply is calls."""
+
+    def __init__(self, syntax: CallSyntax, forced: bool) -> None:
+        self.syntax = syntax
+        self.mode: str | None = "calls" if forced else None
+        self.held = ""
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` to show now."""
+        if self.mode == "text":
+            return text
+        self.held += text
+        if self.mode == "calls":
+            return ""
+        start, opener = self.held.lstrip(), self.syntax.opener
+        if len(start) < len(opener) and opener.startswith(start):
+            return ""  # could still open a call
+        if start.startswith(opener):
+            self.mode = "calls"
+            return ""
+        self.mode, out, self.held = "text", self.held, ""
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """What was held: its text (a call that did not parse stays text) and its calls."""
+        if not self.held:
+            return "", []
+        content, calls = parse_calls(self.syntax, self.held)
+        return content or "", calls
