@@ -126,6 +126,19 @@ def _find_value(schema: Any, key: str, value: str, where: str) -> str | None:
     return None
 
 
+def after_thinking(grammar: Grammar, opened: bool) -> Grammar:
+    """``grammar`` held to the answer only: a thinking block (``<think>…</think>``, as Qwen3 and
+    DeepSeek-R1 write it) may come first, free, then the answer must match. ``opened``: the prompt
+    already opened the block (the reply starts inside it, and must close it)."""
+    text = grammar.text  # llguidance's JSON form, or a Lark grammar as it is
+    inner = json.loads(text) if text.lstrip().startswith("{") else {"grammars": [{"lark_grammar": text}]}
+    answer = {**inner["grammars"][0], "name": "answer"}
+    thought = 'thought[lazy]: /(.|\\n)*<\\/think>/\nWS: /[ \\t\\n]+/\n'
+    start = "start: thought WS? @answer\n" if opened else 'start: ("<think>" thought WS?)? @answer\n'
+    wrapped = {**inner, "grammars": [{"lark_grammar": start + thought}, answer, *inner["grammars"][1:]]}
+    return Grammar(json.dumps(wrapped), grammar.summary)
+
+
 class Constraint:
     """One sequence's grammar state (an llguidance matcher): its masks, and the tokens it has taken."""
 

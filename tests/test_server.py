@@ -344,6 +344,10 @@ BAD = [
                                       "top_logprobs": 2}, 400, "'top_logprobs' needs 'logprobs': true"),
     ("POST", "/api/generate", {"model": MODEL, "prompt": "x", "logprobs": True, "top_logprobs": -1}, 400,
      "'top_logprobs' is -1"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                      "reasoning_effort": "max"}, 400, "'reasoning_effort' is 'max'"),
+    ("POST", "/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "think": "yes"}, 400,
+     "'think' must be true, false"),
 ]
 
 

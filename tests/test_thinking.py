@@ -67,7 +67,7 @@ def test_think_reaches_the_template_as_enable_thinking(tiny_folder, think, has_b
     engine = Engine(lm.model, lm.tokenizer, 128)
     seen: list[list[int]] = []  # the prompt ids the chat template made
     run = engine.generate_ids
-    engine.generate_ids = lambda ids, *args: (seen.append(list(ids)), run(ids, *args))[1]  # type: ignore[method-assign]
+    engine.generate_ids = lambda ids, *args, **kw: (seen.append(list(ids)), run(ids, *args, **kw))[1]  # type: ignore[method-assign]
     list(engine.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0), 1, think=think))
     prompt = lm.tokenizer.decode(seen[0])
     assert prompt.removeprefix("<s>").startswith("<|user|>Hi\n<|assistant|>")  # BOS added by the tokenizer

@@ -25,7 +25,7 @@ from starlette.routing import Route
 import localllm
 from localllm.errors import LocalLLMError
 from localllm.runtime.batch import MAX_TOP_LOGPROBS, TokenLogprob
-from localllm.runtime.tools import CallSyntax, ToolCall, parse_calls
+from localllm.runtime.tools import ToolCall
 from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, start_reply, state, whole_reply
@@ -36,6 +36,7 @@ from localllm.server.logprobs import chat_content
 from localllm.server.models import DEFAULT, Lease
 from localllm.server.streaming import ndjson_line, ndjson_response
 from localllm.server import tool_calls
+from localllm.server.replies import ReplyShape, prepare_chat
 from localllm.server.structured import ollama_format
 from localllm.server.tool_calls import ToolAsk
 from localllm.server.validate import Fields, messages, read_json
@@ -66,6 +67,7 @@ class Run:
     grammar: Grammar | None  # what the reply must match ("format"); None: free text
     logprobs: int | None  # alternatives each token's entry lists ("top_logprobs"); None: no entries
     tools: ToolAsk | None  # /api/chat's tools (None: none)
+    think: bool | None  # the template's enable_thinking (None: its default)
 
 
 def _run(f: Fields) -> Run:
@@ -115,8 +117,11 @@ def _run(f: Fields) -> Run:
     if grammar is not None and tools is not None:
         raise ApiError(400, "'format' and 'tools' cannot be combined: a reply is either calls or the format",
                        param="format")
+    think = f.raw("think")
+    if think is not None and not isinstance(think, bool) and think not in ("low", "medium", "high"):
+        raise ApiError(400, "'think' must be true, false, \"low\", \"medium\" or \"high\"", param="think")
     return Run(model, params, max_tokens, num_ctx, stop, f.boolean("stream", True), keep_alive,
-               grammar, logprobs, tools)
+               grammar, logprobs, tools, None if think is None else think is not False)
 
 
 def _stats(o: Outcome, started: float, load_s: float) -> dict[str, Any]:
@@ -155,15 +160,15 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
         done.update({"message": {"role": "assistant", "content": ""}} if chat else {"response": ""})
         return JSONResponse(done)
 
-    syntax: CallSyntax | None = None
+    shape: ReplyShape | None = None
 
     async def prepare(lease: Lease) -> None:
-        nonlocal syntax
+        nonlocal shape
         tok = lease.slot.lm.tokenizer
         grammar = run.grammar
         if isinstance(prompt, list):
-            ids, syntax, tool_grammar = await anyio.to_thread.run_sync(tool_calls.prepare, tok, prompt, run.tools)
-            grammar = grammar or tool_grammar
+            ids, grammar, shape = await anyio.to_thread.run_sync(prepare_chat, tok, prompt, run.tools, grammar,
+                                                                 run.think)
         else:
             ids = await anyio.to_thread.run_sync(tok.encode, prompt)
         ctx = check_prompt(ids, lease.slot, run.num_ctx, param="messages" if chat else "prompt")
@@ -181,9 +186,11 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
     token_bytes = lease.slot.constraints.token_bytes if run.logprobs is not None else None  # built in prepare
 
     def piece_obj(text: str, entries: list[TokenLogprob] | None = None,
-                  calls: list[ToolCall] | None = None) -> dict[str, Any]:
+                  calls: list[ToolCall] | None = None, thinking: str = "") -> dict[str, Any]:
         base: dict[str, Any] = {"model": run.model, "created_at": iso_now()}
         base.update({"message": {"role": "assistant", "content": text}} if chat else {"response": text})
+        if thinking:
+            (base["message"] if chat else base)["thinking"] = thinking
         if calls:
             base["message"]["tool_calls"] = tool_calls.ollama_calls(calls)
         if token_bytes is not None and entries is not None:
@@ -191,27 +198,38 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
         return base
 
     def final(o: Outcome, text: str, entries: list[TokenLogprob] | None = None,
-              calls: list[ToolCall] | None = None) -> dict[str, Any]:
-        body = piece_obj(text, entries, calls)
+              calls: list[ToolCall] | None = None, thinking: str = "") -> dict[str, Any]:
+        body = piece_obj(text, entries, calls, thinking)
         body.update({"done": True, "done_reason": _done_reason(o), **_stats(o, started, lease.load_s)})
         return body
 
     if run.stream:
         async def lines() -> AsyncGenerator[str, None]:
-            split = tool_calls.splitter(syntax, run.tools) if syntax is not None else None
             entries: list[TokenLogprob] = []  # of text held back (it might have opened a call)
+
+            def shown(parts: list[tuple[str, str]]) -> list[str]:
+                nonlocal entries
+                out = []
+                for kind, text in parts:
+                    if kind == "thinking":
+                        out.append(ndjson_line({**piece_obj("", thinking=text), "done": False}))
+                    else:
+                        out.append(ndjson_line({**piece_obj(text, entries), "done": False}))
+                        entries = []
+                return out
+
             async for part in gen.parts():
                 entries += part.logprobs
-                text = split.feed(part.text) if split is not None else part.text
-                if text:
-                    yield ndjson_line({**piece_obj(text, entries), "done": False})
-                    entries = []
+                for line in shown(shape.feed(part.text) if shape is not None else [("answer", part.text)]):
+                    yield line
             o = gen.outcome
             assert o is not None
-            if split is not None:
-                rest, calls = split.finish()
-                if rest or calls:  # each call whole, in one chunk
-                    yield ndjson_line({**piece_obj(rest, entries, calls), "done": False})
+            if shape is not None:
+                rest, calls = shape.finish()
+                for line in shown(rest):
+                    yield line
+                if calls:  # each call whole, in one chunk
+                    yield ndjson_line({**piece_obj("", entries, calls), "done": False})
             if o.finish_reason == "error":
                 yield ndjson_line({"error": from_exception(o.error or RuntimeError("failed")).message})
             else:
@@ -219,11 +237,8 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
 
         return ndjson_response(lines(), on_close=lease.close)
     text, o = await whole_reply(request, lease)
-    calls: list[ToolCall] = []
-    if syntax is not None and run.tools is not None:
-        content, calls = parse_calls(syntax, text)
-        text = content or ""
-    return JSONResponse(final(o, text, gen.logprobs, calls))
+    thinking, answer, calls = shape.whole(text) if shape is not None else ("", text, [])
+    return JSONResponse(final(o, answer, gen.logprobs, calls, thinking))
 
 
 @endpoint(OLLAMA, "/api/generate")

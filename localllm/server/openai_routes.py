@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from localllm.runtime.batch import MAX_TOP_LOGPROBS, TokenLogprob
-from localllm.runtime.tools import CallSyntax, ToolCall, parse_calls
+from localllm.runtime.tools import ToolCall
 from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, now_s, request_id, start_reply, state, whole_reply
@@ -24,6 +24,7 @@ from localllm.server.logprobs import chat_content, completion_logprobs
 from localllm.server.models import Lease
 from localllm.server.streaming import SSE_DONE, sse_event, sse_response
 from localllm.server import tool_calls
+from localllm.server.replies import ReplyShape, prepare_chat
 from localllm.server.structured import openai_response_format
 from localllm.server.tool_calls import ToolAsk
 from localllm.server.validate import Fields, messages, read_json
@@ -51,6 +52,7 @@ class Ask:
     grammar: Grammar | None  # what the reply must match (response_format); None: free text
     logprobs: int | None  # alternatives each token's log-probability entry lists; None: no entries
     tools: ToolAsk | None = None  # chat: the tools offered and tool_choice (None: none)
+    think: bool | None = None  # chat: the template's enable_thinking (None: its default)
 
 
 def _logprobs(f: Fields, chat: bool) -> int | None:
@@ -105,19 +107,19 @@ def finish_reason(o: Outcome) -> str:
     return "length" if o.finish_reason == "length" else "stop"
 
 
-async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> tuple[Lease, CallSyntax | None]:
+async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> tuple[Lease, ReplyShape | None]:
     """Load the model, encode the prompt (on a worker thread: templates and long prompts take time),
-    check it fits, and queue it; a client that leaves meanwhile ends it (:func:`start_reply`). Also
-    the model's tool call syntax, for a chat."""
-    syntax: CallSyntax | None = None
+    check it fits, and queue it; a client that leaves meanwhile ends it (:func:`start_reply`). Also,
+    for a chat, how to read its reply (thinking, calls)."""
+    shape: ReplyShape | None = None
 
     async def prepare(lease: Lease) -> None:
-        nonlocal syntax
+        nonlocal shape
         tok = lease.slot.lm.tokenizer
         grammar = ask.grammar
         if chat:
-            ids, syntax, tool_grammar = await anyio.to_thread.run_sync(tool_calls.prepare, tok, prompt, ask.tools)
-            grammar = grammar or tool_grammar
+            ids, grammar, shape = await anyio.to_thread.run_sync(prepare_chat, tok, prompt, ask.tools, grammar,
+                                                                 ask.think)
         elif isinstance(prompt, str):
             ids = await anyio.to_thread.run_sync(tok.encode, prompt)
         else:
@@ -131,7 +133,7 @@ async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> tuple[L
         lease.submit(ids, ask.params, ask.max_tokens, ask.stop, await lease.constraint(grammar), ask.logprobs)
 
     lease = await start_reply(request, prepare, ask.model)
-    return lease, syntax
+    return lease, shape
 
 
 def _prompt_of(f: Fields) -> str | list[int]:
@@ -149,7 +151,7 @@ def _prompt_of(f: Fields) -> str | list[int]:
     raise ApiError(400, "'prompt' must be a string or an array of token ids", param="prompt")
 
 
-async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, syntax: CallSyntax | None = None) -> Response:
+async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, shape: ReplyShape | None = None) -> Response:
     gen = lease.gen
     assert gen is not None  # start_reply submitted it
     token_bytes = lease.slot.constraints.token_bytes if ask.logprobs is not None else None  # built in prepare
@@ -169,14 +171,16 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, syntax:
     created = now_s()
     kind = "chat.completion" if chat else "text_completion"
 
-    def choice(text: str | None, reason: str | None, first: bool = False,
-               logprobs: dict[str, Any] | None = None, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def choice(text: str | None, reason: str | None, first: bool = False, logprobs: dict[str, Any] | None = None,
+               calls: list[dict[str, Any]] | None = None, thinking: str | None = None) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            if thinking is not None:  # DeepSeek's name and the newer one, as servers send both
+                delta["reasoning_content"] = delta["reasoning"] = thinking
             if calls is not None:
                 delta["tool_calls"] = calls
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -193,21 +197,30 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, syntax:
         async def events() -> AsyncGenerator[str, None]:
             if chat:
                 yield sse_event(chunk([choice("", None, first=True)]))
-            split = tool_calls.splitter(syntax, ask.tools) if syntax is not None else None
             entries: list[TokenLogprob] = []  # of text held back (it might have opened a call)
+
+            def shown(parts: list[tuple[str, str]]) -> list[str]:
+                nonlocal entries
+                out = []
+                for kind, text in parts:
+                    if kind == "thinking":
+                        out.append(sse_event(chunk([choice(None, None, thinking=text)])))
+                    else:
+                        out.append(sse_event(chunk([choice(text, None, logprobs=scored(entries))])))
+                        entries = []
+                return out
+
             async for part in gen.parts():
                 entries += part.logprobs
-                text = split.feed(part.text) if split is not None else part.text
-                if text:
-                    yield sse_event(chunk([choice(text, None, logprobs=scored(entries))]))
-                    entries = []
+                for event in shown(shape.feed(part.text) if shape is not None else [("answer", part.text)]):
+                    yield event
             o = gen.outcome
             assert o is not None
             calls: list[ToolCall] = []
-            if split is not None:
-                rest, calls = split.finish()
-                if rest:
-                    yield sse_event(chunk([choice(rest, None, logprobs=scored(entries))]))
+            if shape is not None:
+                rest, calls = shape.finish()
+                for event in shown(rest):
+                    yield event
                 for deltas in tool_calls.openai_call_deltas(calls):
                     yield sse_event(chunk([choice(None, None, calls=deltas)]))
             if o.finish_reason == "error":
@@ -222,11 +235,11 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, syntax:
 
     text, o = await whole_reply(request, lease)
     if chat:
-        content: str | None = text
-        calls = []
-        if syntax is not None and ask.tools is not None:
-            content, calls = parse_calls(syntax, text)
-        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        thinking, content, calls = shape.whole(text) if shape is not None else ("", text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else ""),
+                                   "refusal": None}
+        if thinking:
+            message["reasoning_content"] = message["reasoning"] = thinking
         if calls:
             message["tool_calls"] = tool_calls.openai_calls(calls)
         answer = {"index": 0, "message": message, "logprobs": scored(gen.logprobs),
@@ -251,9 +264,23 @@ async def chat_completions(request: Request) -> Response:
     if offered is not None and ask.grammar is not None:
         raise ApiError(400, "'response_format' and 'tools' cannot be combined: a reply is either calls or the "
                        "format", param="response_format")
-    ask = dataclasses.replace(ask, tools=offered)
-    lease, syntax = await _start(request, ask, msgs, chat=True)
-    return await _respond(request, ask, lease, chat=True, syntax=syntax)
+    ask = dataclasses.replace(ask, tools=offered, think=_think(f))
+    lease, shape = await _start(request, ask, msgs, chat=True)
+    return await _respond(request, ask, lease, chat=True, shape=shape)
+
+
+def _think(f: Fields) -> bool | None:
+    """Thinking on or off: ``reasoning_effort`` ("none" is off), or ``chat_template_kwargs``'
+    ``enable_thinking`` (as vLLM takes it); None: the template's default."""
+    effort = f.string("reasoning_effort")
+    if effort is not None and effort not in ("none", "minimal", "low", "medium", "high"):
+        raise ApiError(400, f"'reasoning_effort' is {effort!r}; use none, minimal, low, medium or high",
+                       param="reasoning_effort")
+    think = None if effort is None else effort != "none"
+    kwargs = f.obj("chat_template_kwargs")
+    if kwargs is not None and kwargs.has("enable_thinking"):
+        think = kwargs.boolean("enable_thinking", True)
+    return think
 
 
 @endpoint(OPENAI, "/v1/completions")

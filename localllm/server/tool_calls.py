@@ -8,9 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from localllm.errors import LocalLLMError
-from localllm.runtime.constrain import Grammar
-from localllm.runtime.tools import CallSyntax, ReplySplitter, Tool, ToolCall, call_grammar, call_syntax, encode_tool_chat
+from localllm.runtime.tools import Tool, ToolCall
 from localllm.server.errors import ApiError
 from localllm.server.validate import tools as parse_tools
 
@@ -58,25 +56,6 @@ def ollama_tools(tools: Any) -> ToolAsk | None:
     """Ollama's ``tools`` (it has no ``tool_choice``: "auto")."""
     offered = parse_tools(tools)
     return ToolAsk(offered, "auto", True) if offered else None
-
-
-def prepare(tokenizer: Any, messages: list[dict[str, Any]], ask: ToolAsk | None,
-            **extra: Any) -> tuple[list[int], CallSyntax, Grammar | None]:
-    """The prompt's token ids with the tools offered, the model's call syntax, and the grammar that
-    enforces the choice (None: no tools). Runs on a worker thread (templates, schemas)."""
-    syntax = call_syntax(tokenizer.chat_template, tokenizer.token_to_id)
-    tools = ask.tools if ask is not None else []
-    ids = encode_tool_chat(tokenizer, messages, tools, syntax, **extra)
-    if ask is None:
-        return ids, syntax, None
-    try:
-        return ids, syntax, call_grammar(syntax, ask.tools, ask.choice, ask.parallel)
-    except LocalLLMError as e:
-        raise ApiError(400, e.one_line(), param="tools") from None
-
-
-def splitter(syntax: CallSyntax, ask: ToolAsk | None) -> ReplySplitter | None:
-    return None if ask is None else ReplySplitter(syntax, ask.forced)
 
 
 def openai_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:

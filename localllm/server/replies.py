@@ -1,0 +1,91 @@
+"""A reply as the APIs show it: its thinking block apart (Qwen3's and DeepSeek-R1's ``<think>``), its
+answer, and its tool calls, told apart as the text streams and from the whole text alike."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from localllm.errors import LocalLLMError
+from localllm.runtime.constrain import Grammar, after_thinking
+from localllm.runtime.textstream import ThinkingSplitter
+from localllm.runtime.tools import ReplySplitter, ToolCall, call_grammar, call_syntax, encode_tool_chat
+from localllm.server.errors import ApiError
+from localllm.server.tool_calls import ToolAsk
+
+
+def template_thinks(template: str | None) -> bool:
+    """Whether a chat template is a thinking model's (it writes or reads ``<think>`` blocks)."""
+    return bool(template) and "<think>" in template  # type: ignore[operator]
+
+
+def prompt_opens_thinking(tokenizer, ids: Sequence[int]) -> bool:  # type: ignore[no-untyped-def]
+    """Whether the prompt ends inside an opened ``<think>`` (DeepSeek-R1 distills' templates do)."""
+    return tokenizer.decode(list(ids[-8:])).rstrip().endswith("<think>")
+
+
+@dataclass
+class ReplyShape:
+    """How to read one reply: ``thinks`` (split a thinking block off), ``opened`` (the prompt opened
+    it), ``calls`` (the tool call splitter; None: no tools offered)."""
+
+    thinks: bool = False
+    opened: bool = False
+    calls: ReplySplitter | None = None
+
+    def __post_init__(self) -> None:
+        self._thinking = ThinkingSplitter(self.opened) if self.thinks else None
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """("thinking" or "answer", text) pairs to show now."""
+        parts = self._thinking.feed(text) if self._thinking is not None else [("answer", text)]
+        return self._route(parts)
+
+    def finish(self) -> tuple[list[tuple[str, str]], list[ToolCall]]:
+        """What was held back, and the reply's calls."""
+        out = self._route(self._thinking.flush()) if self._thinking is not None else []
+        calls: list[ToolCall] = []
+        if self.calls is not None:
+            rest, calls = self.calls.finish()
+            if rest:
+                out.append(("answer", rest))
+        return out, calls
+
+    def _route(self, parts: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        out = []
+        for kind, text in parts:
+            if kind == "answer" and self.calls is not None:
+                text = self.calls.feed(text)
+            if text:
+                out.append((kind, text))
+        return out
+
+    def whole(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        """A whole reply as (thinking, answer, calls)."""
+        parts = self.feed(text)
+        rest, calls = self.finish()
+        parts += rest
+        return ("".join(t for k, t in parts if k == "thinking"), "".join(t for k, t in parts if k == "answer"), calls)
+
+
+def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolAsk | None, grammar: Grammar | None,
+                 think: bool | None) -> tuple[list[int], Grammar | None, ReplyShape]:
+    """A chat's prompt ids (the tools offered through the model's template, or the generic form;
+    ``think`` as the template's ``enable_thinking``, None: its default), the grammar the reply is held
+    to (the format's or the tools'; after a thinking block where the model thinks), and how to read
+    the reply. Runs on a worker thread (templates, schemas)."""
+    syntax = call_syntax(tokenizer.chat_template, tokenizer.token_to_id)
+    extra = {} if think is None else {"enable_thinking": think}
+    ids = encode_tool_chat(tokenizer, messages, tools.tools if tools is not None else [], syntax, **extra)
+    if tools is not None:
+        try:
+            grammar = call_grammar(syntax, tools.tools, tools.choice, tools.parallel)
+        except LocalLLMError as e:
+            raise ApiError(400, e.one_line(), param="tools") from None
+    thinks = think is not False and template_thinks(tokenizer.chat_template)
+    opened = thinks and prompt_opens_thinking(tokenizer, ids)
+    if grammar is not None and thinks:  # the format holds the answer, not the thinking before it
+        grammar = after_thinking(grammar, opened)
+    calls = None if tools is None else ReplySplitter(syntax, tools.forced)
+    return ids, grammar, ReplyShape(thinks, opened, calls)

@@ -1,0 +1,119 @@
+"""Thinking and tool calls through the API with a model whose own template thinks and calls: the tiny
+random-weight llama given a Qwen3-style chat template written here (``<think>`` blocks, ``tools`` in
+the system turn, ``<tool_call>`` blocks, ``enable_thinking``), served on 127.0.0.1 and asked through
+the ``openai`` and ``ollama`` clients. A reply's thinking is split off into ``reasoning_content`` /
+``thinking``, and a format or tool grammar holds only the answer after it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import llguidance
+import pytest
+
+from localllm.runtime.constrain import Constraints, after_thinking, json_schema
+from localllm.runtime.tools import CallSyntax, ReplySplitter, Tool, call_grammar
+from localllm.server.config import ServerConfig
+from localllm.server.replies import ReplyShape
+from tests.server_fixtures import ServerThread, running_server
+
+QWEN3_STYLE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                                          "ok": {"type": "boolean"}},
+         "required": ["x", "ok"], "additionalProperties": False}
+MOVE = {"type": "function", "function": {"name": "move", "description": "Move to a point",
+                                         "parameters": POINT}}
+
+
+@pytest.fixture(scope="module")
+def thinker(tiny_folder, tmp_path_factory) -> Path:
+    """The tiny llama's folder, its tokenizer_config.json carrying the Qwen3-style template (and its
+    context widened: random weights care for no trained length)."""
+    _, folder = tiny_folder("llama")
+    own = tmp_path_factory.mktemp("thinker") / "thinker"
+    shutil.copytree(folder, own)
+    config = json.loads((own / "tokenizer_config.json").read_text())
+    (own / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN3_STYLE}))
+    model = json.loads((own / "config.json").read_text())  # room for the tools' JSON, a byte a token
+    (own / "config.json").write_text(json.dumps({**model, "max_position_embeddings": 1024}))
+    return own
+
+
+@pytest.fixture(scope="module")
+def server(thinker: Path, tmp_path_factory) -> Iterator[ServerThread]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("thinker-home")))
+        with running_server(ServerConfig(parallel=2, kv_memory=16 << 20, quant="fp32", device="cpu")) as srv:
+            yield srv
+
+
+def test_tool_calls_and_formats_with_thinking_off(server: ServerThread, thinker: Path) -> None:
+    """Thinking off (reasoning_effort "none", think false): the template writes the empty block itself,
+    so the grammar holds the whole reply: a forced call of the template's own syntax, streamed and
+    assembled by the openai client, arguments valid; and Ollama's format, valid."""
+    openai = pytest.importorskip("openai")
+    ollama = pytest.importorskip("ollama")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    for seed in range(3):
+        with client.chat.completions.stream(model=str(thinker), messages=[{"role": "user", "content": "go"}],
+                                            tools=[MOVE], tool_choice="required", parallel_tool_calls=False,
+                                            reasoning_effort="none", temperature=1.0, seed=seed,
+                                            max_tokens=150) as stream:
+            final = stream.get_final_completion()
+        (call,) = final.choices[0].message.tool_calls
+        assert call.function.name == "move" and final.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), POINT)
+    reply = ollama.Client(host=server.url).chat(model=str(thinker), messages=[{"role": "user", "content": "go"}],
+                                                format=POINT, think=False,
+                                                options={"temperature": 1.0, "seed": 4, "num_predict": 150})
+    jsonschema.validate(json.loads(reply.message.content), POINT)
+    assert not reply.message.thinking
+
+
+def matches(grammar_text: str, text: str, lm_tokenizer) -> bool:
+    vocab = Constraints(lm_tokenizer, lm_tokenizer.eos_ids)
+    m = vocab.start(type("G", (), {"text": grammar_text, "summary": "test"})())._m  # noqa: SLF001
+    ids = lm_tokenizer.encode(text, add_special=False)
+    return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+
+def test_a_grammar_after_thinking_holds_the_answer_only(thinker: Path) -> None:
+    from localllm.loaders.load import load_tokenizer, open_checkpoint
+
+    tk = load_tokenizer(open_checkpoint(str(thinker)))
+    point = after_thinking(json_schema(POINT), opened=False)
+    assert matches(point.text, '<think>\nx < y </thin k>?\n</think>\n\n{"x": 3, "ok": true}', tk)
+    assert matches(point.text, '{"x": 3, "ok": true}', tk)  # the block is optional
+    assert not matches(point.text, '<think>plan</think> sure! {"x": 3, "ok": true}', tk)
+    opened = after_thinking(json_schema(POINT), opened=True)  # the prompt ended in "<think>"
+    assert matches(opened.text, 'plan</think>{"x": -2, "ok": false}', tk)
+    calls = after_thinking(call_grammar(CallSyntax("hermes"), [Tool("move", "", POINT)], "required"), opened=False)
+    assert matches(calls.text, '<think>a</think>\n<tool_call>{"name": "move", "arguments": {"x": 1, "ok": true}}'
+                               '</tool_call>', tk)
+    assert not matches(calls.text, "<think>a</think>\nno call", tk)
+    assert llguidance.LLMatcher.validate_grammar_with_warnings(calls.text)[0] is False
+
+
+def test_a_streamed_reply_splits_into_thinking_answer_and_calls_at_any_cut() -> None:
+    reply = ('<think>\nweigh it\n</think>\n\n<tool_call>{"name": "move", "arguments": {"x": 1, "ok": true}}'
+             '</tool_call>')
+    for cut in range(0, len(reply) + 1, 7):
+        shape = ReplyShape(thinks=True, calls=ReplySplitter(CallSyntax("hermes"), forced=False))
+        parts = shape.feed(reply[:cut]) + shape.feed(reply[cut:])
+        rest, calls = shape.finish()
+        parts += rest
+        assert "".join(t for k, t in parts if k == "thinking") == "\nweigh it\n"
+        assert "".join(t for k, t in parts if k == "answer") == ""
+        assert [(c.name, c.arguments) for c in calls] == [("move", {"x": 1, "ok": True})]
+    text = ReplyShape(thinks=True).whole("<think>hm</think>\n\nHello")
+    assert text[:2] == ("hm", "Hello")
