@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -106,6 +107,32 @@ def load_tokenizer(ckpt: Checkpoint) -> Tokenizer:
     return Tokenizer.from_folder(ckpt.folder)
 
 
+#: GGUF ``{arch}.pooling_type`` values (llama.cpp's enum) as :data:`runtime.embed.POOLINGS` names.
+_GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}
+
+
+def embedding_pooling(ckpt: Checkpoint) -> str:
+    """How the model's embeddings pool its hidden states: its sentence-transformers pooling config
+    (``modules.json`` naming a Pooling module's folder), a GGUF's ``pooling_type``, else the last
+    token's state (what decoder embedding models use)."""
+    if isinstance(ckpt, GGUFCheckpoint):
+        arch = ckpt.metadata.get("general.architecture", "")
+        return _GGUF_POOLING.get(int(ckpt.metadata.get(f"{arch}.pooling_type", 0) or 0), "last")
+    folder = getattr(ckpt, "folder", None)
+    try:
+        modules = json.loads((folder / "modules.json").read_text()) if folder is not None else []
+        for module in modules:
+            if str(module.get("type", "")).endswith("Pooling"):
+                config = json.loads((folder / module.get("path", "") / "config.json").read_text())
+                for key, name in (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                                  ("pooling_mode_cls_token", "cls")):
+                    if config.get(key):
+                        return name
+    except (OSError, ValueError, AttributeError):
+        pass  # no pooling config, or one that is not readable: the default
+    return "last"
+
+
 def choose_scheme(ckpt: Checkpoint, quant: str | None, group_size: int | None) -> QuantScheme | None:
     """The scheme asked for, else the checkpoint's own (a GGUF's blocks, a stored model's format).
 
@@ -169,6 +196,8 @@ class LoadedModel:
     dequantized_from: str | None = None
     #: A GGUF's tensor types and what each became (:meth:`loaders.gguf.GGUFCheckpoint.tensor_import`).
     tensor_import: dict[str, str] = field(default_factory=dict)
+    #: How embeddings pool its hidden states (:func:`embedding_pooling`).
+    pooling: str = "last"
 
     @property
     def scheme_label(self) -> str:
@@ -250,6 +279,7 @@ def load_model(
             dtype = scheme.name
         scheme = None
     tokenizer = load_tokenizer(ckpt)
+    pooling = embedding_pooling(ckpt)
     if isinstance(ckpt, GGUFCheckpoint):
         ckpt.drop_metadata()  # made into the tokenizer and config: not held through the load
     config, source = ckpt.config, ckpt.describe()
@@ -270,5 +300,5 @@ def load_model(
         if cpu_attention.paged_kernel() is not None:  # built now (once), so the first step does not wait
             used["attention-cpu"] = len(model.layers)
     return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme, used,
-                       dequantized_from, imported)
+                       dequantized_from, imported, pooling)
 

@@ -613,6 +613,20 @@ class BatchEngine:
         request = handle._request
         return torch.stack(request.logits[: len(fed) + 1])
 
+    def embed(self, inputs: Sequence[Sequence[int]], pooling: str = "last") -> torch.Tensor:
+        """Pooled, normalized final hidden states (len(inputs), dim) (:func:`runtime.embed.embed`),
+        run between this engine's steps (never beside one, on the same cores)."""
+        from localllm.runtime.embed import embed
+
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise LocalLLMError(f"input {i} is empty", "give some text to embed")
+            if len(ids) > self.max_seq_len:
+                raise LocalLLMError(f"input {i} is {len(ids)} tokens; the context holds {self.max_seq_len}",
+                                    "shorten it, or let it be truncated")
+        with self._step_lock:
+            return embed(self.model, inputs, pooling)
+
     def run_until_done(self) -> None:
         """Step until every submitted request has finished (the simple driver)."""
         while self.step() or self.has_work:

@@ -420,15 +420,24 @@ class Transformer(nn.Module):
         """
         if step is not None:
             return self.forward_paged(tokens, step)
+        x = self._layers(tokens)  # (B, T, D)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, D)
+        return self._head(x)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden states (B, T, D), after the last norm (what embeddings pool), of whole
+        sequences ``tokens`` (B, T) from position 0, with no cache."""
+        return self.norm(self._layers(tokens))
+
+    def _layers(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.shape[1]
         cos, sin = cache_rope_tables(self.config, T, tokens.device)
         rope = self._split_rope(cos.to(self.dtype), sin.to(self.dtype))  # (T, rot) each
         x = self._embed(tokens)  # (B, T, D)
         for layer in self.layers:
             x = layer(x, None, *rope[layer.attn.local_rope])
-        if last_only:
-            x = x[:, -1:]  # (B, 1, D)
-        return self._head(x)
+        return x
 
     def _split_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """local? -> (cos, sin) from tables that carry the local ones beside the global ones."""

@@ -30,6 +30,7 @@ from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, start_reply, state, whole_reply
 from localllm.server.config import parse_duration
+from localllm.server.embeddings import embed, inputs_of
 from localllm.server.errors import OLLAMA, ApiError, ModelNotFound, from_exception
 from localllm.server.generation import Outcome
 from localllm.server.logprobs import chat_content
@@ -104,12 +105,7 @@ def _run(f: Fields) -> Run:
             seed=seed)
     except LocalLLMError as e:
         raise ApiError(400, e.one_line(), param="options") from None
-    keep_alive: object = DEFAULT
-    if f.raw("keep_alive") is not None:
-        try:
-            keep_alive = parse_duration(f.raw("keep_alive"))
-        except LocalLLMError as e:
-            raise ApiError(400, f"'keep_alive': {e.one_line()}", param="keep_alive") from None
+    keep_alive = _keep_alive(f)
     max_tokens = num_predict if num_predict is not None and num_predict > 0 else None
     top = f.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
     logprobs = (top or 0) if f.boolean("logprobs", False) or top else None
@@ -432,7 +428,42 @@ async def version(request: Request) -> Response:
     return JSONResponse({"version": localllm.__version__})
 
 
+def _keep_alive(f: Fields) -> object:
+    if f.raw("keep_alive") is None:
+        return DEFAULT
+    try:
+        return parse_duration(f.raw("keep_alive"))
+    except LocalLLMError as e:
+        raise ApiError(400, f"'keep_alive': {e.one_line()}", param="keep_alive") from None
+
+
+@endpoint(OLLAMA, "/api/embed")
+async def embed_route(request: Request) -> Response:
+    """Ollama's embed: ``input`` (a string or strings), ``truncate`` (default true: an input past the
+    context is cut to it; false: refused), ``dimensions``."""
+    f = Fields(await read_json(request, state(request).config.max_body_bytes))
+    model = f.string("model", required=True)
+    inputs = inputs_of(f.raw("input"), ids_allowed=False)
+    done = await embed(request, model, inputs, truncate=f.boolean("truncate", True),  # type: ignore[arg-type]
+                       dimensions=f.integer("dimensions", 1), keep_alive=_keep_alive(f))
+    return JSONResponse({"model": model, "embeddings": done.vectors, "total_duration": _ns(done.total_s),
+                         "load_duration": _ns(done.load_s), "prompt_eval_count": done.prompt_tokens})
+
+
+@endpoint(OLLAMA, "/api/embeddings")
+async def embeddings_route(request: Request) -> Response:
+    """Ollama's older embeddings: one ``prompt``, one ``embedding``."""
+    f = Fields(await read_json(request, state(request).config.max_body_bytes))
+    model = f.string("model", required=True)
+    prompt = f.string("prompt", required=True)
+    done = await embed(request, model, [prompt], truncate=True, dimensions=None,  # type: ignore[arg-type,list-item]
+                       keep_alive=_keep_alive(f))
+    return JSONResponse({"embedding": done.vectors[0]})
+
+
 ROUTES = [
+    Route("/api/embed", embed_route, methods=["POST"]),
+    Route("/api/embeddings", embeddings_route, methods=["POST"]),
     Route("/api/generate", generate, methods=["POST"]),
     Route("/api/chat", chat, methods=["POST"]),
     Route("/api/tags", tags, methods=["GET"]),

@@ -3,7 +3,9 @@ ending in ``[DONE]``, or one JSON answer), ``GET /v1/models``."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import struct
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,7 @@ from localllm.runtime.tools import ToolCall
 from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, now_s, request_id, start_reply, state, whole_reply
+from localllm.server.embeddings import embed, inputs_of
 from localllm.server.errors import OPENAI, ApiError, from_exception, openai_body
 from localllm.server.generation import Outcome
 from localllm.server.logprobs import chat_content, completion_logprobs
@@ -295,6 +298,27 @@ async def completions(request: Request) -> Response:
     return await _respond(request, ask, lease, chat=False)
 
 
+@endpoint(OPENAI, "/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    """OpenAI's embeddings: ``input`` (a string, strings, token ids), ``dimensions``, ``encoding_format``
+    ("float" or "base64": little-endian float32 bytes); an input past the context is refused."""
+    f = Fields(await read_json(request, state(request).config.max_body_bytes))
+    model = f.string("model", required=True)
+    inputs = inputs_of(f.raw("input"))
+    dimensions = f.integer("dimensions", 1)
+    encoding = f.string("encoding_format", default="float")
+    if encoding not in ("float", "base64"):
+        raise ApiError(400, f"'encoding_format' is {encoding!r}; use 'float' or 'base64'", param="encoding_format")
+    done = await embed(request, model, inputs, truncate=False, dimensions=dimensions)  # type: ignore[arg-type]
+
+    def encoded(v: list[float]) -> list[float] | str:
+        return v if encoding == "float" else base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
+
+    data = [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(done.vectors)]
+    return JSONResponse({"object": "list", "data": data, "model": model,
+                         "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}})
+
+
 def model_names() -> list[tuple[str, int]]:
     """(name, created unix time) of every model a request can name without a path: the store's
     entries and the embedded default model."""
@@ -321,4 +345,5 @@ ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
 ]

@@ -1,8 +1,8 @@
-"""Thinking and tool calls through the API with a model whose own template thinks and calls: the tiny
-random-weight llama given a Qwen3-style chat template written here (``<think>`` blocks, ``tools`` in
-the system turn, ``<tool_call>`` blocks, ``enable_thinking``), served on 127.0.0.1 and asked through
-the ``openai`` and ``ollama`` clients. A reply's thinking is split off into ``reasoning_content`` /
-``thinking``, and a format or tool grammar holds only the answer after it."""
+"""Agents' API features on the tiny random-weight llama served on 127.0.0.1, through the ``openai`` and
+``ollama`` clients: thinking and tool calls with a Qwen3-style chat template written here (``<think>``
+blocks, ``tools`` in the system turn, ``<tool_call>`` blocks, ``enable_thinking``; a reply's thinking
+is split off into ``reasoning_content`` / ``thinking``, and a format or tool grammar holds only the
+answer after it); embeddings, equal to transformers' pooled hidden states."""
 
 from __future__ import annotations
 
@@ -117,3 +117,63 @@ def test_a_streamed_reply_splits_into_thinking_answer_and_calls_at_any_cut() -> 
         assert [(c.name, c.arguments) for c in calls] == [("move", {"x": 1, "ok": True})]
     text = ReplyShape(thinks=True).whole("<think>hm</think>\n\nHello")
     assert text[:2] == ("hm", "Hello")
+
+
+def test_embeddings_are_the_models_pooled_hidden_states(tiny_folder, thinker: Path) -> None:
+    """Last-token (the default) and mean pooling of inputs of different lengths in one padded batch:
+    transformers' final hidden states, pooled and normalized; a folder's sentence-transformers config
+    chooses the pooling."""
+    import torch
+
+    from localllm.loaders.load import load_model
+    from localllm.runtime.embed import embed
+
+    hf, folder = tiny_folder("llama")
+    lm = load_model(str(folder), quant="fp32")
+    inputs = [[1, 5, 9, 200], [1, 7], [1, 3, 3, 3, 3, 3, 8, 9, 10, 11, 250, 4]]
+    for pooling in ("last", "mean"):
+        got = embed(lm.model, inputs, pooling, batch_tokens=64)
+        for i, ids in enumerate(inputs):
+            with torch.no_grad():
+                h = hf.model(torch.tensor([ids])).last_hidden_state[0].float()  # (T, D), after the final norm
+            want = torch.nn.functional.normalize(h[-1] if pooling == "last" else h.mean(0), dim=0)
+            assert torch.allclose(got[i], want, atol=1e-5), (pooling, i)
+    assert lm.pooling == "last"
+    (thinker / "modules.json").write_text(json.dumps([{"idx": 1, "name": "1", "path": "1_Pooling",
+                                                       "type": "sentence_transformers.models.Pooling"}]))
+    (thinker / "1_Pooling").mkdir(exist_ok=True)
+    (thinker / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    try:
+        assert load_model(str(thinker), quant="fp32").pooling == "mean"
+    finally:
+        (thinker / "modules.json").unlink()
+
+
+def test_embeddings_through_both_clients(server: ServerThread, thinker: Path) -> None:
+    """OpenAI's (strings, token ids, base64, dimensions) and Ollama's (embed with truncate, the older
+    embeddings): the same vectors for the same text; an input past the context is a 400 unless cut."""
+    import base64
+    import struct
+
+    openai = pytest.importorskip("openai")
+    ollama = pytest.importorskip("ollama")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    r = client.embeddings.create(model=str(thinker), input=["a cat", "a dog sat"])
+    a, b = (d.embedding for d in r.data)
+    assert len(a) == 64 and abs(sum(x * x for x in a) - 1) < 1e-4 and a != b
+    assert r.usage.prompt_tokens == len("a cat") + len("a dog sat") + 2  # bytes, and a BOS each
+    raw = client.embeddings.create(model=str(thinker), input="a cat", encoding_format="base64", dimensions=8)
+    short = struct.unpack("<8f", base64.b64decode(raw.data[0].embedding)) if isinstance(raw.data[0].embedding, str) \
+        else raw.data[0].embedding
+    head = a[:8]
+    norm = sum(x * x for x in head) ** 0.5
+    assert [round(x, 4) for x in short] == [round(x / norm, 4) for x in head]
+    o = ollama.Client(host=server.url)
+    assert o.embed(model=str(thinker), input="a cat").embeddings[0] == pytest.approx(a, abs=1e-5)
+    assert o.embeddings(model=str(thinker), prompt="a dog sat").embedding == pytest.approx(b, abs=1e-5)
+    long = "x" * 1100  # past the 1024-token context
+    assert len(o.embed(model=str(thinker), input=long).embeddings[0]) == 64  # truncated
+    with pytest.raises(ollama.ResponseError, match="the context holds 1024"):
+        o.embed(model=str(thinker), input=long, truncate=False)
+    with pytest.raises(openai.BadRequestError, match="the context holds 1024"):
+        client.embeddings.create(model=str(thinker), input=long)
