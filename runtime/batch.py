@@ -614,8 +614,8 @@ class BatchEngine:
         return torch.stack(request.logits[: len(fed) + 1])
 
     def embed(self, inputs: Sequence[Sequence[int]], pooling: str = "last") -> torch.Tensor:
-        """Pooled, normalized final hidden states (len(inputs), dim) (:func:`runtime.embed.embed`),
-        run between this engine's steps (never beside one, on the same cores)."""
+        """Pooled, normalized final hidden states (len(inputs), dim) (:func:`runtime.embed.embed`), a
+        batch at a time between this engine's steps (never beside one, on the same cores)."""
         from localllm.runtime.embed import embed
 
         for i, ids in enumerate(inputs):
@@ -624,8 +624,7 @@ class BatchEngine:
             if len(ids) > self.max_seq_len:
                 raise LocalLLMError(f"input {i} is {len(ids)} tokens; the context holds {self.max_seq_len}",
                                     "shorten it, or let it be truncated")
-        with self._step_lock:
-            return embed(self.model, inputs, pooling)
+        return embed(self.model, inputs, pooling, turn=self._step_lock)
 
     def run_until_done(self) -> None:
         """Step until every submitted request has finished (the simple driver)."""

@@ -194,40 +194,50 @@ class Constraints:
         self._stop_ids = [int(i) for i in stop_ids]
         self._vocab: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the compiled grammars' cache
+        self._vocab_lock = threading.Lock()
         self.compiled_grammars = 0  # grammars compiled (not served from the cache), for figures
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
-        if self._vocab is None:
-            tk = self._tokenizer
-            self._vocab = llguidance.LLTokenizer(tk.backend.to_str(), n_vocab=tk.vocab_size,
-                                                 eos_token=self._stop_ids or None)
-        return self._vocab
+        vocab = self._vocab
+        if vocab is not None:  # built: read without the lock (a stream's every chunk asks)
+            return vocab
+        with self._vocab_lock:  # one build, whoever asks first
+            if self._vocab is None:
+                tk = self._tokenizer
+                try:
+                    self._vocab = llguidance.LLTokenizer(tk.backend.to_str(), n_vocab=tk.vocab_size,
+                                                         eos_token=self._stop_ids or None)
+                except (ValueError, RuntimeError) as e:
+                    raise LocalLLMError(f"the grammar engine cannot read this model's tokenizer ({e})",
+                                        "use a model with a Hugging Face tokenizer.json or a GGUF vocabulary") from None
+            return self._vocab
 
     def token_bytes(self, token_id: int) -> bytes:
         """A token's own bytes (half a UTF-8 character, for some; a special token's name)."""
-        with self._lock:
-            vocab = self._vocabulary()
-        return vocab.decode_bytes([token_id])
+        return self._vocabulary().decode_bytes([token_id])
 
     def start(self, grammar: Grammar) -> Constraint:
         """A fresh constraint for one sequence (compiling ``grammar`` against the vocabulary the first
-        time it is seen). Raises LocalLLMError when it does not compile against this vocabulary."""
+        time it is seen). Raises LocalLLMError when it does not compile against this vocabulary.
+        Compiling runs outside the cache's lock: one schema's compile never holds up another's."""
+        vocab = self._vocabulary()
         with self._lock:
-            vocab = self._vocabulary()
             template = self._compiled.get(grammar.text)
-            if template is None:
-                template = llguidance.LLMatcher(vocab, grammar.text, log_level=0)
-                if template.is_error():
-                    raise LocalLLMError(f"{grammar.summary} does not compile: {template.get_error()}",
-                                        "simplify the schema or grammar")
+            if template is not None:
+                self._compiled.move_to_end(grammar.text)
+                matcher = template.deep_copy()
+        if template is None:
+            template = llguidance.LLMatcher(vocab, grammar.text, log_level=0)
+            if template.is_error():
+                raise LocalLLMError(f"{grammar.summary} does not compile: {template.get_error()}",
+                                    "simplify the schema or grammar")
+            matcher = template.deep_copy()
+            with self._lock:
                 self.compiled_grammars += 1
                 self._compiled[grammar.text] = template
                 if len(self._compiled) > CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
-            else:
-                self._compiled.move_to_end(grammar.text)
-            matcher = template.deep_copy()
         return Constraint(matcher, (vocab.vocab_size + 31) // 32, self._stop_ids)
 
 

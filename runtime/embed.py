@@ -11,7 +11,9 @@ from generation's pool, nothing is kept.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import ContextManager
 
 import torch
 
@@ -24,8 +26,9 @@ BATCH_TOKENS = 4096
 
 @torch.inference_mode()
 def embed(model: Transformer, inputs: Sequence[Sequence[int]], pooling: str = "last",
-          batch_tokens: int = BATCH_TOKENS) -> torch.Tensor:
-    """(len(inputs), dim) float32 on the CPU, each row of unit length, in the inputs' order."""
+          batch_tokens: int = BATCH_TOKENS, turn: ContextManager | None = None) -> torch.Tensor:
+    """(len(inputs), dim) float32 on the CPU, each row of unit length, in the inputs' order. ``turn``:
+    held around each batch's forward (an engine's step lock: batches take turns with its steps)."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, not {pooling!r}")
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
@@ -38,7 +41,8 @@ def embed(model: Transformer, inputs: Sequence[Sequence[int]], pooling: str = "l
         rows = [list(inputs[i]) for i in order[start:end]]
         longest = len(rows[-1])
         tokens = torch.tensor([r + [0] * (longest - len(r)) for r in rows], device=model.device)  # (B, T)
-        h = model.hidden(tokens).float()  # (B, T, D)
+        with turn if turn is not None else contextlib.nullcontext():
+            h = model.hidden(tokens).float()  # (B, T, D)
         lengths = torch.tensor([len(r) for r in rows], device=h.device)
         if pooling == "last":
             pooled = h[torch.arange(len(rows), device=h.device), lengths - 1]  # (B, D)

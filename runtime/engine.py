@@ -20,12 +20,12 @@ from typing import Any
 
 from localllm.runtime.batch import BatchEngine, GenerationStats, TokenLogprob
 from localllm.runtime.chat import encode_chat
-from localllm.runtime.constrain import Constraints, Grammar
+from localllm.runtime.constrain import Constraints, Grammar, after_thinking
 from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, layer_groups, plan_pool, window_blocks
 from localllm.runtime.model import Transformer
 from localllm.runtime.sampling import SamplingParams
 from localllm.runtime.scheduler import check_prompt
-from localllm.runtime.textstream import StopStringFilter
+from localllm.runtime.textstream import StopStringFilter, prompt_opens_thinking, template_thinks
 from localllm.runtime.tokenizer import Tokenizer
 
 
@@ -173,11 +173,14 @@ class Engine:
 
         ``think``: the template's ``enable_thinking`` (Qwen3: False writes an empty thinking block into
         the prompt); None leaves the template's default. The reply's own ``<think>`` block is part of
-        the text (:class:`runtime.textstream.ThinkingSplitter` separates it).
+        the text (:class:`runtime.textstream.ThinkingSplitter` separates it); a ``grammar`` holds the
+        answer after it (:func:`runtime.constrain.after_thinking`).
 
         Calling again with the same history plus new turns reuses the cached keys/values of the
         shared prefix, so a multi-turn chat only processes what is new.
         """
         extra = {} if think is None else {"enable_thinking": think}
-        return self.stream_ids(encode_chat(self.tokenizer, messages, **extra), params, max_tokens, stop, grammar,
-                               logprobs)
+        ids = encode_chat(self.tokenizer, messages, **extra)
+        if grammar is not None and think is not False and template_thinks(self.tokenizer.chat_template):
+            grammar = after_thinking(grammar, prompt_opens_thinking(self.tokenizer, ids))  # holds the answer
+        return self.stream_ids(ids, params, max_tokens, stop, grammar, logprobs)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 class StopStringFilter:
@@ -113,3 +114,13 @@ class ThinkingSplitter:
         if not held:
             return []
         return [("thinking" if self._state == "thinking" else "answer", held)]
+
+
+def template_thinks(template: str | None) -> bool:
+    """Whether a chat template is a thinking model's (it writes or reads ``<think>`` blocks)."""
+    return bool(template) and ThinkingSplitter.OPEN in template  # type: ignore[operator]
+
+
+def prompt_opens_thinking(tokenizer: Any, ids: Sequence[int]) -> bool:
+    """Whether the prompt ends inside an opened ``<think>`` (DeepSeek-R1 distills' templates do)."""
+    return tokenizer.decode(list(ids[-8:])).rstrip().endswith(ThinkingSplitter.OPEN)

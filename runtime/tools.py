@@ -96,7 +96,8 @@ def closed(schema: Any) -> Any:
         return [closed(s) for s in schema]
     if not isinstance(schema, Mapping):
         return schema
-    out = {k: closed(v) for k, v in schema.items()}
+    # allOf's parts each list some properties of one object: closing each would refuse the others'
+    out = {k: (v if k == "allOf" else closed(v)) for k, v in schema.items()}
     if isinstance(schema.get("properties"), Mapping):
         out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
         out.setdefault("additionalProperties", False)
@@ -105,7 +106,7 @@ def closed(schema: Any) -> Any:
 
 def _body_schema(syntax: CallSyntax, tools: Sequence[Tool]) -> dict[str, Any]:
     key = "parameters" if syntax.kind == LLAMA3 else "arguments"
-    variants = [{"type": "object", "properties": {"name": {"const": t.name}, key: closed(t.parameters)},
+    variants = [{"type": "object", "properties": {"name": {"const": t.name}, key: closed({"type": "object", **t.parameters})},
                  "required": ["name", key], "additionalProperties": False} for t in tools]
     schema: dict[str, Any] = variants[0] if len(variants) == 1 else {"anyOf": variants}
     return {**schema, "x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}

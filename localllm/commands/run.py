@@ -17,7 +17,7 @@ from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
 from localllm.report import describe_model, print_stats
-from localllm.runtime.batch import TokenLogprob
+from localllm.runtime.batch import MAX_TOP_LOGPROBS, TokenLogprob
 from localllm.runtime.compiled_step import LoadArgs
 from localllm.runtime.constrain import Grammar, any_json_object, json_schema
 from localllm.runtime.sampling import SamplingParams
@@ -190,7 +190,7 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
 @click.option("--format", "format_", metavar="json|SCHEMA",
               help="Hold the reply to JSON: 'json' (any object), or a JSON Schema (a file, or written inline) "
                    "it must validate against. Enforced token by token, so the reply always parses.")
-@click.option("--logprobs", type=click.IntRange(0, 20), metavar="N",
+@click.option("--logprobs", type=click.IntRange(0, MAX_TOP_LOGPROBS), metavar="N",
               help="After the answer, on stderr: each generated token's probability under the model (before "
                    "temperature, filters and --format), and the N most likely tokens in its place.")
 @click.option("--raw", is_flag=True, help="Continue the prompt as plain text: no chat template.")
@@ -284,7 +284,7 @@ def run(
     needs_build = engine.needs_build
 
     if text is None:
-        _chat(engine, params, system, max_tokens, stop, verbose, load_s, think, not hide_thinking, grammar)
+        _chat(engine, params, system, max_tokens, stop, verbose, load_s, think, not hide_thinking, grammar, logprobs)
         build_after(build, needs_build)
         return
     if raw:
@@ -344,7 +344,8 @@ def _after(engine, verbose: bool, load_s: float | None) -> None:  # type: ignore
 
 
 def _chat(engine, params, system, max_tokens, stop: Sequence[str], verbose,  # type: ignore[no-untyped-def]
-          load_s, think: bool | None = None, show_thinking: bool = True, grammar: Grammar | None = None) -> None:
+          load_s, think: bool | None = None, show_thinking: bool = True, grammar: Grammar | None = None,
+          logprobs: int | None = None) -> None:
     """Multi-turn chat on a terminal: history kept, /clear forgets it, Ctrl-D or /bye ends it."""
     click.echo(">>> Chat (Ctrl-D or /bye to quit, /clear to forget the conversation, Ctrl-C stops a reply)", err=True)
     messages = [{"role": "system", "content": system}] if system else []
@@ -367,7 +368,8 @@ def _chat(engine, params, system, max_tokens, stop: Sequence[str], verbose,  # t
         messages.append({"role": "user", "content": line})
         reply: list[str] = []
         try:
-            for piece in answer_only(engine.chat(messages, params, max_tokens, stop, think, grammar), show_thinking):
+            for piece in answer_only(engine.chat(messages, params, max_tokens, stop, think, grammar, logprobs),
+                                     show_thinking):
                 _write(piece)
                 reply.append(piece)
         except KeyboardInterrupt:
@@ -377,5 +379,7 @@ def _chat(engine, params, system, max_tokens, stop: Sequence[str], verbose,  # t
             click.echo(f"\nError: {e.one_line()} (or /clear)", err=True)
             continue
         _write("\n\n")
+        if logprobs is not None:
+            print_logprobs(engine.logprobs, engine.constraints.token_bytes)
         messages.append({"role": "assistant", "content": "".join(reply)})
         _after(engine, verbose, load_s if len(messages) <= history_start + 2 else None)

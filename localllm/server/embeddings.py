@@ -12,6 +12,7 @@ import anyio
 import torch
 from starlette.requests import Request
 
+from localllm.errors import LocalLLMError
 from localllm.server.common import state
 from localllm.server.errors import ApiError
 from localllm.server.models import DEFAULT
@@ -53,14 +54,12 @@ async def embed(request: Request, model: str, inputs: list[str | list[int]], tru
             for i, one in enumerate(ids):
                 if any(not 0 <= t < tok.vocab_size for t in one):
                     raise ApiError(400, f"'input[{i}]' has token ids outside the vocabulary", param="input")
-                if not one:
-                    raise ApiError(400, f"'input[{i}]' is empty", param="input")
-                if len(one) > ctx:
-                    if not truncate:
-                        raise ApiError(400, f"'input[{i}]' is {len(one)} tokens; the context holds {ctx}: "
-                                       "shorten it, or let it be truncated", param="input")
+                if truncate:
                     ids[i] = one[:ctx]
-            return slot.engine.embed(ids, slot.lm.pooling), sum(len(one) for one in ids)
+            try:  # the engine refuses an empty input, and one past the context
+                return slot.engine.embed(ids, slot.lm.pooling), sum(len(one) for one in ids)
+            except LocalLLMError as e:
+                raise ApiError(400, e.one_line(), param="input") from None
 
         vectors, count = await anyio.to_thread.run_sync(run)
     finally:

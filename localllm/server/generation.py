@@ -45,7 +45,7 @@ class Piece:
 class Outcome:
     """How a generation ended, with its figures (times from ``time.perf_counter()``)."""
 
-    finish_reason: str  # "stop", "length", "cancelled", "error"
+    finish_reason: str  # "stop", "length", "constraint", "cancelled", "error"
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int

@@ -108,7 +108,9 @@ def _run(f: Fields) -> Run:
     keep_alive = _keep_alive(f)
     max_tokens = num_predict if num_predict is not None and num_predict > 0 else None
     top = f.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
-    logprobs = (top or 0) if f.boolean("logprobs", False) or top else None
+    logprobs = (top or 0) if f.boolean("logprobs", False) else None
+    if top and logprobs is None:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     grammar, tools = ollama_format(f.raw("format")), tool_calls.ollama_tools(f.raw("tools"))
     if grammar is not None and tools is not None:
         raise ApiError(400, "'format' and 'tools' cannot be combined: a reply is either calls or the format",
@@ -133,7 +135,8 @@ def _stats(o: Outcome, started: float, load_s: float) -> dict[str, Any]:
 
 
 def _done_reason(o: Outcome) -> str:
-    return "length" if o.finish_reason == "length" else "stop"
+    """"length", "stop", or "constraint": the grammar allowed no further token (the server logs why)."""
+    return o.finish_reason if o.finish_reason in ("length", "constraint") else "stop"
 
 
 async def _load_or_unload(request: Request, run: Run) -> Response | None:
@@ -207,8 +210,9 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
                 nonlocal entries
                 out = []
                 for kind, text in parts:
-                    if kind == "thinking":
+                    if kind == "thinking":  # (its tokens' entries are not the answer's)
                         out.append(ndjson_line({**piece_obj("", thinking=text), "done": False}))
+                        entries = []
                     else:
                         out.append(ndjson_line({**piece_obj(text, entries), "done": False}))
                         entries = []

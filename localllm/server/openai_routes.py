@@ -107,7 +107,8 @@ def usage(o: Outcome) -> dict[str, Any]:
 
 
 def finish_reason(o: Outcome) -> str:
-    return "length" if o.finish_reason == "length" else "stop"
+    """"length", "stop", or "constraint": the grammar allowed no further token (the server logs why)."""
+    return o.finish_reason if o.finish_reason in ("length", "constraint") else "stop"
 
 
 async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> tuple[Lease, ReplyShape | None]:
@@ -206,8 +207,9 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, shape: 
                 nonlocal entries
                 out = []
                 for kind, text in parts:
-                    if kind == "thinking":
+                    if kind == "thinking":  # (its tokens' entries are not the answer's)
                         out.append(sse_event(chunk([choice(None, None, thinking=text)])))
+                        entries = []
                     else:
                         out.append(sse_event(chunk([choice(text, None, logprobs=scored(entries))])))
                         entries = []

@@ -3,26 +3,15 @@ answer, and its tool calls, told apart as the text streams and from the whole te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.constrain import Grammar, after_thinking
-from localllm.runtime.textstream import ThinkingSplitter
+from localllm.runtime.textstream import ThinkingSplitter, prompt_opens_thinking, template_thinks
 from localllm.runtime.tools import ReplySplitter, ToolCall, call_grammar, call_syntax, encode_tool_chat
 from localllm.server.errors import ApiError
 from localllm.server.tool_calls import ToolAsk
-
-
-def template_thinks(template: str | None) -> bool:
-    """Whether a chat template is a thinking model's (it writes or reads ``<think>`` blocks)."""
-    return bool(template) and "<think>" in template  # type: ignore[operator]
-
-
-def prompt_opens_thinking(tokenizer, ids: Sequence[int]) -> bool:  # type: ignore[no-untyped-def]
-    """Whether the prompt ends inside an opened ``<think>`` (DeepSeek-R1 distills' templates do)."""
-    return tokenizer.decode(list(ids[-8:])).rstrip().endswith("<think>")
 
 
 @dataclass
