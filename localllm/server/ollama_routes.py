@@ -37,7 +37,7 @@ from localllm.server.logprobs import chat_content
 from localllm.server.models import DEFAULT, Lease
 from localllm.server.streaming import ndjson_line, ndjson_response
 from localllm.server import tool_calls
-from localllm.server.replies import ReplyShape, prepare_chat
+from localllm.server.replies import ReplyShape, prepare_chat, stream_parts
 from localllm.server.structured import ollama_format
 from localllm.server.tool_calls import ToolAsk
 from localllm.server.validate import Fields, messages, read_json
@@ -204,32 +204,15 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
 
     if run.stream:
         async def lines() -> AsyncGenerator[str, None]:
-            entries: list[TokenLogprob] = []  # of text held back (it might have opened a call)
-
-            def shown(parts: list[tuple[str, str]]) -> list[str]:
-                nonlocal entries
-                out = []
-                for kind, text in parts:
-                    if kind == "thinking":  # (its tokens' entries are not the answer's)
-                        out.append(ndjson_line({**piece_obj("", thinking=text), "done": False}))
-                        entries = []
-                    else:
-                        out.append(ndjson_line({**piece_obj(text, entries), "done": False}))
-                        entries = []
-                return out
-
-            async for part in gen.parts():
-                entries += part.logprobs
-                for line in shown(shape.feed(part.text) if shape is not None else [("answer", part.text)]):
-                    yield line
+            async for kind, text, entries in stream_parts(gen, shape):
+                if kind == "thinking":
+                    yield ndjson_line({**piece_obj("", thinking=text), "done": False})
+                else:
+                    yield ndjson_line({**piece_obj(text, entries), "done": False})
             o = gen.outcome
             assert o is not None
-            if shape is not None:
-                rest, calls = shape.finish()
-                for line in shown(rest):
-                    yield line
-                if calls:  # each call whole, in one chunk
-                    yield ndjson_line({**piece_obj("", entries, calls), "done": False})
+            if shape is not None and shape.found:  # each call whole, in one chunk
+                yield ndjson_line({**piece_obj("", [], shape.found), "done": False})
             if o.finish_reason == "error":
                 yield ndjson_line({"error": from_exception(o.error or RuntimeError("failed")).message})
             else:

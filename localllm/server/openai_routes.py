@@ -16,7 +16,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from localllm.runtime.batch import MAX_TOP_LOGPROBS, TokenLogprob
-from localllm.runtime.tools import ToolCall
 from localllm.runtime.constrain import Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.server.common import check_prompt, endpoint, now_s, request_id, start_reply, state, whole_reply
@@ -27,7 +26,7 @@ from localllm.server.logprobs import chat_content, completion_logprobs
 from localllm.server.models import Lease
 from localllm.server.streaming import SSE_DONE, sse_event, sse_response
 from localllm.server import tool_calls
-from localllm.server.replies import ReplyShape, prepare_chat
+from localllm.server.replies import ReplyShape, prepare_chat, stream_parts
 from localllm.server.structured import openai_response_format
 from localllm.server.tool_calls import ToolAsk
 from localllm.server.validate import Fields, messages, read_json
@@ -201,33 +200,16 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, shape: 
         async def events() -> AsyncGenerator[str, None]:
             if chat:
                 yield sse_event(chunk([choice("", None, first=True)]))
-            entries: list[TokenLogprob] = []  # of text held back (it might have opened a call)
-
-            def shown(parts: list[tuple[str, str]]) -> list[str]:
-                nonlocal entries
-                out = []
-                for kind, text in parts:
-                    if kind == "thinking":  # (its tokens' entries are not the answer's)
-                        out.append(sse_event(chunk([choice(None, None, thinking=text)])))
-                        entries = []
-                    else:
-                        out.append(sse_event(chunk([choice(text, None, logprobs=scored(entries))])))
-                        entries = []
-                return out
-
-            async for part in gen.parts():
-                entries += part.logprobs
-                for event in shown(shape.feed(part.text) if shape is not None else [("answer", part.text)]):
-                    yield event
+            async for kind, text, entries in stream_parts(gen, shape):
+                if kind == "thinking":
+                    yield sse_event(chunk([choice(None, None, thinking=text)]))
+                else:
+                    yield sse_event(chunk([choice(text, None, logprobs=scored(entries))]))
             o = gen.outcome
             assert o is not None
-            calls: list[ToolCall] = []
-            if shape is not None:
-                rest, calls = shape.finish()
-                for event in shown(rest):
-                    yield event
-                for deltas in tool_calls.openai_call_deltas(calls):
-                    yield sse_event(chunk([choice(None, None, calls=deltas)]))
+            calls = shape.found if shape is not None else []
+            for deltas in tool_calls.openai_call_deltas(calls):
+                yield sse_event(chunk([choice(None, None, calls=deltas)]))
             if o.finish_reason == "error":
                 yield sse_event(openai_body(from_exception(o.error or RuntimeError("generation failed"))))
             else:

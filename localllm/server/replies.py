@@ -3,14 +3,18 @@ answer, and its tool calls, told apart as the text streams and from the whole te
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from localllm.errors import LocalLLMError
+from localllm.runtime.batch import TokenLogprob
 from localllm.runtime.constrain import Grammar, after_thinking
 from localllm.runtime.textstream import ThinkingSplitter, prompt_opens_thinking, template_thinks
 from localllm.runtime.tools import ReplySplitter, ToolCall, call_grammar, call_syntax, encode_tool_chat
 from localllm.server.errors import ApiError
+from localllm.server.generation import Generation
 from localllm.server.tool_calls import ToolAsk
 
 
@@ -22,6 +26,7 @@ class ReplyShape:
     thinks: bool = False
     opened: bool = False
     calls: ReplySplitter | None = None
+    found: list[ToolCall] = field(default_factory=list)  # the calls, once :func:`stream_parts` has ended
 
     def __post_init__(self) -> None:
         self._thinking = ThinkingSplitter(self.opened) if self.thinks else None
@@ -78,3 +83,21 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolAsk 
         grammar = after_thinking(grammar, opened)
     calls = None if tools is None else ReplySplitter(syntax, tools.forced)
     return ids, grammar, ReplyShape(thinks, opened, calls)
+
+
+async def stream_parts(gen: Generation, shape: ReplyShape | None) -> AsyncIterator[tuple[str, str, list[TokenLogprob]]]:
+    """A streamed reply as ("thinking" or "answer", text, the log-probability entries of an answer
+    part's tokens since the last answer part: a thinking part's are not the answer's); the calls are
+    in ``shape.found`` once it ends."""
+    entries: list[TokenLogprob] = []
+    async with contextlib.aclosing(gen.parts()) as parts:
+        async for part in parts:
+            entries += part.logprobs
+            for kind, text in shape.feed(part.text) if shape is not None else [("answer", part.text)]:
+                yield kind, text, (entries if kind == "answer" else [])
+                entries = []
+    if shape is not None:
+        rest, shape.found = shape.finish()
+        for kind, text in rest:
+            yield kind, text, (entries if kind == "answer" else [])
+            entries = []
