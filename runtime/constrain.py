@@ -7,9 +7,10 @@
 The grammar engine is llguidance: it reads a Hugging Face ``tokenizer.json`` as it is (byte-level BPE
 and SentencePiece vocabularies alike, so GGUF vocabularies rebuilt by :mod:`runtime.tokenizer` work
 too), enforces JSON Schema, Lark and regular expressions, computes a step's mask from a token trie in
-a fraction of a millisecond on the CPU, and needs no other package. (xgrammar depends on
-transformers, which the runtime never imports; outlines-core compiles a schema into a whole-vocabulary
-index up front, seconds for a large vocabulary, where agents send a new schema any turn.)
+a fraction of a millisecond on the CPU, and needs no other package. (xgrammar requires transformers
+and triton, which the runtime never imports; outlines-core builds an index over the whole vocabulary
+for each schema before the first token, where llguidance walks the token trie lazily each step and
+agents may send a new schema any turn.)
 
 A :class:`Constraint` is one sequence's matcher. The batch engine asks it for a bitmask of allowed
 tokens for each of the sequence's rows in a step (a verify chunk has one per draft token: the mask
