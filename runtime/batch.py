@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from localllm.errors import LocalLLMError
+from localllm.yielding import Generating
 from localllm.runtime.block_manager import BlockManager
 from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_pool
 from localllm.runtime.model import Transformer, cache_rope_tables
@@ -290,6 +291,7 @@ class BatchEngine:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._step_lock = threading.Lock()  # one step at a time, whoever drives
+        self._generating = Generating()
         self._thread: threading.Thread | None = None
         self._stopping = False
         #: Measured decode step times by query rows: what the drafts' cost is weighed against.
@@ -370,7 +372,9 @@ class BatchEngine:
                 prefill_tokens = plan.prefill_tokens  # now: a chunk stops sampling once its token is in
                 self._cond.notify_all()
             if not plan.chunks:
+                self._generating.release()
                 return 0
+            self._generating.hold()  # a background build stops while this engine has work
             t0 = time.perf_counter()
             try:
                 tokens = self._run(plan.chunks, sampling)  # per sampling request: its accepted drafts, then its token
@@ -402,6 +406,8 @@ class BatchEngine:
                 self.tokens_computed += plan.num_tokens
                 self.last_step_s = now - t0
                 self.last_step_prefill_tokens = prefill_tokens
+                if not self.scheduler.has_work:
+                    self._generating.release()  # idle: a stopped build may go on
                 self._cond.notify_all()
             return plan.num_tokens
 

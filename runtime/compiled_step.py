@@ -511,14 +511,30 @@ def _lock_path() -> Path:
     return folder / ".build.lock"
 
 
+def yield_cpu() -> None:
+    """Run this process (and the threads and processes it starts from now on: the compiler's) only
+    when nothing else wants the CPU: Linux's SCHED_IDLE, and nice 19 where that is refused. A build
+    in the background then takes the cores a user's run leaves idle, not a share of its time (at nice
+    19 alone it still takes a slice, which a run whose threads meet at every layer pays for in full)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        pass
+    if hasattr(os, "nice"):
+        try:
+            os.nice(19 - os.nice(0))
+        except OSError:
+            pass
+
+
 def background_builds_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") not in ("0", "")
 
 
 def start_background_build(args: LoadArgs, batch: int = 1) -> bool:
     """Start ``localllm compile`` for ``args`` (and batches of up to ``batch`` sequences) in a detached
-    process at the lowest CPU priority (its output in ``<home>/logs/compile.log``), with this process's
-    thread count. False when background builds are off, no compiler is here, or a build is already
+    process at the lowest CPU priority, stopped whenever an engine generates (:mod:`localllm.yielding`;
+    its output in ``<home>/logs/compile.log``), with this process's thread count. False when background builds are off, no compiler is here, or a build is already
     running. The caller says so on stderr: the build outlives it."""
     from filelock import FileLock, Timeout
 
@@ -531,8 +547,9 @@ def start_background_build(args: LoadArgs, batch: int = 1) -> bool:
         return False
     logs = home() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "localllm", "compile", *args.argv(), "--threads", str(torch.get_num_threads()),
-            "--batch", str(batch), "--if-idle"]
+    # kept by localllm.yielding: stopped whenever an engine on this machine generates
+    argv = [sys.executable, "-m", "localllm.yielding", sys.executable, "-m", "localllm", "compile", *args.argv(),
+            "--threads", str(torch.get_num_threads()), "--batch", str(batch), "--if-idle"]
     with open(logs / "compile.log", "ab") as log:
         log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv[1:])}\n".encode())
         log.flush()
@@ -557,15 +574,15 @@ def build(model: Transformer, batch: int = 1, kv_dtype: str = "16bit", wait: boo
     """Build ``model``'s missing decode-step packages for batches of up to ``batch`` over ``kv_dtype``
     pools, under the build lock (``wait=False``: leave at once if another build holds it). A failure
     is recorded beside each missing package (:func:`failure_marker`); a success clears old marks.
-    ``background``: lower this process's CPU priority first, so the build never competes with a user's
-    run on a small machine."""
+    ``background``: give the CPU way first (:func:`yield_cpu`), so the build never competes with a
+    user's run on a small machine."""
     from filelock import FileLock, Timeout
 
     from localllm.runtime.batch import BatchEngine
     from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, block_bytes
 
-    if background and hasattr(os, "nice"):
-        os.nice(19)
+    if background:
+        yield_cpu()
     # the packages serve any pool size: the smallest pool will do to find or build them
     budget = 4 * block_bytes(model.config, DEFAULT_BLOCK_SIZE, model.dtype, kv_dtype)
     try:

@@ -49,6 +49,8 @@ def compile_step(model: str, device: str, dtype: str, threads: int | None, quant
     from localllm.runtime import compiled_step
     from localllm.threads import set_threads
 
+    if if_idle:  # before anything runs: the loading, and every thread and compiler started later
+        compiled_step.yield_cpu()
     set_threads(threads)
     lm = load_model(model, device=device, dtype=dtype, quant=quant, group_size=group_size,
                     quantize_head=quant_head, kernel=kernel)
@@ -73,5 +75,5 @@ def build_after(args: LoadArgs, needed: bool, batch: int = 1) -> None:
     """After a run that found no compiled step (``needed``): start its build in the background and say
     so (it outlives this command)."""
     if needed and start_background_build(args, batch):
-        note("building a compiled decode step for this model in the background (about a minute, at low CPU "
-             "priority; output in the logs folder); later runs use it")
+        note("building a compiled decode step for this model in the background (about a minute, only on idle "
+             "CPU time; it goes on after this command; output in the logs folder); later runs use it")

@@ -342,10 +342,14 @@ class ModelManager:
                              max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens,
                              kv_dtype=cfg.kv_dtype, compile="auto", speculate=cfg.speculate)
         if engine.needs_build:  # the compiled decode step, for the next time this model is loaded
+            from localllm.paths import home
             from localllm.runtime.compiled_step import LoadArgs, start_background_build
 
-            start_background_build(LoadArgs(ref, cfg.device, cfg.dtype, cfg.quant, kernel=cfg.kernel,
-                                            kv_cache=cfg.kv_dtype), batch=cfg.parallel)
+            if start_background_build(LoadArgs(ref, cfg.device, cfg.dtype, cfg.quant, kernel=cfg.kernel,
+                                               kv_cache=cfg.kv_dtype), batch=cfg.parallel):
+                log.info("building a compiled decode step for %s in the background, only on idle CPU time; it goes "
+                         "on after the server stops (output in %s); the next load of %s uses it",
+                         name, home() / "logs" / "compile.log", name)
         engine.start()
         stop_ids = list(dict.fromkeys([*lm.tokenizer.eos_ids, *lm.config.eos_token_ids]))
         return ModelSlot(name, lm, engine, stop_ids, lm.weight_bytes + engine.plan.bytes,
