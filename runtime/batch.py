@@ -39,7 +39,7 @@ from localllm.runtime.model import Transformer, cache_rope_tables
 from localllm.runtime.paged import PagedDecodeAttention, PagedStep, SeqChunk
 from localllm.runtime.compiled_step import CompiledDecode, find_step
 from localllm.runtime.constrain import Constraint, apply_masks
-from localllm.runtime.sampling import SamplingParams, sample, unit_random
+from localllm.runtime.sampling import SamplingParams, greedy, sample, unit_random
 from localllm.runtime.scheduler import Chunk, Scheduler, Sequence as Seq, Status
 from localllm.runtime.speculate import MAX_DRAFT, Acceptance, NgramIndex, Proposal, StepCosts, plan_drafts
 
@@ -493,7 +493,7 @@ class BatchEngine:
         plain = [i for i, r in enumerate(requests)
                  if r.params.greedy and r.recent is None and r.constraint is None]
         if plain:  # greedy rows in one argmax, of every row: indexing by a list of rows would upload
-            best = logits.argmax(-1)  # it with a blocking copy (a host sync on CUDA)
+            best = greedy(logits)  # it with a blocking copy (a host sync on CUDA)
             for i in plain:
                 at, n = spans[i]
                 picks[i] = best[at : at + n]

@@ -102,6 +102,15 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return torch.full(logits.shape, float("-inf"), device=logits.device).scatter(-1, idx, vals)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (B,) from logits (B, V), the first index on ties as ``argmax`` gives. On the
+    CPU ``max(-1)`` finds it several times faster than ``argmax`` over a large vocabulary (which reads
+    a row with one thread, unvectorised): a large share of a small model's decode step otherwise."""
+    if logits.device.type == "cpu":
+        return logits.max(-1).indices
+    return logits.argmax(-1)
+
+
 def sample(
     logits: torch.Tensor,
     p: SamplingParams,
@@ -117,7 +126,7 @@ def sample(
         logits = torch.cat([apply_repeat_penalty(logits[i : i + 1], ids[None], p.repeat_penalty)
                             for i, ids in enumerate(recent)])
     if p.greedy:
-        return logits.argmax(-1)
+        return greedy(logits)
     if u is None:
         raise ValueError("sampling needs a uniform draw per row")
     vals, idx = candidates(logits, p)

@@ -42,7 +42,10 @@ TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, 
         "circling the breakwater and, far out, the grey line where the sea met the sky. He wrote down the wind, "
         "the swell, the ships that passed and anything else that seemed worth remembering. ") * 40
 VARIANTS = {"default": [], "--no-compile": ["--no-compile"], "--compile": ["--compile"],
-            "q8": ["--kernel", "int4-q8-cpu"]}
+            "q8": ["--kernel", "int4-q8-cpu"],
+            # speculation off: llama-bench's tg does not speculate, and this script's prompt repeats one
+            # paragraph, which prompt lookup drafts from; these rows compare the kernels alone
+            "default-nospec": ["--speculate", "off"], "q8-nospec": ["--kernel", "int4-q8-cpu", "--speculate", "off"]}
 
 
 def exact_prompt(model: str, n: int) -> str:
