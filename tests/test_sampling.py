@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.runtime.sampling import SamplingParams, apply_repeat_penalty, filter_logits, sample, unit_random
+from localllm.runtime.sampling import SamplingParams, apply_repeat_penalty, filter_logits, greedy, sample, unit_random
 
 PROBS = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
 LOGITS = PROBS.log()
@@ -20,6 +20,15 @@ def kept(params: SamplingParams) -> list[int]:
 
 def test_greedy_is_argmax():
     assert sample(torch.tensor([[0.1, 3.0, -1.0]]), SamplingParams(temperature=0)).tolist() == [1]
+
+
+def test_greedy_takes_the_first_of_tied_maxima_over_a_large_vocabulary():
+    """The CPU pick (max, not argmax) breaks ties as argmax does, across vector widths and rows."""
+    logits = torch.zeros(3, 262144)
+    logits[0, [70001, 5, 200000]] = 2.0
+    logits[1, [131071, 131072]] = 1.0
+    logits[2] = -1.0  # every token tied
+    assert greedy(logits).tolist() == logits.argmax(-1).tolist() == [5, 131071, 0]
 
 
 def test_top_k():
