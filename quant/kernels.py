@@ -15,8 +15,8 @@ int4-tinygemm-cpu      int4    CPU (``torch._weight_int4pack_mm_for_cpu``)   bf1
 int4-tinygemm-cuda     int4    CUDA sm80+ (``torch._weight_int4pack_mm``)    bf16
 int8-weight-only       int8    per-channel (``torch._weight_int8pack_mm``)   bf16 / fp16 / fp32
 int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf16 / fp16 / fp32
-int4-q8-cpu            int4    CPU, AVX-512 VNNI, opt-in (``int4_q8_mm``)    int8 per 32 (from fp32)
-int8-q8-cpu            int8    CPU, AVX-512 VNNI, opt-in (``int8_q8_mm``)    int8 per 32 (from fp32)
+int4-q8-cpu            int4    CPU, AVX2 / VNNI, opt-in (``int4_q8_mm``)     int8 per 32 (from fp32)
+int8-q8-cpu            int8    CPU, AVX2 / VNNI, opt-in (``int8_q8_mm``)     int8 per 32 (from fp32)
 gguf-blocks-cpu        gguf    CPU (``localllm::gguf_mm``): a GGUF's blocks  bf16 / fp16 / fp32
 nf4-bitsandbytes       nf4     bitsandbytes ``matmul_4bit`` (CPU and CUDA)   bf16 / fp16 / fp32
 reference              all     dequantize one layer, ``F.linear``            any
@@ -294,7 +294,7 @@ LIBRARY = native.NativeLibrary(
     "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "int4_group_mm.cpp", _CSRC / "q8_mm.cpp",
                        _CSRC / "gguf_blocks_mm.cpp"),
     ("int8_group_mm", "int8_group_gemm", "int4_group_mm", "int4_group_gemm", "int4_group_dequant",
-     "int4_q8_mm", "int4_q8_mm_portable", "int8_q8_mm", "int8_q8_mm_portable", "q8_vnni",
+     "int4_q8_mm", "int4_q8_mm_isa", "int8_q8_mm", "int8_q8_mm_isa", "q8_isa",
      "gguf_mm", "gguf_gemm", "gguf_dequant"),
     _register_fakes, headers=(_CSRC / "panel_gemm.h",),
 )
@@ -426,6 +426,10 @@ class Int4GroupCPU(Kernel):
         return op(x, layer.packed, layer.tile_scales, layer.tile_offsets, g, n)
 
 
+#: ``localllm::q8_isa()``'s paths, narrowest first (``csrc/q8_mm.cpp``'s ``Isa``).
+Q8_PORTABLE, Q8_AVX2, Q8_AVX_VNNI, Q8_AVX512_VNNI = range(4)
+
+
 class _Q8Kernel(Kernel):
     """The opt-in family of CPU kernels with int8 activations (``csrc/q8_mm.cpp``): what they share."""
 
@@ -442,8 +446,9 @@ class _Q8Kernel(Kernel):
             return why
         if (layer.scheme.group_size or layer.in_features) % 32:  # a weight scale covers whole activation blocks
             return "needs weight scales per group (or row) of a multiple of 32 inputs"
-        if not torch.ops.localllm.q8_vnni():
-            return "needs AVX-512 VNNI (this CPU has none; without it the kernel is slower than fp32)"
+        if torch.ops.localllm.q8_isa() == Q8_PORTABLE:
+            return ("needs AVX2 (this CPU, or ATEN_CPU_CAPABILITY=default, gives none; the portable loop is "
+                    "slower than fp32)")
         return None
 
 
@@ -463,13 +468,14 @@ def _dword_tiles(layer, row_bytes) -> torch.Tensor:  # type: ignore[no-untyped-d
 class Int4Q8CPU(_Q8Kernel):
     """int4 with an fp16 scale and offset per group (as :class:`Int4GroupCPU`), multiplied by the
     activations quantized to int8 per block of 32 inputs, as llama.cpp multiplies its Q4 weights
-    (``csrc/q8_mm.cpp``): the codes' dot products run in 8-bit integers (AVX-512 VNNI), four
-    times the multiply-adds an instruction of fp32 FMAs, which is what bounds a batched decode step or
+    (``csrc/q8_mm.cpp``): the codes' dot products run in 8-bit integers (AVX-512 VNNI, AVX-VNNI, or
+    AVX2's vpmaddubsw), four times the multiply-adds an instruction of fp32 FMAs (twice, on AVX2
+    without VNNI), which is what bounds a batched decode step or
     a prefill on a CPU. One kernel for any number of rows, each row one fixed chain of operations: a
     sequence's numbers are the same alone and in any batch. Opt-in (``--kernel int4-q8-cpu``): the
     activations' rounding moves the logits (by what ``localllm bench`` reports as KL divergence), so
-    the default stays the fp32 product with the exact weights. Without VNNI it runs a portable loop
-    that gives the same bits, slowly, so it is offered only where VNNI is.
+    the default stays the fp32 product with the exact weights. Every path gives the portable loop's
+    bits; that loop is slow, so the kernel is offered only where AVX2 is.
 
     Layout (made here): ``packed`` uint8 (tiles of 16 rows, in/8, 64): dword j of octet o holds row
     16t + j's codes of columns 8o + i (low nibble of byte i) and 8o + 4 + i (high nibble);
@@ -502,7 +508,7 @@ class Int4Q8CPU(_Q8Kernel):
 
 class Int8Q8CPU(_Q8Kernel):
     """int8 weights (a scale per group of a multiple of 32 inputs, a GGUF's Q8_0 head; or per row) by
-    the activations quantized to int8 per block of 32, on AVX-512 VNNI (``csrc/q8_mm.cpp``): the int8
+    the activations quantized to int8 per block of 32, on AVX2 or VNNI (``csrc/q8_mm.cpp``): the int8
     member of :class:`Int4Q8CPU`'s opt-in family, which ``--kernel int4-q8-cpu`` also takes for a
     model's int8 head. Layout (made here): ``packed`` uint8 (tiles of 16 rows, in/4, 64), dword j of
     quad c holding row 16t + j's codes of columns 4c .. 4c + 3, each plus 128; ``tile_scales`` fp16

@@ -5,10 +5,11 @@ The kernels are held to a float64 model of their own arithmetic (the activations
 32 as the header of ``quant/csrc/q8_mm.cpp`` says, times the exact weights) within an fp32
 summation bound: an activation rounded the other way moves its product by up to 1/254 of its block's
 largest, and the product of unquantized activations is checked to leave the bound, so the test tells
-the two apart. Its VNNI path and its portable path give the same bits, and a
+the two apart. Each of its paths this CPU runs (AVX-512 VNNI, AVX-VNNI, AVX2's vpmaddubsw, portable;
+``tests/test_isa.py`` narrows them by ``ATEN_CPU_CAPABILITY``) gives the portable path's bits, and a
 row's result is the same alone and in any batch, which is what keeps a sequence's batched tokens its
 tokens alone. The portable path runs on every CPU, so these hold everywhere; the model-level tests
-need VNNI, where the kernel is offered.
+need AVX2, where the kernel is offered.
 """
 
 from __future__ import annotations
@@ -40,15 +41,25 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 127.0).double()).view_as(x)
 
 
-def ops(layer: QuantLinear, portable: bool = False):  # type: ignore[no-untyped-def]
+def ops(layer: QuantLinear, isa: int | None = None):  # type: ignore[no-untyped-def]
+    """The layer's product through the path ``isa`` (a ``kernels.Q8_*``), or the widest one this CPU runs."""
     if layer.scheme.name == "int8":
         t = kernels.Int8Q8CPU.prepare(layer)
-        op = torch.ops.localllm.int8_q8_mm_portable if portable else torch.ops.localllm.int8_q8_mm
         group = layer.scheme.group_size or layer.in_features
-        return lambda x: op(x, t["packed"], t["tile_scales"], group, layer.out_features)
+        if isa is None:
+            return lambda x: torch.ops.localllm.int8_q8_mm(x, t["packed"], t["tile_scales"], group, layer.out_features)
+        return lambda x: torch.ops.localllm.int8_q8_mm_isa(x, t["packed"], t["tile_scales"], group,
+                                                           layer.out_features, isa)
     t = kernels.Int4Q8CPU.prepare(layer)
-    op = torch.ops.localllm.int4_q8_mm_portable if portable else torch.ops.localllm.int4_q8_mm
-    return lambda x: op(x, t["packed"], t["tile_scales"], t["tile_offsets"], layer.scheme.group_size, layer.out_features)
+    args = (t["packed"], t["tile_scales"], t["tile_offsets"], layer.scheme.group_size, layer.out_features)
+    if isa is None:
+        return lambda x: torch.ops.localllm.int4_q8_mm(x, *args)
+    return lambda x: torch.ops.localllm.int4_q8_mm_isa(x, *args, isa)
+
+
+def paths() -> list[int]:
+    """The kernel's paths this CPU and build run, portable first."""
+    return list(range(torch.ops.localllm.q8_isa() + 1)) if native.available(kernels.LIBRARY) else []
 
 
 @pytest.mark.parametrize("scheme,group,out", [("int4", 32, 200), ("int4", 64, 48), ("int4", 128, 13),
@@ -56,9 +67,10 @@ def ops(layer: QuantLinear, portable: bool = False):  # type: ignore[no-untyped-
 @pytest.mark.parametrize("portable", [False, True])
 def test_the_product_is_the_quantized_activations_by_the_exact_weights(scheme, group, out, portable):
     """Row counts 1 (decode), up to a pass of 8, 9 (5 + 4), 17 and 40 (passes of equal size); output
-    rows past a tile; a block of zeros (its scale 0); int8 per group and per row."""
+    rows past a tile (and past half a tile, AVX2's pass); a block of zeros (its scale 0); int8 per group
+    and per row."""
     layer, w = layer_of(group, out, 512, scheme_name=scheme)
-    op = ops(layer, portable)
+    op = ops(layer, kernels.Q8_PORTABLE if portable else None)
     g = torch.Generator().manual_seed(1)
     for rows in (1, 3, 8, 9, 17, 40):
         x = torch.randn(rows, 512, generator=g)
@@ -73,13 +85,28 @@ def test_the_product_is_the_quantized_activations_by_the_exact_weights(scheme, g
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_vnni_and_portable_paths_give_the_same_bits_and_rows_ignore_their_batch(scheme):
+def test_every_path_gives_the_portable_bits_and_rows_ignore_their_batch(scheme):
+    """Each path this CPU runs, including the narrower ones (AVX2's vpmaddubsw on a VNNI CPU). int8
+    codes reach -128 and 127 and activations +-127, vpmaddubsw's worst pairs."""
     layer, _ = layer_of(32, 200, 576, scheme_name=scheme)
+    if scheme == "int8":
+        layer.qweight[:, ::3] = -128
+        layer.qweight[:, 1::3] = 127
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(3)) * 3
-    fast, slow = ops(layer), ops(layer, portable=True)
-    assert torch.equal(fast(x), slow(x))
-    panel_rows_are_batch_invariant(fast, x)
-    panel_rows_are_batch_invariant(slow, x)
+    x[:, ::32] = 20.0  # each block's largest: a code of 127 in every block
+    x[1::2, 5::32] = -20.0  # and -127 in every other row's
+    want = ops(layer, kernels.Q8_PORTABLE)(x)
+    assert len(paths()) > 1 or torch.ops.localllm.q8_isa() == kernels.Q8_PORTABLE
+    for isa in paths():
+        op = ops(layer, isa)
+        assert torch.equal(op(x), want), isa
+        panel_rows_are_batch_invariant(op, x)
+
+
+def test_a_path_the_cpu_does_not_run_is_refused():
+    layer, _ = layer_of(32, 32, 64)
+    with pytest.raises(RuntimeError, match="is not one this CPU and build run"):
+        ops(layer, torch.ops.localllm.q8_isa() + 1)(torch.randn(1, 64))
 
 
 def test_the_kernel_is_taken_only_when_named():
@@ -87,12 +114,16 @@ def test_the_kernel_is_taken_only_when_named():
     assert "int4-q8-cpu" not in [k.name for k in kernels.candidates(layer, torch.device("cpu"), torch.float32)]
     assert layer.prepare(torch.float32) == "int4-group-cpu"
     named, _ = layer_of(32, 64, 576)
-    want = "int4-q8-cpu" if torch.ops.localllm.q8_vnni() else "int4-group-cpu"
+    want = "int4-q8-cpu" if torch.ops.localllm.q8_isa() != kernels.Q8_PORTABLE else "int4-group-cpu"
     assert named.prepare(torch.float32, "int4-q8-cpu") == want
 
 
-@pytest.mark.skipif(not (native.compiler() and native.available(kernels.LIBRARY) and torch.ops.localllm.q8_vnni()),
-                    reason="int4-q8-cpu is offered on CPUs with AVX-512 VNNI only")
+needs_avx2 = pytest.mark.skipif(not (native.compiler() and native.available(kernels.LIBRARY)
+                                     and torch.ops.localllm.q8_isa() != kernels.Q8_PORTABLE),
+                                reason="int4-q8-cpu is offered on CPUs with AVX2 only")
+
+
+@needs_avx2
 def test_naming_the_int4_kernel_takes_its_int8_member_for_an_int8_layer_and_rows_read_back():
     layer, w = layer_of(32, 200, 576, scheme_name="int8")
     want = dequantize(layer.canonical(), layer.scheme)
@@ -121,12 +152,7 @@ def test_a_layout_that_does_not_match_is_refused():
         torch.ops.localllm.int4_q8_mm(torch.randn(1, 32), t["packed"], t["tile_scales"], t["tile_offsets"], 32, 32)
 
 
-needs_vnni = pytest.mark.skipif(not (native.compiler() and native.available(kernels.LIBRARY)
-                                     and torch.ops.localllm.q8_vnni()),
-                                reason="int4-q8-cpu is offered on CPUs with AVX-512 VNNI only")
-
-
-@needs_vnni
+@needs_avx2
 def test_a_sequences_batched_tokens_are_its_tokens_alone(tiny_folder):
     from localllm.loaders.load import load_model
     from tests.test_batch import MAX_TOKENS, PROMPTS, alone, assert_same, run_mixed
@@ -139,7 +165,7 @@ def test_a_sequences_batched_tokens_are_its_tokens_alone(tiny_folder):
         assert_same(lm, p, h.result(), alone(lm, p, n))
 
 
-@needs_vnni
+@needs_avx2
 @pytest.mark.slow
 def test_smollm2_with_int8_activations_stays_close_to_the_files_weights(smollm2_path):
     """Teacher-forced over 64 tokens against the file's weights in fp32: the activations' rounding costs

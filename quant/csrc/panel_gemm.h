@@ -85,7 +85,7 @@ inline void rows(const float* x, int64_t ldx, const float* panel, int64_t kb, fl
 
 // rows (16, kb) row-major, rows ld apart -> panel (kb, 16): a kernel whose weights decode a row at
 // a time writes them row by row and turns them here, 16 x 16 at a time in registers on AVX-512 (16
-// vector stores, not 256 scalar ones).
+// vector stores, not 256 scalar ones), 8 x 8 on AVX2.
 inline void transpose_rows(const float* rows, int64_t ld, int64_t kb, float* panel) {
   int64_t k0 = 0;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -116,6 +116,28 @@ inline void transpose_rows(const float* rows, int64_t ld, int64_t kb, float* pan
       _mm512_storeu_ps(out + (c + 12) * WIDTH, _mm512_shuffle_f32x4(v1, v3, 0xdd));
     }
   }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; k0 + WIDTH <= kb; k0 += WIDTH)
+    for (int64_t J = 0; J < WIDTH; J += 8)      // rows J .. J + 7
+      for (int64_t C = 0; C < WIDTH; C += 8) {  // columns k0 + C .. + 7: an 8 x 8 transpose in registers
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + (J + i) * ld + k0 + C);
+        for (int i = 0; i < 8; i += 2) {  // per 128-bit lane: (r_i[c], r_i+1[c]) pairs
+          t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+          t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) {  // per lane: rows i .. i + 3 of one column
+          r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+          r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+          r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+          r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+        }
+        float* out = panel + (k0 + C) * WIDTH + J;
+        for (int c = 0; c < 4; ++c) {  // lanes: rows 0-3 from r[c], rows 4-7 from r[4 + c]
+          _mm256_storeu_ps(out + c * WIDTH, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+          _mm256_storeu_ps(out + (c + 4) * WIDTH, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+        }
+      }
 #endif
   for (; k0 < kb; ++k0)
     for (int64_t j = 0; j < WIDTH; ++j) panel[k0 * WIDTH + j] = rows[j * ld + k0];
