@@ -16,7 +16,8 @@ llama-bench's pp/tg tests: prefill of that many tokens into an empty context; ge
 tokens after a context of --prompt-tokens (its -d), as localllm's follow their prompt.
 
 `--also LABEL=COMMAND` (repeatable) adds a row that runs COMMAND in place of this checkout's CLI, with
-the default variant's flags, in the same interleaved rounds: a before/after of two checkouts, e.g.
+the first --variants row's flags (so `--variants default-nospec,...` compares speculation off on both
+sides), in the same interleaved rounds: a before/after of two checkouts, e.g.
 `--also "before=env PYTHONPATH=/tmp/oldpkg LOCALLLM_HOME=/tmp/home-old python -m localllm"`, where
 /tmp/oldpkg holds the other checkout as an importable `localllm` (its compiled steps built in
 its own LOCALLLM_HOME). Every row runs from the filesystem's root, so that `python -m localllm`
@@ -115,6 +116,10 @@ def main() -> None:
         args.model = str(default_model_gguf())
     prompt = exact_prompt(args.model, args.prompt_tokens)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: no variant {', '.join(unknown)} (of {', '.join(VARIANTS)})")
+    also_flags = VARIANTS[variants[0]] if variants else []
     rounds: dict[str, list[dict[str, float | str]]] = {"llama.cpp": [], **{v: [] for v in [*variants, *also]}}
     if not args.llama_bench:
         del rounds["llama.cpp"]
@@ -127,7 +132,7 @@ def main() -> None:
         for v in variants:
             rounds[v].append(localllm_row(args.model, prompt, args.tokens, args.threads, VARIANTS[v]))
         for label, cli in also.items():
-            rounds[label].append(localllm_row(args.model, prompt, args.tokens, args.threads, [], cli))
+            rounds[label].append(localllm_row(args.model, prompt, args.tokens, args.threads, also_flags, cli))
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
 
     table = {}
