@@ -56,6 +56,19 @@ inline float hsum(Vec v) {
   return at::vec::vec_reduce_all<float>([](Vec& u, Vec& w) { return u + w; }, v);
 }
 
+// n fp16 scales -> fp32 (exact), eight or sixteen a conversion where the CPU has F16C.
+inline void scales_to_float(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 // Output row n for the R activation rows at x (rows K apart) -> out[0..R): each group's GV vectors of
 // codes (GV = group / VS; 0: any other number) are widened once and serve every row, whose sums stay in registers (raw vectors: see
 // panel_gemm.h). Per row, the operations are those of one row alone, in the same order: the group's
@@ -69,7 +82,8 @@ void row_groups(const float* x, int64_t K, const int8_t* qn, const at::Half* sn,
   const int64_t ng = K / group;
   V a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = vset(0.f);
-  for (int64_t g = 0; g < ng; ++g) {
+  // Group g's dot products, scaled by sc, into acc (a0 for even groups, a1 for odd ones).
+  const auto add_group = [&](int64_t g, float sc_f, V* acc) {
     const int8_t* qg = qn + g * group;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     // The rows ahead, from L3 or memory: the prefetchers alone leave a decode step waiting on them.
@@ -78,7 +92,7 @@ void row_groups(const float* x, int64_t K, const int8_t* qn, const at::Half* sn,
 #endif
     V w[GV > 0 ? GV : 1];
     for (int d = 0; d < GV; ++d) w[d] = static_cast<V>(load_int8(qg + d * VS));
-    const V sc = vset(static_cast<float>(sn[ns == 1 ? 0 : g]));
+    const V sc = vset(sc_f);
     for (int r = 0; r < R; ++r) {
       const float* xg = x + r * K + g * group;
       V t;
@@ -89,9 +103,24 @@ void row_groups(const float* x, int64_t K, const int8_t* qn, const at::Half* sn,
         t = vmul(static_cast<V>(load_int8(qg)), vload(xg));
         for (int64_t d = VS; d < group; d += VS) t = vfma(static_cast<V>(load_int8(qg + d)), vload(xg + d), t);
       }
-      if (g % 2) a1[r] = vfma(t, sc, a1[r]);
-      else a0[r] = vfma(t, sc, a0[r]);
+      acc[r] = vfma(t, sc, acc[r]);
     }
+  };
+  // Scales converted a chunk at a time with vector instructions (one at a time, the conversion
+  // took more of the shuffle port than the codes did), groups taken in pairs so that which chain
+  // a group adds to is known at compile time; the order of operations is unchanged.
+  constexpr int64_t CH = 64;  // even, so a chunk's first group is even
+  alignas(64) float scl[CH];
+  for (int64_t g0 = 0; g0 < ng; g0 += CH) {
+    const int64_t gn = std::min(CH, ng - g0);
+    if (ns == 1) std::fill(scl, scl + gn, static_cast<float>(sn[0]));
+    else scales_to_float(sn + g0, scl, gn);
+    int64_t i = 0;
+    for (; i + 1 < gn; i += 2) {
+      add_group(g0 + i, scl[i], a0);
+      add_group(g0 + i + 1, scl[i + 1], a1);
+    }
+    if (i < gn) add_group(g0 + i, scl[i], a0);
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(Vec(a0[r]) + Vec(a1[r]));
 }
