@@ -55,7 +55,7 @@ def _isa_flags() -> list[str]:
     """Compiler flags for at::vec's widest vectors this CPU runs (as inductor picks them)."""
     cap = torch.backends.cpu.get_cpu_capability()
     if cap.startswith("AVX512"):
-        return ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]
+        return ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mf16c"]
     if cap == "AVX2":
         return ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
     return []  # at::vec's portable code: correct everywhere, not vectorised by hand
