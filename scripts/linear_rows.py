@@ -4,10 +4,13 @@ rows: what a batched decode step pays per sequence, and where the row kernels (d
 and the panel GEMM (csrc/panel_gemm.h) cross over.
 
     .venv/bin/python scripts/linear_rows.py [--model smollm2] [--rows 1,4,8,16,32,64,128,256] [--threads 2]
+                                            [--kernel int4-q8-cpu]
 
 For each linear and row count: median µs per call over --calls calls, and µs per row: on the path
 the kernel picks (its GEMV_ROWS threshold), with the row kernel forced for every count, and with the
-panel GEMM forced.
+panel GEMM forced. `--kernel` loads the model with that kernel, as `run --kernel` does (the
+int8-activation kernels have one path for every row count, so their three tables agree); under
+`ATEN_CPU_CAPABILITY=avx2` every kernel takes its AVX2 path.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,16,32,64,128,256")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel", help="a matmul kernel to load the model with, as run's --kernel")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lm = load_model(args.model)
+    lm = load_model(args.model, device="cpu", kernel=args.kernel)
     linears = [(n, m) for n, m in lm.model.named_modules()
                if type(m).__name__ == "QuantLinear" and ("layers.0." in n or "layers." not in n)]
     rows = [int(r) for r in args.rows.split(",")]
