@@ -470,8 +470,8 @@ class Int4Q8CPU(_Q8Kernel):
     activations quantized to int8 per block of 32 inputs, as llama.cpp multiplies its Q4 weights
     (``csrc/q8_mm.cpp``): the codes' dot products run in 8-bit integers (AVX-512 VNNI, AVX-VNNI, or
     AVX2's vpmaddubsw), four times the multiply-adds an instruction of fp32 FMAs (twice, on AVX2
-    without VNNI), which is what bounds a batched decode step or
-    a prefill on a CPU. One kernel for any number of rows, each row one fixed chain of operations: a
+    without VNNI), which is what bounds a batched decode step or a prefill on a CPU. One kernel for
+    any number of rows, each row one fixed chain of operations: a
     sequence's numbers are the same alone and in any batch. Opt-in (``--kernel int4-q8-cpu``): the
     activations' rounding moves the logits (by what ``localllm bench`` reports as KL divergence), so
     the default stays the fp32 product with the exact weights. Every path gives the portable loop's
