@@ -44,8 +44,15 @@
 #include <immintrin.h>
 #define LOCALLLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 // One body for AVX2 and AVX-VNNI (a template flag picks vpdpbusd or vpmaddubsw): the AVX2 instance
-// holds no VNNI instruction (tests/test_int4_q8.py runs both on a CPU that has both).
+// holds no VNNI instruction (tests/test_int4_q8.py runs both on a CPU that has both). Compilers before
+// GCC 11 / clang 12 know no AVX-VNNI: they build the AVX2 path alone.
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define LOCALLLM_HAS_AVX_VNNI 1
 #define LOCALLLM_AVX2 __attribute__((target("avxvnni,avx2,fma,f16c")))
+#else
+#define LOCALLLM_HAS_AVX_VNNI 0
+#define LOCALLLM_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
 #endif
 
 namespace {
@@ -71,7 +78,10 @@ int64_t best_isa() {
       return int64_t{AVX512_VNNI};
 #endif
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return int64_t{PORTABLE};
-    return int64_t{__builtin_cpu_supports("avxvnni") ? AVX_VNNI : AVX2};
+#if LOCALLLM_HAS_AVX_VNNI
+    if (__builtin_cpu_supports("avxvnni")) return int64_t{AVX_VNNI};
+#endif
+    return int64_t{AVX2};
   }();
   return isa;
 #else
@@ -317,8 +327,11 @@ void tile8_vnni_tail(int64_t rows, const int8_t* q, const float* d, const int32_
 // vpmaddubsw's int16 pairs (no saturation for the operands given here, see the header) widened by vpmaddwd.
 template <bool VNNI>
 LOCALLLM_AVX2 inline __attribute__((always_inline)) __m256i dot4(__m256i acc, __m256i u, __m256i x) {
+  static_assert(!VNNI || LOCALLLM_HAS_AVX_VNNI, "vpdpbusd needs a compiler that knows AVX-VNNI");
+#if LOCALLLM_HAS_AVX_VNNI
   if constexpr (VNNI) return _mm256_dpbusd_avx_epi32(acc, u, x);
-  else return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 }
 
 // Stores the first n (1 .. 8) of v's floats.
@@ -455,8 +468,11 @@ void mm(const Quantized& xq, int64_t M, const uint8_t* w, const c10::Half* sc, c
           continue;
         }
         if (isa != PORTABLE) {
+#if LOCALLLM_HAS_AVX_VNNI
           if (isa == AVX_VNNI) tile_avx2_rows<true>(rows, q, d, s, qs, wt, st, ot, K, G, yt, N, valid);
-          else tile_avx2_rows<false>(rows, q, d, s, qs, wt, st, ot, K, G, yt, N, valid);
+          else
+#endif
+            tile_avx2_rows<false>(rows, q, d, s, qs, wt, st, ot, K, G, yt, N, valid);
           continue;
         }
 #endif
