@@ -84,11 +84,12 @@ def test_the_product_is_the_quantized_activations_by_the_exact_weights(scheme, g
         assert ((x.double() @ w.t() - want).abs() > 3 * FP32_BOUND * (xq.abs() @ w.abs().t())).any()  # lossy
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
-def test_every_path_gives_the_portable_bits_and_rows_ignore_their_batch(scheme):
+@pytest.mark.parametrize("scheme,out", [("int4", 200), ("int8", 200), ("int4", 205), ("int8", 205)])
+def test_every_path_gives_the_portable_bits_and_rows_ignore_their_batch(scheme, out):
     """Each path this CPU runs, including the narrower ones (AVX2's vpmaddubsw on a VNNI CPU). int8
-    codes reach -128 and 127 and activations +-127, vpmaddubsw's worst pairs."""
-    layer, _ = layer_of(32, 200, 576, scheme_name=scheme)
+    codes reach -128 and 127 and activations +-127, vpmaddubsw's worst pairs. 205 outputs leave a
+    last tile of 13 (a second AVX2 half tile of 5); passes of 1 to 4 rows (AVX2) and up to 8."""
+    layer, _ = layer_of(32, out, 576, scheme_name=scheme)
     if scheme == "int8":
         layer.qweight[:, ::3] = -128
         layer.qweight[:, 1::3] = 127
@@ -99,6 +100,8 @@ def test_every_path_gives_the_portable_bits_and_rows_ignore_their_batch(scheme):
     for isa in paths():
         op = ops(layer, isa)
         assert torch.equal(op(x), want), isa
+        for rows in (2, 6):
+            assert torch.equal(op(x[:rows]), want[:rows]), (isa, rows)
         panel_rows_are_batch_invariant(op, x)
 
 

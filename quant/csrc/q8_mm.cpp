@@ -13,7 +13,8 @@
 //   acc = fma(float(sum_k code[n,k] * q[k]), scale[n,g] * d, acc);   (the integer sum is exact)
 //   acc = fma(offset[n,g], s, acc);                                   (int4 only)
 // One chain of fp32 operations a row, the same whatever the other rows of the call, so a sequence's
-// result does not depend on its batch; every ISA's path (Isa below) gives the portable one's bits:
+// result does not depend on its batch; every ISA's path (Isa below) gives the portable one's bits
+// for finite activations:
 // the integer sums are exact in each (vpmaddubsw's int16 pairs cannot saturate: int4 codes are at most
 // 15, and int8 codes enter as |code| against the activation carrying the code's sign, 2 * 128 * 127).
 //
@@ -41,6 +42,7 @@
 #include <vector>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define LOCALLLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 // One body for AVX2 and AVX-VNNI (a template flag picks vpdpbusd or vpmaddubsw): the AVX2 instance
@@ -79,7 +81,10 @@ int64_t best_isa() {
 #endif
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return int64_t{PORTABLE};
 #if LOCALLLM_HAS_AVX_VNNI
-    if (__builtin_cpu_supports("avxvnni")) return int64_t{AVX_VNNI};
+    // CPUID leaf 7, sub-leaf 1, EAX bit 4: AVX-VNNI (clang before 18 knows no "avxvnni" for
+    // __builtin_cpu_supports, and would fail the whole library on it).
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1)) return int64_t{AVX_VNNI};
 #endif
     return int64_t{AVX2};
   }();
