@@ -9,7 +9,11 @@ then `localllm run MODEL PROMPT --raw -n N --temperature 0 --verbose`. The promp
 model carries on for hundreds of tokens, so both produce N tokens (the same ones: greedy on the same
 engine). Figures: the server's decode rate from its own statistics ((eval_count - 1) / eval_duration,
 as `run` counts: tokens after the first over their time), the client's (chunks after the first over
-their arrival times), and `run`'s eval rate. Medians over the rounds; JSON to
+their arrival times), and `run`'s eval rate. Also the CPU time each streamed token costs outside the
+model's step: in the server's event-loop thread (its main thread; Linux's per-thread schedstat) and
+in this client (httpx, one JSON line a token). On a machine whose cores the step's threads all use,
+that time is taken from the step, which is where a stream's gap to `run` comes from; with `--threads`
+below the core count it is not. Medians over the rounds; JSON to
 results/stream_vs_run.json (an ignored folder). Everything stops by itself; only loopback is used.
 """
 
@@ -46,10 +50,19 @@ def start_server(model: str, parallel: int, threads: int) -> tuple[subprocess.Po
     raise SystemExit(f"localllm serve --parallel {parallel} did not start")
 
 
-def stream_row(url: str, model: str, tokens: int) -> dict[str, float]:
+def thread_cpu_s(pid: int) -> float:
+    """CPU seconds of process ``pid``'s main thread so far (0 where /proc has no schedstat)."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
+    except OSError:
+        return 0.0
+
+
+def stream_row(url: str, model: str, tokens: int, pid: int) -> dict[str, float]:
     body = {"model": model, "prompt": PROMPT, "raw": True, "options": {"temperature": 0, "num_predict": tokens}}
     arrivals: list[float] = []
     final: dict[str, float] = {}
+    loop0, client0 = thread_cpu_s(pid), time.thread_time()
     with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=300) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -58,9 +71,11 @@ def stream_row(url: str, model: str, tokens: int) -> dict[str, float]:
                 final = obj
             elif obj.get("response"):
                 arrivals.append(time.perf_counter())
+    client_cpu, loop_cpu = time.thread_time() - client0, thread_cpu_s(pid) - loop0
     n, seconds = final["eval_count"], final["eval_duration"] / 1e9
     client = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else 0.0
-    return {"tokens": n, "server_tok_s": (n - 1) / seconds if seconds > 0 else 0.0, "client_tok_s": client}
+    return {"tokens": n, "server_tok_s": (n - 1) / seconds if seconds > 0 else 0.0, "client_tok_s": client,
+            "loop_us_per_token": loop_cpu / n * 1e6, "client_us_per_token": client_cpu / n * 1e6}
 
 
 def run_row(model: str, tokens: int, threads: int) -> dict[str, float]:
@@ -89,10 +104,12 @@ def main() -> None:
     servers = {p: start_server(args.model, p, args.threads) for p in levels}
     rows: dict[str, list[dict[str, float]]] = {"run": [], **{f"serve --parallel {p}": [] for p in levels}}
     try:
-        stream_row(servers[levels[0]][1], args.model, 4)  # the first request's one-time costs
+        for p in levels:  # each server's first request's one-time costs
+            stream_row(servers[p][1], args.model, 4, servers[p][0].pid)
         for r in range(args.rounds):
             for p in levels:
-                rows[f"serve --parallel {p}"].append(stream_row(servers[p][1], args.model, args.tokens))
+                rows[f"serve --parallel {p}"].append(stream_row(servers[p][1], args.model, args.tokens,
+                                                                servers[p][0].pid))
             rows["run"].append(run_row(args.model, args.tokens, args.threads))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     finally:
@@ -102,17 +119,22 @@ def main() -> None:
     run_rate = statistics.median(row["run_tok_s"] for row in rows["run"])
     print(f"{args.model}, {args.threads} threads, one greedy stream of {args.tokens} tokens, "
           f"medians of {args.rounds} interleaved rounds")
-    print(f"{'':22} {'tokens':>7} {'decode tok/s':>13} {'client tok/s':>13} {'x run':>6}")
+    print(f"{'':22} {'tokens':>7} {'decode tok/s':>13} {'client tok/s':>13} {'x run':>6} "
+          f"{'loop us/tok':>12} {'client us/tok':>14}")
     medians: dict[str, dict[str, float]] = {}
     for name, found in rows.items():
         key = "run_tok_s" if name == "run" else "server_tok_s"
         m = {"tokens": statistics.median(row["tokens"] for row in found),
              "decode_tok_s": statistics.median(row[key] for row in found)}
+        extra = ""
         if name != "run":
-            m["client_tok_s"] = statistics.median(row["client_tok_s"] for row in found)
+            for k in ("client_tok_s", "loop_us_per_token", "client_us_per_token"):
+                m[k] = statistics.median(row[k] for row in found)
+            extra = f" {m['loop_us_per_token']:12.0f} {m['client_us_per_token']:14.0f}"
         medians[name] = m
         client = f"{m['client_tok_s']:13.1f}" if "client_tok_s" in m else f"{'':13}"
-        print(f"{name:22} {m['tokens']:7.0f} {m['decode_tok_s']:13.1f} {client} {m['decode_tok_s'] / run_rate:6.2f}")
+        print(f"{name:22} {m['tokens']:7.0f} {m['decode_tok_s']:13.1f} {client} {m['decode_tok_s'] / run_rate:6.2f}"
+              + extra)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"model": args.model, "tokens": args.tokens, "threads": args.threads,
                                      "rounds": rows, "medians": medians}, indent=2))

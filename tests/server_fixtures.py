@@ -37,7 +37,9 @@ class ServerThread:
         self.thread = threading.Thread(target=self._run, name="test-server", daemon=True)
 
     def _run(self) -> None:
-        asyncio.run(self._serve())
+        # The loop `localllm serve` runs (uvloop where installed).
+        with asyncio.Runner(loop_factory=self.server.config.get_loop_factory()) as runner:
+            runner.run(self._serve())
 
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()

@@ -138,7 +138,10 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
         finally:
             task.cancel()
 
-    asyncio.run(main())
+    # uvloop where installed (uvicorn's "auto"), as `uvicorn` itself would run it: the loop's own cost
+    # per streamed chunk runs on the cores the model's step uses.
+    with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
+        runner.run(main())
     if failed:
         raise failed[0]
     note("server stopped")

@@ -15,7 +15,9 @@ Layout (each module small, one concern):
 Why Starlette + uvicorn: Starlette is a small, well-kept ASGI toolkit (routing, requests,
 streaming responses that notice a client's disconnect) with no model layer or validation magic we
 would have to fight for two APIs' own error shapes; uvicorn is the reference ASGI server (HTTP/1.1
-keep-alive, graceful shutdown on SIGINT/SIGTERM). FastAPI would add pydantic validation whose 422
+keep-alive, graceful shutdown on SIGINT/SIGTERM), run on uvloop with httptools' parser where they are
+installed, as uvicorn's "standard" set does: a streamed token's cost in the event loop is CPU time the
+model's step loses on a machine whose cores it all uses. FastAPI would add pydantic validation whose 422
 bodies match neither OpenAI's nor Ollama's error shape.
 
 Import :func:`localllm.server.app.create_app` and :class:`localllm.server.config.ServerConfig` from
