@@ -17,7 +17,7 @@ tokens after a context of --prompt-tokens (its -d), as localllm's follow their p
 
 `--also LABEL=COMMAND` (repeatable) adds a row that runs COMMAND in place of this checkout's CLI, with
 the first --variants row's flags (so `--variants default-nospec,...` compares speculation off on both
-sides), in the same interleaved rounds: a before/after of two checkouts, e.g.
+sides; `--also-variant default` for a checkout that has no `--speculate`), in the same interleaved rounds: a before/after of two checkouts, e.g.
 `--also "before=env PYTHONPATH=/tmp/oldpkg LOCALLLM_HOME=/tmp/home-old python -m localllm"`, where
 /tmp/oldpkg holds the other checkout as an importable `localllm` (its compiled steps built in
 its own LOCALLLM_HOME). Every row runs from the filesystem's root, so that `python -m localllm`
@@ -101,7 +101,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"localllm rows, of {', '.join(VARIANTS)}")
     ap.add_argument("--also", action="append", default=[], metavar="LABEL=COMMAND",
-                    help="a row running COMMAND (another checkout's CLI) with the default variant's flags")
+                    help="a row running COMMAND (another checkout's CLI) with the first variant's flags")
+    ap.add_argument("--also-variant", metavar="VARIANT",
+                    help="the --also rows' flags instead (e.g. default for a checkout without --speculate)")
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "vs_llamacpp.json")
     args = ap.parse_args()
     also: dict[str, list[str]] = {}
@@ -119,7 +121,9 @@ def main() -> None:
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         ap.error(f"--variants: no variant {', '.join(unknown)} (of {', '.join(VARIANTS)})")
-    also_flags = VARIANTS[variants[0]] if variants else []
+    if args.also_variant is not None and args.also_variant not in VARIANTS:
+        ap.error(f"--also-variant: no variant {args.also_variant} (of {', '.join(VARIANTS)})")
+    also_flags = VARIANTS[args.also_variant or (variants[0] if variants else "default")]
     rounds: dict[str, list[dict[str, float | str]]] = {"llama.cpp": [], **{v: [] for v in [*variants, *also]}}
     if not args.llama_bench:
         del rounds["llama.cpp"]
