@@ -11,7 +11,8 @@ engine). Figures: the server's decode rate from its own statistics ((eval_count 
 as `run` counts: tokens after the first over their time), the client's (chunks after the first over
 their arrival times), and `run`'s eval rate. Also the CPU time each streamed token costs outside the
 model's step: in the server's event-loop thread (its main thread; Linux's per-thread schedstat) and
-in this client (httpx, one JSON line a token). On a machine whose cores the step's threads all use,
+in the client (`--client httpx`, the default: Python, one JSON line parsed a token; or `--client
+curl`, in C, which shows what the server itself costs). On a machine whose cores the step's threads all use,
 that time is taken from the step, which is where a stream's gap to `run` comes from; with `--threads`
 below the core count it is not. Medians over the rounds; JSON to
 results/stream_vs_run.json (an ignored folder). Everything stops by itself; only loopback is used.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -58,24 +60,37 @@ def thread_cpu_s(pid: int) -> float:
         return 0.0
 
 
-def stream_row(url: str, model: str, tokens: int, pid: int) -> dict[str, float]:
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def stream_row(url: str, model: str, tokens: int, pid: int, client: str) -> dict[str, float]:
     body = {"model": model, "prompt": PROMPT, "raw": True, "options": {"temperature": 0, "num_predict": tokens}}
     arrivals: list[float] = []
     final: dict[str, float] = {}
-    loop0, client0 = thread_cpu_s(pid), time.thread_time()
-    with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            obj = json.loads(line)
-            if obj.get("done"):
-                final = obj
-            elif obj.get("response"):
-                arrivals.append(time.perf_counter())
-    client_cpu, loop_cpu = time.thread_time() - client0, thread_cpu_s(pid) - loop0
+    loop0, client0, curl0 = thread_cpu_s(pid), time.thread_time(), children_cpu_s()
+    if client == "curl":  # a client in C: what the server costs, without most of a Python client's
+        out = subprocess.run(["curl", "-sSN", "--fail", f"{url}/api/generate", "-d", json.dumps(body)],
+                             capture_output=True, text=True, check=True).stdout
+        final = json.loads(out.strip().splitlines()[-1])
+    else:
+        with httpx.stream("POST", f"{url}/api/generate", json=body, timeout=300) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                obj = json.loads(line)
+                if obj.get("done"):
+                    final = obj
+                elif obj.get("response"):
+                    arrivals.append(time.perf_counter())
+    client_cpu = time.thread_time() - client0 + children_cpu_s() - curl0
+    loop_cpu = thread_cpu_s(pid) - loop0
     n, seconds = final["eval_count"], final["eval_duration"] / 1e9
-    client = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1 else 0.0
-    return {"tokens": n, "server_tok_s": (n - 1) / seconds if seconds > 0 else 0.0, "client_tok_s": client,
-            "loop_us_per_token": loop_cpu / n * 1e6, "client_us_per_token": client_cpu / n * 1e6}
+    row = {"tokens": n, "server_tok_s": (n - 1) / seconds if seconds > 0 else 0.0,
+           "loop_us_per_token": loop_cpu / n * 1e6, "client_us_per_token": client_cpu / n * 1e6}
+    if len(arrivals) > 1:
+        row["client_tok_s"] = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+    return row
 
 
 def run_row(model: str, tokens: int, threads: int) -> dict[str, float]:
@@ -98,6 +113,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--client", choices=("httpx", "curl"), default="httpx",
+                    help="the streaming client: httpx (Python, parses each line) or curl (C; no arrival times)")
     ap.add_argument("--json", type=Path, default=ROOT / "results" / "stream_vs_run.json")
     args = ap.parse_args()
     levels = [int(p) for p in args.parallel.split(",")]
@@ -105,11 +122,11 @@ def main() -> None:
     rows: dict[str, list[dict[str, float]]] = {"run": [], **{f"serve --parallel {p}": [] for p in levels}}
     try:
         for p in levels:  # each server's first request's one-time costs
-            stream_row(servers[p][1], args.model, 4, servers[p][0].pid)
+            stream_row(servers[p][1], args.model, 4, servers[p][0].pid, args.client)
         for r in range(args.rounds):
             for p in levels:
                 rows[f"serve --parallel {p}"].append(stream_row(servers[p][1], args.model, args.tokens,
-                                                                servers[p][0].pid))
+                                                                servers[p][0].pid, args.client))
             rows["run"].append(run_row(args.model, args.tokens, args.threads))
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     finally:
@@ -117,7 +134,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=60)
     run_rate = statistics.median(row["run_tok_s"] for row in rows["run"])
-    print(f"{args.model}, {args.threads} threads, one greedy stream of {args.tokens} tokens, "
+    print(f"{args.model}, {args.threads} threads, one greedy stream of {args.tokens} tokens ({args.client}), "
           f"medians of {args.rounds} interleaved rounds")
     print(f"{'':22} {'tokens':>7} {'decode tok/s':>13} {'client tok/s':>13} {'x run':>6} "
           f"{'loop us/tok':>12} {'client us/tok':>14}")
@@ -129,7 +146,8 @@ def main() -> None:
         extra = ""
         if name != "run":
             for k in ("client_tok_s", "loop_us_per_token", "client_us_per_token"):
-                m[k] = statistics.median(row[k] for row in found)
+                if all(k in row for row in found):
+                    m[k] = statistics.median(row[k] for row in found)
             extra = f" {m['loop_us_per_token']:12.0f} {m['client_us_per_token']:14.0f}"
         medians[name] = m
         client = f"{m['client_tok_s']:13.1f}" if "client_tok_s" in m else f"{'':13}"
@@ -137,6 +155,7 @@ def main() -> None:
               + extra)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"model": args.model, "tokens": args.tokens, "threads": args.threads,
+                                     "client": args.client,
                                      "rounds": rows, "medians": medians}, indent=2))
     print(f"wrote {args.json}", file=sys.stderr)
 
