@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from localllm import native
 from localllm.runtime import cpu_attention
+from localllm.runtime.cache import quantize_kv
 from localllm.runtime.kv_pool import KVPool, gather, plan_pool
 from localllm.runtime.model import cache_rope_tables
 from localllm.runtime.paged import PagedStep, SeqChunk
@@ -94,6 +95,38 @@ def test_a_kv_groups_heads_round_as_each_head_alone(g, dtype):
     for j in range(g):
         alone = cpu_attention.paged_decode_attention(q[:, :, j : j + 1].contiguous(), k_pool, v_pool, table, ctx)
         assert torch.equal(together[:, :, j : j + 1], alone)
+
+
+@needs_kernel
+@pytest.mark.parametrize("pool", ["fp32", "bf16", "fp16-pool", "int8"])
+@pytest.mark.parametrize("window", [None, 37])
+def test_a_sequences_verify_rows_round_as_each_row_alone(pool, window):
+    """A verify chunk (speculative decoding: one sequence's consecutive positions as rows with the same
+    table, lengths one apart) is one task that reads each key and value row once for all its rows;
+    each row has the bits it has as the batch's only row: chunks of 2-5 rows, across block edges and
+    past a window's start, beside lone rows, with fp32, bf16, fp16 and int8 pools."""
+    dtype = torch.bfloat16 if pool == "bf16" else torch.float32
+    bs = 16
+    # rows of a 4-row chunk from 60, a lone row, a 2-row chunk across a block edge, a 5-row chunk
+    lens = [60, 61, 62, 63, 9, 16, 17, 44, 45, 46, 47, 48]
+    seq = [0, 0, 0, 0, 1, 2, 2, 3, 3, 3, 3, 3]
+    q, k_pool, v_pool, tables, _, ctx = random_batch(dtype, 3, 3, 64, bs, [63, 9, 17, 48], n_blocks=24, seed=5)
+    q = torch.randn(len(lens), 3, 3, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
+    width = max(len(t) for t in tables) + 1
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    for row, s_ in enumerate(seq):
+        table[row, : len(tables[s_])] = tables[s_]
+    table = _released(table, lens, bs, window)
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    if pool == "fp16-pool":
+        k_pool, v_pool = k_pool.half(), v_pool.half()
+    elif pool == "int8":
+        k_pool, v_pool = quantize_kv(k_pool), quantize_kv(v_pool)
+    together = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, ctx, window)
+    for row in range(len(lens)):
+        alone = cpu_attention.paged_decode_attention(q[row : row + 1], k_pool, v_pool, table[row : row + 1],
+                                                     ctx[row : row + 1], window)
+        assert torch.equal(together[row : row + 1], alone), row
 
 
 @needs_kernel

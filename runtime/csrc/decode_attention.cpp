@@ -276,19 +276,17 @@ inline void weigh_rows(const float* p, int64_t G, const KT* vb, int64_t vs, int6
   weigh<KT, NV>(p, G, vb, vs, L, hd, hv, acc, ld, add, vsc, vss);
 }
 
-// Softmax numerators exp(s - max) in place over the G rows of L scores, and their fp32 sums.
+// Softmax numerators exp(s - max) in place over one row of L scores; returns their fp32 sum.
 template <typename T>
-inline void softmax(float* s, int64_t G, int64_t L, float* sums) {
-  for (const auto j : c10::irange(G)) {
-    float* sj = s + j * L;
-    const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sj, L);
-    at::vec::map<float>([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, sj, sj, L);
-    sums[j] = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sj, L);
-    // rounded to the input dtype, as the flash kernel's second GEMM reads them
-    if constexpr (!std::is_same_v<T, float>) {
-      for (const auto l : c10::irange(L)) sj[l] = static_cast<float>(static_cast<T>(sj[l]));
-    }
+inline float softmax_row(float* sj, int64_t L) {
+  const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sj, L);
+  at::vec::map<float>([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, sj, sj, L);
+  const float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sj, L);
+  // rounded to the input dtype, as the flash kernel's second GEMM reads them
+  if constexpr (!std::is_same_v<T, float>) {
+    for (const auto l : c10::irange(L)) sj[l] = static_cast<float>(static_cast<T>(sj[l]));
   }
+  return sum;
 }
 
 // Scales of an int8 cache's rows (.., L) fp32, or none for a float cache.
@@ -322,6 +320,14 @@ inline int64_t window_start(int64_t L, int64_t window) { return window > 0 ? std
 // (row p in block p / block, at row p % block). Scores go block by block into one row, one softmax
 // over them, values block by block into the same accumulators: each key's dot product, the softmax
 // and each output element see the same operations in the same order whatever the blocks' placement.
+//
+// Several query rows of one sequence (a verify chunk under speculative decoding: consecutive rows with
+// the same block table and lengths one apart) are one task: each key and value row is read from memory
+// once for all of them, where one task a row read the whole context again for each. A row's own
+// arithmetic does not change (its scores, a softmax over its own keys, its values added in order of
+// position), so each row has the bits it has alone.
+constexpr int64_t MAX_CHUNK = 16;  // query rows of one sequence taken as one task at most
+
 template <typename T, typename KT, int NV>
 void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
                   const at::Tensor& lens, double scale, int64_t window, at::Tensor& y, const RowScales& rs) {
@@ -337,27 +343,52 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* yp = y.data_ptr<T>();
   const float sc = static_cast<float>(scale);
-  int64_t max_keys = 1, total = 0;
-  for (const auto b : c10::irange(S)) {
-    const int64_t keys = lp[b] - window_start(lp[b], window);
-    max_keys = std::max<int64_t>(max_keys, keys);
-    total += keys;
+  // Chunks: rows first[c] .. first[c + 1] - 1.
+  std::vector<int64_t> first{0};
+  for (int64_t b = 1; b < S; ++b) {
+    const bool same = lp[b] == lp[b - 1] + 1 && b - first.back() < MAX_CHUNK &&
+                      std::equal(tp + b * W, tp + (b + 1) * W, tp + (b - 1) * W);
+    if (!same) first.push_back(b);
   }
-  // Each (sequence, kv head) is one task; split across threads once a task is big enough to pay for
+  first.push_back(S);
+  const int64_t C = static_cast<int64_t>(first.size()) - 1;
+  // A chunk's keys: from its first row's first key to its last row's last.
+  const auto span = [&](int64_t c, int64_t& start, int64_t& end) {
+    start = window_start(lp[first[c]], window);
+    end = lp[first[c + 1] - 1];
+  };
+  int64_t max_keys = 1, max_rows = 1, total = 0;
+  for (const auto c : c10::irange(C)) {
+    int64_t start, end;
+    span(c, start, end);
+    max_keys = std::max(max_keys, end - start);
+    max_rows = std::max(max_rows, first[c + 1] - first[c]);
+    total += end - start;
+  }
+  // Each (chunk, kv head) is one task; split across threads once a task is big enough to pay for
   // waking them (a hundred keys or so at GQA 3, head size 64).
-  const int64_t mean = std::max<int64_t>(1, total / std::max<int64_t>(1, S));
+  const int64_t mean = std::max<int64_t>(1, total / std::max<int64_t>(1, C));
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, mean * G * hd));
-  at::parallel_for(0, S * KV, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * hd), s(G * max_keys), acc(G * hd), sums(G), buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
-    for (const auto bh : c10::irange(begin, end)) {
-      const int64_t b = bh / KV, h = bh % KV, L = lp[b];
-      const int64_t start = window_start(L, window), keys = L - start;
-      const int32_t* table = tp + b * W;
-      const T* qb = qp + b * q.stride(0) + h * q.stride(1);
+  at::parallel_for(0, C * KV, grain, [&](int64_t begin, int64_t end) {
+    const int64_t GR = max_rows * G;  // query rows of a task at most
+    std::vector<float> qf(GR * hd), s(GR * max_keys), acc(GR * hd), sums(GR),
+        buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
+    for (const auto ch : c10::irange(begin, end)) {
+      const int64_t c = ch / KV, h = ch % KV, b0 = first[c], R = first[c + 1] - b0, Q = R * G;
+      int64_t start, L;
+      span(c, start, L);
+      const int64_t keys = L - start;  // s's row stride: row r * G + j, key p at column p - start
+      const int32_t* table = tp + b0 * W;
       const int64_t qs = q.stride(2);
-      for (const auto j : c10::irange(G)) {
-        for (const auto d : c10::irange(hd)) qf[j * hd + d] = static_cast<float>(qb[j * qs + d]);
+      for (const auto r : c10::irange(R)) {
+        const T* qb = qp + (b0 + r) * q.stride(0) + h * q.stride(1);
+        for (const auto j : c10::irange(G)) {
+          for (const auto d : c10::irange(hd)) qf[(r * G + j) * hd + d] = static_cast<float>(qb[j * qs + d]);
+        }
       }
+      // Row r sees keys [lo_r, hi_r): lo_r rises with r under a window, hi_r = lens[b0 + r].
+      const auto lo_of = [&](int64_t r) { return window_start(lp[b0 + r], window); };
+      const auto hi_of = [&](int64_t r) { return static_cast<int64_t>(lp[b0 + r]); };
       // Blocks i0 .. nb - 1 hold the keys seen; the sweep reads them for the keys, then for the values,
       // and asks for a few ahead of the one it reads.
       const int64_t i0 = start / bs, nb = (L + bs - 1) / bs, nk = nb - i0;
@@ -376,31 +407,53 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
                        rows, pool.stride(2), hd);
       };
       for (int64_t a = 0; a < PREFETCH_BLOCKS; ++a) ahead(a);
-      for (int64_t i = i0; i < nb; ++i) {
+      for (int64_t i = i0; i < nb; ++i) {  // every row's scores over every key of the chunk
         int64_t lo, n;
         rows_of(i, lo, n);
         ahead(i - i0 + PREFETCH_BLOCKS);
         const int64_t r0 = lo - i * bs;  // the block's first row seen
         const KT* kb = kpp + table[i] * kp.stride(0) + h * kp.stride(1) + r0 * kp.stride(2);
         const float* ksc = rs.k == nullptr ? nullptr : rs.k + table[i] * rs.ks[0] + h * rs.ks[1] + r0 * rs.ks[2];
-        scores_rows<KT, NV>(qf.data(), G, kb, kp.stride(2), n, hd, hv, sc, s.data() + (lo - start), keys,
+        scores_rows<KT, NV>(qf.data(), Q, kb, kp.stride(2), n, hd, hv, sc, s.data() + (lo - start), keys,
                             ksc, ksc ? rs.ks[2] : 0, buf.data());
       }
-      softmax<T>(s.data(), G, keys, sums.data());
+      for (const auto r : c10::irange(R)) {  // each row's softmax over its own keys
+        for (const auto j : c10::irange(G)) {
+          sums[r * G + j] = softmax_row<T>(s.data() + (r * G + j) * keys + (lo_of(r) - start), hi_of(r) - lo_of(r));
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + Q * hd, 0.f);
+      // Values [a, e) of one block (its first row seen r0 at position lo) into rows [r, r + rn)'s
+      // accumulators, after what they hold.
+      const auto weigh_part = [&](int64_t i, int64_t a, int64_t e, int64_t r, int64_t rn) {
+        if (a >= e) return;
+        const int64_t r0 = a - i * bs;
+        const KT* vb = vpp + table[i] * vp.stride(0) + h * vp.stride(1) + r0 * vp.stride(2);
+        const float* vsc = rs.v == nullptr ? nullptr : rs.v + table[i] * rs.vs[0] + h * rs.vs[1] + r0 * rs.vs[2];
+        weigh_rows<KT, NV>(s.data() + r * G * keys + (a - start), rn * G, vb, vp.stride(2), e - a, hd, hv,
+                           acc.data() + r * G * hd, keys, true, vsc, vsc ? rs.vs[2] : 0, buf.data());
+      };
       for (int64_t i = i0; i < nb; ++i) {
         int64_t lo, n;
         rows_of(i, lo, n);
         ahead(nk + i - i0 + PREFETCH_BLOCKS);
-        const int64_t r0 = lo - i * bs;
-        const KT* vb = vpp + table[i] * vp.stride(0) + h * vp.stride(1) + r0 * vp.stride(2);
-        const float* vsc = rs.v == nullptr ? nullptr : rs.v + table[i] * rs.vs[0] + h * rs.vs[1] + r0 * rs.vs[2];
-        weigh_rows<KT, NV>(s.data() + (lo - start), G, vb, vp.stride(2), n, hd, hv, acc.data(), keys,
-                           i > i0, vsc, vsc ? rs.vs[2] : 0, buf.data());
+        // The keys every row sees, [shared_lo, shared_hi), once for all rows; each row's own before and
+        // after them: per row, in order of position.
+        const int64_t shared_lo = std::max(lo, lo_of(R - 1)), shared_hi = std::min(lo + n, hi_of(0));
+        if (shared_lo >= shared_hi) {
+          for (const auto r : c10::irange(R)) weigh_part(i, std::max(lo, lo_of(r)), std::min(lo + n, hi_of(r)), r, 1);
+          continue;
+        }
+        for (const auto r : c10::irange(R)) weigh_part(i, std::max(lo, lo_of(r)), shared_lo, r, 1);
+        weigh_part(i, shared_lo, shared_hi, 0, R);
+        for (const auto r : c10::irange(R)) weigh_part(i, shared_hi, std::min(lo + n, hi_of(r)), r, 1);
       }
-      T* yb = yp + (b * KV + h) * G * hd;
-      for (const auto j : c10::irange(G)) {
-        const float inv = 1.f / sums[j];
-        for (const auto d : c10::irange(hd)) yb[j * hd + d] = static_cast<T>(acc[j * hd + d] * inv);
+      for (const auto r : c10::irange(R)) {
+        T* yb = yp + ((b0 + r) * KV + h) * G * hd;
+        for (const auto j : c10::irange(G)) {
+          const float inv = 1.f / sums[r * G + j];
+          for (const auto d : c10::irange(hd)) yb[j * hd + d] = static_cast<T>(acc[(r * G + j) * hd + d] * inv);
+        }
       }
     }
   });
