@@ -100,22 +100,24 @@ def test_a_kv_groups_heads_round_as_each_head_alone(g, dtype):
 @needs_kernel
 @pytest.mark.parametrize("pool", ["fp32", "bf16", "fp16-pool", "int8"])
 @pytest.mark.parametrize("window", [None, 37])
-def test_a_sequences_verify_rows_round_as_each_row_alone(pool, window):
-    """A verify chunk (speculative decoding: one sequence's consecutive positions as rows with the same
-    table, lengths one apart) is one task that reads each key and value row once for all its rows;
-    each row has the bits it has as the batch's only row: chunks of 2-5 rows, across block edges and
-    past a window's start, beside lone rows, with fp32, bf16, fp16 and int8 pools."""
+@pytest.mark.parametrize("kv,g,hd", [(3, 3, 64), (2, 1, 80)])
+def test_a_sequences_verify_rows_round_as_each_row_alone(pool, window, kv, g, hd):
+    """A verify chunk (speculative decoding: one sequence's consecutive positions as rows, each row's
+    table cut to the blocks it reaches, as the engine writes them) is one task that reads each key and
+    value row once for all its rows; each row has the bits it has as the batch's only row: chunks of
+    2-6 rows, across block edges and past a window's start, beside lone rows and beside another
+    sequence's row one position further (which must not join the chunk: its blocks differ)."""
     dtype = torch.bfloat16 if pool == "bf16" else torch.float32
     bs = 16
-    # rows of a 4-row chunk from 60, a lone row, a 2-row chunk across a block edge, a 5-row chunk
-    lens = [60, 61, 62, 63, 9, 16, 17, 44, 45, 46, 47, 48]
-    seq = [0, 0, 0, 0, 1, 2, 2, 3, 3, 3, 3, 3]
-    q, k_pool, v_pool, tables, _, ctx = random_batch(dtype, 3, 3, 64, bs, [63, 9, 17, 48], n_blocks=24, seed=5)
-    q = torch.randn(len(lens), 3, 3, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
-    width = max(len(t) for t in tables) + 1
-    table = torch.zeros(len(lens), width, dtype=torch.int32)
-    for row, s_ in enumerate(seq):
-        table[row, : len(tables[s_])] = tables[s_]
+    lens = [60, 61, 62, 63, 64, 65, 9, 16, 17, 44, 45, 46, 47, 48, 16, 17]
+    seq = [0, 0, 0, 0, 0, 0, 1, 2, 2, 3, 3, 3, 3, 3, 4, 5]
+    q, k_pool, v_pool, tables, _, ctx = random_batch(dtype, kv, g, hd, bs, [65, 9, 17, 48, 16, 17], n_blocks=24,
+                                                     seed=5)
+    q = torch.randn(len(lens), kv, g, hd, generator=torch.Generator().manual_seed(6)).to(dtype)
+    table = torch.zeros(len(lens), max(len(t) for t in tables) + 1, dtype=torch.int32)
+    for row, (n, s_) in enumerate(zip(lens, seq)):
+        reach = -(-n // bs)
+        table[row, :reach] = tables[s_][:reach]
     table = _released(table, lens, bs, window)
     ctx = torch.tensor(lens, dtype=torch.int32)
     if pool == "fp16-pool":

@@ -322,10 +322,12 @@ inline int64_t window_start(int64_t L, int64_t window) { return window > 0 ? std
 // and each output element see the same operations in the same order whatever the blocks' placement.
 //
 // Several query rows of one sequence (a verify chunk under speculative decoding: consecutive rows with
-// the same block table and lengths one apart) are one task: each key and value row is read from memory
-// once for all of them, where one task a row read the whole context again for each. A row's own
-// arithmetic does not change (its scores, a softmax over its own keys, its values added in order of
-// position), so each row has the bits it has alone.
+// lengths one apart whose tables agree on every block the shorter row reads) are one task: each key and
+// value row is read from memory once for all of them, where one task a row read the whole context again
+// for each. The chunk's last row's table serves all its rows (it agrees with each earlier row's on that
+// row's blocks; the engine cuts each row's table to the blocks it reaches). A row's own arithmetic does
+// not change (its scores, a softmax over its own keys, its values added in order of position), so each
+// row has the bits it has alone.
 constexpr int64_t MAX_CHUNK = 16;  // query rows of one sequence taken as one task at most
 
 template <typename T, typename KT, int NV>
@@ -346,8 +348,9 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
   // Chunks: rows first[c] .. first[c + 1] - 1.
   std::vector<int64_t> first{0};
   for (int64_t b = 1; b < S; ++b) {
+    const int64_t reach = (lp[b - 1] + bs - 1) / bs;  // the blocks row b - 1 reads: row b has them too
     const bool same = lp[b] == lp[b - 1] + 1 && b - first.back() < MAX_CHUNK &&
-                      std::equal(tp + b * W, tp + (b + 1) * W, tp + (b - 1) * W);
+                      std::equal(tp + (b - 1) * W, tp + (b - 1) * W + reach, tp + b * W);
     if (!same) first.push_back(b);
   }
   first.push_back(S);
@@ -357,12 +360,13 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
     start = window_start(lp[first[c]], window);
     end = lp[first[c + 1] - 1];
   };
-  int64_t max_keys = 1, max_rows = 1, total = 0;
+  int64_t max_scores = 1, max_rows = 1, total = 0;  // a task's scores (rows x keys) and rows at most
   for (const auto c : c10::irange(C)) {
     int64_t start, end;
     span(c, start, end);
-    max_keys = std::max(max_keys, end - start);
-    max_rows = std::max(max_rows, first[c + 1] - first[c]);
+    const int64_t rows = first[c + 1] - first[c];
+    max_scores = std::max(max_scores, rows * (end - start));
+    max_rows = std::max(max_rows, rows);
     total += end - start;
   }
   // Each (chunk, kv head) is one task; split across threads once a task is big enough to pay for
@@ -371,14 +375,14 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, mean * G * hd));
   at::parallel_for(0, C * KV, grain, [&](int64_t begin, int64_t end) {
     const int64_t GR = max_rows * G;  // query rows of a task at most
-    std::vector<float> qf(GR * hd), s(GR * max_keys), acc(GR * hd), sums(GR),
+    std::vector<float> qf(GR * hd), s(G * max_scores), acc(GR * hd), sums(GR),
         buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
     for (const auto ch : c10::irange(begin, end)) {
       const int64_t c = ch / KV, h = ch % KV, b0 = first[c], R = first[c + 1] - b0, Q = R * G;
       int64_t start, L;
       span(c, start, L);
       const int64_t keys = L - start;  // s's row stride: row r * G + j, key p at column p - start
-      const int32_t* table = tp + b0 * W;
+      const int32_t* table = tp + (b0 + R - 1) * W;  // the chunk's last row's
       const int64_t qs = q.stride(2);
       for (const auto r : c10::irange(R)) {
         const T* qb = qp + (b0 + r) * q.stride(0) + h * q.stride(1);
