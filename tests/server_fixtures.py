@@ -13,7 +13,7 @@ from typing import Any
 
 import uvicorn
 
-from localllm.server.app import create_app
+from localllm.server.app import create_app, run_serving
 from localllm.server.config import ServerConfig
 from localllm.server.models import ModelManager
 
@@ -37,9 +37,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self._run, name="test-server", daemon=True)
 
     def _run(self) -> None:
-        # The loop `localllm serve` runs (uvloop where installed).
-        with asyncio.Runner(loop_factory=self.server.config.get_loop_factory()) as runner:
-            runner.run(self._serve())
+        run_serving(self._serve())  # on the loop `localllm serve` runs (uvloop where installed)
 
     async def _serve(self) -> None:
         self.loop = asyncio.get_running_loop()

@@ -92,7 +92,7 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
 
     import uvicorn
 
-    from localllm.server.app import create_app
+    from localllm.server.app import create_app, run_serving
     from localllm.threads import set_threads
 
     try:
@@ -138,10 +138,7 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
         finally:
             task.cancel()
 
-    # uvloop where installed (uvicorn's "auto"), as `uvicorn` itself would run it: the loop's own cost
-    # per streamed chunk runs on the cores the model's step uses.
-    with asyncio.Runner(loop_factory=server.config.get_loop_factory()) as runner:
-        runner.run(main())
+    run_serving(main())
     if failed:
         raise failed[0]
     note("server stopped")

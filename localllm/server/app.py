@@ -4,10 +4,13 @@ endpoint, errors in each API's shape for unknown routes and methods, and the mod
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -22,6 +25,37 @@ from localllm.server.config import ServerConfig
 from localllm.server.errors import ApiError, api_of_path, error_response
 from localllm.server.metrics import CONTENT_TYPE, Metrics
 from localllm.server.models import ModelManager
+
+
+T = TypeVar("T")
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """uvloop's loop where it is installed (as uvicorn's "standard" set runs), else asyncio's: a streamed
+    token's cost in the loop is CPU time the model's step loses on a machine whose cores it all uses."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
+
+
+def run_serving(main: Coroutine[Any, Any, T]) -> T:
+    """``main`` (uvicorn's ``Server.serve`` and what goes with it) to its end on a loop of its own
+    (:func:`event_loop_factory`), as ``asyncio.run`` would run it."""
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(main)
+    loop = event_loop_factory()()  # Python 3.10: no asyncio.Runner
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
 
 
 class BearerAuth:
