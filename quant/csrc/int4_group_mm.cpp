@@ -107,10 +107,12 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w,
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) tot[r][v] = Vec(0.f);
   for (int64_t g = 0; g < ng; ++g) {
-    Vec dot[R][A][NV];
+    // Row r's accumulator a, vector v at (r * A + a) * NV + v: one flat array, which GCC keeps in
+    // registers; as dot[R][A][NV] it kept those of 3 and 4 rows on the stack (a load and a store an FMA).
+    Vec dot[R * A * NV];
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < A; ++a)
-        for (int v = 0; v < NV; ++v) dot[r][a][v] = Vec(0.f);
+        for (int v = 0; v < NV; ++v) dot[(r * A + a) * NV + v] = Vec(0.f);
     const uint8_t* wg = w + g * pairs * TILE;
     const float* xg = x + g * G;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -131,8 +133,8 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w,
           const float* xr = xg + r * ldx + 2 * (p + u);
           const Vec xl(xr[0]), xh(xr[1]);
           for (int v = 0; v < NV; ++v) {
-            dot[r][2 * u][v] = at::vec::fmadd(lo[v], xl, dot[r][2 * u][v]);
-            dot[r][2 * u + 1][v] = at::vec::fmadd(hi[v], xh, dot[r][2 * u + 1][v]);
+            dot[(r * A + 2 * u) * NV + v] = at::vec::fmadd(lo[v], xl, dot[(r * A + 2 * u) * NV + v]);
+            dot[(r * A + 2 * u + 1) * NV + v] = at::vec::fmadd(hi[v], xh, dot[(r * A + 2 * u + 1) * NV + v]);
           }
         }
       }
@@ -143,8 +145,8 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w,
     for (int r = 0; r < R; ++r) {
       const Vec xs(xsum[r * ng + g]);
       for (int v = 0; v < NV; ++v) {
-        Vec d = dot[r][0][v];
-        for (int a = 1; a < A; ++a) d = d + dot[r][a][v];
+        Vec d = dot[r * A * NV + v];
+        for (int a = 1; a < A; ++a) d = d + dot[(r * A + a) * NV + v];
         tot[r][v] = at::vec::fmadd(of[v], xs, at::vec::fmadd(d, sc[v], tot[r][v]));
       }
     }
