@@ -229,20 +229,14 @@ void mm(const float* x, const float* xsum, const uint8_t* w, const c10::Half* s,
         tile_rows<MC, 2>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
       // The rest shares its decoded columns too where registers allow (a verify step's 2-3 rows):
       // each row decoded on its own costs nearly a whole one-row product per row.
-      if constexpr (MC > 3) {
-        if (M - m == 3) {
-          tile_rows<3, 2>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
-          continue;
-        }
-      }
-      if constexpr (MC > 2) {
-        if (M - m == 2) {
-          tile_rows<2, 2>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
-          continue;
-        }
-      }
-      for (; m < M; ++m)
-        tile_rows<1, 4>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
+      const int64_t rest = M - m;
+      if (MC > 3 && rest == 3)
+        tile_rows<3, 2>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
+      else if (MC > 2 && rest == 2)
+        tile_rows<2, 2>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
+      else
+        for (; m < M; ++m)
+          tile_rows<1, 4>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
     }
   });
 }
