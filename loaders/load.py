@@ -249,7 +249,8 @@ def load_model(
     i.e. float for HF folders, int4 for Q4 GGUF files, the stored scheme for store entries); the
     weights are quantized as they stream in when the checkpoint holds another format.
     ``attention_kernel``: on the CPU, build (once) and count :mod:`runtime.cpu_attention`'s paged decode
-    kernel, which the batch engine's steps attend with (:mod:`localllm.native`).
+    kernel, which the batch engine's steps attend with (:mod:`localllm.native`); on CUDA, count
+    :mod:`runtime.cuda_attention`'s where Triton is importable.
 
     ``device`` is what the user typed (``auto``, ``cpu``, ``cuda:1``: checked by :func:`resolve_device`,
     so ``cuda`` without a GPU is a one-line error), or a :class:`quant.target.Target` the caller has
@@ -299,6 +300,11 @@ def load_model(
 
         if cpu_attention.paged_kernel() is not None:  # built now (once), so the first step does not wait
             used["attention-cpu"] = len(model.layers)
+    elif attention_kernel and dev.type == "cuda":
+        from localllm.runtime import cuda_attention
+
+        if cuda_attention.span_kernel() is not None:  # compiled by Triton at the first step
+            used["attention-cuda"] = len(model.layers)
     return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme, used,
                        dequantized_from, imported, pooling)
 

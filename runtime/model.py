@@ -307,6 +307,12 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: P
     kp, vp = layer.k, layer.v  # (n_blocks, KV, block, hd), or int8 codes + (n_blocks, KV, block) scales
     _write_slots(kp, vp, step, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, KV, hd) into the slots
     qt = q[0].transpose(0, 1)  # (N, H, hd)
+    if split.tiles is not None:  # a span kernel: every row of the step in one call
+        assert step.kernel is not None and split.decode_tables is not None and split.decode_lens is not None
+        qs = qt * q_prescale if q_prescale != 1.0 else qt
+        out = step.kernel(qs.reshape(N, KV, H // KV, hd), kp, vp, split.decode_tables, split.decode_lens,
+                          layer.window, split.tiles, split.tile_rows)  # type: ignore[call-arg]
+        return out.reshape(1, N, H * hd)
     decode = None
     if split.decode_tables is not None:
         assert step.kernel is not None and split.decode_lens is not None

@@ -14,11 +14,18 @@ A verify chunk (a decode token and its draft, speculative decoding) is a span pe
 keys up to its own position, which the step has written before attention runs, so the whole chunk
 goes to the decode kernel as that many single queries, and every row has logits.
 
-Attention per sequence (``runtime.model.paged_attention``): a sequence with one query this step goes
-to the paged decode kernel when one is given (:mod:`runtime.cpu_attention`), all of them in one call,
-each layer passing its own window (the kernel reads only the keys a query sees); the others (prefill
-chunks, or everything without a kernel) gather their keys/values from their blocks and run SDPA,
-causal within the chunk with all earlier context visible: the tested reference.
+Attention per sequence (``runtime.model.paged_attention``) takes one of two kinds of kernel:
+
+* a *decode* kernel (:data:`PagedDecodeAttention`, the CPU's :mod:`runtime.cpu_attention`) runs the
+  sequences with one query this step, all of them in one call, each layer passing its own window (the
+  kernel reads only the keys a query sees); the others (prefill chunks) gather their keys/values from
+  their blocks and run SDPA, causal within the chunk with all earlier context visible;
+* a *span* kernel (:data:`PagedSpanAttention`, CUDA's :mod:`runtime.cuda_attention`) runs every span of
+  the step in one call, prefill chunks over cached prefixes included, in tiles of consecutive rows of
+  one sequence: nothing is gathered.
+
+Without a kernel (or for soft-capped scores, which neither takes) every span runs SDPA over gathered
+blocks: the tested reference.
 """
 
 from __future__ import annotations
@@ -38,6 +45,34 @@ from localllm.runtime.kv_pool import KVPool
 PagedDecodeAttention = Callable[
     [torch.Tensor, torch.Tensor | QuantKV, torch.Tensor | QuantKV, torch.Tensor, torch.Tensor, int | None],
     torch.Tensor]
+
+#: Attention of every query row of a step over the paged pool: ``fn(q (N, KV, G, hd), k_pool, v_pool,
+#: block_tables (S, max_blocks) int32, context_lens (S,) int32, window, tiles (T, 4) int32, tile_rows)
+#: -> (N, KV, G, hd)``, each tile ``(sequence, first row, rows, position of the first row)`` of at most
+#: ``tile_rows`` consecutive rows of one sequence, row i of it at that position + i seeing the keys up to
+#: its own. Such a kernel has a ``tile_rows`` attribute: the rows per tile it takes in a step with a
+#: prefill chunk (a step of single queries has tiles of one row).
+PagedSpanAttention = Callable[
+    [torch.Tensor, torch.Tensor | QuantKV, torch.Tensor | QuantKV, torch.Tensor, torch.Tensor, int | None,
+     torch.Tensor, int],
+    torch.Tensor]
+
+
+def takes_spans(kernel: object) -> bool:
+    """Whether ``kernel`` is a :data:`PagedSpanAttention` (every span) rather than a decode kernel."""
+    return getattr(kernel, "tile_rows", None) is not None
+
+
+def span_tiles(spans: Sequence[tuple[int, int, int]], tile_rows: int) -> tuple[int, list[int]]:
+    """A span kernel's rows per tile for ``spans`` (row, length, context) (1 when every span is a
+    single query), and its metadata flat: every span's context, then each tile's (span, first row,
+    rows, first position)."""
+    rows = 1 if all(n == 1 for _, n, _ in spans) else tile_rows
+    flat = [c for _, _, c in spans]
+    for i, (row, n, c) in enumerate(spans):
+        for a in range(0, n, rows):
+            flat += [i, row + a, min(rows, n - a), c - n + a]
+    return rows, flat
 
 
 @dataclass(frozen=True)
@@ -85,6 +120,10 @@ class Split:
     decode_tables: torch.Tensor | None  # (S_d, max_blocks) int32, None: no span takes the kernel
     decode_lens: torch.Tensor | None  # (S_d,) int32
     sdpa_spans: list[SeqSpan]  # spans run through SDPA over their gathered blocks
+    #: A span kernel's tiles (T, 4) int32 over every span (the tables and lens are every span's), and
+    #: their rows per tile; None: a decode kernel's split, or no kernel.
+    tiles: torch.Tensor | None = None
+    tile_rows: int = 1
 
 
 class PagedStep:
@@ -108,9 +147,11 @@ class PagedStep:
         write_rows: torch.Tensor,  # (N,) long: row within that block
         spans: list[SeqSpan],
         logits_rows: torch.Tensor,  # (S_out,) long
-        kernel: PagedDecodeAttention | None = None,
+        kernel: PagedDecodeAttention | PagedSpanAttention | None = None,
+        span_meta: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # a span kernel's lens, tiles, rows
     ) -> None:
         self.pool = pool
+        self._span_meta = span_meta
         self.positions, self.cos, self.sin = positions, cos, sin
         self.write_blocks, self.write_rows = write_blocks, write_rows
         self.spans = spans
@@ -122,11 +163,16 @@ class PagedStep:
         self.decode_rows, self.decode_tables, self.decode_lens = own.decode_rows, own.decode_tables, own.decode_lens
 
     def split(self, use_kernel: bool = True) -> Split:
-        """The spans the kernel runs (one query each: the kernel takes any window) and those SDPA runs
-        (made once per step; ``use_kernel=False``: SDPA for all, as soft-capped scores need)."""
+        """The spans the kernel runs (a decode kernel: those of one query; a span kernel: all; either
+        takes any window) and those SDPA runs (made once per step; ``use_kernel=False``: SDPA for all,
+        as soft-capped scores need)."""
         if use_kernel in self._splits:
             return self._splits[use_kernel]
         spans = self.spans
+        if use_kernel and self.kernel is not None and takes_spans(self.kernel):
+            split = self._span_split()
+            self._splits[use_kernel] = split
+            return split
         fits = [s.length == 1 and self.kernel is not None and use_kernel for s in spans]
         decode = [s for s, f in zip(spans, fits) if f]
         rows = tables = lens = None
@@ -145,6 +191,23 @@ class PagedStep:
         self._splits[use_kernel] = split
         return split
 
+    def _span_split(self) -> Split:
+        """A span kernel's split: every span, with the lens and tiles :meth:`build` uploaded with the
+        step's indices (or made here for a step built otherwise)."""
+        spans, device = self.spans, self.positions.device
+        if self._span_meta is None:
+            shapes = [(s.row, s.length, s.context) for s in spans]
+            rows, host = span_tiles(shapes, self.kernel.tile_rows)  # type: ignore[union-attr]
+            lens, tiles = torch.tensor(host, dtype=torch.long).to(device, non_blocking=True).split(
+                [len(spans), len(host) - len(spans)])
+            self._span_meta = (lens, tiles, rows)
+        lens, tiles, rows = self._span_meta
+        width = max(len(s.blocks) for s in spans)
+        tables = torch.zeros(len(spans), width, dtype=torch.int32, device=device)
+        for i, s in enumerate(spans):
+            tables[i, : len(s.blocks)] = s.blocks
+        return Split(None, tables, lens.to(torch.int32), [], tiles.to(torch.int32).view(-1, 4), rows)
+
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
@@ -152,7 +215,7 @@ class PagedStep:
     @property
     def all_decode(self) -> bool:
         """Every row is one sequence's single query, all run by the kernel."""
-        return self.decode_tables is not None and self.decode_rows is None
+        return self.decode_tables is not None and self.decode_rows is None and all(s.length == 1 for s in self.spans)
 
     def layer(self, index: int, window: int | None) -> PagedLayer:
         """Layer ``index``'s view of the step (its group's blocks), attending with ``window``."""
@@ -189,7 +252,7 @@ class PagedStep:
         chunks: Sequence[SeqChunk],
         cos_table: torch.Tensor,  # (max_seq, hd)
         sin_table: torch.Tensor,  # (max_seq, hd)
-        kernel: PagedDecodeAttention | None = None,
+        kernel: PagedDecodeAttention | PagedSpanAttention | None = None,
     ) -> tuple["PagedStep", torch.Tensor]:
         """The step for ``chunks`` (rows in their order) and its input ids (1, N)."""
         device = cos_table.device
@@ -235,14 +298,20 @@ class PagedStep:
         for g in range(n_groups):
             flat += [*wblocks[g], *tables[g]]
             sizes += [N, len(tables[g])]
+        tile_rows = 0
+        if kernel is not None and takes_spans(kernel):  # its tiles ride along (the same for every group)
+            tile_rows, meta = span_tiles([a[:3] for a in spans_at], kernel.tile_rows)  # type: ignore[union-attr]
+            flat += meta
+            sizes += [len(spans_at), len(meta) - len(spans_at)]
         parts = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True).split(sizes)
         ids_t, pos, wr, rows = parts[:4]
+        span_meta = (parts[-2], parts[-1], tile_rows) if tile_rows else None
         cos, sin = cos_table[pos], sin_table[pos]
         steps = []
         for g in range(n_groups):
             wb, blocks = parts[4 + 2 * g], parts[5 + 2 * g]
             spans = [SeqSpan(row, n, end, blocks[a[g] : a[g] + used]) for row, n, end, a, used in spans_at]
-            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel))
+            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel, span_meta))
         if n_groups > 1:
             steps[0].groups = tuple(steps)
         return steps[0], ids_t.view(1, N)

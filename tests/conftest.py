@@ -11,6 +11,11 @@ import torch
 
 from localllm.paths import default_model_gguf
 
+# Without a GPU, Triton kernels (runtime.cuda_attention) run in Triton's interpreter on CPU tensors:
+# Triton reads this once, when it is first imported, so it is set before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Small but not degenerate: GQA (4 heads over 2 kv heads), head_dim 16, two layers.
 TINY = dict(
     vocab_size=384,
