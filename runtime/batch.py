@@ -36,7 +36,8 @@ from localllm.yielding import Generating
 from localllm.runtime.block_manager import BlockManager
 from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_pool
 from localllm.runtime.model import Transformer, cache_rope_tables
-from localllm.runtime.paged import PagedDecodeAttention, PagedStep, SeqChunk
+from localllm.runtime.cuda_graphs import GraphedDecode
+from localllm.runtime.paged import PagedDecodeAttention, PagedSpanAttention, PagedStep, SeqChunk
 from localllm.runtime.compiled_step import CompiledDecode, find_step
 from localllm.runtime.constrain import Constraint, apply_masks
 from localllm.runtime.sampling import SamplingParams, greedy, sample, unit_random
@@ -229,8 +230,9 @@ class BatchEngine:
     ``max_seq_len``: positions one sequence may hold (default the model's context, capped by the
     pool); ``chunk_tokens``: prompt tokens prefilled per step, all sequences together (decode tokens
     come on top); ``max_running``: sequences in a step at most; ``max_waiting``: the queue's bound.
-    ``attention``: "auto" runs single-query attention with localllm's paged CPU kernel where it can,
-    "sdpa" always gathers blocks and runs SDPA (the reference). ``prefix_cache=False``: no prompt
+    ``attention``: "auto" runs single-query attention with localllm's paged CPU kernel on the CPU, and
+    every span (prefill chunks too) with the Triton paged kernel on CUDA (where Triton is installed, as
+    torch's CUDA builds install it); "sdpa" always gathers blocks and runs SDPA (the reference). ``prefix_cache=False``: no prompt
     reuses another's blocks (the baseline the prefix cache is measured against). ``kv_dtype``: "16bit"
     (the activations' dtype) or "int8" (int8 codes and per-token, per-head scales: half the bytes).
     ``compile``: False runs every step eagerly; "auto" runs decode-only steps through the compiled
@@ -238,7 +240,9 @@ class BatchEngine:
     missing ones now (a minute or so a package on two cores). Where the step cannot run the model
     (:func:`runtime.compiled_step.unsupported`), steps run eagerly and :attr:`compile_note` says why.
     ``speculate``: propose tokens from each sequence's own history and verify them in the step where
-    that pays (:mod:`runtime.speculate`); the tokens are the same either way.
+    that pays (:mod:`runtime.speculate`); the tokens are the same either way. ``cuda_graphs``: on a
+    GPU, replay decode-only steps from CUDA graphs captured per batch-size bucket
+    (:mod:`runtime.cuda_graphs`; False: launch every step eagerly, the baseline).
     """
 
     def __init__(
@@ -256,6 +260,7 @@ class BatchEngine:
         kv_dtype: str = "16bit",
         compile: bool | str = False,
         speculate: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         if attention not in ("auto", "sdpa"):
             raise ValueError(f"attention must be 'auto' or 'sdpa', not {attention!r}")
@@ -271,12 +276,21 @@ class BatchEngine:
         self.max_seq_len = min(max_seq_len or config.max_seq_len, self.scheduler.capacity_tokens)
         cos, sin = cache_rope_tables(config, self.max_seq_len, self.device)
         self._cos, self._sin = cos.to(model.dtype), sin.to(model.dtype)  # (max_seq_len, rot), 2 * rot with local ones
-        self.kernel: PagedDecodeAttention | None = None
+        self.kernel: PagedDecodeAttention | PagedSpanAttention | None = None
         if attention == "auto" and self.device.type == "cpu":
             from localllm.runtime import cpu_attention
 
             self.kernel = cpu_attention.paged_kernel()
+        elif attention == "auto" and self.device.type == "cuda":
+            from localllm.runtime import cuda_attention
+
+            self.kernel = cuda_attention.span_kernel()
         self._compiled: CompiledDecode | None = None
+        #: Decode-only steps replayed from CUDA graphs (on a real GPU with the paged kernel).
+        self.graphs: GraphedDecode | None = None
+        if (cuda_graphs and self.kernel is not None and self.device.type == "cuda" and torch.cuda.is_available()
+                and all(layer.attn.softcap is None for layer in model.layers)):
+            self.graphs = GraphedDecode(model, self.pool, self.kernel, self._cos, self._sin, max_running)
         #: "auto" found no compiled step built for this model and pool shape (``localllm compile``),
         #: and no build of it failed before.
         self.needs_build = False
@@ -472,6 +486,8 @@ class BatchEngine:
         bits = self._grammar_bits(spans, requests, constrained) if early else None
         if self._compiled is not None and self._compiled.takes(step):
             logits = self._compiled(ids, step)  # (S_out, vocab)
+        elif self.graphs is not None and self.graphs.takes(step):
+            logits = self.graphs(ids, step)  # (S_out, vocab)
         else:
             logits = self.model(ids, step)[0]
         if constrained and bits is None:

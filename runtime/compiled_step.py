@@ -56,7 +56,7 @@ from localllm.paths import home
 from localllm.runtime.cache import QuantKV, key_rotation
 from localllm.runtime.kv_pool import KVPool
 from localllm.runtime.model import Transformer, cache_rope_tables
-from localllm.runtime.paged import PagedDecodeAttention, PagedStep, Split
+from localllm.runtime.paged import PagedDecodeAttention, PagedSpanAttention, PagedStep, Split
 
 #: Bumped when the exported step's calling convention changes, so old packages are not picked up.
 FORMAT = 6
@@ -144,7 +144,9 @@ class DecodeOnlyStep(PagedStep):
 
     def __init__(self, pool: _PoolView | KVPool, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  write_blocks: torch.Tensor, write_rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 kernel: PagedDecodeAttention, rotation: torch.Tensor | None = None) -> None:
+                 kernel: PagedDecodeAttention | PagedSpanAttention, rotation: torch.Tensor | None = None,
+                 tiles: torch.Tensor | None = None) -> None:
+        # tiles: a span kernel's (B, 4), row i as tile i (runtime.cuda_graphs); None for a decode kernel
         self.pool = pool  # type: ignore[assignment]
         self.rotation = rotation
         self.positions, self.cos, self.sin = positions, cos, sin
@@ -152,7 +154,7 @@ class DecodeOnlyStep(PagedStep):
         self.spans = []
         self.logits_rows = slice(None)  # type: ignore[assignment]  # every row, in order
         self.kernel = kernel
-        self._splits = {True: Split(None, tables, lens, [])}
+        self._splits = {True: Split(None, tables, lens, [], tiles, 1)}
         self.sdpa_spans = []
         self.decode_rows, self.decode_tables, self.decode_lens = None, tables, lens
 

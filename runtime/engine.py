@@ -86,7 +86,11 @@ class Engine:
 
     @property
     def step_kind(self) -> str:
-        """What runs the decode steps: "aot" (the compiled step) or "eager"."""
+        """What runs the decode steps: "aot" (the compiled step), CUDA graphs, or "eager"."""
+        if self.batch.graphs is not None:
+            from localllm.runtime.cuda_graphs import describe
+
+            return describe(self.batch.graphs)
         return "aot" if self.batch.compiled else "eager"
 
     @property

@@ -21,9 +21,12 @@ sampled request with a repeat penalty) and one ``Engine`` generation, and checks
   and the engine's steps read nothing back beyond the sampled ids: one transfer at the end of each
   step, no blocking upload (see :class:`Audit`). ``Engine`` (what ``run`` uses) is the same
   BatchEngine with a one-sequence pool and chunks of the window: its steps pass the same check;
-* decode rows' attention on CUDA gathers each sequence's blocks (two ``index_select`` copies per
-  sequence and layer) and runs SDPA over the copies: the count is asserted as the state today, which
-  a CUDA paged decode kernel (issue 28) takes to zero;
+* a batch step's attention on CUDA is one call per layer of the Triton paged kernel
+  (:mod:`runtime.cuda_attention`, its fake run here; its numerics are ``tests/test_cuda_attention.py``'s),
+  for prefill chunks and decode rows alike: no block is gathered and SDPA never runs;
+* the engines' decode-only steps go through the CUDA graphs' static buffers (:mod:`runtime.cuda_graphs`,
+  buckets 1, 2 and 4 for four sequences; a graph's function rerun at each replay, as capturing needs
+  a real GPU), with the same checks of their steps: the buckets used are asserted;
 * SmolLM2's real widths (576: not a multiple of 128) keep tinygemm;
 * a 7B-shape Llama's weights (fp16, int4) and KV pools (one 4096-token sequence's, a 1 GiB budget's)
   take the bytes the arithmetic says, counted from the fake tensors (nothing real is allocated).
@@ -70,6 +73,8 @@ from localllm.quant import kernels
 from localllm.quant.formats import parse_scheme
 from localllm.quant.linear import QuantLinear, make_plan, swap_linears
 from localllm.quant.target import Target
+from localllm.runtime import cuda_attention
+from localllm.runtime.cuda_graphs import GraphedDecode, eager_capture
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.engine import Engine, sequence_engine
@@ -195,7 +200,8 @@ READS = {aten._local_scalar_dense.default, aten.item.default}
 #: as the runtime runs, composite ops such as linear and SDPA reach the mode whole.)
 MATMULS = {"aten.linear.default", "aten._weight_int4pack_mm.default", "aten._weight_int8pack_mm.default",
            "aten.scaled_dot_product_attention.default", "aten.embedding.default",
-           "bitsandbytes.gemm_4bit.default", "bitsandbytes.gemv_4bit.default"}
+           "bitsandbytes.gemm_4bit.default", "bitsandbytes.gemv_4bit.default",
+           "localllm.paged_span_attention.default"}
 
 
 def _check_cuda_kernel(func, args) -> None:
@@ -336,8 +342,10 @@ def assert_cuda_kernels(model, scheme: str, kernels_used: Counter | None = None)
 #: The forwards :func:`run_runtime` audits: a whole sequence, then three batch steps' paged forwards
 #: (prefill chunks; a prompt's last token beside a decode token; decode tokens alone).
 FORWARDS = ("whole", "prefill", "queries", "decode")
-#: The steps of single queries: their attention is what a paged decode kernel runs.
-SINGLE = ("queries", "decode")
+#: The batch steps' forwards: attention over the paged pool.
+PAGED = FORWARDS[1:]
+#: The CUDA paged attention kernel's op (:mod:`runtime.cuda_attention`), as the audit names it.
+SPAN_OP = "localllm.paged_span_attention.default"
 
 
 def paged_steps(n_groups: int) -> dict[str, list[SeqChunk]]:
@@ -377,8 +385,8 @@ def run_runtime(model, tokenizer=None) -> dict:
 
     # a batch step's paged forward over the engine's pool (a layer group's table per chunk: Gemma 3)
     engine = BatchEngine(model, kv_budget_bytes=model.config.kv_cache_bytes(128, 2), max_running=4)
-    if fake:
-        assert engine.kernel is None  # the CPU attention kernel is not taken on a GPU
+    if fake:  # the Triton span kernel, never the CPU's (the dev extra installs Triton, as torch's CUDA builds do)
+        assert engine.kernel is cuda_attention.paged_span_attention, engine.kernel
     cos, sin = (t.to(model.dtype) for t in cache_rope_tables(model.config, 64, device))
     for phase, specs in paged_steps(len(engine.plan.windows)).items():
         step, ids = PagedStep.build(engine.pool, specs, cos, sin, engine.kernel)
@@ -395,6 +403,10 @@ def run_runtime(model, tokenizer=None) -> dict:
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, repeat_penalty=1.1)
     budget = model.config.kv_cache_bytes(128, 2)
     engine = BatchEngine(model, kv_budget_bytes=budget, max_running=4, chunk_tokens=8)  # 12 tokens: 2 chunks
+    # Decode-only steps through the CUDA graphs' static buffers, as a GPU replays them; capturing needs
+    # a real GPU, so here the function a graph would capture runs at each replay (set in place of the
+    # engine's own, which a machine with a GPU makes, before any step could capture).
+    engine.graphs = graphed(engine)
     handles = [engine.submit(PROMPTS[0], greedy, max_tokens=2), engine.submit(PROMPTS[1], sampled, max_tokens=2)]
     steps = []
     while True:
@@ -405,10 +417,12 @@ def run_runtime(model, tokenizer=None) -> dict:
         steps.append(n)
     out["steps"] = steps
     out["engine"] = [(h.stats.finish_reason, h.stats.generated_tokens) for h in handles]
+    out["graphs"] = (engine.graphs.buckets, engine.graphs.captured)
     del engine, handles
 
     # one sequence through Engine (what `run` does): its one-sequence BatchEngine's steps, each audited
     one = Engine(model, tokenizer, 64)
+    one.batch.graphs = graphed(one.batch)
     driven = one.batch.step
     count = itertools.count()
 
@@ -419,7 +433,14 @@ def run_runtime(model, tokenizer=None) -> dict:
     one.batch.step = audited_step  # what the handle's iteration calls
     out["sequence"] = list(one.generate_ids(PROMPTS[0], sampled, max_tokens=2, stop_ids=()))
     out["sequence_stats"] = (one.stats.finish_reason, one.stats.generated_tokens)
+    out["sequence_graphs"] = one.batch.graphs.captured
     return out
+
+
+def graphed(engine: BatchEngine) -> GraphedDecode:
+    """``engine``'s decode-only steps through CUDA graphs' static buffers, rerun at each replay."""
+    return GraphedDecode(engine.model, engine.pool, engine.kernel, engine._cos, engine._sin,
+                         engine.scheduler.max_running, capture=eager_capture)
 
 
 @contextmanager
@@ -462,13 +483,14 @@ def check_audit(run: dict, n_layers: int) -> None:
         odd = [e for e in audit.events if e[0] == phase and e[1] not in ("op", "host")][:6]
         assert set(kinds) <= allowed and kinds["h2d-async"] <= 2, f"{phase}: {dict(kinds)}: {odd}"
         assert audit.dtypes[phase] == {run[phase][1]}, f"{phase}: matmul/attention dtypes {audit.dtypes[phase]}"
-    # Decode rows on CUDA: no paged kernel yet, so each single query's keys and values are gathered
-    # from its blocks (two index_select copies per sequence and layer) and SDPA runs over the copies.
-    # The state today; issue 28 (a CUDA paged decode kernel) takes it to zero.
-    for phase in SINGLE:
-        n = gathers(audit, phase)
-        print(f"{phase}: {n} block gathers ({n_layers} layers, 2 sequences)")
-        assert n == 2 * 2 * n_layers, (phase, n, n_layers)
+    # Attention on CUDA: every span of a batch step (prefill chunks, a prompt's last token beside a
+    # decode row, decode rows) in one call of the Triton paged kernel per layer, which reads keys and
+    # values where they lie in their blocks: no block is gathered, and SDPA never runs.
+    for phase in PAGED:
+        n, calls = gathers(audit, phase), audit.of("op", phase).count(SPAN_OP)
+        sdpa = audit.of("op", phase).count("aten.scaled_dot_product_attention.default")
+        print(f"{phase}: {calls} paged attention calls, {n} block gathers, {sdpa} SDPA ({n_layers} layers)")
+        assert (calls, n, sdpa) == (n_layers, 0, 0), (phase, calls, n, sdpa)
     if loops is None:
         return
     stray = loops.of("off-device") + loops.of("d2h") + loops.of("host")
@@ -476,10 +498,13 @@ def check_audit(run: dict, n_layers: int) -> None:
     reads = check_steps(loops, "step")
     assert reads == sum(n for _, n in run["engine"]), (reads, run["engine"])  # one per sampled token
     assert run["engine"] == [("length", 2), ("length", 2)]
+    # max_running 4: graphs for 1, 2 and 4 sequences; the one decode-only step (both sequences) replayed 2
+    print(f"CUDA graph buckets {run['graphs'][0]}, captured {run['graphs'][1]}")
+    assert run["graphs"] == ((1, 2, 4), (2,)), run["graphs"]
     # Engine: the same BatchEngine (one sequence, its pool sized for it, chunks of the window), so the
     # same checks of its steps.
     assert check_steps(loops, "sequence") == 2 and run["sequence"] == [3, 3]
-    assert run["sequence_stats"] == ("length", 2)
+    assert run["sequence_stats"] == ("length", 2) and run["sequence_graphs"] == (1,)
 
 
 # --------------------------------------------------------------------------- tiny models of each family
@@ -516,6 +541,7 @@ def test_a_family_runs_its_cuda_path_on_a_fake_gpu(family, case, wide_folders, f
     assert lm.device.type == "cuda" and lm.dtype == (torch.float16 if scheme == "fp16" else torch.bfloat16)
     assert_on_device(model_tensors_of(lm.model), device)
     assert_cuda_kernels(lm.model, scheme, lm.kernels)
+    assert lm.kernels["attention-cuda"] == lm.config.n_layers  # what --verbose reports
     with fake:
         got = run_runtime(lm.model, lm.tokenizer)
     check_audit(got, lm.config.n_layers)

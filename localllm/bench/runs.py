@@ -55,7 +55,7 @@ def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, nam
         })
         log(f"  {name} run {len(runs)}/{s.runs}: TTFT {st.ttft_s * 1e3:.1f} ms, decode {st.decode_tps:.1f} tok/s")
     if s.compile:  # how the step really ran (a failed build runs eagerly, saying why)
-        s.step_kinds.add("aot" if engine.compiled else "eager")
+        s.step_kinds.add("aot" if engine.compiled else "cuda-graphs" if engine.graphs is not None else "eager")
     return runs
 
 
