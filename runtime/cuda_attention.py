@@ -71,7 +71,7 @@ def _kernel_sources() -> tuple[Any, Any]:
         st,  # the block tables' row stride
         G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
         BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr,
-        WINDOWED: tl.constexpr, USE_DOT: tl.constexpr, WIDEN: tl.constexpr,
+        WINDOWED: tl.constexpr, WIDEN: tl.constexpr,
     ):
         t = tl.program_id(0)  # tile
         h = tl.program_id(1)  # kv head
@@ -117,10 +117,8 @@ def _kernel_sources() -> tuple[Any, Any]:
                 k = k.to(tl.float32)
             if WIDEN:  # the same products and fp32 sums as the tensor cores'
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            elif USE_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
-                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
             if QUANT:
                 s = s * tl.load(KS + blk * ss_b + h * ss_h + j % BS, mask=k_ok, other=0.0)[None, :]
             s = s * sm_scale
@@ -141,10 +139,8 @@ def _kernel_sources() -> tuple[Any, Any]:
                 p = p.to(V.dtype.element_ty)
             if WIDEN:
                 pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            elif USE_DOT:
-                pv = tl.dot(p, v, input_precision="ieee")
             else:
-                pv = tl.sum(p.to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+                pv = tl.dot(p, v, input_precision="ieee")
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         if SPLITS == 1:
@@ -236,7 +232,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Te
         raise RuntimeError("the Triton attention kernel runs on CUDA tensors, or on CPU tensors in a process "
                            "started with TRITON_INTERPRET=1")
     attend, combine = _kernels()
-    GP, HDP = triton_pow2(G), triton_pow2(hd)
+    # A tile's queries are rows x kv-group heads, padded to at least 16 (tl.dot's least M: tensor cores
+    # for every tile; a decode tile's padding rows cost compute, of which decode has plenty to spare).
+    GP, HDP = max(triton_pow2(G), -(-16 // tile_rows)), triton_pow2(hd)
     BQ = tile_rows * GP
     quant = k_scale is not None
     bs = k.shape[2]
@@ -254,9 +252,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Te
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k.stride(0), k.stride(1), k.stride(2), *ss, block_tables.stride(0),
         G=G, GP=GP, BLOCK_M=tile_rows, HD=hd, HDP=HDP, BS=bs, BLOCK_N=BLOCK_N, SPLITS=splits, QUANT=quant,
-        WINDOWED=window > 0, USE_DOT=BQ >= 16, num_warps=8 if big else 4,
+        WINDOWED=window > 0, num_warps=8 if big else 4,
         # Triton's interpreter multiplies bf16 matrices wrongly (3.9); it takes them widened, exactly.
-        WIDEN=BQ >= 16 and k.dtype == torch.bfloat16 and q.device.type != "cuda",
+        WIDEN=k.dtype == torch.bfloat16 and q.device.type != "cuda",
     )
     if splits > 1:
         combine[(T, KV)](part, stats, out, tiles, out.stride(0), out.stride(1), out.stride(2),
