@@ -18,6 +18,7 @@ int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf1
 int4-q8-cpu            int4    CPU, AVX2 / VNNI, opt-in (``int4_q8_mm``)     int8 per 32 (from fp32)
 int8-q8-cpu            int8    CPU, AVX2 / VNNI, opt-in (``int8_q8_mm``)     int8 per 32 (from fp32)
 gguf-blocks-cpu        gguf    CPU (``localllm::gguf_mm``): a GGUF's blocks  bf16 / fp16 / fp32
+gguf-blocks-cuda       gguf    CUDA, Triton (``quant.gguf_triton``)          bf16 / fp16 / fp32
 nf4-bitsandbytes       nf4     bitsandbytes ``matmul_4bit`` (CPU and CUDA)   bf16 / fp16 / fp32
 reference              all     dequantize one layer, ``F.linear``            any
 =====================  ======  ============================================  =====================
@@ -25,6 +26,7 @@ reference              all     dequantize one layer, ``F.linear``            any
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -588,6 +590,39 @@ class GGUFBlocksCPU(Kernel):
         return op(x, layer.blocks, kind, layer.in_features)
 
 
+class GGUFBlocksCUDA(Kernel):
+    """A GGUF tensor's blocks on CUDA (the ``gguf`` scheme): a Triton kernel decodes each block in
+    registers as it multiplies (:mod:`quant.gguf_triton`); the bytes stay as the file has them."""
+
+    name = "gguf-blocks-cuda"
+    scheme = "gguf"
+    device_type = "cuda"
+
+    @staticmethod
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        from localllm.quant.gguf_triton import TYPES
+
+        if layer.scheme.name != "gguf":
+            return "runs GGUF blocks only"
+        if target.type != "cuda":
+            return "runs on CUDA only"
+        if layer.scheme.gguf_type not in TYPES:
+            return f"has no Triton decoder for {layer.scheme.gguf_type}"
+        if importlib.util.find_spec("triton") is None:
+            return "needs Triton (torch's CUDA builds install it)"
+        return None
+
+    @staticmethod
+    def prepare(layer):  # type: ignore[no-untyped-def]
+        return {"blocks": layer.blocks}  # the file's bytes as they are
+
+    @staticmethod
+    def matmul(layer, x):  # type: ignore[no-untyped-def]
+        from localllm.quant.gguf_triton import gguf_mm
+
+        return gguf_mm(x, layer.blocks, layer.scheme.gguf_type, layer.in_features)
+
+
 class Nf4Bitsandbytes(Kernel):
     name = "nf4-bitsandbytes"
     scheme = "nf4"
@@ -645,8 +680,8 @@ class Nf4Bitsandbytes(Kernel):
 
 #: In order of preference; the first that supports a layer (and passes its check) is used.
 KERNELS: tuple[type[Kernel], ...] = (
-    Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int8GroupCPU, Int8WeightOnly, GGUFBlocksCPU, Nf4Bitsandbytes,
-    Int4Q8CPU, Int8Q8CPU, Reference
+    Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int8GroupCPU, Int8WeightOnly, GGUFBlocksCPU, GGUFBlocksCUDA,
+    Nf4Bitsandbytes, Int4Q8CPU, Int8Q8CPU, Reference
 )
 BY_NAME = {k.name: k for k in KERNELS}
 
