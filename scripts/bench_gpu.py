@@ -49,6 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile", action="store_true",
                     help="time the compiled decode step (runtime.compiled_step: CPU only, so on CUDA the steps "
                          "run eagerly and the table's notes say 'eager')")
+    ap.add_argument("--serving", default="", metavar="LEVELS",
+                    help="also the serving bench (uniform workload: 128-token prompts, 128 tokens, then a "
+                         "2,000-token prompt beside the most streams) at these concurrency levels, e.g. 1,8,16")
+    ap.add_argument("--serving-quant", default="int4", help="the scheme the serving bench runs (default int4)")
     ap.add_argument("--out", type=Path, help="results folder (default: results/bench-gpu/<shape>-<time>)")
     return ap.parse_args(argv)
 
@@ -91,10 +95,47 @@ def run(args: argparse.Namespace) -> Path:
     result = bench.run_bench(load, name, prompt, None, s, "random token ids", len(prompt), quality_skipped=SKIPPED)
     result["elapsed_s"] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)
+    table = bench.format_table(result)
+    if args.serving:
+        result["serving"] = serving(config, device, args, name)
+        table += "\n\n" + format_serving(result["serving"])
     bench.report(result, out / "bench.json", out / "bench.png" if plot else None)
-    (out / "table.txt").write_text(bench.format_table(result) + "\n")
+    (out / "table.txt").write_text(table + "\n")
     print(f"done in {result['elapsed_s']:.0f} s; wrote {out}/table.txt", file=sys.stderr)
     return out
+
+
+def serving(config: ModelConfig, device: torch.device, args: argparse.Namespace, name: str) -> dict:
+    """The serving bench's uniform workload on the random model in ``--serving-quant``: a stream's rate
+    against 8 and 16 streams' throughput (on a GPU decode steps read the weights once for the batch)."""
+    from localllm.bench import serving as sv
+
+    levels = sv.parse_levels(args.serving, "uniform")
+    lm = bench.random_model(config, args.serving_quant, device, name)
+    # every stream's 256 positions and the long prompt at once, with a block's slack each
+    budget = config.kv_cache_bytes(256 + 32, "16bit", max(levels) + 1) + config.kv_cache_bytes(2048 + 32, "16bit")
+    s = sv.ServingSettings("uniform", levels, prompt_tokens=128, gen_tokens=128, long_prompt_tokens=2000,
+                           kv_budget_bytes=budget, speculate="off")
+    t0 = time.perf_counter()
+    figures = sv.run_serving(lm.model, None, random_prompt(config.vocab_size, 8192, seed=1), s,
+                             lambda line: print(line, file=sys.stderr))
+    return {"workload": "uniform", "model": name, "scheme": args.serving_quant, "kv_budget_bytes": budget,
+            "elapsed_s": time.perf_counter() - t0, **figures}
+
+
+def format_serving(result: dict) -> str:
+    rows = {r["level"]: r for r in result["concurrency"]}
+    lines = [f"serving ({result['scheme']}, uniform: 128-token prompts, 128 tokens each):"]
+    for level, r in rows.items():
+        ratio = f" ({r['throughput_tok_s'] / rows[1]['throughput_tok_s']:.2f}x one stream)" if 1 in rows else ""
+        lines.append(f"  {level:>2} streams: {r['throughput_tok_s']:8.1f} tok/s{ratio}, TTFT p50 "
+                     f"{r['ttft_ms']['p50']:.0f} ms, ITL p50 {r['itl_ms']['p50']:.1f} ms, decode step "
+                     f"{r['decode_step_ms']['p50']:.2f} ms")
+    long = result["comparison"]["with_long_prompt"]
+    if long["long_prompt_ttft_ms"] is not None:
+        lines.append(f"  a {long['long_prompt_tokens']}-token prompt beside {long['level']} streams: TTFT "
+                     f"{long['long_prompt_ttft_ms']:.0f} ms")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,10 @@
 # Every check that needs a CUDA GPU, in one go (one device run): the CUDA tests (the Triton paged
 # attention kernel against float64 references, real CUDA graphs against eager steps) and the CUDA dry
 # run (tests/test_cuda_dryrun.py, which CI runs without a GPU: here it checks that fake and real CUDA
-# agree on choices, shapes and syncs), then the 7B-shape bench (decode steps replayed from CUDA graphs,
-# a 2,000-token prompt for TTFT), within 10 minutes in all.
+# agree on choices, shapes and syncs), then the 7B-shape bench: per scheme load, peak memory against
+# the plan, TTFT of a 2,000-token prompt, decode tok/s and its share of the bandwidth measured in the
+# same run (decode steps replayed from CUDA graphs); then the serving bench at 1, 8 and 16 streams on
+# int4. One JSON ($OUT/bench/bench.json) and one table ($OUT/bench/table.txt), within 8 minutes.
 # Figures and logs go to $OUT (default results/gpu).
 #
 #   bash scripts/gpu_checks.sh            # on a CUDA machine, from any folder
@@ -29,6 +31,7 @@ status=0
 # --continue-on-collection-errors: a module that cannot import here must not hide the CUDA tests of the others.
 timeout 180 "$PY" -m pytest tests -m "cuda or cuda_dryrun" -q -p no:cacheprovider --continue-on-collection-errors 2>&1 \
   | tail -40 | tee "$OUT/pytest-cuda.txt" || status=1
-timeout 240 "$PY" scripts/bench_gpu.py --quant "$schemes" --runs 3 --prompt-tokens 2000 --out "$OUT/bench" 2>&1 \
+timeout 300 "$PY" scripts/bench_gpu.py --quant "$schemes" --runs 3 --prompt-tokens 2000 --serving 1,8,16 \
+  --out "$OUT/bench" 2>&1 \
   | tee "$OUT/bench.log" | tail -30 || status=1
 exit $status
