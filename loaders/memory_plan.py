@@ -181,6 +181,26 @@ def activation_bytes(config: Any, tokens: int, concurrency: int, act_size: int) 
     return tokens * per_token + scores + logits
 
 
+#: Of a GPU's free memory after a model is loaded, what a server's KV pool leaves for CUDA graphs'
+#: pools, cuBLAS and Triton workspaces and allocator slack (vLLM leaves 10% of the card likewise).
+GPU_RESERVE = 0.10
+
+
+def gpu_kv_budget(config: Any, act_dtype: torch.dtype, kv_dtype: str, parallel: int, chunk_tokens: int,
+                  free: int) -> int:
+    """The KV pool a server gives a model loaded on a GPU when ``--kv-memory`` is not set: room for
+    ``parallel`` sequences of the model's context (at most :data:`RUN_DEFAULT_CTX` positions), as much
+    of it as fits in ``free`` (the card's free memory with the model loaded) less a step's activations
+    (``chunk_tokens`` prompt tokens beside ``parallel`` decode rows) and :data:`GPU_RESERVE` of it.
+    At least one block's worth is asked for: a pool too small for a request refuses it with the fix."""
+    act = act_dtype.itemsize
+    per_value = kv_bytes_per_value(kv_dtype, act_dtype, config.head_dim)
+    ctx = min(config.max_seq_len, RUN_DEFAULT_CTX)
+    wanted = kv_cache_bytes(config, ctx, parallel, per_value, act)
+    room = int(free * (1 - GPU_RESERVE)) - activation_bytes(config, chunk_tokens + parallel, parallel, act)
+    return max(min(wanted, room), kv_cache_bytes(config, 16, 1, per_value, act))
+
+
 # --------------------------------------------------------------------------- the model's weights
 @dataclass(frozen=True)
 class Footprint:

@@ -232,9 +232,10 @@ class BatchEngine:
     come on top); ``max_running``: sequences in a step at most; ``max_waiting``: the queue's bound.
     ``attention``: "auto" runs single-query attention with localllm's paged CPU kernel on the CPU, and
     every span (prefill chunks too) with the Triton paged kernel on CUDA (where Triton is installed, as
-    torch's CUDA builds install it); "sdpa" always gathers blocks and runs SDPA (the reference). ``prefix_cache=False``: no prompt
-    reuses another's blocks (the baseline the prefix cache is measured against). ``kv_dtype``: "16bit"
-    (the activations' dtype) or "int8" (int8 codes and per-token, per-head scales: half the bytes).
+    torch's CUDA builds install it); "sdpa" always gathers blocks and runs SDPA (the reference).
+    ``prefix_cache=False``: no prompt reuses another's blocks (the baseline the prefix cache is
+    measured against). ``kv_dtype``: "16bit" (the activations' dtype) or "int8" (int8 codes and
+    per-token, per-head scales: half the bytes).
     ``compile``: False runs every step eagerly; "auto" runs decode-only steps through the compiled
     step's packages when they are built (:attr:`needs_build` says when they are not); True builds
     missing ones now (a minute or so a package on two cores). Where the step cannot run the model

@@ -123,9 +123,10 @@ class GraphedDecode:
     def takes(self, step: PagedStep) -> bool:
         """Whether ``step`` is one the graphs replay: every row a sampled single query on the kernel,
         no more rows than the largest bucket, tables no wider than the static ones."""
+        width = self.tables.shape[2]
         return (step.all_decode and step.logits_rows.shape[0] == step.num_tokens
                 and self.bucket(step.num_tokens) is not None
-                and all(s.decode_tables.shape[1] <= self.tables.shape[2] for s in _groups(step)))  # type: ignore[union-attr]
+                and all(s.decode_tables.shape[1] <= width for s in _groups(step)))  # type: ignore[union-attr]
 
     def forward(self, b: int) -> torch.Tensor:
         """The step of bucket ``b`` over the static buffers' first ``b`` rows -> logits (b, vocab): what

@@ -73,6 +73,7 @@ from localllm.quant import kernels
 from localllm.quant.formats import parse_scheme
 from localllm.quant.linear import QuantLinear, make_plan, swap_linears
 from localllm.quant.target import Target
+from localllm.loaders.memory_plan import Footprint, plan_for
 from localllm.runtime import cuda_attention
 from localllm.runtime.cuda_graphs import GraphedDecode, eager_capture
 from localllm.runtime.batch import BatchEngine
@@ -626,6 +627,14 @@ def test_a_7b_llama_takes_the_bytes_the_arithmetic_says(fake):
         weights = sum(t.numel() * t.element_size() for _, t in model_tensors_of(model))
         assert weights == want, (scheme, weights, want)
     assert (2 * config.num_parameters(), want) == (13_476_831_232, 4_047_503_360 + 2 * rest)
+    # The memory plan (what `run` checks before loading): int4 with a 4096-token context (its cache
+    # in bf16, the whole prompt prefilled in one chunk) fits an 8 GB card's free memory once its CUDA
+    # context holds its share (taken as 7.5 GiB free).
+    plan7b = plan_for(Footprint(config, "int4", want, torch.bfloat16, torch.device("cuda")), 4096,
+                      available=(int(7.5 * 2**30), "an 8 GB card"))
+    print(f"7B int4, ctx 4096: {plan7b.total / 1e9:.2f} GB planned (weights {plan7b.weights / 1e9:.2f}, "
+          f"KV {plan7b.kv_cache / 1e9:.2f}, activations {plan7b.activations / 1e9:.2f})")
+    assert plan7b.fits and plan7b.kv_cache >= config.kv_cache_bytes(4096, 2)  # (and the RoPE tables)
 
     def pool_tensors(pool: KVPool) -> list[torch.Tensor]:
         return list({id(t): t for t in pool.k + pool.v}.values())  # layers sharing a slot's tensor: once

@@ -14,6 +14,7 @@ from localllm.loaders.memory_plan import (
     Footprint,
     activation_bytes,
     available_memory,
+    gpu_kv_budget,
     kv_bytes_per_value,
     parse_size,
     plan_for,
@@ -54,6 +55,21 @@ def test_kv_cache_counts_sliding_layers_by_their_window_and_the_kv_dtype() -> No
     assert plan_for(_footprint(full), 8192, concurrency=2, available=avail).kv_cache == 2 * a.kv_cache - rope
     assert a.activations == activation_bytes(full, 8192, 1, 2) > activation_bytes(full, 64, 1, 2)
     assert a.fits and not plan_for(_footprint(full), 8192, available=(a.total - 1, "test")).fits
+
+
+def test_a_gpu_servers_kv_pool_takes_the_cards_free_memory() -> None:
+    """``serve`` on a GPU without ``--kv-memory``: room for ``--parallel`` sequences of the context
+    (capped at run's 4096) when the card has it; else the free memory less a step's activations and
+    the 10% reserve for graphs and workspaces; never less than one block."""
+    config = ModelConfig(**TINY)  # max_seq_len 8192: capped at 4096
+    per_token = 2 * 6 * config.kv_dim * 2  # bf16 keys and values of every layer
+    rope = 2 * 4096 * config.rotary_dim * 2
+    act = activation_bytes(config, 256 + 8, 8, 2)
+    assert gpu_kv_budget(config, torch.bfloat16, "16bit", 8, 256, free=10**12) == 8 * 4096 * per_token + rope
+    small = 10 * 10**6  # less than the 25 MB the 8 sequences would take
+    assert gpu_kv_budget(config, torch.bfloat16, "16bit", 8, 256, free=small) == int(small * 0.9) - act
+    assert gpu_kv_budget(config, torch.bfloat16, "int8", 8, 256, free=10**12) < 8 * 4096 * per_token  # half-ish
+    assert gpu_kv_budget(config, torch.bfloat16, "16bit", 8, 256, free=0) > 0
 
 
 @pytest.mark.parametrize("model,quant,head,want", [

@@ -338,7 +338,13 @@ class ModelManager:
             except LocalLLMError as e:
                 raise ModelNotFound(e.message, e.hint) from None
         lm = load_model(ref, device=cfg.device, dtype=cfg.dtype, quant=cfg.quant, kernel=cfg.kernel)
-        engine = BatchEngine(lm.model, kv_budget_bytes=cfg.kv_memory or DEFAULT_KV_BUDGET,
+        budget = cfg.kv_memory or DEFAULT_KV_BUDGET
+        if cfg.kv_memory is None and lm.device.type == "cuda":  # the card's free memory, not a CPU-sized default
+            from localllm.loaders.memory_plan import available_memory, gpu_kv_budget
+
+            budget = gpu_kv_budget(lm.config, lm.dtype, cfg.kv_dtype, cfg.parallel, cfg.chunk_tokens,
+                                   available_memory(lm.device)[0])
+        engine = BatchEngine(lm.model, kv_budget_bytes=budget,
                              max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens,
                              kv_dtype=cfg.kv_dtype, compile="auto", speculate=cfg.speculate)
         if engine.needs_build:  # the compiled decode step, for the next time this model is loaded
