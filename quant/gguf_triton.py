@@ -27,112 +27,112 @@ ggml layouts (little-endian), element ``e`` of a block:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from localllm.quant.formats import GGUF_BLOCKS
 
+try:  # only on CUDA (and in the interpreter's checks): the CPU path never imports this module
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 #: The block types this kernel decodes (the others stay on the reference).
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 _CODE = {name: i for i, name in enumerate(TYPES)}
 
 
-def _kernel_source() -> Any:
-    import triton.language as tl
+def _jit(fn: Any) -> Any:
+    """``triton.jit`` where Triton is installed. At module level, so that Triton before 3.4 finds
+    ``tl`` in the kernel's globals."""
+    return triton.jit(fn) if triton is not None else fn
 
-    def gguf_mm(
-        X, B, Y, M, N, n_blocks, row_bytes, sxm, sym,
-        QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        WIDEN: tl.constexpr,
-    ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_ok = m < M
-        n_ok = n < N
-        e = tl.arange(0, QK)  # element of a block
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for blk in range(0, n_blocks):
-            base = n.to(tl.int64)[:, None] * row_bytes + blk * TS  # (BLOCK_N, 1): each row's block
-            ok = n_ok[:, None]
-            if QTYPE == 0 or QTYPE == 1 or QTYPE == 2 or QTYPE == 3 or QTYPE == 4:  # 32-wide blocks
-                lo = tl.load(B + base, mask=ok, other=0).to(tl.uint16)
-                hi = tl.load(B + base + 1, mask=ok, other=0).to(tl.uint16)
-                d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
-                if QTYPE == 4:  # Q8_0
-                    q = tl.load(B + base + 2 + e[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
-                    w = q.to(tl.float32) * d
-                else:
-                    if QTYPE == 1 or QTYPE == 3:  # Q4_1, Q5_1: fp16 m after d
-                        lo = tl.load(B + base + 2, mask=ok, other=0).to(tl.uint16)
-                        hi = tl.load(B + base + 3, mask=ok, other=0).to(tl.uint16)
-                        mn = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-                    codes: tl.constexpr = 2 + 2 * QTYPE  # where the codes start: Q4_0 2, Q4_1 4, Q5_0 6, Q5_1 8
-                    byte = tl.load(B + base + codes + (e % 16)[None, :], mask=ok, other=0)
-                    q = ((byte >> (4 * (e // 16))[None, :]) & 15).to(tl.int32)
-                    if QTYPE == 2 or QTYPE == 3:  # the fifth bits: bit e of 4 bytes
-                        bits = tl.load(B + base + codes - 4 + (e // 8)[None, :], mask=ok, other=0)
-                        q = q | (((bits >> (e % 8)[None, :]) & 1).to(tl.int32) << 4)
-                    if QTYPE == 0:
-                        w = (q - 8).to(tl.float32) * d
-                    elif QTYPE == 2:
-                        w = (q - 16).to(tl.float32) * d
-                    else:
-                        w = q.to(tl.float32) * d + mn
-            elif QTYPE == 5 or QTYPE == 6:  # Q4_K, Q5_K
-                lo = tl.load(B + base, mask=ok, other=0).to(tl.uint16)
-                hi = tl.load(B + base + 1, mask=ok, other=0).to(tl.uint16)
-                d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-                lo = tl.load(B + base + 2, mask=ok, other=0).to(tl.uint16)
-                hi = tl.load(B + base + 3, mask=ok, other=0).to(tl.uint16)
-                dmin = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-                j = (e // 32)[None, :]  # sub-block 0..7
-                s_j = tl.load(B + base + 4 + j, mask=ok, other=0).to(tl.int32)
-                s_j4 = tl.load(B + base + 8 + j, mask=ok, other=0).to(tl.int32)
-                s_jm4 = tl.load(B + base + 4 + tl.maximum(j - 4, 0), mask=ok, other=0).to(tl.int32)
-                sc = tl.where(j < 4, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
-                mn = tl.where(j < 4, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
-                codes: tl.constexpr = 16 + 32 * (QTYPE - 5)  # Q4_K 16, Q5_K 48 (after the fifth bits)
-                byte = tl.load(B + base + codes + (32 * (e // 64) + e % 32)[None, :], mask=ok, other=0)
-                q = ((byte >> (4 * ((e // 32) % 2))[None, :]) & 15).to(tl.int32)
-                if QTYPE == 6:
-                    bits = tl.load(B + base + 16 + (e % 32)[None, :], mask=ok, other=0).to(tl.int32)
-                    q = q | (((bits >> j) & 1) << 4)
-                w = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
-            else:  # Q6_K
-                half = (e // 128)[None, :]
-                part = ((e % 128) // 32)[None, :]
-                l = (e % 32)[None, :]
-                low = tl.load(B + base + 64 * half + l + 32 * (part % 2), mask=ok, other=0)
-                low = ((low >> (4 * (part // 2))) & 15).to(tl.int32)
-                high = tl.load(B + base + 128 + 32 * half + l, mask=ok, other=0)
-                high = ((high >> (2 * part)) & 3).to(tl.int32)
-                q = (low | (high << 4)) - 32
-                sc = tl.load(B + base + 192 + 8 * half + l // 16 + 2 * part, mask=ok, other=0)
-                sc = sc.to(tl.int8, bitcast=True).to(tl.float32)
-                lo = tl.load(B + base + 208, mask=ok, other=0).to(tl.uint16)
-                hi = tl.load(B + base + 209, mask=ok, other=0).to(tl.uint16)
-                d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-                w = (d * sc) * q.to(tl.float32)
-            x = tl.load(X + m[:, None] * sxm + blk * QK + e[None, :], mask=m_ok[:, None], other=0.0)  # (BM, QK)
-            if WIDEN:  # bf16 in Triton's interpreter: the same rounded values, multiplied in fp32
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(X.dtype.element_ty).to(tl.float32)),
-                              input_precision="ieee")
+
+@_jit
+def _gguf_mm(
+    X, B, Y, M, N, n_blocks, row_bytes, sxm, sym,
+    QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = m < M
+    n_ok = n < N
+    e = tl.arange(0, QK)  # element of a block
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for blk in range(0, n_blocks):
+        base = n.to(tl.int64)[:, None] * row_bytes + blk * TS  # (BLOCK_N, 1): each row's block
+        ok = n_ok[:, None]
+        if QTYPE <= 4:  # 32-wide blocks
+            lo = tl.load(B + base, mask=ok, other=0).to(tl.uint16)
+            hi = tl.load(B + base + 1, mask=ok, other=0).to(tl.uint16)
+            d = (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # (BLOCK_N, 1)
+            if QTYPE == 4:  # Q8_0
+                q = tl.load(B + base + 2 + e[None, :], mask=ok, other=0).to(tl.int8, bitcast=True)
+                w = q.to(tl.float32) * d
             else:
-                acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), input_precision="ieee")
-        tl.store(Y + m[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-    return gguf_mm
-
-
-@functools.cache
-def _kernel() -> Any:
-    import triton
-
-    return triton.jit(_kernel_source())
+                if QTYPE % 2 == 1:  # Q4_1, Q5_1: fp16 m after d
+                    lo = tl.load(B + base + 2, mask=ok, other=0).to(tl.uint16)
+                    hi = tl.load(B + base + 3, mask=ok, other=0).to(tl.uint16)
+                    mn = (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                codes: tl.constexpr = 2 + 2 * QTYPE  # where the codes start: Q4_0 2, Q4_1 4, Q5_0 6, Q5_1 8
+                byte = tl.load(B + base + codes + (e % 16)[None, :], mask=ok, other=0)
+                q = ((byte >> (4 * (e // 16))[None, :]) & 15).to(tl.int32)
+                if QTYPE >= 2:  # Q5_0, Q5_1: the fifth bits, bit e of 4 bytes
+                    bits = tl.load(B + base + codes - 4 + (e // 8)[None, :], mask=ok, other=0)
+                    q = q | (((bits >> (e % 8)[None, :]) & 1).to(tl.int32) << 4)
+                if QTYPE == 0:
+                    w = (q - 8).to(tl.float32) * d
+                elif QTYPE == 2:
+                    w = (q - 16).to(tl.float32) * d
+                else:
+                    w = q.to(tl.float32) * d + mn
+        elif QTYPE <= 6:  # Q4_K, Q5_K
+            lo = tl.load(B + base, mask=ok, other=0).to(tl.uint16)
+            hi = tl.load(B + base + 1, mask=ok, other=0).to(tl.uint16)
+            d = (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            lo = tl.load(B + base + 2, mask=ok, other=0).to(tl.uint16)
+            hi = tl.load(B + base + 3, mask=ok, other=0).to(tl.uint16)
+            dmin = (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            j = (e // 32)[None, :]  # sub-block 0..7
+            s_j = tl.load(B + base + 4 + j, mask=ok, other=0).to(tl.int32)
+            s_j4 = tl.load(B + base + 8 + j, mask=ok, other=0).to(tl.int32)
+            s_jm4 = tl.load(B + base + 4 + tl.maximum(j - 4, 0), mask=ok, other=0).to(tl.int32)
+            sc = tl.where(j < 4, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
+            mn = tl.where(j < 4, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
+            codes: tl.constexpr = 16 + 32 * (QTYPE - 5)  # Q4_K 16, Q5_K 48 (after the fifth bits)
+            byte = tl.load(B + base + codes + (32 * (e // 64) + e % 32)[None, :], mask=ok, other=0)
+            q = ((byte >> (4 * ((e // 32) % 2))[None, :]) & 15).to(tl.int32)
+            if QTYPE == 6:
+                bits = tl.load(B + base + 16 + (e % 32)[None, :], mask=ok, other=0).to(tl.int32)
+                q = q | (((bits >> j) & 1) << 4)
+            w = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+        else:  # Q6_K
+            half = (e // 128)[None, :]
+            part = ((e % 128) // 32)[None, :]
+            l = (e % 32)[None, :]
+            low = tl.load(B + base + 64 * half + l + 32 * (part % 2), mask=ok, other=0)
+            low = ((low >> (4 * (part // 2))) & 15).to(tl.int32)
+            high = tl.load(B + base + 128 + 32 * half + l, mask=ok, other=0)
+            high = ((high >> (2 * part)) & 3).to(tl.int32)
+            q = (low | (high << 4)) - 32
+            sc = tl.load(B + base + 192 + 8 * half + l // 16 + 2 * part, mask=ok, other=0)
+            sc = sc.to(tl.int8, bitcast=True).to(tl.float32)
+            lo = tl.load(B + base + 208, mask=ok, other=0).to(tl.uint16)
+            hi = tl.load(B + base + 209, mask=ok, other=0).to(tl.uint16)
+            d = (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            w = (d * sc) * q.to(tl.float32)
+        x = tl.load(X + m[:, None] * sxm + blk * QK + e[None, :], mask=m_ok[:, None], other=0.0)  # (BM, QK)
+        if WIDEN:  # bf16 in Triton's interpreter: the same rounded values, multiplied in fp32
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(X.dtype.element_ty).to(tl.float32)),
+                          input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), input_precision="ieee")
+    tl.store(Y + m[:, None] * sym + n[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def _launch(x: torch.Tensor, blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
@@ -142,18 +142,19 @@ def _launch(x: torch.Tensor, blocks: torch.Tensor, qtype: str, in_features: int)
     if M == 0 or N == 0:
         return y
     if x.device.type != "cuda":
-        import triton
+        from localllm.runtime.cuda_attention import interpreting
 
-        if not triton.knobs.runtime.interpret:
+        if not interpreting():
             raise RuntimeError("the Triton GGUF kernel runs on CUDA tensors, or on CPU tensors in a process "
                                "started with TRITON_INTERPRET=1")
     x = x.contiguous()
-    block_m = 16 if M <= 16 else 64
+    block_m = 16 if M <= 16 or x.dtype == torch.float32 else 64  # fp32 tiles: twice the shared memory
     block_n = 32 if qk == 256 else 64
     grid = (-(-M // block_m), -(-N // block_n))
-    _kernel()[grid](x, blocks, y, M, N, in_features // qk, blocks.stride(0), x.stride(0), y.stride(0),
+    _gguf_mm[grid](x, blocks, y, M, N, in_features // qk, blocks.stride(0), x.stride(0), y.stride(0),
                     QTYPE=_CODE[qtype], QK=qk, TS=ts, BLOCK_M=block_m, BLOCK_N=block_n,
-                    WIDEN=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=4)
+                    WIDEN=x.dtype == torch.bfloat16 and x.device.type != "cuda", num_warps=4,
+                  num_stages=1 if x.dtype == torch.float32 else 2)
     return y
 
 

@@ -600,16 +600,16 @@ class GGUFBlocksCUDA(Kernel):
 
     @staticmethod
     def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
-        from localllm.quant.gguf_triton import TYPES
-
         if layer.scheme.name != "gguf":
             return "runs GGUF blocks only"
         if target.type != "cuda":
             return "runs on CUDA only"
-        if layer.scheme.gguf_type not in TYPES:
-            return f"has no Triton decoder for {layer.scheme.gguf_type}"
         if importlib.util.find_spec("triton") is None:
             return "needs Triton (torch's CUDA builds install it)"
+        from localllm.quant.gguf_triton import TYPES  # imports Triton: only for a CUDA target
+
+        if layer.scheme.gguf_type not in TYPES:
+            return f"has no Triton decoder for {layer.scheme.gguf_type}"
         return None
 
     @staticmethod

@@ -35,172 +35,173 @@ it for the interpreter's checks.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
+import os
 from typing import Any
 
 import torch
 
 from localllm.runtime.cache import QuantKV
 
+try:  # only here, on CUDA (and in the interpreter's checks): the CPU runtime never imports this module
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 #: Keys per inner step of the kernel (any multiple of the pool's block size or not: rows are
 #: addressed one by one through the table).
 BLOCK_N = 32
-#: Query rows per tile in steps with a prefill chunk (steps of single queries use 1).
-PREFILL_TILE_ROWS = 16
+#: Query rows per tile in steps with a prefill chunk (steps of single queries use 1): with a kv
+#: group's heads at most 8 x 16 query rows a tile, within an sm86/sm89 SM's shared memory.
+PREFILL_TILE_ROWS = 8
 #: Most key splits a tile's work is cut into (decode at small batch).
 MAX_SPLITS = 16
 
 
 def available() -> bool:
-    """Whether Triton is importable (it comes with torch's CUDA builds)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton is here (it comes with torch's CUDA builds)."""
+    return triton is not None
 
 
-def _kernel_sources() -> tuple[Any, Any]:
-    """The two kernels' Python sources (defined here so that ``import triton`` waits for a caller)."""
-    import triton.language as tl
+def _jit(fn: Any) -> Any:
+    """``triton.jit`` where Triton is installed (the kernels are never called without it). At module
+    level, so that Triton before 3.4 finds ``tl`` in the kernels' globals."""
+    return triton.jit(fn) if triton is not None else fn
 
-    def span_attention(
-        Q, K, V, KS, VS, O, PART, STATS, TABLES, LENS, TILES,
-        sm_scale, window,
-        sq_n, sq_h, sq_g,  # q's strides (its last dim is contiguous)
-        so_n, so_h, so_g,  # the output's
-        sk_b, sk_h, sk_r,  # the pools' strides (K and V alike)
-        ss_b, ss_h,  # an int8 pool's scales' strides
-        st,  # the block tables' row stride
-        G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
-        BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr,
-        WINDOWED: tl.constexpr, WIDEN: tl.constexpr,
-    ):
-        t = tl.program_id(0)  # tile
-        h = tl.program_id(1)  # kv head
-        sp = tl.program_id(2)  # key split
-        seq = tl.load(TILES + t * 4)
-        row0 = tl.load(TILES + t * 4 + 1)
-        nrows = tl.load(TILES + t * 4 + 2)
-        pos0 = tl.load(TILES + t * 4 + 3)
-        BQ: tl.constexpr = BLOCK_M * GP
-        i = tl.arange(0, BQ)  # a tile's query: row i // GP, head i % GP of the kv group
-        r = i // GP
-        g = i % GP
-        q_ok = (r < nrows) & (g < G)
-        q_pos = pos0 + r
-        d = tl.arange(0, HDP)
-        d_ok = d < HD
-        q_off = (row0 + r).to(tl.int64)[:, None] * sq_n + h * sq_h + g[:, None] * sq_g + d[None, :]
-        q = tl.load(Q + q_off, mask=q_ok[:, None] & d_ok[None, :], other=0.0)  # (BQ, HDP)
+
+@_jit
+def _span_attention(
+    Q, K, V, KS, VS, O, PART, STATS, TABLES, TILES,
+    sm_scale, window,
+    sq_n, sq_h, sq_g,  # q's strides (its last dim is contiguous)
+    so_n, so_h, so_g,  # the output's
+    sk_b, sk_h, sk_r,  # the pools' strides (K and V alike)
+    ss_b, ss_h,  # an int8 pool's scales' strides
+    st,  # the block tables' row stride
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, QUANT: tl.constexpr,
+    WINDOWED: tl.constexpr, WIDEN: tl.constexpr,
+):
+    t = tl.program_id(0)  # tile
+    h = tl.program_id(1)  # kv head
+    sp = tl.program_id(2)  # key split
+    seq = tl.load(TILES + t * 4)
+    row0 = tl.load(TILES + t * 4 + 1)
+    nrows = tl.load(TILES + t * 4 + 2)
+    pos0 = tl.load(TILES + t * 4 + 3)
+    BQ: tl.constexpr = BLOCK_M * GP
+    i = tl.arange(0, BQ)  # a tile's query: row i // GP, head i % GP of the kv group
+    r = i // GP
+    g = i % GP
+    q_ok = (r < nrows) & (g < G)
+    q_pos = pos0 + r
+    d = tl.arange(0, HDP)
+    d_ok = d < HD
+    q_off = (row0 + r).to(tl.int64)[:, None] * sq_n + h * sq_h + g[:, None] * sq_g + d[None, :]
+    q = tl.load(Q + q_off, mask=q_ok[:, None] & d_ok[None, :], other=0.0)  # (BQ, HDP)
+    if QUANT:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(K.dtype.element_ty)
+    hi = pos0 + nrows  # keys 0 .. hi - 1: up to the last row's own
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(pos0 - window + 1, 0)  # the first row's oldest key
+    c_lo = lo // BLOCK_N
+    c_hi = tl.cdiv(hi, BLOCK_N)
+    per = tl.cdiv(c_hi - c_lo, SPLITS)
+    c0 = c_lo + sp * per
+    c1 = tl.minimum(c0 + per, c_hi)
+    m_i = tl.full([BQ], float("-inf"), tl.float32)
+    l_i = tl.zeros([BQ], tl.float32)
+    acc = tl.zeros([BQ, HDP], tl.float32)
+    for c in range(c0, c1):
+        j = c * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions
+        k_ok = (j >= lo) & (j < hi)
+        blk = tl.load(TABLES + seq * st + j // BS, mask=k_ok, other=0).to(tl.int64)
+        row_off = blk * sk_b + h * sk_h + (j % BS) * sk_r  # (BLOCK_N,)
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HDP)
         if QUANT:
-            q = q.to(tl.float32)
+            k = k.to(tl.float32)
+        if WIDEN:  # the same products and fp32 sums as the tensor cores'
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            q = q.to(K.dtype.element_ty)
-        hi = pos0 + nrows  # keys 0 .. hi - 1: up to the last row's own
-        lo = 0
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if QUANT:
+            s = s * tl.load(KS + blk * ss_b + h * ss_h + j % BS, mask=k_ok, other=0.0)[None, :]
+        s = s * sm_scale
+        sees = k_ok[None, :] & (j[None, :] <= q_pos[:, None])
         if WINDOWED:
-            lo = tl.maximum(pos0 - window + 1, 0)  # the first row's oldest key
-        c_lo = lo // BLOCK_N
-        c_hi = tl.cdiv(hi, BLOCK_N)
-        per = tl.cdiv(c_hi - c_lo, SPLITS)
-        c0 = c_lo + sp * per
-        c1 = tl.minimum(c0 + per, c_hi)
-        m_i = tl.full([BQ], float("-inf"), tl.float32)
-        l_i = tl.zeros([BQ], tl.float32)
-        acc = tl.zeros([BQ, HDP], tl.float32)
-        for c in range(c0, c1):
-            j = c * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions
-            k_ok = (j >= lo) & (j < hi)
-            blk = tl.load(TABLES + seq * st + j // BS, mask=k_ok, other=0).to(tl.int64)
-            row_off = blk * sk_b + h * sk_h + (j % BS) * sk_r  # (BLOCK_N,)
-            kv_mask = k_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HDP)
-            if QUANT:
-                k = k.to(tl.float32)
-            if WIDEN:  # the same products and fp32 sums as the tensor cores'
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            if QUANT:
-                s = s * tl.load(KS + blk * ss_b + h * ss_h + j % BS, mask=k_ok, other=0.0)[None, :]
-            s = s * sm_scale
-            sees = k_ok[None, :] & (j[None, :] <= q_pos[:, None])
-            if WINDOWED:
-                sees = sees & (j[None, :] > q_pos[:, None] - window)
-            s = tl.where(sees, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(s - m_use[:, None])  # (BQ, BLOCK_N)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if QUANT:
-                p = p * tl.load(VS + blk * ss_b + h * ss_h + j % BS, mask=k_ok, other=0.0)[None, :]
-                v = v.to(tl.float32)
-            else:
-                p = p.to(V.dtype.element_ty)
-            if WIDEN:
-                pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p, v, input_precision="ieee")
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        if SPLITS == 1:
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            o_off = (row0 + r).to(tl.int64)[:, None] * so_n + h * so_h + g[:, None] * so_g + d[None, :]
-            tl.store(O + o_off, out.to(O.dtype.element_ty), mask=q_ok[:, None] & d_ok[None, :])
+            sees = sees & (j[None, :] > q_pos[:, None] - window)
+        s = tl.where(sees, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])  # (BQ, BLOCK_N)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + row_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:
+            p = p * tl.load(VS + blk * ss_b + h * ss_h + j % BS, mask=k_ok, other=0.0)[None, :]
+            v = v.to(tl.float32)
         else:
-            part = (t * tl.num_programs(1) + h) * SPLITS + sp
-            tl.store(PART + (part * BQ + i)[:, None] * HDP + d[None, :], acc)
-            tl.store(STATS + (part * BQ + i) * 2, m_i)
-            tl.store(STATS + (part * BQ + i) * 2 + 1, l_i)
-
-    def combine_splits(
-        PART, STATS, O, TILES, so_n, so_h, so_g,
-        G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
-        SPLITS: tl.constexpr,
-    ):
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        row0 = tl.load(TILES + t * 4 + 1)
-        nrows = tl.load(TILES + t * 4 + 2)
-        BQ: tl.constexpr = BLOCK_M * GP
-        i = tl.arange(0, BQ)
-        r = i // GP
-        g = i % GP
-        q_ok = (r < nrows) & (g < G)
-        d = tl.arange(0, HDP)
-        base = (t * tl.num_programs(1) + h) * SPLITS
-        m = tl.full([BQ], float("-inf"), tl.float32)
-        for sp in tl.static_range(SPLITS):
-            m = tl.maximum(m, tl.load(STATS + ((base + sp) * BQ + i) * 2))
-        m = tl.where(m == float("-inf"), 0.0, m)
-        l_sum = tl.zeros([BQ], tl.float32)
-        acc = tl.zeros([BQ, HDP], tl.float32)
-        for sp in tl.static_range(SPLITS):
-            w = tl.exp(tl.load(STATS + ((base + sp) * BQ + i) * 2) - m)  # 0 for an empty split
-            l_sum += w * tl.load(STATS + ((base + sp) * BQ + i) * 2 + 1)
-            acc += w[:, None] * tl.load(PART + ((base + sp) * BQ + i)[:, None] * HDP + d[None, :])
-        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+            p = p.to(V.dtype.element_ty)
+        if WIDEN:
+            pv = tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    if SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_off = (row0 + r).to(tl.int64)[:, None] * so_n + h * so_h + g[:, None] * so_g + d[None, :]
-        tl.store(O + o_off, out.to(O.dtype.element_ty), mask=q_ok[:, None] & (d < HD)[None, :])
+        tl.store(O + o_off, out.to(O.dtype.element_ty), mask=q_ok[:, None] & d_ok[None, :])
+    else:
+        part = (t * tl.num_programs(1) + h) * SPLITS + sp
+        tl.store(PART + (part * BQ + i)[:, None] * HDP + d[None, :], acc)
+        tl.store(STATS + (part * BQ + i) * 2, m_i)
+        tl.store(STATS + (part * BQ + i) * 2 + 1, l_i)
 
-    return span_attention, combine_splits
-
-
-@functools.cache
-def _kernels() -> tuple[Any, Any]:
-    """The kernels, compiled for CUDA; or, in a process started with ``TRITON_INTERPRET=1`` (Triton
-    reads it when it is imported, for its own library functions too), run by Triton's interpreter on
-    CPU tensors: the checks on machines without a GPU."""
-    import triton
-
-    return tuple(triton.jit(f) for f in _kernel_sources())  # type: ignore[return-value]
+@_jit
+def _combine_splits(
+    PART, STATS, O, TILES, so_n, so_h, so_g,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    row0 = tl.load(TILES + t * 4 + 1)
+    nrows = tl.load(TILES + t * 4 + 2)
+    BQ: tl.constexpr = BLOCK_M * GP
+    i = tl.arange(0, BQ)
+    r = i // GP
+    g = i % GP
+    q_ok = (r < nrows) & (g < G)
+    d = tl.arange(0, HDP)
+    base = (t * tl.num_programs(1) + h) * SPLITS
+    m = tl.full([BQ], float("-inf"), tl.float32)
+    for sp in tl.static_range(SPLITS):
+        m = tl.maximum(m, tl.load(STATS + ((base + sp) * BQ + i) * 2))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    l_sum = tl.zeros([BQ], tl.float32)
+    acc = tl.zeros([BQ, HDP], tl.float32)
+    for sp in tl.static_range(SPLITS):
+        w = tl.exp(tl.load(STATS + ((base + sp) * BQ + i) * 2) - m)  # 0 for an empty split
+        l_sum += w * tl.load(STATS + ((base + sp) * BQ + i) * 2 + 1)
+        acc += w[:, None] * tl.load(PART + ((base + sp) * BQ + i)[:, None] * HDP + d[None, :])
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    o_off = (row0 + r).to(tl.int64)[:, None] * so_n + h * so_h + g[:, None] * so_g + d[None, :]
+    tl.store(O + o_off, out.to(O.dtype.element_ty), mask=q_ok[:, None] & (d < HD)[None, :])
 
 
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when it was imported)."""
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when it was imported;
+    Triton reads it then, for its own library functions too)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.cache
@@ -228,10 +229,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Te
     splits = splits or default_splits(q, T, tile_rows)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    # The kernel's addressing: rows of the pools (and scales), tables and tiles packed along their last dim.
+    tiles, block_tables = tiles.contiguous(), block_tables.contiguous()
+    for t in (k, v, *((k_scale, v_scale) if k_scale is not None else ())):
+        if t.stride(-1) != 1:  # type: ignore[union-attr]
+            raise ValueError("the KV pool's rows must be contiguous along their last dimension")
     if q.device.type != "cuda" and not interpreting():
         raise RuntimeError("the Triton attention kernel runs on CUDA tensors, or on CPU tensors in a process "
                            "started with TRITON_INTERPRET=1")
-    attend, combine = _kernels()
+    attend, combine = _span_attention, _combine_splits
     # A tile's queries are rows x kv-group heads, padded to at least 16 (tl.dot's least M: tensor cores
     # for every tile; a decode tile's padding rows cost compute, of which decode has plenty to spare).
     GP, HDP = max(triton_pow2(G), -(-16 // tile_rows)), triton_pow2(hd)
@@ -247,12 +253,13 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Te
     ss = (ks.stride(0), ks.stride(1)) if quant else (0, 0)
     big = BQ * HDP >= 16384
     attend[(T, KV, splits)](
-        q, k, v, ks, vs, out, part, stats, block_tables, context_lens, tiles,
+        q, k, v, ks, vs, out, part, stats, block_tables, tiles,
         scale, window,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k.stride(0), k.stride(1), k.stride(2), *ss, block_tables.stride(0),
         G=G, GP=GP, BLOCK_M=tile_rows, HD=hd, HDP=HDP, BS=bs, BLOCK_N=BLOCK_N, SPLITS=splits, QUANT=quant,
-        WINDOWED=window > 0, num_warps=8 if big else 4,
+        # fp32 tiles (an int8 or fp32 pool) take twice the shared memory: one stage, no pipelining
+        WINDOWED=window > 0, num_warps=8 if big else 4, num_stages=1 if quant or k.dtype == torch.float32 else 2,
         # Triton's interpreter multiplies bf16 matrices wrongly (3.9); it takes them widened, exactly.
         WIDEN=k.dtype == torch.bfloat16 and q.device.type != "cuda",
     )

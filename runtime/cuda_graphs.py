@@ -5,15 +5,16 @@ Python and driver work, around milliseconds (or less) of weight reads: launched 
 is the bottleneck. A CUDA graph records the launches once and replays them with one call. As in vLLM
 and nano-vllm:
 
-* graphs are captured for batch sizes 1, 2, 4, 8, 16 and 32 (up to the engine's ``max_running``); a
-  step of S sequences replays the smallest bucket B >= S; larger or mixed steps (prefill chunks,
-  verify chunks) run eagerly;
+* graphs are captured for 1, 2, 4, 8, 16 and 32 rows (up to the engine's ``max_running``); a step
+  whose S rows are each a single query (decode rows, and verify chunks, whose every row is a query of
+  its own) replays the smallest bucket B >= S; larger steps and steps with a prefill chunk run eagerly;
 * every input lives in a static buffer the graph was captured with (ids, positions, write slots, the
   layer groups' block tables, context lengths); a step copies its tensors into the first S rows, all
   on the device (no host sync), and reads the first S rows of the graph's logits;
 * the B - S padding rows repeat row 0's inputs: their keys and values are row 0's own, written to row
   0's slot, so no other sequence's block is touched and no spare block is needed; their logits are
-  dropped;
+  dropped (rows of equal inputs give equal bits in the GEMMs here; were they ever to differ in the
+  last bit, row 0's cached key would carry that rounding, nothing worse);
 * a graph is captured the first time its bucket is needed (lazily: an engine that never batches 16
   captures no 16), after one eager warm-up run of the same function (Triton's first compile and
   cuBLAS's workspace happen outside the capture); all graphs share one memory pool.
@@ -78,7 +79,9 @@ class CudaCapture:
             fn()  # warm-up: Triton compiles, cuBLAS sets up, outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a capture happens mid-serving, on the engine's thread; another thread's CUDA
+        # calls (a second model's engine, a load) must not invalidate it
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         return graph.replay, out
 

@@ -3,7 +3,7 @@ the same Triton source runs under Triton's interpreter on CPU tensors. Against f
 keys and values gathered from their blocks (:func:`runtime.kv_pool.gather`): random pools, shuffled
 block tables, lengths 1 to 2,000, GQA groups (padded and not), head dims that are not powers of two,
 windows over tables whose left blocks are -1, fp32/fp16/bf16 and int8 pools, decode rows with the
-keys split across programs, and prefill chunks over cached prefixes in tiles of many rows.
+keys split across programs, and prefill chunks over cached prefixes in tiles of several rows.
 
 On a CUDA machine (``scripts/gpu_checks.sh``; no ``TRITON_INTERPRET`` there) the last test runs the
 compiled kernel against the same references."""
@@ -118,7 +118,7 @@ def test_decode_rows_match_attention_over_gathered_blocks(pool, kv, g, hd, bs, w
 @pytest.mark.parametrize("pool", ["fp16", "int8"])
 @pytest.mark.parametrize("window", [None, 100])
 def test_prefill_chunks_over_cached_prefixes(pool, window):
-    """Chunks of a step past cached prefixes, in tiles of 16 rows (the last one partial), causal within
+    """Chunks of a step past cached prefixes, in tiles of 8 rows (the last one partial), causal within
     the chunk and windowed across tile and block edges; a whole prompt from position 0; beside a
     sequence's decode row and a verify-like span of 4 rows."""
     spans = [(70, 37), (20, 20), (201, 1), (45, 4)]
@@ -136,7 +136,7 @@ def test_a_context_of_2000_keys_split_and_windowed():
 
 @on_cpu
 def test_a_long_prefill_chunk():
-    """A 300-row chunk after a 1,700-token cached prefix: 2,000 keys, 19 tiles."""
+    """A 300-row chunk after a 1,700-token cached prefix: 2,000 keys, 38 tiles."""
     check("bf16", 1, 4, 64, 32, [(2000, 300)], None, cuda_attention.PREFILL_TILE_ROWS, 1, seed=3)
 
 

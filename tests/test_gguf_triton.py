@@ -14,8 +14,8 @@ from localllm.quant import gguf_triton
 from localllm.quant.formats import GGUF_BLOCKS, QuantScheme, dequantize
 from localllm.runtime import cuda_attention
 
-pytestmark = pytest.mark.skipif(not cuda_attention.available() or not cuda_attention.interpreting(),
-                                reason="triton is not installed (dev extra), or a GPU is here")
+on_cpu = pytest.mark.skipif(not cuda_attention.available() or not cuda_attention.interpreting(),
+                            reason="triton is not installed (dev extra), or a GPU is here (the cuda test runs)")
 
 #: Where each type keeps its fp16 scales (byte offsets in a block): set to finite values.
 HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
@@ -33,8 +33,8 @@ def random_blocks(qtype: str, out: int, inp: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(out, -1).copy())
 
 
-@pytest.mark.parametrize("qtype", gguf_triton.TYPES)
-def test_every_type_decodes_as_ggufs_own_decoder(qtype):
+def check_type(qtype: str, device: str = "cpu") -> None:
+    """Random blocks of ``qtype`` multiplied on ``device`` (cpu: the interpreter) against gguf's decoder."""
     _, qk, _ = GGUF_BLOCKS[qtype]
     out, inp = 72, 2 * max(qk, 256)  # 72: a partial tile of output rows
     blocks = random_blocks(qtype, out, inp, seed=len(qtype) + qk)
@@ -44,7 +44,7 @@ def test_every_type_decodes_as_ggufs_own_decoder(qtype):
         x = torch.randn(rows, inp, generator=gen)
         for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)):
             xd = x.to(dtype)
-            got = gguf_triton.gguf_mm(xd, blocks, qtype, inp)
+            got = gguf_triton.gguf_mm(xd.to(device), blocks.to(device), qtype, inp).cpu()
             assert got.shape == (rows, out) and got.dtype == dtype
             # the reference's rounding: the decoded weight in the activation dtype, then fp64 sums
             want = xd.double() @ w.to(dtype).double().T
@@ -52,6 +52,20 @@ def test_every_type_decodes_as_ggufs_own_decoder(qtype):
             assert err <= tol * max(1.0, want.abs().max().item()), (qtype, rows, dtype, err)
 
 
+@on_cpu
+@pytest.mark.parametrize("qtype", gguf_triton.TYPES)
+def test_every_type_decodes_as_ggufs_own_decoder(qtype):
+    check_type(qtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("qtype", gguf_triton.TYPES)
+def test_the_compiled_kernel_decodes_every_type_on_a_gpu(qtype):
+    check_type(qtype, "cuda")
+
+
+@pytest.mark.skipif(not cuda_attention.available(), reason="triton is not installed (dev extra)")
 def test_the_cuda_selection_takes_it_for_gguf_blocks():
     """On a CUDA target a GGUF layer of these types gets the Triton kernel; others say why not."""
     from localllm.quant import kernels
