@@ -32,25 +32,17 @@ from typing import Any
 import torch
 
 from localllm.quant.formats import GGUF_BLOCKS
+from localllm.triton_kernels import available, check_device, jit
 
-try:  # only on CUDA (and in the interpreter's checks): the CPU path never imports this module
-    import triton
+if available():  # only on CUDA (and in the interpreter's checks): the CPU path never imports this module
     import triton.language as tl
-except ImportError:
-    triton = None
 
 #: The block types this kernel decodes (the others stay on the reference).
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 _CODE = {name: i for i, name in enumerate(TYPES)}
 
 
-def _jit(fn: Any) -> Any:
-    """``triton.jit`` where Triton is installed. At module level, so that Triton before 3.4 finds
-    ``tl`` in the kernel's globals."""
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _gguf_mm(
     X, B, Y, M, N, n_blocks, row_bytes, sxm, sym,
     QTYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -141,12 +133,7 @@ def _launch(x: torch.Tensor, blocks: torch.Tensor, qtype: str, in_features: int)
     y = x.new_empty(M, N)
     if M == 0 or N == 0:
         return y
-    if x.device.type != "cuda":
-        from localllm.runtime.cuda_attention import interpreting
-
-        if not interpreting():
-            raise RuntimeError("the Triton GGUF kernel runs on CUDA tensors, or on CPU tensors in a process "
-                               "started with TRITON_INTERPRET=1")
+    check_device(x, "GGUF")
     x = x.contiguous()
     block_m = 16 if M <= 16 or x.dtype == torch.float32 else 64  # fp32 tiles: twice the shared memory
     block_n = 32 if qk == 256 else 64

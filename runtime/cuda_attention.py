@@ -36,18 +36,15 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Any
 
 import torch
 
 from localllm.runtime.cache import QuantKV
+from localllm.triton_kernels import available, check_device, jit
 
-try:  # only here, on CUDA (and in the interpreter's checks): the CPU runtime never imports this module
-    import triton
+if available():  # only on CUDA (and in the interpreter's checks): the CPU runtime never imports this module
     import triton.language as tl
-except ImportError:
-    triton = None
 
 #: Keys per inner step of the kernel (any multiple of the pool's block size or not: rows are
 #: addressed one by one through the table).
@@ -59,18 +56,7 @@ PREFILL_TILE_ROWS = 8
 MAX_SPLITS = 16
 
 
-def available() -> bool:
-    """Whether Triton is here (it comes with torch's CUDA builds)."""
-    return triton is not None
-
-
-def _jit(fn: Any) -> Any:
-    """``triton.jit`` where Triton is installed (the kernels are never called without it). At module
-    level, so that Triton before 3.4 finds ``tl`` in the kernels' globals."""
-    return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
+@jit
 def _span_attention(
     Q, K, V, KS, VS, O, PART, STATS, TABLES, TILES,
     sm_scale, window,
@@ -163,7 +149,7 @@ def _span_attention(
         tl.store(STATS + (part * BQ + i) * 2, m_i)
         tl.store(STATS + (part * BQ + i) * 2 + 1, l_i)
 
-@_jit
+@jit
 def _combine_splits(
     PART, STATS, O, TILES, so_n, so_h, so_g,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr,
@@ -193,15 +179,6 @@ def _combine_splits(
     out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
     o_off = (row0 + r).to(tl.int64)[:, None] * so_n + h * so_h + g[:, None] * so_g + d[None, :]
     tl.store(O + o_off, out.to(O.dtype.element_ty), mask=q_ok[:, None] & (d < HD)[None, :])
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` when it was imported;
-    Triton reads it then, for its own library functions too)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.cache
@@ -234,9 +211,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Te
     for t in (k, v, *((k_scale, v_scale) if k_scale is not None else ())):
         if t.stride(-1) != 1:  # type: ignore[union-attr]
             raise ValueError("the KV pool's rows must be contiguous along their last dimension")
-    if q.device.type != "cuda" and not interpreting():
-        raise RuntimeError("the Triton attention kernel runs on CUDA tensors, or on CPU tensors in a process "
-                           "started with TRITON_INTERPRET=1")
+    check_device(q, "attention")
     attend, combine = _span_attention, _combine_splits
     # A tile's queries are rows x kv-group heads, padded to at least 16 (tl.dot's least M: tensor cores
     # for every tile; a decode tile's padding rows cost compute, of which decode has plenty to spare).
@@ -310,6 +285,6 @@ paged_span_attention.tile_rows = PREFILL_TILE_ROWS  # type: ignore[attr-defined]
 
 
 def span_kernel() -> Any:
-    """:func:`paged_span_attention` where Triton is importable, else None (the engine then attends
+    """:func:`paged_span_attention` where Triton is installed, else None (the engine then attends
     with SDPA over gathered blocks)."""
     return paged_span_attention if available() else None

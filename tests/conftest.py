@@ -141,6 +141,20 @@ def tiny_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def span_models(tmp_path_factory):
+    """Tiny fp32 Llama, and Gemma 3 with a window layer beside a global one (a paged pool of two layer
+    groups; head_dim 256), loaded as the runtime loads them: the CUDA kernels' model-level checks."""
+    from localllm.loaders.load import load_model
+
+    made = {}
+    for arch, extra in (("llama", {}),
+                        ("gemma3", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})):
+        folder = save_hf_folder(make_hf_model(arch, **extra), tmp_path_factory.mktemp(f"span-{arch}"))
+        made[arch] = load_model(str(folder), quant="fp32").model
+    return made
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     path = default_model_gguf()
     if path is None:

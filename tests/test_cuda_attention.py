@@ -15,13 +15,14 @@ import math
 import pytest
 import torch
 
+from localllm import triton_kernels
 from localllm.runtime import cuda_attention
 from localllm.runtime.cache import quantize_kv
 from localllm.runtime.kv_pool import gather
 
-pytestmark = pytest.mark.skipif(not cuda_attention.available(), reason="triton is not installed (dev extra)")
+pytestmark = pytest.mark.skipif(not triton_kernels.available(), reason="triton is not installed (dev extra)")
 #: CPU tensors run in Triton's interpreter: tests/conftest.py turns it on where there is no GPU.
-on_cpu = pytest.mark.skipif(not cuda_attention.available() or not cuda_attention.interpreting(),
+on_cpu = pytest.mark.skipif(not triton_kernels.available() or not triton_kernels.interpreting(),
                             reason="Triton's interpreter is off (a GPU is here: the cuda tests run)")
 
 
@@ -136,8 +137,8 @@ def test_a_context_of_2000_keys_split_and_windowed():
 
 @on_cpu
 def test_a_long_prefill_chunk():
-    """A 300-row chunk after a 1,700-token cached prefix: 2,000 keys, 38 tiles."""
-    check("bf16", 1, 4, 64, 32, [(2000, 300)], None, cuda_attention.PREFILL_TILE_ROWS, 1, seed=3)
+    """A 100-row chunk after a 1,900-token cached prefix: 2,000 keys, 13 tiles."""
+    check("bf16", 1, 4, 64, 32, [(2000, 100)], None, cuda_attention.PREFILL_TILE_ROWS, 1, seed=3)
 
 
 @pytest.mark.cuda
@@ -154,25 +155,11 @@ def test_the_compiled_kernel_on_a_gpu(pool):
           device="cuda")
 
 
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    """Tiny fp32 Llama and Gemma 3 (a layer with a window of 8 beside a global one: a pool of two layer
-    groups; head_dim 256) as the runtime loads them."""
-    from localllm.loaders.load import load_model
-    from tests.conftest import make_hf_model, save_hf_folder
-
-    made = {}
-    for arch, extra in (("llama", {}),
-                        ("gemma3", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})):
-        folder = save_hf_folder(make_hf_model(arch, **extra), tmp_path_factory.mktemp(f"span-{arch}"))
-        made[arch] = load_model(str(folder), quant="fp32").model
-    return made
-
 
 @on_cpu
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("kv_dtype", ["16bit", "int8"])
-def test_the_models_steps_through_the_kernel_give_sdpas_logits(tiny_models, arch, kv_dtype):
+def test_the_models_steps_through_the_kernel_give_sdpas_logits(span_models, arch, kv_dtype):
     """A model's batch steps with every span on the kernel (a first chunk beside a whole prompt; the
     rest of the prompt past its cached prefix beside a decode row; a verify chunk of 4 rows beside a
     decode row) give the logits of the same steps through SDPA over gathered blocks, fp32 and int8
@@ -181,7 +168,7 @@ def test_the_models_steps_through_the_kernel_give_sdpas_logits(tiny_models, arch
     from localllm.runtime.model import cache_rope_tables
     from localllm.runtime.paged import PagedStep, SeqChunk
 
-    model = tiny_models[arch]
+    model = span_models[arch]
     config = model.config
     p1, p2 = [(7 * i) % 300 + 3 for i in range(40)], [200, 11, 64, 9, 31, 5, 77]
     # Block tables per layer group; the window group's table drops blocks its window has left (-1).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from localllm import triton_kernels
 from localllm.runtime import cuda_attention
 from localllm.runtime.cuda_graphs import GraphedDecode, buckets_for, eager_capture
 from localllm.runtime.kv_pool import KVPool, plan_pool
@@ -17,7 +18,7 @@ from localllm.runtime.model import cache_rope_tables
 from localllm.runtime.paged import PagedStep, SeqChunk
 
 #: The kernel on CPU tensors runs in Triton's interpreter: tests/conftest.py turns it on where there is no GPU.
-needs_triton = pytest.mark.skipif(not cuda_attention.available() or not cuda_attention.interpreting(),
+needs_triton = pytest.mark.skipif(not triton_kernels.available() or not triton_kernels.interpreting(),
                                   reason="triton is not installed (dev extra), or a GPU is here (the cuda test runs)")
 
 
@@ -28,19 +29,6 @@ def test_buckets_cover_every_batch_up_to_the_engines():
     assert buckets_for(9) == (1, 2, 4, 8, 16)
     assert buckets_for(64) == (1, 2, 4, 8, 16, 32)
 
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Tiny fp32 Llama, and Gemma 3 with a window layer beside a global one (two layer groups)."""
-    from localllm.loaders.load import load_model
-    from tests.conftest import make_hf_model, save_hf_folder
-
-    made = {}
-    for arch, extra in (("llama", {}),
-                        ("gemma3", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})):
-        folder = save_hf_folder(make_hf_model(arch, **extra), tmp_path_factory.mktemp(f"graphs-{arch}"))
-        made[arch] = load_model(str(folder), quant="fp32").model
-    return made
 
 
 def decode_steps(model, kv_dtype: str, graphed: bool, device: str = "cpu"):
@@ -78,11 +66,11 @@ def decode_steps(model, kv_dtype: str, graphed: bool, device: str = "cpu"):
 
 @needs_triton
 @pytest.mark.parametrize("arch,kv_dtype", [("llama", "16bit"), ("gemma3", "16bit"), ("llama", "int8")])
-def test_graphed_steps_give_the_eager_steps_logits(models, arch, kv_dtype):
+def test_graphed_steps_give_the_eager_steps_logits(span_models, arch, kv_dtype):
     """Each decode step through the static buffers (three sequences in bucket 4: one padding row
     repeating row 0) gives the eager step's logits; the pools agree, and every block no sequence
     holds is still zero: the padding row wrote only row 0's own slot."""
-    model = models[arch]
+    model = span_models[arch]
     want, eager_pool, used, _ = decode_steps(model, kv_dtype, graphed=False)
     got, pool, _, graphs = decode_steps(model, kv_dtype, graphed=True)
     assert graphs.buckets == (1, 2, 4) and graphs.captured == (4,)
@@ -100,12 +88,12 @@ def test_graphed_steps_give_the_eager_steps_logits(models, arch, kv_dtype):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_real_graphs_replay_the_eager_steps(models):
+def test_real_graphs_replay_the_eager_steps(span_models):
     """On a GPU: the same steps captured into real CUDA graphs give the eager steps' logits."""
-    model = models["llama"].to("cuda")
+    model = span_models["llama"].to("cuda")
     want, *_ = decode_steps(model, "16bit", graphed=False, device="cuda")
     got, _, _, graphs = decode_steps(model, "16bit", graphed=True, device="cuda")
     assert graphs.captured == (4,)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
-    models["llama"].to("cpu")
+    span_models["llama"].to("cpu")

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from localllm import triton_kernels
 from localllm.quant import gguf_triton
 from localllm.quant.formats import GGUF_BLOCKS, QuantScheme, dequantize
-from localllm.runtime import cuda_attention
 
-on_cpu = pytest.mark.skipif(not cuda_attention.available() or not cuda_attention.interpreting(),
+on_cpu = pytest.mark.skipif(not triton_kernels.available() or not triton_kernels.interpreting(),
                             reason="triton is not installed (dev extra), or a GPU is here (the cuda test runs)")
 
 #: Where each type keeps its fp16 scales (byte offsets in a block): set to finite values.
@@ -65,7 +65,7 @@ def test_the_compiled_kernel_decodes_every_type_on_a_gpu(qtype):
     check_type(qtype, "cuda")
 
 
-@pytest.mark.skipif(not cuda_attention.available(), reason="triton is not installed (dev extra)")
+@pytest.mark.skipif(not triton_kernels.available(), reason="triton is not installed (dev extra)")
 def test_the_cuda_selection_takes_it_for_gguf_blocks():
     """On a CUDA target a GGUF layer of these types gets the Triton kernel; others say why not."""
     from localllm.quant import kernels
