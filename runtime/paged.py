@@ -148,7 +148,8 @@ class PagedStep:
         spans: list[SeqSpan],
         logits_rows: torch.Tensor,  # (S_out,) long
         kernel: PagedDecodeAttention | PagedSpanAttention | None = None,
-        span_meta: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # a span kernel's lens, tiles, rows
+        # a span kernel's lens (S,), tiles (T, 4), rows per tile and block tables (S, W), int32 (build)
+        span_meta: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None,
     ) -> None:
         self.pool = pool
         self._span_meta = span_meta
@@ -192,21 +193,12 @@ class PagedStep:
         return split
 
     def _span_split(self) -> Split:
-        """A span kernel's split: every span, with the lens and tiles :meth:`build` uploaded with the
-        step's indices (or made here for a step built otherwise)."""
-        spans, device = self.spans, self.positions.device
+        """A span kernel's split: every span, with the lens, tiles and tables :meth:`build` uploaded
+        with the step's indices."""
         if self._span_meta is None:
-            shapes = [(s.row, s.length, s.context) for s in spans]
-            rows, host = span_tiles(shapes, self.kernel.tile_rows)  # type: ignore[union-attr]
-            lens, tiles = torch.tensor(host, dtype=torch.long).to(device, non_blocking=True).split(
-                [len(spans), len(host) - len(spans)])
-            self._span_meta = (lens, tiles, rows)
-        lens, tiles, rows = self._span_meta
-        width = max(len(s.blocks) for s in spans)
-        tables = torch.zeros(len(spans), width, dtype=torch.int32, device=device)
-        for i, s in enumerate(spans):
-            tables[i, : len(s.blocks)] = s.blocks
-        return Split(None, tables, lens.to(torch.int32), [], tiles.to(torch.int32).view(-1, 4), rows)
+            raise ValueError("a span kernel's step is made by PagedStep.build (its tiles ride with the indices)")
+        lens, tiles, rows, tables = self._span_meta
+        return Split(None, tables, lens, [], tiles, rows)
 
     @property
     def num_tokens(self) -> int:
@@ -298,20 +290,32 @@ class PagedStep:
         for g in range(n_groups):
             flat += [*wblocks[g], *tables[g]]
             sizes += [N, len(tables[g])]
-        tile_rows = 0
-        if kernel is not None and takes_spans(kernel):  # its tiles ride along (the same for every group)
+        tile_rows, width = 0, 0
+        if kernel is not None and takes_spans(kernel):
+            # A span kernel's lens and tiles (the same for every group), then each group's block tables
+            # padded to one width: ride along, so the step makes no table on the device span by span.
             tile_rows, meta = span_tiles([a[:3] for a in spans_at], kernel.tile_rows)  # type: ignore[union-attr]
+            width = max(used for *_, used in spans_at)
+            for g in range(n_groups):
+                for *_, a, used in spans_at:
+                    meta += [*tables[g][a[g] : a[g] + used], *[0] * (width - used)]
             flat += meta
-            sizes += [len(spans_at), len(meta) - len(spans_at)]
-        parts = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True).split(sizes)
+        uploaded = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
+        parts = uploaded[: sum(sizes)].split(sizes)
         ids_t, pos, wr, rows = parts[:4]
-        span_meta = (parts[-2], parts[-1], tile_rows) if tile_rows else None
+        metas: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None] = [None] * n_groups
+        if tile_rows:
+            n_spans = len(spans_at)
+            tail = uploaded[sum(sizes) :].to(torch.int32)  # (lens, tiles, tables per group) as the kernel takes them
+            lens_t, tiles_t, *group_tables = tail.split([n_spans, len(meta) - n_spans - n_groups * n_spans * width,
+                                                         *[n_spans * width] * n_groups])
+            metas = [(lens_t, tiles_t.view(-1, 4), tile_rows, t.view(n_spans, width)) for t in group_tables]
         cos, sin = cos_table[pos], sin_table[pos]
         steps = []
         for g in range(n_groups):
             wb, blocks = parts[4 + 2 * g], parts[5 + 2 * g]
             spans = [SeqSpan(row, n, end, blocks[a[g] : a[g] + used]) for row, n, end, a, used in spans_at]
-            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel, span_meta))
+            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel, metas[g]))
         if n_groups > 1:
             steps[0].groups = tuple(steps)
         return steps[0], ids_t.view(1, N)
