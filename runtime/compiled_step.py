@@ -164,10 +164,6 @@ class DecodeOnlyStep(PagedStep):
         return self._splits[True]
 
 
-def _groups(step: PagedStep) -> tuple[PagedStep, ...]:
-    return step.groups or (step,)
-
-
 class _Step(nn.Module):
     """The decode-only step as a function of its tensors: what gets exported (the model is held in a
     list, so that export lifts none of its weights into the package)."""
@@ -445,7 +441,7 @@ class CompiledDecode:
         runner = self._runner(step.num_tokens)
         args = self._args
         args[:6] = [ids, step.positions, step.cos, step.sin, step.write_rows, step.decode_lens]
-        for g, s in enumerate(_groups(step)):
+        for g, s in enumerate(step.group_steps):
             args[6 + 2 * g], args[7 + 2 * g] = s.write_blocks, s.decode_tables
         return runner.run(args)[0]
 

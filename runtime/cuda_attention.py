@@ -44,6 +44,7 @@ from localllm.runtime.cache import QuantKV
 from localllm.triton_kernels import available, check_device, jit
 
 if available():  # only on CUDA (and in the interpreter's checks): the CPU runtime never imports this module
+    import triton
     import triton.language as tl
 
 #: Keys per inner step of the kernel (any multiple of the pool's block size or not: rows are
@@ -215,7 +216,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Te
     attend, combine = _span_attention, _combine_splits
     # A tile's queries are rows x kv-group heads, padded to at least 16 (tl.dot's least M: tensor cores
     # for every tile; a decode tile's padding rows cost compute, of which decode has plenty to spare).
-    GP, HDP = max(triton_pow2(G), -(-16 // tile_rows)), triton_pow2(hd)
+    GP, HDP = max(triton.next_power_of_2(G), -(-16 // tile_rows)), triton.next_power_of_2(hd)
     BQ = tile_rows * GP
     quant = k_scale is not None
     bs = k.shape[2]
@@ -242,11 +243,6 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Te
         combine[(T, KV)](part, stats, out, tiles, out.stride(0), out.stride(1), out.stride(2),
                          G=G, GP=GP, BLOCK_M=tile_rows, HD=hd, HDP=HDP, SPLITS=splits, num_warps=4)
     return out
-
-
-def triton_pow2(n: int) -> int:
-    """The power of two at least ``n`` (and at least 1): a block dimension for ``n`` lanes."""
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @torch.library.custom_op("localllm::paged_span_attention", mutates_args=())

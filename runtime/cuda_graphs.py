@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -129,7 +128,7 @@ class GraphedDecode:
         width = self.tables.shape[2]
         return (step.all_decode and step.logits_rows.shape[0] == step.num_tokens
                 and self.bucket(step.num_tokens) is not None
-                and all(s.decode_tables.shape[1] <= width for s in _groups(step)))  # type: ignore[union-attr]
+                and all(s.decode_tables.shape[1] <= width for s in step.group_steps))  # type: ignore[union-attr]
 
     def forward(self, b: int) -> torch.Tensor:
         """The step of bucket ``b`` over the static buffers' first ``b`` rows -> logits (b, vocab): what
@@ -155,7 +154,7 @@ class GraphedDecode:
         S = step.num_tokens
         b = self.bucket(S)
         assert b is not None
-        groups = _groups(step)
+        groups = step.group_steps
         self.ids[:, :S].copy_(ids)
         self.positions[:S].copy_(step.positions)
         self.write_rows[:S].copy_(step.write_rows)
@@ -177,11 +176,7 @@ class GraphedDecode:
         return logits[:S]
 
 
-def _groups(step: PagedStep) -> tuple[PagedStep, ...]:
-    return step.groups or (step,)
-
-
-def describe(graphs: Any) -> str:
+def describe(graphs: GraphedDecode) -> str:
     """``--verbose``'s words for an engine's graphs."""
     got = ", ".join(map(str, graphs.captured)) or "none yet"
     return (f"CUDA graphs for batch sizes {', '.join(map(str, graphs.buckets))} "

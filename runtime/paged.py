@@ -201,6 +201,11 @@ class PagedStep:
         return Split(None, tables, lens, [], tiles, rows)
 
     @property
+    def group_steps(self) -> tuple["PagedStep", ...]:
+        """This step per layer group, in order (itself alone in a pool of one group)."""
+        return self.groups or (self,)
+
+    @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
 
