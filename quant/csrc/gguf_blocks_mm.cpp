@@ -434,26 +434,16 @@ void mm_panels(const float* x, const uint8_t* w, int64_t M, int64_t K, int64_t N
   namespace panel = localllm::panel;
   constexpr int64_t W = panel::WIDTH;
   constexpr int64_t kb = BLOCK >= panel::KB ? BLOCK : panel::KB / BLOCK * BLOCK;  // whole blocks
-  const int64_t T = (N + W - 1) / W, row_bytes = K / BLOCK * BYTES;
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rows(W * kb), panel_buf(kb * W), acc(M * W);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t valid = std::min(W, N - t * W);
-      const uint8_t* wt = w + t * W * row_bytes;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      if (valid < W) std::fill(rows.begin(), rows.end(), 0.f);  // rows past N stay zero
-      for (int64_t k0 = 0; k0 < K; k0 += kb) {
-        const int64_t n = std::min(kb, K - k0);
-        if constexpr (BLOCK == 1) {
-          for (int64_t j = 0; j < valid; ++j) float_row(TYPE, wt + j * row_bytes + k0 * BYTES, n, rows.data() + j * kb);
-        } else {
-          decode_rows<TYPE, BLOCK, BYTES, SUB>(wt, row_bytes, valid, k0, n, rows.data(), kb);
-        }
-        panel::transpose_rows(rows.data(), kb, n, panel_buf.data());
-        panel::multiply(x + k0, K, M, panel_buf.data(), n, acc.data());
-      }
-      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + t * W, acc.data() + m * W, valid * sizeof(float));
+  const int64_t row_bytes = K / BLOCK * BYTES;
+  panel::gemm(x, M, K, N, kb, y, [&](int64_t t, int64_t k0, int64_t n, float* panel_out, float* rows) {
+    const int64_t valid = std::min(W, N - t * W);
+    const uint8_t* wt = w + t * W * row_bytes;
+    if constexpr (BLOCK == 1) {
+      for (int64_t j = 0; j < valid; ++j) float_row(TYPE, wt + j * row_bytes + k0 * BYTES, n, rows + j * kb);
+    } else {
+      decode_rows<TYPE, BLOCK, BYTES, SUB>(wt, row_bytes, valid, k0, n, rows, kb);
     }
+    panel::transpose_rows(rows, kb, n, panel_out);
   });
 }
 

@@ -188,23 +188,10 @@ void decode_panel(const uint8_t* w, const c10::Half* s, const c10::Half* o, int6
 void mm_panels(const float* x, const uint8_t* w, const c10::Half* s, const c10::Half* o, int64_t M, int64_t K,
                int64_t G, int64_t N, float* y) {
   static_assert(localllm::panel::WIDTH == TILE, "a panel is a tile");
-  const int64_t T = (N + TILE - 1) / TILE, ng = K / G;
+  const int64_t ng = K / G;
   const int64_t kb = std::max<int64_t>(G, localllm::panel::KB / G * G);  // whole groups a panel
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> panel_buf(kb * TILE), acc(M * TILE);
-    for (int64_t t = begin; t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const uint8_t* wt = w + t * (K / 2) * TILE;
-      const c10::Half* st = s + t * ng * TILE;
-      const c10::Half* ot = o + t * ng * TILE;
-      for (int64_t k0 = 0; k0 < K; k0 += kb) {
-        const int64_t n = std::min(kb, K - k0);
-        decode_panel(wt, st, ot, K, G, k0, n, panel_buf.data());
-        localllm::panel::multiply(x + k0, K, M, panel_buf.data(), n, acc.data());
-      }
-      const int64_t valid = std::min(TILE, N - t * TILE);
-      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + t * TILE, acc.data() + m * TILE, valid * sizeof(float));
-    }
+  localllm::panel::gemm(x, M, K, N, kb, y, [&](int64_t t, int64_t k0, int64_t n, float* panel, float*) {
+    decode_panel(w + t * (K / 2) * TILE, s + t * ng * TILE, o + t * ng * TILE, K, G, k0, n, panel);
   });
 }
 

@@ -177,26 +177,15 @@ void mm_panels(const float* x, const int8_t* q, const at::Half* scales, int64_t 
   namespace panel = localllm::panel;
   constexpr int64_t W = panel::WIDTH;
   const int64_t kb = std::max<int64_t>(group, panel::KB / group * group);  // whole groups a panel
-  const int64_t T = (N + W - 1) / W;
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> rows(W * kb), panel_buf(kb * W), acc(M * W);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t valid = std::min(W, N - t * W);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      if (valid < W) std::fill(rows.begin(), rows.end(), 0.f);  // rows past N stay zero
-      for (int64_t k0 = 0; k0 < K; k0 += kb) {
-        const int64_t n = std::min(kb, K - k0);
-        for (int64_t j = 0; j < valid; ++j) {
-          const int8_t* qj = q + (t * W + j) * K + k0;
-          const at::Half* sj = scales + (t * W + j) * ns;
-          for (int64_t i = 0; i < n; i += VS)
-            (load_int8(qj + i) * Vec(static_cast<float>(sj[ns == 1 ? 0 : (k0 + i) / group]))).store(rows.data() + j * kb + i);
-        }
-        panel::transpose_rows(rows.data(), kb, n, panel_buf.data());
-        panel::multiply(x + k0, K, M, panel_buf.data(), n, acc.data());
-      }
-      for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * N + t * W, acc.data() + m * W, valid * sizeof(float));
+  panel::gemm(x, M, K, N, kb, y, [&](int64_t t, int64_t k0, int64_t n, float* panel_out, float* rows) {
+    const int64_t valid = std::min(W, N - t * W);
+    for (int64_t j = 0; j < valid; ++j) {
+      const int8_t* qj = q + (t * W + j) * K + k0;
+      const at::Half* sj = scales + (t * W + j) * ns;
+      for (int64_t i = 0; i < n; i += VS)
+        (load_int8(qj + i) * Vec(static_cast<float>(sj[ns == 1 ? 0 : (k0 + i) / group]))).store(rows + j * kb + i);
     }
+    panel::transpose_rows(rows, kb, n, panel_out);
   });
 }
 

@@ -1,12 +1,13 @@
 // The fp32 GEMM core of localllm's quantized CPU matmuls for many activation rows (a batched decode
-// step, a prefill chunk).
+// step, a prefill chunk): gemm(), below.
 //
 // A kernel decodes 16 output rows of its weights, KB input columns at a time, into a *panel*: fp32
 // (KB, 16), column k's 16 weights contiguous (one vector on AVX-512, two on AVX2), in L1. Every
-// activation row then runs over the panel with its 16 sums in registers, MR rows at a time: per
-// column one panel load and MR broadcast FMAs, so the decode is paid once per panel, whatever M is,
-// and the FMAs run at the core's rate. (The register kernels decode each column per few rows and
-// spend most of their time decoding once M is more than a handful.)
+// activation row then runs over the panel with its 16 sums in registers, MR rows at a time, from a
+// copy of the rows packed once per call (PackedRows): per column one broadcast feeds the FMAs of
+// every panel in flight (two on AVX-512, one on AVX2), so the decode is paid once per panel,
+// whatever M is, and the FMAs run at the core's rate. (The register kernels decode each column per
+// few rows and spend most of their time decoding once M is more than a handful.)
 //
 // Each output is one fp32 FMA chain over k = 0 .. K-1 in order, from 0: its value does not depend on
 // M or on which other rows share the call, so a sequence's logits are the same in any batch that
@@ -15,9 +16,13 @@
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
+#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -58,29 +63,41 @@ inline V vset(float f) { return Vec(f); }
 inline V vmul(V a, V b) { return a * b; }
 #endif
 
-// acc (R, 16) += x (R, kb) rows ldx apart . panel (kb, 16).
-template <int R>
-inline void rows(const float* x, int64_t ldx, const float* panel, int64_t kb, float* acc) {
-  V a[R][NV];
+// Panels a task multiplies side by side: two where the registers hold 2 x MR accumulators of a panel
+// (AVX-512: 24 of 32), else one.
+constexpr int64_t NP = NV == 1 ? 2 : 1;
+// Whether the activation rows are packed (PackedRows): with two panels, MR row pointers and the
+// rest no longer fit the general registers, and a spilled pointer costs a load per column.
+constexpr bool PACK = NP == 2;
+
+// acc (R, WIDTH) += x (R, kb) . panel (kb, WIDTH), for P panels side by side (pstride floats apart,
+// their acc astride apart). x: packed (element (r, k) at x[k * R + r]) or rows ldx apart, as PACK
+// says. Two panels (AVX-512) share each broadcast: per column P panel loads and R broadcasts feed
+// R * P FMAs, not R, and the loads stop being the bound.
+template <int R, int P>
+inline void rows(const float* x, int64_t ldx, const float* panel, int64_t pstride, int64_t kb, float* acc,
+                 int64_t astride) {
+  constexpr int J = P * NV;  // accumulators a row
+  V a[R][J];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) a[r][v] = vload(acc + r * WIDTH + v * Vec::size());
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) a[r][j] = vload(acc + (j / NV) * astride + r * WIDTH + (j % NV) * Vec::size());
   for (int64_t k = 0; k < kb; ++k) {
-    V w[NV];
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) w[v] = vload(panel + k * WIDTH + v * Vec::size());
+    V w[J];
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) w[j] = vload(panel + (j / NV) * pstride + k * WIDTH + (j % NV) * Vec::size());
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const V xb = vset(x[r * ldx + k]);
-#pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) a[r][v] = vfma(w[v], xb, a[r][v]);
+      const V xb = vset(PACK ? x[k * R + r] : x[r * ldx + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < J; ++j) a[r][j] = vfma(w[j], xb, a[r][j]);
     }
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < NV; ++v) vstore(acc + r * WIDTH + v * Vec::size(), a[r][v]);
+#pragma GCC unroll 4
+    for (int j = 0; j < J; ++j) vstore(acc + (j / NV) * astride + r * WIDTH + (j % NV) * Vec::size(), a[r][j]);
 }
 
 // rows (16, kb) row-major, rows ld apart -> panel (kb, 16): a kernel whose weights decode a row at
@@ -143,25 +160,84 @@ inline void transpose_rows(const float* rows, int64_t ld, int64_t kb, float* pan
     for (int64_t j = 0; j < WIDTH; ++j) panel[k0 * WIDTH + j] = rows[j * ld + k0];
 }
 
-template <int R>
-inline void tail(const float* x, int64_t ldx, int64_t left, const float* panel, int64_t kb, float* acc) {
+template <int R, int P>
+inline void tail(int64_t left, const float* x, int64_t ldx, const float* panel, int64_t pstride, int64_t kb,
+                 float* acc, int64_t astride) {
   if constexpr (R > 0) {
-    if (left == R) rows<R>(x, ldx, panel, kb, acc);
-    else tail<R - 1>(x, ldx, left, panel, kb, acc);
+    if (left == R) rows<R, P>(x, ldx, panel, pstride, kb, acc, astride);
+    else tail<R - 1, P>(left, x, ldx, panel, pstride, kb, acc, astride);
   }
 }
 
-// acc (M, 16) += x (M, kb) rows ldx apart . panel (kb, 16): every activation row over one panel, in
-// groups of equal size (at most MR): each FMA chain waits on its previous FMA, so a group needs
-// enough rows to keep the FMA units busy, and 16 rows go as 8 + 8, not 12 + 4.
-inline void multiply(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t kb, float* acc) {
-  const int64_t groups = (M + MR - 1) / MR;
-  int64_t m = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t r = M / groups + (g < M % groups);
-    tail<MR>(x + m * ldx, ldx, r, panel, kb, acc + m * WIDTH);
-    m += r;
+// The activation rows of one call, in groups of at most MR, as equal as can be (each FMA chain waits
+// on its previous FMA, so a group needs enough rows to keep the FMA units busy: 16 rows go as 8 + 8,
+// not 12 + 4). Where PACK, packed once for every panel: a group of R rows starting at row m0 lies at
+// m0 * K, element (r, k) at k * R + r; else read where they are.
+class PackedRows {
+ public:
+  PackedRows(const float* x, int64_t M, int64_t K)
+      : x_(x), M_(M), K_(K), groups_((M + MR - 1) / MR), data_(PACK ? M * K : 0) {
+    if (!PACK) return;
+    at::parallel_for(0, groups_, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t m0 = start(g), R = size(g);
+        float* out = data_.data() + m0 * K;
+        const float* in = x + m0 * K;
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t r = 0; r < R; ++r) out[k * R + r] = in[r * K + k];
+      }
+    });
   }
+  int64_t groups() const { return groups_; }
+  int64_t size(int64_t g) const { return M_ / groups_ + (g < M_ % groups_); }
+  int64_t start(int64_t g) const { return g * (M_ / groups_) + std::min(g, M_ % groups_); }
+  // Group g's columns from k0 (rows ldx() apart where not PACK).
+  const float* at(int64_t g, int64_t k0) const {
+    return PACK ? data_.data() + start(g) * K_ + k0 * size(g) : x_ + start(g) * K_ + k0;
+  }
+  int64_t ldx() const { return K_; }
+
+ private:
+  const float* x_;
+  int64_t M_, K_, groups_;
+  std::vector<float> data_;
+};
+
+// y (M, N) = x (M, K) . W^T, W decoded a panel at a time: decode(tile, k0, n, panel, scratch) writes
+// the panel (n, WIDTH) of W's rows tile * WIDTH .. + WIDTH (what it writes past N is never read back),
+// columns k0 .. k0 + n; scratch holds WIDTH * kb floats, for a decoder that writes rows and turns them
+// (transpose_rows). kb: columns a panel, whole blocks or groups of the weight's format. Tasks of NP
+// tiles run in parallel; each decodes its panels once and multiplies every activation row by them.
+template <class Decode>
+void gemm(const float* x, int64_t M, int64_t K, int64_t N, int64_t kb, float* y, const Decode& decode) {
+  const PackedRows xp(x, M, K);
+  const int64_t T = (N + WIDTH - 1) / WIDTH, tasks = (T + NP - 1) / NP, pstride = kb * WIDTH, astride = M * WIDTH;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(WIDTH * kb), panels(NP * pstride), acc(NP * astride);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t0 = task * NP, np = std::min(NP, T - t0);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        const int64_t n = std::min(kb, K - k0);
+        for (int64_t i = 0; i < np; ++i) decode(t0 + i, k0, n, panels.data() + i * pstride, scratch.data());
+        for (int64_t g = 0; g < xp.groups(); ++g) {
+          float* a = acc.data() + xp.start(g) * WIDTH;
+          if constexpr (NP == 2) {
+            if (np == 2) {
+              tail<MR, 2>(xp.size(g), xp.at(g, k0), xp.ldx(), panels.data(), pstride, n, a, astride);
+              continue;
+            }
+          }
+          tail<MR, 1>(xp.size(g), xp.at(g, k0), xp.ldx(), panels.data(), pstride, n, a, astride);
+        }
+      }
+      for (int64_t i = 0; i < np; ++i) {
+        const int64_t col = (t0 + i) * WIDTH, valid = std::min(WIDTH, N - col);
+        for (int64_t m = 0; m < M; ++m)
+          std::memcpy(y + m * N + col, acc.data() + i * astride + m * WIDTH, valid * sizeof(float));
+      }
+    }
+  });
 }
 
 }  // namespace panel
