@@ -5,7 +5,8 @@ A leaf of the base layer: it knows nothing of the layers. Each layer describes i
 
 * ``localllm::decode_attention`` (:mod:`localllm.runtime.cpu_attention`, ``runtime/csrc``);
 * ``localllm::int8_group_mm`` (:mod:`localllm.quant.kernels`, ``quant/csrc``);
-* ``localllm::apply_token_bitmask_`` (:mod:`localllm.runtime.constrain`, ``runtime/csrc``).
+* ``localllm::apply_token_bitmask_`` (:mod:`localllm.runtime.constrain`, ``runtime/csrc``);
+* ``localllm::rms_norm``, ``localllm::glu`` (:mod:`localllm.runtime.pointwise`, ``runtime/csrc``).
 
 A library is compiled with the C++ compiler inductor needs anyway (seconds, once; ``scripts/setup.sh``
 does it at set-up) and stored under the cache folder the caller gives (by default

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from localllm.runtime import pointwise
 from localllm.runtime.cache import QuantKV, quantize_pair, rotate_qk
 from localllm.runtime.config import SLIDING, ModelConfig
 from localllm.runtime.kv_pool import gather
@@ -69,12 +70,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the activation dtype (as the reference implementations do).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (h * (self.weight.float() + self.offset)).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+        return pointwise.rms_norm(x, self.weight, self.eps, self.offset)
 
 
 def _uses_local_rope(config: ModelConfig, layer: int) -> bool:
@@ -364,14 +360,10 @@ class MLP(nn.Module):
         self.gate_up: nn.Module | None = None
         self.gelu = config.mlp_act == "gelu_tanh"
 
-    def _act(self, gate: torch.Tensor) -> torch.Tensor:
-        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down(self._act(gate) * up)
-        return self.down(self._act(self.gate(x)) * self.up(x))
+            return self.down(pointwise.glu(self.gate_up(x), self.gelu))
+        return self.down(pointwise.activation(self.gate(x), self.gelu) * self.up(x))
 
 
 class Block(nn.Module):

@@ -1,0 +1,119 @@
+// The pointwise parts of a transformer block on the CPU, each one pass over its rows:
+//
+//   localllm::rms_norm(x, weight, eps, offset)  x * rsqrt(mean(x^2) + eps) * (weight + offset)
+//   localllm::glu(gate_up, gelu)                act(gate) * up, gate and up the halves of the last dim
+//
+// Eager torch runs RMSNorm as seven ops and GeGLU's tanh-GELU through a slow vectorised tanh; on a
+// prefill chunk each op is a pass over the activations and a fork of the thread pool. These are the
+// same arithmetic in fp32 (the reductions' order aside), for the steps that run eagerly; a compiled
+// step fuses the torch formulas (runtime/pointwise.py) itself.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t VS = Vec::size();
+
+// Rows a task: enough elements that waking a thread pays.
+int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "rms_norm: x and weight must be float32");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == D, "rms_norm: weight must be (", D, ")");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t R = D ? xc.numel() / D : 0;
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const float e = static_cast<float>(eps), off = static_cast<float>(offset);
+  at::parallel_for(0, R, grain(D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * D;
+      float* yr = yp + r * D;
+      Vec acc(0.f);
+      int64_t k = 0;
+      for (; k + VS <= D; k += VS) {
+        const Vec v = Vec::loadu(xr + k);
+        acc = at::vec::fmadd(v, v, acc);
+      }
+      float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+      for (; k < D; ++k) ss += xr[k] * xr[k];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + e);
+      const Vec vi(inv), vo(off);
+      k = 0;
+      for (; k + VS <= D; k += VS) ((Vec::loadu(xr + k) * vi) * (Vec::loadu(wp + k) + vo)).store(yr + k);
+      for (; k < D; ++k) yr[k] = (xr[k] * inv) * (wp[k] + off);
+    }
+  });
+  return y;
+}
+
+// silu(g) = g / (1 + e^-g); tanh-GELU(g) = g (1 + tanh z) / 2 = g / (1 + e^-2z), z = sqrt(2/pi) (g + 0.044715 g^3):
+// the logistic form needs one exp and no tanh, and loses nothing near 0 (no 1 - tanh cancellation).
+template <bool GELU>
+inline Vec act(Vec g) {
+  if constexpr (GELU) {
+    const Vec c(-2.f * 0.7978845608028654f), k(0.044715f);
+    const Vec z2 = c * (g + k * g * g * g);  // -2z
+    return g / (Vec(1.f) + z2.exp());
+  } else {
+    return g / (Vec(1.f) + g.neg().exp());
+  }
+}
+
+template <bool GELU>
+inline float act1(float g) {
+  if constexpr (GELU) return g / (1.f + std::exp(-2.f * 0.7978845608028654f * (g + 0.044715f * g * g * g)));
+  return g / (1.f + std::exp(-g));
+}
+
+template <bool GELU>
+void glu_rows(const float* in, int64_t R, int64_t I, float* out) {
+  at::parallel_for(0, R, grain(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = in + r * 2 * I;
+      const float* u = g + I;
+      float* o = out + r * I;
+      int64_t k = 0;
+      for (; k + VS <= I; k += VS) (act<GELU>(Vec::loadu(g + k)) * Vec::loadu(u + k)).store(o + k);
+      for (; k < I; ++k) o[k] = act1<GELU>(g[k]) * u[k];
+    }
+  });
+}
+
+at::Tensor glu(const at::Tensor& gate_up, bool gelu) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat, "glu: gate_up must be float32");
+  const int64_t I2 = gate_up.size(-1);
+  TORCH_CHECK(I2 % 2 == 0, "glu: the last dim (gate, then up) must be even");
+  const at::Tensor c = gate_up.contiguous();
+  auto sizes = c.sizes().vec();
+  sizes.back() = I2 / 2;
+  at::Tensor y = at::empty(sizes, c.options());
+  const int64_t R = I2 ? c.numel() / I2 : 0;
+  if (gelu) glu_rows<true>(c.data_ptr<float>(), R, I2 / 2, y.data_ptr<float>());
+  else glu_rows<false>(c.data_ptr<float>(), R, I2 / 2, y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(localllm, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
+  m.def("glu(Tensor gate_up, bool gelu) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(localllm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("glu", &glu);
+}
