@@ -32,6 +32,8 @@ KERNEL_TESTS = (
     "tests/test_quant.py::test_gguf_blocks_import_exactly",
     "tests/test_kv_int8.py::test_paged_kernel_matches_sdpa_over_an_int8_pool",
     "tests/test_constrain.py::test_the_mask_kernel_numpy_and_torch_paths_agree",
+    "tests/test_pointwise.py::test_rms_norm_is_the_fp32_formula",
+    "tests/test_pointwise.py::test_glu_is_the_activation_times_up",
 )
 
 
