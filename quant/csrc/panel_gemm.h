@@ -20,6 +20,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -70,19 +71,26 @@ constexpr int64_t NP = NV == 1 ? 2 : 1;
 // rest no longer fit the general registers, and a spilled pointer costs a load per column.
 constexpr bool PACK = NP == 2;
 
-// acc (R, WIDTH) += x (R, kb) . panel (kb, WIDTH), for P panels side by side (pstride floats apart,
-// their acc astride apart). x: packed (element (r, k) at x[k * R + r]) or rows ldx apart, as PACK
-// says. Two panels (AVX-512) share each broadcast: per column P panel loads and R broadcasts feed
-// R * P FMAs, not R, and the loads stop being the bound.
+// Where a group's sums live: row r of panel p at base + p * pstep + r * rstep (WIDTH floats each).
+struct Tile {
+  float* base;
+  int64_t pstep, rstep;
+  float* at(int64_t p, int64_t r) const { return base + p * pstep + r * rstep; }
+};
+
+// out (R, WIDTH) = in (R, WIDTH) + x (R, kb) . panel (kb, WIDTH), for P panels side by side
+// (pstride floats apart); in == nullptr: from zero (the first columns). x: packed (element (r, k) at
+// x[k * R + r]) or rows ldx apart, as PACK says. Two panels (AVX-512) share each broadcast: per column
+// P panel loads and R broadcasts feed R * P FMAs, not R, and the loads stop being the bound.
 template <int R, int P>
-inline void rows(const float* x, int64_t ldx, const float* panel, int64_t pstride, int64_t kb, float* acc,
-                 int64_t astride) {
+inline void rows(const float* x, int64_t ldx, const float* panel, int64_t pstride, int64_t kb, const Tile* in,
+                 const Tile& out) {
   constexpr int J = P * NV;  // accumulators a row
   V a[R][J];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < J; ++j) a[r][j] = vload(acc + (j / NV) * astride + r * WIDTH + (j % NV) * Vec::size());
+    for (int j = 0; j < J; ++j) a[r][j] = in ? vload(in->at(j / NV, r) + (j % NV) * Vec::size()) : vset(0.f);
   for (int64_t k = 0; k < kb; ++k) {
     V w[J];
 #pragma GCC unroll 4
@@ -97,7 +105,7 @@ inline void rows(const float* x, int64_t ldx, const float* panel, int64_t pstrid
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < J; ++j) vstore(acc + (j / NV) * astride + r * WIDTH + (j % NV) * Vec::size(), a[r][j]);
+    for (int j = 0; j < J; ++j) vstore(out.at(j / NV, r) + (j % NV) * Vec::size(), a[r][j]);
 }
 
 // rows (16, kb) row-major, rows ld apart -> panel (kb, 16): a kernel whose weights decode a row at
@@ -162,10 +170,10 @@ inline void transpose_rows(const float* rows, int64_t ld, int64_t kb, float* pan
 
 template <int R, int P>
 inline void tail(int64_t left, const float* x, int64_t ldx, const float* panel, int64_t pstride, int64_t kb,
-                 float* acc, int64_t astride) {
+                 const Tile* in, const Tile& out) {
   if constexpr (R > 0) {
-    if (left == R) rows<R, P>(x, ldx, panel, pstride, kb, acc, astride);
-    else tail<R - 1, P>(left, x, ldx, panel, pstride, kb, acc, astride);
+    if (left == R) rows<R, P>(x, ldx, panel, pstride, kb, in, out);
+    else tail<R - 1, P>(left, x, ldx, panel, pstride, kb, in, out);
   }
 }
 
@@ -208,29 +216,43 @@ class PackedRows {
 // columns k0 .. k0 + n; scratch holds WIDTH * kb floats, for a decoder that writes rows and turns them
 // (transpose_rows). kb: columns a panel, whole blocks or groups of the weight's format. Tasks of NP
 // tiles run in parallel; each decodes its panels once and multiplies every activation row by them.
+// Which thread runs a task does not change its values.
+// The sums of a task's columns before the last kb go through a buffer (acc); the last columns' go
+// straight into y, unless the task's last tile is cut short by N (then through acc too).
 template <class Decode>
 void gemm(const float* x, int64_t M, int64_t K, int64_t N, int64_t kb, float* y, const Decode& decode) {
   const PackedRows xp(x, M, K);
   const int64_t T = (N + WIDTH - 1) / WIDTH, tasks = (T + NP - 1) / NP, pstride = kb * WIDTH, astride = M * WIDTH;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(WIDTH * kb), panels(NP * pstride), acc(NP * astride);
-    for (int64_t task = begin; task < end; ++task) {
+  // Threads take tasks in turn from a shared counter rather than a fixed half each: on a machine
+  // whose cores run at different speeds from moment to moment, a static split leaves one core
+  // waiting for the other at the end of every call.
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(WIDTH * kb), panels(NP * pstride), acc(K > kb ? NP * astride : 0);
+    for (int64_t task = next++; task < tasks; task = next++) {
       const int64_t t0 = task * NP, np = std::min(NP, T - t0);
-      std::fill(acc.begin(), acc.end(), 0.f);
+      const bool whole = (t0 + np) * WIDTH <= N;  // every tile's 16 columns lie in y
+      if (!whole && acc.empty()) acc.resize(NP * astride);
       for (int64_t k0 = 0; k0 < K; k0 += kb) {
         const int64_t n = std::min(kb, K - k0);
+        const bool last = k0 + n == K;
         for (int64_t i = 0; i < np; ++i) decode(t0 + i, k0, n, panels.data() + i * pstride, scratch.data());
         for (int64_t g = 0; g < xp.groups(); ++g) {
-          float* a = acc.data() + xp.start(g) * WIDTH;
+          const int64_t m0 = xp.start(g);
+          const Tile buffer{acc.data() + m0 * WIDTH, astride, WIDTH};
+          const Tile out = last && whole ? Tile{y + m0 * N + t0 * WIDTH, WIDTH, N} : buffer;
+          const Tile* in = k0 == 0 ? nullptr : &buffer;
           if constexpr (NP == 2) {
             if (np == 2) {
-              tail<MR, 2>(xp.size(g), xp.at(g, k0), xp.ldx(), panels.data(), pstride, n, a, astride);
+              tail<MR, 2>(xp.size(g), xp.at(g, k0), xp.ldx(), panels.data(), pstride, n, in, out);
               continue;
             }
           }
-          tail<MR, 1>(xp.size(g), xp.at(g, k0), xp.ldx(), panels.data(), pstride, n, a, astride);
+          tail<MR, 1>(xp.size(g), xp.at(g, k0), xp.ldx(), panels.data(), pstride, n, in, out);
         }
       }
+      if (whole) continue;
       for (int64_t i = 0; i < np; ++i) {
         const int64_t col = (t0 + i) * WIDTH, valid = std::min(WIDTH, N - col);
         for (int64_t m = 0; m < M; ++m)
