@@ -152,16 +152,6 @@ def cache_rope_tables(config: ModelConfig, max_seq: int, device: torch.device) -
     return torch.cat([cos, lcos], dim=-1), torch.cat([sin, lsin], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, hd); cos/sin (T, rot) already in x's dtype, rot <= hd: the first rot dims rotate."""
-    rot = cos.shape[-1]
-    if rot < x.shape[-1]:  # partial rotary (Phi-3.5/Phi-4-mini): the rest passes through
-        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
-    half = rot // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 def attend(
     q: torch.Tensor,  # (B, H, T, hd)
     k: torch.Tensor,  # (B, KV, L, hd)
@@ -229,7 +219,7 @@ class Attention(nn.Module):
         if self.qkv is not None:
             qkv = self.qkv(x)  # (B, T, (H + 2 KV) hd)
             if self.q_norm is None:  # q and k are adjacent: rotate them in one go.
-                qk = apply_rope(qkv[..., : (H + KV) * hd].view(B, T, H + KV, hd).transpose(1, 2), cos, sin)
+                qk = pointwise.rope(qkv[..., : (H + KV) * hd].view(B, T, H + KV, hd).transpose(1, 2), cos, sin)
                 v = qkv[..., (H + KV) * hd :].view(B, T, KV, hd).transpose(1, 2)
                 return qk[:, :H], qk[:, H:], v
             q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
@@ -238,8 +228,8 @@ class Attention(nn.Module):
         q, k = q.view(B, T, H, hd), k.view(B, T, KV, hd)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
+        q = pointwise.rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
+        k = pointwise.rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
         return q, k, v.reshape(B, T, KV, hd).transpose(1, 2)
 
     def forward(

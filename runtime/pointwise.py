@@ -1,11 +1,13 @@
-"""A block's pointwise math: RMSNorm and the gated MLP's activation (SwiGLU, GeGLU).
+"""A block's pointwise math: RMSNorm, rotary position embeddings and the gated MLP's activation
+(SwiGLU, GeGLU).
 
 Each is written once as torch ops, which a compiled step fuses, and runs on the CPU's eager steps (a
-prefill chunk, an eager decode step) as one C++ pass (``localllm::rms_norm``, ``localllm::glu``,
-``csrc/pointwise.cpp``, built by :mod:`localllm.native` as :data:`LIBRARY`): eager torch spends a
-thread-pool fork and a pass over the activations on each of RMSNorm's seven ops, and computes
-tanh-GELU through a slow vectorised tanh. Same arithmetic in fp32, but for the order of a row's sum
-of squares and GELU in its logistic form (one exp, no tanh).
+prefill chunk, an eager decode step) as one C++ pass (``localllm::rms_norm``, ``localllm::rope``,
+``localllm::glu``, ``csrc/pointwise.cpp``, built by :mod:`localllm.native` as :data:`LIBRARY`): eager
+torch spends a thread-pool fork and a pass over the activations on each of RMSNorm's seven ops and
+RoPE's six, and computes tanh-GELU through a slow vectorised tanh. Same arithmetic in fp32 (RoPE's
+bit for bit), but for the order of a row's sum of squares and GELU in its logistic form (one exp, no
+tanh).
 """
 
 from __future__ import annotations
@@ -23,13 +25,17 @@ def _register_fakes() -> None:
     def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    @torch.library.register_fake("localllm::rope")
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
     @torch.library.register_fake("localllm::glu")
     def _glu(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
 
 LIBRARY = native.NativeLibrary(
-    "localllm_pointwise", (Path(__file__).resolve().parent / "csrc" / "pointwise.cpp",), ("rms_norm", "glu"),
+    "localllm_pointwise", (Path(__file__).resolve().parent / "csrc" / "pointwise.cpp",), ("rms_norm", "rope", "glu"),
     _register_fakes,
 )
 
@@ -53,6 +59,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     if offset:
         return (h * (weight.float() + offset)).to(x.dtype)
     return weight * h.to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, hd) rotated by position: cos, sin (T, rot) already in x's dtype, rot <= hd, in the
+    half-split (rotate_half) layout; the first rot dims rotate, the rest pass through (partial
+    rotary: Phi-3.5, Phi-4-mini)."""
+    if _native(x) and x.dim() == 4 and x.stride(-1) == 1 and cos.dtype == sin.dtype == torch.float32:
+        return torch.ops.localllm.rope(x, cos, sin)
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+    half = rot // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
 
 
 def activation(gate: torch.Tensor, gelu: bool) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The C++ forms of RMSNorm and the gated activations (runtime/pointwise.py) against the torch
-formulas in float64, and the torch formula kept where a step is traced."""
+"""The C++ forms of RMSNorm, RoPE and the gated activations (runtime/pointwise.py) against the torch
+formulas (in float64; RoPE's bit for bit in fp32), and the torch formula kept where a step is traced."""
 
 import pytest
 import torch
@@ -39,13 +39,38 @@ def test_glu_is_the_activation_times_up(gelu):
     assert got.shape == (9, 75) and torch.isfinite(got).all() and rel(got, want) < 1e-6
 
 
+def rope_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The torch ops of the formula (rotate_half), the first cos.shape[-1] dims rotating."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([rope_formula(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+    half = rot // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 9, 64, 64), (2, 3, 5, 40, 24), (1, 1, 1, 10, 6)],
+                         ids=["full", "partial-rotary", "scalar-tail"])
+def test_rope_is_the_torch_formula_bit_for_bit(shape):
+    """Heads transposed out of a projection (not contiguous), partial rotary (the tail copied), halves of
+    no whole vector: the same fp32 values as torch's ops, each product rounded before the sum."""
+    B, H, T, hd, rot = shape
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(B, T, H, hd, generator=g) * 30).transpose(1, 2)  # (B, H, T, hd), strided
+    angles = torch.randn(T, rot // 2, generator=g) * 50
+    cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    got = torch.ops.localllm.rope(x, cos, sin) if native.available(pointwise.LIBRARY) else None
+    assert got is not None and torch.equal(got, rope_formula(x, cos, sin))
+    assert torch.equal(pointwise.rope(x, cos, sin), got)
+
+
 def test_traced_steps_keep_the_torch_formula():
     """torch.export sees the formulas' ops (which the compiled step fuses), not the C++ op."""
 
     class Norm(torch.nn.Module):
         def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return pointwise.glu(torch.cat([x, x], -1), True) + pointwise.rms_norm(x, w, 1e-6, 1.0)
+            h = pointwise.glu(torch.cat([x, x], -1), True) + pointwise.rms_norm(x, w, 1e-6, 1.0)
+            return pointwise.rope(h.view(1, 2, 2, 32), w.view(2, 16).repeat(1, 2), w.view(2, 16).repeat(1, 2))
 
     x, w = torch.randn(4, 32), torch.randn(32)
     graph = torch.export.export(Norm(), (x, w)).graph_module.code
-    assert "localllm" not in graph and "rsqrt" in graph and "gelu" in graph
+    assert "localllm" not in graph and "rsqrt" in graph and "gelu" in graph and "cat" in graph

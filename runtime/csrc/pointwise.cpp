@@ -2,11 +2,18 @@
 //
 //   localllm::rms_norm(x, weight, eps, offset)  x * rsqrt(mean(x^2) + eps) * (weight + offset)
 //   localllm::glu(gate_up, gelu)                act(gate) * up, gate and up the halves of the last dim
+//   localllm::rope(x, cos, sin)                 x * cos + rotate_half(x) * sin over each row's first dims
 //
-// Eager torch runs RMSNorm as seven ops and GeGLU's tanh-GELU through a slow vectorised tanh; on a
-// prefill chunk each op is a pass over the activations and a fork of the thread pool. These are the
+// Eager torch runs RMSNorm as seven ops, GeGLU's tanh-GELU through a slow vectorised tanh and RoPE as
+// six (two slices, a negation, a concatenation, two products and a sum); on a prefill chunk each op is
+// a pass over the activations and a fork of the thread pool. These are the
 // same arithmetic in fp32 (the reductions' order aside), for the steps that run eagerly; a compiled
 // step fuses the torch formulas (runtime/pointwise.py) itself.
+
+// No contraction of a product and a sum into one FMA anywhere in this file: RoPE must round its two
+// products before adding them, as torch's ops do, to give torch's values bit for bit (the other ops
+// ask for their FMAs by name).
+#pragma GCC optimize("fp-contract=off")
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -106,14 +113,62 @@ at::Tensor glu(const at::Tensor& gate_up, bool gelu) {
   return y;
 }
 
+
+// x (B, H, T, hd), any strides but a contiguous last dim (the heads of a projection, transposed);
+// cos, sin (T, rot), rot <= hd and even. Row (b, h, t): its first rot dims rotate by position t,
+// o[i] = x[i] cos[i] - x[i + rot/2] sin[i] (i < rot/2), x[i] cos[i] + x[i - rot/2] sin[i] (after);
+// the rest are copied. Each product is rounded and then the two added, as torch's ops do (no FMA), so
+// the values are torch's bit for bit. The result has x's strides.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rope: x, cos and sin must be float32");
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1, "rope: x must be (B, H, T, hd) with a contiguous last dim");
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), hd = x.size(3), rot = cos.size(-1), half = rot / 2;
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && sin.sizes() == cos.sizes() && rot % 2 == 0 && rot <= hd,
+              "rope: cos and sin must be (", T, ", rot), rot even and at most ", hd);
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor y = at::empty_like(x);  // x's strides (a dense x keeps its layout)
+  TORCH_CHECK(y.stride(3) == 1, "rope: the output's last dim must be contiguous");
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cc.data_ptr<float>();
+  const float* sp = sc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t rows = B * H * T;
+  at::parallel_for(0, rows, grain(hd), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r % T, h = (r / T) % H, b = r / (T * H);
+      const float* xr = xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
+      float* yr = yp + b * y.stride(0) + h * y.stride(1) + t * y.stride(2);
+      const float* c = cp + t * rot;
+      const float* s = sp + t * rot;
+      int64_t i = 0;
+      for (; i + VS <= half; i += VS) {
+        const Vec lo = Vec::loadu(xr + i), hi = Vec::loadu(xr + half + i);
+        (lo * Vec::loadu(c + i) - hi * Vec::loadu(s + i)).store(yr + i);
+        (hi * Vec::loadu(c + half + i) + lo * Vec::loadu(s + half + i)).store(yr + half + i);
+      }
+      for (; i < half; ++i) {
+        const float lo = xr[i], hi = xr[half + i];
+        const float a = lo * c[i], b2 = hi * s[i], d = hi * c[half + i], e = lo * s[half + i];
+        yr[i] = a - b2;
+        yr[half + i] = d + e;
+      }
+      for (int64_t j = rot; j < hd; ++j) yr[j] = xr[j];
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset) -> Tensor");
   m.def("glu(Tensor gate_up, bool gelu) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("glu", &glu);
+  m.impl("rope", &rope);
 }
