@@ -126,7 +126,10 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), hd = x.size(3), rot = cos.size(-1), half = rot / 2;
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && sin.sizes() == cos.sizes() && rot % 2 == 0 && rot <= hd,
               "rope: cos and sin must be (", T, ", rot), rot even and at most ", hd);
-  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  // A step's tables are column slices of one (T, 2 rot) table when local and global RoPE differ: read
+  // them where they lie, rows apart by their stride.
+  const at::Tensor cc = cos.stride(1) == 1 ? cos : cos.contiguous(), sc = sin.stride(1) == 1 ? sin : sin.contiguous();
+  const int64_t cs = cc.stride(0), ss = sc.stride(0);
   at::Tensor y = at::empty_like(x);  // x's strides (a dense x keeps its layout)
   TORCH_CHECK(y.stride(3) == 1, "rope: the output's last dim must be contiguous");
   const float* xp = x.data_ptr<float>();
@@ -139,8 +142,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
       const int64_t t = r % T, h = (r / T) % H, b = r / (T * H);
       const float* xr = xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2);
       float* yr = yp + b * y.stride(0) + h * y.stride(1) + t * y.stride(2);
-      const float* c = cp + t * rot;
-      const float* s = sp + t * rot;
+      const float* c = cp + t * cs;
+      const float* s = sp + t * ss;
       int64_t i = 0;
       for (; i + VS <= half; i += VS) {
         const Vec lo = Vec::loadu(xr + i), hi = Vec::loadu(xr + half + i);
