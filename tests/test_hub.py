@@ -163,6 +163,9 @@ def test_persistent_drop_fails_clearly_and_next_pull_resumes(
 
 
 _PULL = (
+    # Ctrl-C as from a terminal, even when the suite runs as a background job (which starts with SIGINT
+    # ignored, and a child inherits that: it would never see the test's signal)
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
     "import sys; from huggingface_hub import constants; "
     "constants.DOWNLOAD_CHUNK_SIZE = 64 * 1024; "  # as in the `hub` fixture: bytes reach the disk early
     "from localllm.loaders.hub import download; download(sys.argv[1], progress=False)"

@@ -50,6 +50,8 @@ SHOW_KEYS = {"name", "path", "architecture", "parameters", "context_length", "em
              "chat_template", "created", "memory_plan"}
 # Runs the CLI with every quantized tensor 50 ms slower, so that a test can interrupt the conversion.
 SLOW_QUANT_CLI = (
+    # Ctrl-C as from a terminal, even under a suite run as a background job (SIGINT ignored, inherited)
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
     "import sys, time, localllm.quant.convert as qc\n"
     "_quantize = qc.quantize\n"
     "def slow(*args, **kwargs):\n"
