@@ -90,7 +90,8 @@ def main() -> None:
     for batch in [int(b) for b in args.batch.split(",")]:
         engine = BatchEngine(lm.model, kv_budget_bytes=1 << 30, max_running=batch, chunk_tokens=4096,
                              max_seq_len=args.context + 2 * args.steps + 16, compile=args.compiled,
-                             kv_dtype=args.kv_cache)
+                             kv_dtype=args.kv_cache, speculate=False)  # one token a step: drafts would
+        # add verify rows, and a sequence that drafts well would finish before its steps are profiled
         if args.prefill:
             step = statistics.median(prefill_step(engine, batch, args.context, vocab, s) for s in range(args.steps))
             print(f"\nbatch {batch}: prefill step {step * 1e3:.1f} ms, {batch * args.context / step:.0f} prompt "
