@@ -6,9 +6,9 @@
 //
 // Eager torch runs RMSNorm as seven ops, GeGLU's tanh-GELU through a slow vectorised tanh and RoPE as
 // six (two slices, a negation, a concatenation, two products and a sum); on a prefill chunk each op is
-// a pass over the activations and a fork of the thread pool. These are the
-// same arithmetic in fp32 (the reductions' order aside), for the steps that run eagerly; a compiled
-// step fuses the torch formulas (runtime/pointwise.py) itself.
+// a pass over the activations and a fork of the thread pool. These are the same arithmetic in fp32
+// (the reductions' order aside), for the steps that run eagerly; a compiled step fuses the torch
+// formulas (runtime/pointwise.py) itself.
 
 // No contraction of a product and a sum into one FMA anywhere in this file: RoPE must round its two
 // products before adding them, as torch's ops do, to give torch's values bit for bit (the other ops
@@ -112,7 +112,6 @@ at::Tensor glu(const at::Tensor& gate_up, bool gelu) {
   else glu_rows<false>(c.data_ptr<float>(), R, I2 / 2, y.data_ptr<float>());
   return y;
 }
-
 
 // x (B, H, T, hd), any strides but a contiguous last dim (the heads of a projection, transposed);
 // cos, sin (T, rot), rot <= hd and even. Row (b, h, t): its first rot dims rotate by position t,
