@@ -34,6 +34,7 @@ KERNEL_TESTS = (
     "tests/test_constrain.py::test_the_mask_kernel_numpy_and_torch_paths_agree",
     "tests/test_pointwise.py::test_rms_norm_is_the_fp32_formula",
     "tests/test_pointwise.py::test_glu_is_the_activation_times_up",
+    "tests/test_pointwise.py::test_rope_is_the_torch_formula_bit_for_bit",
 )
 
 
