@@ -137,6 +137,19 @@ inline void fifth_bits(const uint8_t* h, int8_t* q, int bias) {
 #endif
 }
 
+// Vec::size() int8 values from p, as fp32.
+inline Vec load_int8(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  alignas(64) float f[VS];
+  for (const auto i : c10::irange(VS)) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
 // One block -> codes q[block], scale[block / sub], offset[block / sub] (w = q * scale + offset).
 // Returns whether the type has offsets (so callers may skip them). The block is read in place: copying
 // its parts into small local arrays first made the wider vector loads of those arrays wait on store
@@ -245,24 +258,12 @@ inline bool decode(int64_t type, const uint8_t* b, int8_t* q, float* scale, floa
             const int high = (qh[h * 32 + l] >> (2 * s)) & 3;
             q[h * 128 + s * 32 + l] = static_cast<int8_t>((low | (high << 4)) - 32);
           }
-      for (int i = 0; i < 16; ++i) scale[i] = d * static_cast<float>(sc[i]);
+      const Vec vd(d);
+      for (int i = 0; i < 16; i += VS) (load_int8(sc + i) * vd).store(scale + i);
       return false;
     }
     default: return false;
   }
-}
-
-// Vec::size() int8 values from p, as fp32.
-inline Vec load_int8(const int8_t* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-#else
-  alignas(64) float f[VS];
-  for (const auto i : c10::irange(VS)) f[i] = static_cast<float>(p[i]);
-  return Vec::loadu(f);
-#endif
 }
 
 inline float hsum(const Vec& v) {
@@ -296,6 +297,17 @@ inline void prefetch_block(const uint8_t* block) {
 #endif
 }
 
+// After a K-quant block is decoded into q: the codes must be read back from memory, each 8 or 16 of them
+// widened straight from their bytes (vpmovsxbd from memory: a load, then one shuffle). Without this,
+// GCC keeps the 256 decoded codes in vector registers and widens each piece out of them with extra
+// shuffles: Q6_K took a quarter longer, Q4_K a tenth. (Q5_0 gained nothing, and lost on AVX-512.)
+template <int64_t BLOCK>
+inline void codes_in_memory() {
+#if defined(__GNUC__)
+  if constexpr (BLOCK > 32) asm volatile("" ::: "memory");
+#endif
+}
+
 constexpr int64_t MAX_M = 8;  // activation rows handled together (each decoded block serves them all)
 
 // The sub-block's dot product q . x, in fp32 (SUB a multiple of Vec::size()).
@@ -324,6 +336,7 @@ void mm_blocks(const float* x, const float* xsum, const uint8_t* w, int64_t M, i
         for (int64_t bi = 0; bi < nb; ++bi) {
           prefetch_block<BYTES>(wn + bi * BYTES);
           const bool has_offset = decode(TYPE, wn + bi * BYTES, q, scale, offset);
+          codes_in_memory<BLOCK>();
           const float* xb = x + bi * BLOCK;
           for (int64_t s = 0; s < NS; ++s) {
             const Vec t = sub_dot<SUB>(q + s * SUB, xb + s * SUB);
@@ -350,6 +363,7 @@ void mm_blocks(const float* x, const float* xsum, const uint8_t* w, int64_t M, i
         for (int64_t bi = 0; bi < nb; ++bi) {
           if (m0 == 0) prefetch_block<BYTES>(wn + bi * BYTES);
           const bool has_offset = decode(TYPE, wn + bi * BYTES, q, scale, offset);
+          codes_in_memory<BLOCK>();
           for (int64_t m = 0; m < mc; ++m) {
             const float* xb = x + (m0 + m) * K + bi * BLOCK;
             Vec a = acc[m];
