@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -177,6 +178,18 @@ inline void tail(int64_t left, const float* x, int64_t ldx, const float* panel, 
   }
 }
 
+// R rows of x (K apart) -> out, element (r, k) at k * R + r. R is a compile-time constant, so each
+// column's R copies unroll (a loop over a run-time R ran four times slower).
+template <int R>
+inline void pack_group(int64_t left, const float* in, int64_t K, float* out) {
+  if constexpr (R > 0) {
+    if (left != R) return pack_group<R - 1>(left, in, K, out);
+    for (int64_t k = 0; k < K; ++k)
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) out[k * R + r] = in[r * K + k];
+  }
+}
+
 // The activation rows of one call, in groups of at most MR, as equal as can be (each FMA chain waits
 // on its previous FMA, so a group needs enough rows to keep the FMA units busy: 16 rows go as 8 + 8,
 // not 12 + 4). Where PACK, packed once for every panel: a group of R rows starting at row m0 lies at
@@ -184,16 +197,10 @@ inline void tail(int64_t left, const float* x, int64_t ldx, const float* panel, 
 class PackedRows {
  public:
   PackedRows(const float* x, int64_t M, int64_t K)
-      : x_(x), M_(M), K_(K), groups_((M + MR - 1) / MR), data_(PACK ? M * K : 0) {
+      : x_(x), M_(M), K_(K), groups_((M + MR - 1) / MR), data_(PACK ? new float[M * K] : nullptr) {  // not zeroed
     if (!PACK) return;
     at::parallel_for(0, groups_, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t m0 = start(g), R = size(g);
-        float* out = data_.data() + m0 * K;
-        const float* in = x + m0 * K;
-        for (int64_t k = 0; k < K; ++k)
-          for (int64_t r = 0; r < R; ++r) out[k * R + r] = in[r * K + k];
-      }
+      for (int64_t g = begin; g < end; ++g) pack_group<MR>(size(g), x + start(g) * K, K, data_.get() + start(g) * K);
     });
   }
   int64_t groups() const { return groups_; }
@@ -201,14 +208,14 @@ class PackedRows {
   int64_t start(int64_t g) const { return g * (M_ / groups_) + std::min(g, M_ % groups_); }
   // Group g's columns from k0 (rows ldx() apart where not PACK).
   const float* at(int64_t g, int64_t k0) const {
-    return PACK ? data_.data() + start(g) * K_ + k0 * size(g) : x_ + start(g) * K_ + k0;
+    return PACK ? data_.get() + start(g) * K_ + k0 * size(g) : x_ + start(g) * K_ + k0;
   }
   int64_t ldx() const { return K_; }
 
  private:
   const float* x_;
   int64_t M_, K_, groups_;
-  std::vector<float> data_;
+  std::unique_ptr<float[]> data_;
 };
 
 // y (M, N) = x (M, K) . W^T, W decoded a panel at a time: decode(tile, k0, n, panel, scratch) writes
