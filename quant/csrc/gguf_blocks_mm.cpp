@@ -32,12 +32,15 @@
 #include <immintrin.h>
 #endif
 
+#include "fp32_vec.h"
 #include "panel_gemm.h"
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t VS = Vec::size();
+using localllm::fp32::hsum;
+using localllm::fp32::load_int8;
 
 // ggml's type ids (gguf.GGMLQuantizationType).
 enum Type : int64_t {
@@ -134,19 +137,6 @@ inline void fifth_bits(const uint8_t* h, int8_t* q, int bias) {
   uint8_t bytes[32];
   std::memcpy(bytes, add, 32);
   for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>((q[j] | bytes[j]) - bias);
-#endif
-}
-
-// Vec::size() int8 values from p, as fp32.
-inline Vec load_int8(const int8_t* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-#else
-  alignas(64) float f[VS];
-  for (const auto i : c10::irange(VS)) f[i] = static_cast<float>(p[i]);
-  return Vec::loadu(f);
 #endif
 }
 
@@ -264,10 +254,6 @@ inline bool decode(int64_t type, const uint8_t* b, int8_t* q, float* scale, floa
     }
     default: return false;
   }
-}
-
-inline float hsum(const Vec& v) {
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
 
 // A float row's K values (F32 / F16 / BF16) as fp32.

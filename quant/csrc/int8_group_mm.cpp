@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #endif
 
+#include "fp32_vec.h"
 #include "panel_gemm.h"
 
 #ifndef PREFETCH
@@ -38,23 +39,8 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t VS = Vec::size();
-
-// Vec::size() int8 values from p, as fp32.
-inline Vec load_int8(const int8_t* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-#else
-  alignas(64) float f[VS];
-  for (const auto i : c10::irange(VS)) f[i] = static_cast<float>(p[i]);
-  return Vec::loadu(f);
-#endif
-}
-
-inline float hsum(Vec v) {
-  return at::vec::vec_reduce_all<float>([](Vec& u, Vec& w) { return u + w; }, v);
-}
+using localllm::fp32::hsum;
+using localllm::fp32::load_int8;
 
 // n fp16 scales -> fp32 (exact), eight or sixteen a conversion where the CPU has F16C.
 inline void scales_to_float(const at::Half* src, float* dst, int64_t n) {
