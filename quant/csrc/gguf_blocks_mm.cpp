@@ -10,8 +10,8 @@
 // The matmul never builds the weight: per output row it decodes one block at a time into a small
 // buffer, dots each sub-block's codes with the fp32 activations, scales the partial sum once, and adds
 // offset * (sum of the sub-block's activations), precomputed once per call. It is made for decode
-// (a few activation rows); a long prefill dequantizes slices of rows with gguf_dequant and uses a GEMM
-// (see quant/kernels.py). Output rows are split across threads.
+// (a few activation rows); many rows (a prefill chunk) go through gguf_gemm, which decodes the same
+// values a panel at a time for the fp32 panel GEMM (panel_gemm.h). Output rows are split across threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
