@@ -132,6 +132,44 @@ def test_a_sequences_verify_rows_round_as_each_row_alone(pool, window, kv, g, hd
 
 
 @needs_kernel
+@pytest.mark.parametrize("pool", ["fp32", "bf16", "fp16-pool", "int8"])
+@pytest.mark.parametrize("kv,g,hd,window", [(1, 4, 256, None), (1, 4, 256, 300), (3, 3, 64, None), (1, 2, 40, 500)])
+def test_a_lone_streams_split_tasks_round_as_whole_tasks(pool, kv, g, hd, window):
+    """A single stream's step has fewer (sequence, kv head) tasks than threads, so each task's scores are
+    split by blocks and its values by ranges of the head dimension across threads. Its rows (one query,
+    and a verify chunk of three) have the bits they have in a batch whose tasks run whole, on 1, 2 or 3
+    threads alike (a head size of 40 leaves a part that is not whole vectors)."""
+    dtype = torch.bfloat16 if pool == "bf16" else torch.float32
+    bs = 16
+    lone = [700, 698, 699, 700]  # a lone row; a verify chunk of three over the same blocks
+    others = [650, 300, 701, 512, 90, 333, 640, 480]  # enough tasks for whole ones
+    q, k_pool, v_pool, tables, _, _ = random_batch(dtype, kv, g, hd, bs, [700] + others, n_blocks=400, seed=hd)
+    rows = [(n, 0) for n in lone] + [(n, 1 + i) for i, n in enumerate(others)]
+    q = torch.randn(len(rows), kv, g, hd, generator=torch.Generator().manual_seed(9)).to(dtype)
+    table = torch.zeros(len(rows), max(len(t) for t in tables) + 1, dtype=torch.int32)
+    for row, (n, seq) in enumerate(rows):
+        table[row, : -(-n // bs)] = tables[seq][: -(-n // bs)]
+    table = _released(table, [n for n, _ in rows], bs, window)
+    ctx = torch.tensor([n for n, _ in rows], dtype=torch.int32)
+    if pool == "fp16-pool":
+        k_pool, v_pool = k_pool.half(), v_pool.half()
+    elif pool == "int8":
+        k_pool, v_pool = quantize_kv(k_pool), quantize_kv(v_pool)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, ctx, window)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for first, n in ((0, 1), (1, 3)):
+                alone = cpu_attention.paged_decode_attention(q[first : first + n], k_pool, v_pool,
+                                                             table[first : first + n], ctx[first : first + n], window)
+                assert torch.equal(alone, batch[first : first + n]), (threads, first)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_kernel
 def test_float32_queries_read_a_float16_pool():
     """``--kv-cache fp16``: fp32 activations over float16 pools, each row widened as it is read: SDPA
     in fp32 over the same fp16 rows, within fp32 rounding."""

@@ -330,6 +330,46 @@ inline int64_t window_start(int64_t L, int64_t window) { return window > 0 ? std
 // row has the bits it has alone.
 constexpr int64_t MAX_CHUNK = 16;  // query rows of one sequence taken as one task at most
 
+// weigh_rows over a part of the head dimension, dn wide (the caller offsets vb and hands acc rows of
+// dn): rows in registers where dn is 1, 2, 4, 8 or 16 vectors. Each output element sees the fmadds it
+// sees in a sweep over the whole head dimension, so a part has the bits of those columns of the whole.
+template <typename KT>
+inline void weigh_rows_any(int64_t dn, const float* p, int64_t G, const KT* vb, int64_t vs, int64_t L, float* acc,
+                           int64_t ld, bool add, const float* vsc, int64_t vss, float* buf) {
+  const int64_t hv = dn / VS * VS;
+  if (dn % VS == 0) {
+    switch (dn / VS) {
+      case 1: return weigh_rows<KT, 1>(p, G, vb, vs, L, dn, hv, acc, ld, add, vsc, vss, buf);
+      case 2: return weigh_rows<KT, 2>(p, G, vb, vs, L, dn, hv, acc, ld, add, vsc, vss, buf);
+      case 4: return weigh_rows<KT, 4>(p, G, vb, vs, L, dn, hv, acc, ld, add, vsc, vss, buf);
+      case 8: return weigh_rows<KT, 8>(p, G, vb, vs, L, dn, hv, acc, ld, add, vsc, vss, buf);
+      case 16: return weigh_rows<KT, 16>(p, G, vb, vs, L, dn, hv, acc, ld, add, vsc, vss, buf);
+      default: break;
+    }
+  }
+  weigh_rows<KT, 0>(p, G, vb, vs, L, dn, hv, acc, ld, add, vsc, vss, buf);
+}
+
+// Paged, variable-length batch: sequence b's keys/values are rows start_b .. lens[b] - 1 (start_b:
+// window_start) of the blocks tables[b][0], tables[b][1], ... of the pools (n_blocks, KV, block, hd)
+// (row p in block p / block, at row p % block). Scores go block by block into one row, one softmax
+// over them, values block by block into the same accumulators: each key's dot product, the softmax
+// and each output element see the same operations in the same order whatever the blocks' placement.
+//
+// Several query rows of one sequence (a verify chunk under speculative decoding: consecutive rows with
+// lengths one apart whose tables agree on every block the shorter row reads) are one task: each key and
+// value row is read from memory once for all of them, where one task a row read the whole context again
+// for each. The chunk's last row's table serves all its rows (it agrees with each earlier row's on that
+// row's blocks; the engine cuts each row's table to the blocks it reaches). A row's own arithmetic does
+// not change (its scores, a softmax over its own keys, its values added in order of position), so each
+// row has the bits it has alone.
+//
+// A task is (chunk, kv head). With at least twice as many tasks as threads, each thread runs whole
+// tasks. With fewer (one sequence of a model with one or a few kv heads: a single stream's decode
+// step), whole tasks left threads idle, so each task is split: its keys' scores by ranges of blocks,
+// then (after each row's softmax) its values by ranges of the head dimension, each part on a thread of
+// its own. Every score and every output element is made by the same operations as in a whole task, so
+// the bits depend neither on the split nor on the number of threads.
 template <typename T, typename KT, int NV>
 void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
                   const at::Tensor& lens, double scale, int64_t window, at::Tensor& y, const RowScales& rs) {
@@ -355,110 +395,168 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
   }
   first.push_back(S);
   const int64_t C = static_cast<int64_t>(first.size()) - 1;
-  // A chunk's keys: from its first row's first key to its last row's last.
-  const auto span = [&](int64_t c, int64_t& start, int64_t& end) {
-    start = window_start(lp[first[c]], window);
-    end = lp[first[c + 1] - 1];
+  // A chunk's rows and keys: rows b0 .. b0 + R - 1 (Q query rows with their heads), keys from its
+  // first row's first key (start) to its last row's last (end); blocks i0 .. nb - 1 hold them.
+  struct Chunk {
+    int64_t b0, R, Q, start, end, keys, i0, nb;
+    const int32_t* table;  // the chunk's last row's
+  };
+  const auto chunk = [&](int64_t c) {
+    Chunk k;
+    k.b0 = first[c];
+    k.R = first[c + 1] - k.b0;
+    k.Q = k.R * G;
+    k.start = window_start(lp[k.b0], window);
+    k.end = lp[first[c + 1] - 1];
+    k.keys = k.end - k.start;  // s's row stride: row r * G + j, key p at column p - start
+    k.i0 = k.start / bs;
+    k.nb = (k.end + bs - 1) / bs;
+    k.table = tp + (k.b0 + k.R - 1) * W;
+    return k;
   };
   int64_t max_scores = 1, max_rows = 1, total = 0;  // a task's scores (rows x keys) and rows at most
   for (const auto c : c10::irange(C)) {
-    int64_t start, end;
-    span(c, start, end);
-    const int64_t rows = first[c + 1] - first[c];
-    max_scores = std::max(max_scores, rows * (end - start));
-    max_rows = std::max(max_rows, rows);
-    total += end - start;
+    const Chunk k = chunk(c);
+    max_scores = std::max(max_scores, k.R * k.keys);
+    max_rows = std::max(max_rows, k.R);
+    total += k.keys;
   }
-  // Each (chunk, kv head) is one task; split across threads once a task is big enough to pay for
-  // waking them (a hundred keys or so at GQA 3, head size 64).
+  const int64_t GR = max_rows * G;  // query rows of a task at most
+  const int64_t buf_size = std::is_same_v<KT, int8_t> ? RB * hd : 0;
+  // Row r of chunk k sees keys [lo_r, hi_r): lo_r rises with r under a window, hi_r = lens[b0 + r].
+  const auto lo_of = [&](const Chunk& k, int64_t r) { return window_start(lp[k.b0 + r], window); };
+  const auto hi_of = [&](const Chunk& k, int64_t r) { return static_cast<int64_t>(lp[k.b0 + r]); };
+  // The keys of block i that the chunk sees: positions lo .. lo + n - 1.
+  const auto rows_of = [&](const Chunk& k, int64_t i, int64_t& lo, int64_t& n) {
+    lo = std::max(k.start, i * bs);
+    n = std::min(k.end, (i + 1) * bs) - lo;
+  };
+  // Asks for block i's rows seen (keys, or values), columns d0 .. d0 + dn - 1, ahead of their use.
+  const auto ask = [&](const Chunk& k, int64_t h, int64_t i, bool value, int64_t d0, int64_t dn) {
+    int64_t lo, rows;
+    rows_of(k, i, lo, rows);
+    const at::Tensor& pool = value ? vp : kp;
+    prefetch_block((value ? vpp : kpp) + k.table[i] * pool.stride(0) + h * pool.stride(1) +
+                       (lo - i * bs) * pool.stride(2) + d0, rows, pool.stride(2), dn);
+  };
+  // The task's query rows in fp32: qf (Q, hd).
+  const auto load_queries = [&](const Chunk& k, int64_t h, float* qf) {
+    const int64_t qs = q.stride(2);
+    for (const auto r : c10::irange(k.R)) {
+      const T* qb = qp + (k.b0 + r) * q.stride(0) + h * q.stride(1);
+      for (const auto j : c10::irange(G)) {
+        for (const auto d : c10::irange(hd)) qf[(r * G + j) * hd + d] = static_cast<float>(qb[j * qs + d]);
+      }
+    }
+  };
+  // Every row's scores over the keys of blocks ib .. ie - 1, asking for a few blocks ahead of the
+  // one read (past ie, with then_values, the first blocks of values).
+  const auto score_blocks = [&](const Chunk& k, int64_t h, int64_t ib, int64_t ie, bool then_values,
+                                const float* qf, float* s, float* buf) {
+    const auto ahead = [&](int64_t i) {
+      if (i < ie) ask(k, h, i, false, 0, hd);
+      else if (then_values && i - ie + k.i0 < k.nb) ask(k, h, i - ie + k.i0, true, 0, hd);
+    };
+    for (int64_t a = 0; a < PREFETCH_BLOCKS; ++a) ahead(ib + a);
+    for (int64_t i = ib; i < ie; ++i) {
+      int64_t lo, n;
+      rows_of(k, i, lo, n);
+      ahead(i + PREFETCH_BLOCKS);
+      const int64_t r0 = lo - i * bs;  // the block's first row seen
+      const KT* kb = kpp + k.table[i] * kp.stride(0) + h * kp.stride(1) + r0 * kp.stride(2);
+      const float* ksc = rs.k == nullptr ? nullptr : rs.k + k.table[i] * rs.ks[0] + h * rs.ks[1] + r0 * rs.ks[2];
+      scores_rows<KT, NV>(qf, k.Q, kb, kp.stride(2), n, hd, hv, sc, s + (lo - k.start), k.keys, ksc,
+                          ksc ? rs.ks[2] : 0, buf);
+    }
+  };
+  // Each row's softmax over its own keys; sums (Q) their fp32 sums.
+  const auto softmax = [&](const Chunk& k, float* s, float* sums) {
+    for (const auto r : c10::irange(k.R)) {
+      for (const auto j : c10::irange(G)) {
+        sums[r * G + j] = softmax_row<T>(s + (r * G + j) * k.keys + (lo_of(k, r) - k.start), hi_of(k, r) - lo_of(k, r));
+      }
+    }
+  };
+  // Columns d0 .. d0 + dn - 1 of every row's output: the values weighed by the probabilities s into
+  // acc (Q, dn), then divided by the rows' sums into y (`asked`: the first blocks were asked for).
+  const auto weigh_out = [&](const Chunk& k, int64_t h, int64_t d0, int64_t dn, bool asked, const float* s,
+                             const float* sums, float* acc, float* buf) {
+    for (int64_t i = k.i0; !asked && i < std::min(k.nb, k.i0 + PREFETCH_BLOCKS); ++i) ask(k, h, i, true, d0, dn);
+    std::fill(acc, acc + k.Q * dn, 0.f);
+    // Values [a, e) of block i into rows [r, r + rn)'s accumulators, after what they hold.
+    const auto weigh_part = [&](int64_t i, int64_t a, int64_t e, int64_t r, int64_t rn) {
+      if (a >= e) return;
+      const int64_t r0 = a - i * bs;
+      const KT* vb = vpp + k.table[i] * vp.stride(0) + h * vp.stride(1) + r0 * vp.stride(2) + d0;
+      const float* vsc = rs.v == nullptr ? nullptr : rs.v + k.table[i] * rs.vs[0] + h * rs.vs[1] + r0 * rs.vs[2];
+      weigh_rows_any<KT>(dn, s + r * G * k.keys + (a - k.start), rn * G, vb, vp.stride(2), e - a,
+                         acc + r * G * dn, k.keys, true, vsc, vsc ? rs.vs[2] : 0, buf);
+    };
+    for (int64_t i = k.i0; i < k.nb; ++i) {
+      int64_t lo, n;
+      rows_of(k, i, lo, n);
+      if (i + PREFETCH_BLOCKS < k.nb) ask(k, h, i + PREFETCH_BLOCKS, true, d0, dn);
+      // The keys every row sees, [shared_lo, shared_hi), once for all rows; each row's own before and
+      // after them: per row, in order of position.
+      const int64_t shared_lo = std::max(lo, lo_of(k, k.R - 1)), shared_hi = std::min(lo + n, hi_of(k, 0));
+      if (shared_lo >= shared_hi) {
+        for (const auto r : c10::irange(k.R)) weigh_part(i, std::max(lo, lo_of(k, r)), std::min(lo + n, hi_of(k, r)), r, 1);
+        continue;
+      }
+      for (const auto r : c10::irange(k.R)) weigh_part(i, std::max(lo, lo_of(k, r)), shared_lo, r, 1);
+      weigh_part(i, shared_lo, shared_hi, 0, k.R);
+      for (const auto r : c10::irange(k.R)) weigh_part(i, shared_hi, std::min(lo + n, hi_of(k, r)), r, 1);
+    }
+    for (const auto r : c10::irange(k.R)) {
+      T* yb = yp + ((k.b0 + r) * KV + h) * G * hd + d0;
+      for (const auto j : c10::irange(G)) {
+        const float inv = 1.f / sums[r * G + j];
+        for (const auto d : c10::irange(dn)) yb[j * hd + d] = static_cast<T>(acc[(r * G + j) * dn + d] * inv);
+      }
+    }
+  };
+  const int64_t tasks = C * KV, threads = at::get_num_threads();
   const int64_t mean = std::max<int64_t>(1, total / std::max<int64_t>(1, C));
+  if (threads > 1 && tasks < 2 * threads && mean * G * hd >= (int64_t{1} << 15) && !at::in_parallel_region()) {
+    // Few tasks: `parts` parts a task, as ranges of its blocks (scores) and of the head dimension
+    // (values, whole vectors a part), so that every thread has work in both passes.
+    const int64_t parts = (2 * threads + tasks - 1) / tasks, dparts = std::min(parts, std::max<int64_t>(1, hd / VS));
+    std::vector<float> qf(tasks * GR * hd), s(tasks * G * max_scores), sums(tasks * GR);
+    for (const auto t : c10::irange(tasks)) load_queries(chunk(t / KV), t % KV, qf.data() + t * GR * hd);
+    at::parallel_for(0, tasks * parts, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(buf_size);
+      for (const auto u : c10::irange(begin, end)) {
+        const int64_t t = u / parts, p = u % parts;
+        const Chunk k = chunk(t / KV);
+        const int64_t nk = k.nb - k.i0;
+        score_blocks(k, t % KV, k.i0 + nk * p / parts, k.i0 + nk * (p + 1) / parts, false, qf.data() + t * GR * hd,
+                     s.data() + t * G * max_scores, buf.data());
+      }
+    });
+    for (const auto t : c10::irange(tasks)) softmax(chunk(t / KV), s.data() + t * G * max_scores, sums.data() + t * GR);
+    at::parallel_for(0, tasks * dparts, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(GR * hd), buf(buf_size);
+      for (const auto u : c10::irange(begin, end)) {
+        const int64_t t = u / dparts, p = u % dparts, nv = hd / VS;
+        const int64_t d0 = nv * p / dparts * VS, d1 = p + 1 == dparts ? hd : nv * (p + 1) / dparts * VS;
+        weigh_out(chunk(t / KV), t % KV, d0, d1 - d0, false, s.data() + t * G * max_scores, sums.data() + t * GR,
+                  acc.data(), buf.data());
+      }
+    });
+    return;
+  }
+  // Whole tasks across threads, once a task is big enough to pay for waking them (a hundred keys or
+  // so at GQA 3, head size 64).
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, mean * G * hd));
-  at::parallel_for(0, C * KV, grain, [&](int64_t begin, int64_t end) {
-    const int64_t GR = max_rows * G;  // query rows of a task at most
-    std::vector<float> qf(GR * hd), s(G * max_scores), acc(GR * hd), sums(GR),
-        buf(std::is_same_v<KT, int8_t> ? RB * hd : 0);
-    for (const auto ch : c10::irange(begin, end)) {
-      const int64_t c = ch / KV, h = ch % KV, b0 = first[c], R = first[c + 1] - b0, Q = R * G;
-      int64_t start, L;
-      span(c, start, L);
-      const int64_t keys = L - start;  // s's row stride: row r * G + j, key p at column p - start
-      const int32_t* table = tp + (b0 + R - 1) * W;  // the chunk's last row's
-      const int64_t qs = q.stride(2);
-      for (const auto r : c10::irange(R)) {
-        const T* qb = qp + (b0 + r) * q.stride(0) + h * q.stride(1);
-        for (const auto j : c10::irange(G)) {
-          for (const auto d : c10::irange(hd)) qf[(r * G + j) * hd + d] = static_cast<float>(qb[j * qs + d]);
-        }
-      }
-      // Row r sees keys [lo_r, hi_r): lo_r rises with r under a window, hi_r = lens[b0 + r].
-      const auto lo_of = [&](int64_t r) { return window_start(lp[b0 + r], window); };
-      const auto hi_of = [&](int64_t r) { return static_cast<int64_t>(lp[b0 + r]); };
-      // Blocks i0 .. nb - 1 hold the keys seen; the sweep reads them for the keys, then for the values,
-      // and asks for a few ahead of the one it reads.
-      const int64_t i0 = start / bs, nb = (L + bs - 1) / bs, nk = nb - i0;
-      const auto rows_of = [&](int64_t i, int64_t& lo, int64_t& n) {
-        lo = std::max(start, i * bs);
-        n = std::min(L, (i + 1) * bs) - lo;
-      };
-      const auto ahead = [&](int64_t n) {
-        if (n >= 2 * nk) return;
-        const bool value = n >= nk;
-        const int64_t i = i0 + (value ? n - nk : n);
-        int64_t lo, rows;
-        rows_of(i, lo, rows);
-        const at::Tensor& pool = value ? vp : kp;
-        prefetch_block((value ? vpp : kpp) + table[i] * pool.stride(0) + h * pool.stride(1) + (lo - i * bs) * pool.stride(2),
-                       rows, pool.stride(2), hd);
-      };
-      for (int64_t a = 0; a < PREFETCH_BLOCKS; ++a) ahead(a);
-      for (int64_t i = i0; i < nb; ++i) {  // every row's scores over every key of the chunk
-        int64_t lo, n;
-        rows_of(i, lo, n);
-        ahead(i - i0 + PREFETCH_BLOCKS);
-        const int64_t r0 = lo - i * bs;  // the block's first row seen
-        const KT* kb = kpp + table[i] * kp.stride(0) + h * kp.stride(1) + r0 * kp.stride(2);
-        const float* ksc = rs.k == nullptr ? nullptr : rs.k + table[i] * rs.ks[0] + h * rs.ks[1] + r0 * rs.ks[2];
-        scores_rows<KT, NV>(qf.data(), Q, kb, kp.stride(2), n, hd, hv, sc, s.data() + (lo - start), keys,
-                            ksc, ksc ? rs.ks[2] : 0, buf.data());
-      }
-      for (const auto r : c10::irange(R)) {  // each row's softmax over its own keys
-        for (const auto j : c10::irange(G)) {
-          sums[r * G + j] = softmax_row<T>(s.data() + (r * G + j) * keys + (lo_of(r) - start), hi_of(r) - lo_of(r));
-        }
-      }
-      std::fill(acc.begin(), acc.begin() + Q * hd, 0.f);
-      // Values [a, e) of one block (its first row seen r0 at position lo) into rows [r, r + rn)'s
-      // accumulators, after what they hold.
-      const auto weigh_part = [&](int64_t i, int64_t a, int64_t e, int64_t r, int64_t rn) {
-        if (a >= e) return;
-        const int64_t r0 = a - i * bs;
-        const KT* vb = vpp + table[i] * vp.stride(0) + h * vp.stride(1) + r0 * vp.stride(2);
-        const float* vsc = rs.v == nullptr ? nullptr : rs.v + table[i] * rs.vs[0] + h * rs.vs[1] + r0 * rs.vs[2];
-        weigh_rows<KT, NV>(s.data() + r * G * keys + (a - start), rn * G, vb, vp.stride(2), e - a, hd, hv,
-                           acc.data() + r * G * hd, keys, true, vsc, vsc ? rs.vs[2] : 0, buf.data());
-      };
-      for (int64_t i = i0; i < nb; ++i) {
-        int64_t lo, n;
-        rows_of(i, lo, n);
-        ahead(nk + i - i0 + PREFETCH_BLOCKS);
-        // The keys every row sees, [shared_lo, shared_hi), once for all rows; each row's own before and
-        // after them: per row, in order of position.
-        const int64_t shared_lo = std::max(lo, lo_of(R - 1)), shared_hi = std::min(lo + n, hi_of(0));
-        if (shared_lo >= shared_hi) {
-          for (const auto r : c10::irange(R)) weigh_part(i, std::max(lo, lo_of(r)), std::min(lo + n, hi_of(r)), r, 1);
-          continue;
-        }
-        for (const auto r : c10::irange(R)) weigh_part(i, std::max(lo, lo_of(r)), shared_lo, r, 1);
-        weigh_part(i, shared_lo, shared_hi, 0, R);
-        for (const auto r : c10::irange(R)) weigh_part(i, shared_hi, std::min(lo + n, hi_of(r)), r, 1);
-      }
-      for (const auto r : c10::irange(R)) {
-        T* yb = yp + ((b0 + r) * KV + h) * G * hd;
-        for (const auto j : c10::irange(G)) {
-          const float inv = 1.f / sums[r * G + j];
-          for (const auto d : c10::irange(hd)) yb[j * hd + d] = static_cast<T>(acc[(r * G + j) * hd + d] * inv);
-        }
-      }
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(GR * hd), s(G * max_scores), acc(GR * hd), sums(GR), buf(buf_size);
+    for (const auto t : c10::irange(begin, end)) {
+      const Chunk k = chunk(t / KV);
+      const int64_t h = t % KV;
+      load_queries(k, h, qf.data());
+      score_blocks(k, h, k.i0, k.nb, true, qf.data(), s.data(), buf.data());
+      softmax(k, s.data(), sums.data());
+      weigh_out(k, h, 0, hd, true, s.data(), sums.data(), acc.data(), buf.data());
     }
   });
 }
