@@ -298,7 +298,7 @@ LIBRARY = native.NativeLibrary(
     ("int8_group_mm", "int8_group_gemm", "int4_group_mm", "int4_group_gemm", "int4_group_dequant",
      "int4_q8_mm", "int4_q8_mm_isa", "int8_q8_mm", "int8_q8_mm_isa", "q8_isa",
      "gguf_mm", "gguf_gemm", "gguf_dequant"),
-    _register_fakes, headers=(_CSRC / "panel_gemm.h", _CSRC / "fp32_vec.h"),
+    _register_fakes, headers=(_CSRC / "panel_gemm.h", _CSRC / "fp32_vec.h", _CSRC / "parallel_rows.h"),
 )
 
 def _native_cpu_unsupported(target: Target, act_dtype: torch.dtype) -> str | None:

@@ -34,6 +34,7 @@
 
 #include "fp32_vec.h"
 #include "panel_gemm.h"
+#include "parallel_rows.h"
 
 namespace {
 
@@ -311,7 +312,7 @@ template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB>
 void mm_blocks(const float* x, const float* xsum, const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y) {
   constexpr int64_t NS = BLOCK / SUB;
   const int64_t nb = K / BLOCK, row_bytes = nb * BYTES, nsub = K / SUB;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  localllm::parallel_chunks(N, 16, [&](int64_t begin, int64_t end) {
     alignas(64) int8_t q[BLOCK];
     float scale[NS], offset[NS];
     if (M == 1) {  // decode: one activation row, accumulators in registers

@@ -30,6 +30,7 @@
 
 #include "fp32_vec.h"
 #include "panel_gemm.h"
+#include "parallel_rows.h"
 
 #ifndef PREFETCH
 #define PREFETCH 2048  // bytes ahead of the codes being read
@@ -134,7 +135,7 @@ void mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int6
   const int64_t ns = scales.size(1);  // ng, or 1: one scale a row (the groups are then only how the sums run)
   const int64_t gv = group / VS;
   T* yp = y.data_ptr<T>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  localllm::parallel_chunks(N, 64, [&](int64_t begin, int64_t end) {
     float out[MAX_M];
     for (const auto n : c10::irange(begin, end)) {
       const int8_t* qn = qp + n * K;
