@@ -3,7 +3,7 @@
 steps, through the one generation path (the batch engine of one sequence that `run` uses).
 
     .venv/bin/python scripts/decode_by_context.py [--model smollm2] [--contexts 16,128,512,1024] [--threads 2]
-        [--build]
+        [--build] [--speculate on|off]
 
 For each prompt length, --tokens greedy tokens after it (end-of-sequence ignored), medians of
 --rounds of the request's decode tok/s (after the first token: ``GenerationStats.decode_tps``, what
@@ -11,7 +11,8 @@ For each prompt length, --tokens greedy tokens after it (end-of-sequence ignored
 ``compile="auto"`` (the compiled step when the model's is built: ``localllm compile MODEL``, or
 ``--build`` to build it now, about a minute once; without one its column says "eager") and
 ``compile=False``. No prefix cache: every round prefills its whole prompt. A row says when the two
-engines' greedy tokens differ.
+engines' greedy tokens differ. The prompt repeats one sentence, which prompt lookup drafts from, so
+speculation is off unless ``--speculate on``: the figures are then the decode step's, one token a step.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--build", action="store_true", help="build the compiled step now if it is missing")
+    ap.add_argument("--speculate", choices=["on", "off"], default="off",
+                    help="speculative decoding (off: one token a step; the prompt repeats, so drafts would pay)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
@@ -54,13 +57,15 @@ def main() -> None:
     ids = lm.tokenizer.encode(TEXT)
     ids = (ids * (max(contexts) // len(ids) + 1))[: max(contexts)]
     ctx = max(contexts) + args.tokens + 16
-    compiled = sequence_engine(lm.model, ctx, compile=True if args.build else "auto", prefix_cache=False)
-    eager = sequence_engine(lm.model, ctx, prefix_cache=False)
+    speculate = args.speculate == "on"
+    compiled = sequence_engine(lm.model, ctx, compile=True if args.build else "auto", prefix_cache=False,
+                               speculate=speculate)
+    eager = sequence_engine(lm.model, ctx, prefix_cache=False, speculate=speculate)
     kind = "aot" if compiled.compiled else "eager"
     if not compiled.compiled:
         print(f"note: no compiled step runs ({compiled.compile_note or 'none built: `localllm compile MODEL`, or --build'})")
     print(f"{args.model}, {lm.model.dtype}, {args.threads} threads; decode tok/s, median of {args.rounds}, "
-          f"{args.tokens} tokens after the prompt")
+          f"{args.tokens} tokens after the prompt, speculation {args.speculate}")
     print(f"{'context':>8} {'compiled (' + kind + ')':>18} {'eager':>8}")
     for n in contexts:
         prompt = ids[:n]
