@@ -20,11 +20,12 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <vector>
+
+#include "parallel_rows.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -230,14 +231,9 @@ template <class Decode>
 void gemm(const float* x, int64_t M, int64_t K, int64_t N, int64_t kb, float* y, const Decode& decode) {
   const PackedRows xp(x, M, K);
   const int64_t T = (N + WIDTH - 1) / WIDTH, tasks = (T + NP - 1) / NP, pstride = kb * WIDTH, astride = M * WIDTH;
-  // Threads take tasks in turn from a shared counter rather than a fixed half each: on a machine
-  // whose cores run at different speeds from moment to moment, a static split leaves one core
-  // waiting for the other at the end of every call.
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  in_turn(tasks, [&](const auto& claim) {  // tasks in turn (parallel_rows.h)
     std::vector<float> scratch(WIDTH * kb), panels(NP * pstride), acc(K > kb ? NP * astride : 0);
-    for (int64_t task = next++; task < tasks; task = next++) {
+    for (int64_t task = claim(); task < tasks; task = claim()) {
       const int64_t t0 = task * NP, np = std::min(NP, T - t0);
       const bool whole = (t0 + np) * WIDTH <= N;  // every tile's 16 columns lie in y
       if (!whole && acc.empty()) acc.resize(NP * astride);
