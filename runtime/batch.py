@@ -40,7 +40,7 @@ from localllm.runtime.cuda_graphs import GraphedDecode
 from localllm.runtime.paged import PagedDecodeAttention, PagedSpanAttention, PagedStep, SeqChunk
 from localllm.runtime.compiled_step import CompiledDecode, find_step
 from localllm.runtime.constrain import Constraint, apply_masks
-from localllm.runtime.sampling import SamplingParams, greedy, sample, unit_random
+from localllm.runtime.sampling import SamplingParams, greedy, sample, top_k, unit_random
 from localllm.runtime.scheduler import Chunk, Scheduler, Sequence as Seq, Status
 from localllm.runtime.speculate import MAX_DRAFT, Acceptance, NgramIndex, Proposal, StepCosts, plan_drafts
 
@@ -559,7 +559,7 @@ class BatchEngine:
         """Each row's entry: ``lp`` (rows, V) log-probabilities, ``tokens`` the token of each row."""
         picked = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
         if top:
-            values, ids = lp.topk(top, dim=-1)
+            values, ids = top_k(lp, top)
             alts = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
         else:
             alts = [()] * len(tokens)

@@ -77,14 +77,17 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, t
     """Temperature, then top-k, top-p and min-p: the surviving candidates' scaled logits (B, n), -inf
     for those filtered out, and their token ids (B, n) (None: n is the whole vocabulary, in order).
 
-    With top-k the work is on k values, not the vocabulary: no full sort per token.
+    With top-k the work is on k values, not the vocabulary: no full sort per token, and the
+    temperature (which keeps the order) scales only the k kept.
     """
-    logits = logits.float() / p.temperature
     idx = None
     if p.top_k and p.top_k < logits.shape[-1]:
-        logits, idx = torch.topk(logits, p.top_k, dim=-1)  # sorted, descending
-    elif p.top_p < 1.0:
-        logits, idx = logits.sort(dim=-1, descending=True)
+        logits, idx = top_k(logits.float(), p.top_k)  # descending
+        logits = logits / p.temperature
+    else:
+        logits = logits.float() / p.temperature
+        if p.top_p < 1.0:
+            logits, idx = logits.sort(dim=-1, descending=True)
     if p.min_p > 0:  # prob < min_p * best prob  <=>  logit < best logit + log(min_p)
         logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + math.log(p.min_p), float("-inf"))
     if p.top_p < 1.0:  # candidates are sorted here
@@ -92,6 +95,53 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, t
         # Drop a token when the ones before it already reach top_p (the first one always stays).
         logits = logits.masked_fill(probs.cumsum(-1) - probs >= p.top_p, float("-inf"))
     return logits, idx
+
+
+#: A vocabulary this large takes :func:`top_k`'s chunked search on the CPU; a smaller one, torch.topk.
+CHUNKED_VOCAB = 1 << 16
+CHUNK = 256
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest values (B, k), descending, and their token ids (B, k). Among equal
+    values the lower id comes first on the chunked search below; torch.topk orders them where it runs
+    (either way the same every time for the same logits, and the candidates' probabilities alike).
+
+    On the CPU torch.topk partially sorts a copy of the whole row, which over a 150k-260k-token
+    vocabulary costs more than all the rest of sampling a token. Here: the row's maxima per chunk of
+    CHUNK tokens, and the k-th largest of them (with the tail's values), ``floor``: at least k values
+    reach it, so every one of the k largest does, and only the chunks whose maximum reaches it are
+    searched. Rows whose floor is not finite (NaN, or fewer than k finite values, as under a grammar's
+    mask) or is reached in most chunks (many equal values) go to torch.topk, as do a small
+    vocabulary and another device.
+    """
+    B, V = logits.shape
+    chunks = V // CHUNK
+    if logits.device.type != "cpu" or V < CHUNKED_VOCAB or chunks < 4 * k:
+        return torch.topk(logits, k, dim=-1)
+    whole = chunks * CHUNK
+    blocks = logits[:, :whole].reshape(B, chunks, CHUNK)  # a view
+    maxima = blocks.amax(-1)  # (B, chunks)
+    tail = logits[:, whole:]  # (B, V - whole)
+    floor = torch.cat([maxima, tail], dim=-1).topk(k, dim=-1).values[:, -1:]  # (B, 1)
+    if not bool(torch.isfinite(floor).all()):
+        return torch.topk(logits, k, dim=-1)
+    values, ids = [], []
+    for b in range(B):
+        lo = floor[b]
+        held = (maxima[b] >= lo).nonzero().squeeze(1)  # chunks holding a value >= lo, ascending
+        if held.numel() > 8 * k:  # a row of many equal values: a search of the whole row anyway
+            return torch.topk(logits, k, dim=-1)
+        cand = blocks[b].index_select(0, held)  # (n, CHUNK)
+        at = (cand >= lo).nonzero()  # (m, 2), row-major: ascending ids
+        v, i = cand[at[:, 0], at[:, 1]], held[at[:, 0]] * CHUNK + at[:, 1]
+        if tail.shape[1]:
+            t = (tail[b] >= lo).nonzero().squeeze(1)
+            v, i = torch.cat([v, tail[b, t]]), torch.cat([i, t + whole])
+        order = v.sort(descending=True, stable=True).indices[:k]  # stable: equal values keep id order
+        values.append(v[order])
+        ids.append(i[order])
+    return torch.stack(values), torch.stack(ids)
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.runtime.sampling import SamplingParams, apply_repeat_penalty, filter_logits, greedy, sample, unit_random
+from localllm.runtime.sampling import (CHUNKED_VOCAB, SamplingParams, apply_repeat_penalty, filter_logits, greedy,
+                                       sample, top_k, unit_random)
 
 PROBS = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
 LOGITS = PROBS.log()
@@ -33,6 +34,41 @@ def test_greedy_takes_the_first_of_tied_maxima_over_a_large_vocabulary():
 
 def test_top_k():
     assert kept(SamplingParams(temperature=1, top_k=2, top_p=1)) == [0, 1]
+
+
+def test_top_k_over_a_large_vocabulary_is_torch_topk():
+    """The chunked search (a vocabulary of 64k tokens or more, on the CPU) finds what torch.topk
+    finds in every row of a batch: with a tail past the last whole chunk, the best token in it, and a
+    stretch of filtered (-inf) tokens."""
+    V = 151_936 + 77
+    assert V >= CHUNKED_VOCAB
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, V, generator=g) * 4
+    logits[1, V - 5] = 50.0
+    logits[2, :1000] = float("-inf")
+    values, ids = top_k(logits, 40)
+    ref = torch.topk(logits, 40, dim=-1)
+    assert torch.equal(values, ref.values) and torch.equal(ids, ref.indices)
+    assert ids[1, 0].item() == V - 5
+
+
+def test_top_k_puts_the_lower_id_first_among_equal_values():
+    logits = torch.rand(2, 262_144, generator=torch.Generator().manual_seed(1)) - 1.0  # in [-1, 0)
+    tied = [200_000, 7, 70_001, 131_072, 262_143, *range(1000, 1000 + 60 * 257, 257)]
+    logits[0, tied] = 3.0
+    logits[1, [100_000, 9]] = 5.0
+    logits[1, [262_000, 8, 99_999]] = 4.0
+    values, ids = top_k(logits, 40)
+    assert ids[0].tolist() == sorted(tied)[:40] and bool((values[0] == 3.0).all())
+    assert ids[1, :5].tolist() == [9, 100_000, 8, 99_999, 262_000]
+
+
+def test_top_k_with_fewer_finite_values_than_k():
+    """A grammar's mask can leave fewer allowed tokens than k: they come first, the rest are -inf."""
+    logits = torch.full((1, 131_072), float("-inf"))
+    logits[0, [5, 70_000, 9]] = torch.tensor([1.0, 3.0, 2.0])
+    values, ids = top_k(logits, 40)
+    assert ids[0, :3].tolist() == [70_000, 9, 5] and bool(torch.isinf(values[0, 3:]).all())
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
