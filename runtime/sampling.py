@@ -154,11 +154,24 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (B,) from logits (B, V), the first index on ties as ``argmax`` gives. On the
-    CPU ``max(-1)`` finds it faster than ``argmax`` over a large vocabulary (measured on a 262k one:
-    about a third of the time), which was a visible share of a small model's decode step."""
-    if logits.device.type == "cpu":
+    CPU, ``max(-1)`` finds it faster than ``argmax`` (about a third of the time over a 262k
+    vocabulary), and over a vocabulary of :data:`CHUNKED_VOCAB` or more the first chunk holding the
+    largest value, then the first place of it there, faster still."""
+    if logits.device.type != "cpu":
+        return logits.argmax(-1)
+    B, V = logits.shape
+    if V < CHUNKED_VOCAB:
         return logits.max(-1).indices
-    return logits.argmax(-1)
+    chunks = V // CHUNK
+    whole = chunks * CHUNK
+    blocks = logits[:, :whole].reshape(B, chunks, CHUNK)  # a view
+    best, at = blocks.amax(-1).max(-1)  # (B,): the largest value, and the first chunk holding it
+    within = blocks.gather(1, at[:, None, None].expand(B, 1, CHUNK))[:, 0].max(-1).indices
+    ids = at * CHUNK + within
+    if whole < V:  # the tail past the last whole chunk, where its best is larger (ties: the chunk's)
+        tail, tail_at = logits[:, whole:].max(-1)
+        ids = torch.where(tail > best, tail_at + whole, ids)
+    return ids
 
 
 def sample(

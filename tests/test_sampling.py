@@ -32,6 +32,16 @@ def test_greedy_takes_the_first_of_tied_maxima_over_a_large_vocabulary():
     assert greedy(logits).tolist() == logits.argmax(-1).tolist() == [5, 131071, 0]
 
 
+def test_greedy_with_a_tail_past_the_last_chunk():
+    """A vocabulary that is not a whole number of chunks: the tail's best wins when larger, the
+    chunk's (the lower id) when tied."""
+    V = 151_936 + 77
+    logits = torch.zeros(3, V)
+    logits[0, V - 3] = 1.0
+    logits[1, [V - 3, 4000]] = 1.0
+    assert greedy(logits).tolist() == logits.argmax(-1).tolist() == [V - 3, 4000, 0]
+
+
 def test_top_k():
     assert kept(SamplingParams(temperature=1, top_k=2, top_p=1)) == [0, 1]
 
