@@ -102,6 +102,13 @@ CHUNKED_VOCAB = 1 << 16
 CHUNK = 256
 
 
+def _chunked(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, V) as its whole chunks (B, V // CHUNK, CHUNK), a view, and the tail past them
+    (B, V % CHUNK), which starts at token id ``chunks * CHUNK``."""
+    whole = logits.shape[1] // CHUNK * CHUNK
+    return logits[:, :whole].reshape(logits.shape[0], -1, CHUNK), logits[:, whole:]
+
+
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k largest values (B, k), descending, and their token ids (B, k). Among equal
     values the lower id comes first on the chunked search below; torch.topk orders them where it runs
@@ -116,13 +123,11 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     vocabulary and another device.
     """
     B, V = logits.shape
-    chunks = V // CHUNK
-    if logits.device.type != "cpu" or V < CHUNKED_VOCAB or chunks < 4 * k:
+    if logits.device.type != "cpu" or V < CHUNKED_VOCAB or V // CHUNK < 4 * k:
         return torch.topk(logits, k, dim=-1)
-    whole = chunks * CHUNK
-    blocks = logits[:, :whole].reshape(B, chunks, CHUNK)  # a view
+    blocks, tail = _chunked(logits)
+    whole = blocks.shape[1] * CHUNK
     maxima = blocks.amax(-1)  # (B, chunks)
-    tail = logits[:, whole:]  # (B, V - whole)
     floor = torch.cat([maxima, tail], dim=-1).topk(k, dim=-1).values[:, -1:]  # (B, 1)
     if not bool(torch.isfinite(floor).all()):
         return torch.topk(logits, k, dim=-1)
@@ -162,15 +167,13 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     B, V = logits.shape
     if V < CHUNKED_VOCAB:
         return logits.max(-1).indices
-    chunks = V // CHUNK
-    whole = chunks * CHUNK
-    blocks = logits[:, :whole].reshape(B, chunks, CHUNK)  # a view
+    blocks, tail = _chunked(logits)
     best, at = blocks.amax(-1).max(-1)  # (B,): the largest value, and the first chunk holding it
     within = blocks.gather(1, at[:, None, None].expand(B, 1, CHUNK))[:, 0].max(-1).indices
     ids = at * CHUNK + within
-    if whole < V:  # the tail past the last whole chunk, where its best is larger (ties: the chunk's)
-        tail, tail_at = logits[:, whole:].max(-1)
-        ids = torch.where(tail > best, tail_at + whole, ids)
+    if tail.shape[1]:  # where the tail's best is larger (ties: the chunk's, the lower id)
+        tail_best, tail_at = tail.max(-1)
+        ids = torch.where(tail_best > best, tail_at + blocks.shape[1] * CHUNK, ids)
     return ids
 
 
