@@ -37,7 +37,7 @@ from localllm.runtime.block_manager import BlockManager
 from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_pool
 from localllm.runtime.model import Transformer, cache_rope_tables
 from localllm.runtime.cuda_graphs import GraphedDecode
-from localllm.runtime.paged import PagedDecodeAttention, PagedSpanAttention, PagedStep, SeqChunk
+from localllm.runtime.paged import PagedChunkAttention, PagedDecodeAttention, PagedSpanAttention, PagedStep, SeqChunk
 from localllm.runtime.compiled_step import CompiledDecode, find_step
 from localllm.runtime.constrain import Constraint, apply_masks
 from localllm.runtime.sampling import SamplingParams, greedy, sample, top_k, unit_random
@@ -278,10 +278,12 @@ class BatchEngine:
         cos, sin = cache_rope_tables(config, self.max_seq_len, self.device)
         self._cos, self._sin = cos.to(model.dtype), sin.to(model.dtype)  # (max_seq_len, rot), 2 * rot with local ones
         self.kernel: PagedDecodeAttention | PagedSpanAttention | None = None
+        self.chunk: PagedChunkAttention | None = None  # prefill chunks' attention beside a decode kernel
         if attention == "auto" and self.device.type == "cpu":
             from localllm.runtime import cpu_attention
 
             self.kernel = cpu_attention.paged_kernel()
+            self.chunk = cpu_attention.chunk_kernel(config.head_dim)
         elif attention == "auto" and self.device.type == "cuda":
             from localllm.runtime import cuda_attention
 
@@ -474,7 +476,7 @@ class BatchEngine:
         specs = [SeqChunk([*c.seq.token_ids[c.start : c.start + c.length - c.draft], *c.seq.draft[: c.draft]],
                           c.start, c.seq.table.groups[0], c.samples, tuple(c.seq.table.groups[1:]), c.draft > 0)
                  for c in chunks]
-        step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel)
+        step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel, self.chunk)
         # Each request's logits rows: one, or a verify chunk's 1 + len(draft).
         spans, row = [], 0
         for r in requests:

@@ -271,10 +271,11 @@ def paged_attention(
 
     The new keys/values are written to their slots first; then each sequence's queries attend over
     its own context: single queries through the step's paged kernel (one call for all of them) when it
+    has one, each prefill chunk through the step's chunk kernel (fp32 queries over a float pool) when it
     has one, the rest through SDPA over keys/values gathered from their blocks. In a sliding-window
-    layer a sequence whose context the window cuts goes to SDPA, over the blocks that hold its window
-    with a mask (the pool has given back the blocks before them: :mod:`runtime.kv_pool`).
-    Soft-capped scores (Gemma 2 style) never take the kernel.
+    layer a sequence whose context the window cuts reads only the blocks that hold its window (the pool
+    has given back the blocks before them: :mod:`runtime.kv_pool`), SDPA with a mask.
+    Soft-capped scores (Gemma 2 style) never take a kernel.
     """
     if isinstance(layer.k, QuantKV):  # an int8 pool holds keys rotated (runtime.cache.key_rotation)
         out_dtype = q.dtype
@@ -312,8 +313,16 @@ def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: P
     y = q.new_empty(N, H, hd)
     if decode is not None:
         y.index_copy_(0, split.decode_rows, decode.reshape(-1, H, hd))
+    # the step's chunk kernel reads float pools in place for fp32 queries (SDPA rounds 16-bit ones its own way)
+    chunk = step.chunk if softcap is None and isinstance(kp, torch.Tensor) and q.dtype == torch.float32 else None
     for span in split.sdpa_spans:
         first = step.first_block(span, layer.window)  # blocks before it hold no key the queries see
+        if chunk is not None:
+            rows = qt[span.row : span.row + span.length].reshape(span.length, KV, H // KV, hd)
+            y[span.row : span.row + span.length] = chunk(
+                rows, kp, vp, span.blocks[first:], first, span.context - span.length, layer.window,
+                scale if scale is not None else hd ** -0.5).view(span.length, H, hd)
+            continue
         ks, vs = gather(kp, vp, span.blocks[first:], span.context - first * step.pool.block_size, q.dtype)
         qs = q[:, :, span.row : span.row + span.length]  # (1, H, n, hd)
         mask = step.mask(span, layer.window, first)

@@ -18,8 +18,10 @@ Attention per sequence (``runtime.model.paged_attention``) takes one of two kind
 
 * a *decode* kernel (:data:`PagedDecodeAttention`, the CPU's :mod:`runtime.cpu_attention`) runs the
   sequences with one query this step, all of them in one call, each layer passing its own window (the
-  kernel reads only the keys a query sees); the others (prefill chunks) gather their keys/values from
-  their blocks and run SDPA, causal within the chunk with all earlier context visible;
+  kernel reads only the keys a query sees); the others (prefill chunks) go through the step's *chunk*
+  kernel (:data:`PagedChunkAttention`, the CPU's), a call per chunk reading its blocks in place, or,
+  without one, gather their keys/values from their blocks and run SDPA, causal within the chunk with
+  all earlier context visible;
 * a *span* kernel (:data:`PagedSpanAttention`, CUDA's :mod:`runtime.cuda_attention`) runs every span of
   the step in one call, prefill chunks over cached prefixes included, in tiles of consecutive rows of
   one sequence: nothing is gathered.
@@ -56,6 +58,15 @@ PagedSpanAttention = Callable[
     [torch.Tensor, torch.Tensor | QuantKV, torch.Tensor | QuantKV, torch.Tensor, torch.Tensor, int | None,
      torch.Tensor, int],
     torch.Tensor]
+
+
+#: Attention of one sequence's chunk of consecutive query rows over its blocks, read in place: ``fn(q
+#: (n, KV, G, hd), k_pool, v_pool, blocks (nb,) long (the sequence's table from block ``first`` on),
+#: first, q_pos (position of q's first row), window (None: every earlier key), scale) -> (n, KV, G,
+#: hd)``, row i seeing the keys up to position q_pos + i. What a decode kernel's step runs its prefill
+#: chunks through, where it has one (the CPU's :mod:`runtime.cpu_attention`).
+PagedChunkAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int | None, float], torch.Tensor]
 
 
 def takes_spans(kernel: object) -> bool:
@@ -136,6 +147,8 @@ class PagedStep:
     #: An int8 pool's key rotation (:func:`runtime.cache.key_rotation`), when the step is handed it
     #: as a tensor (the compiled step: a traced step may not make it); None: looked up.
     rotation: torch.Tensor | None = None
+    #: What the prefill chunks of a decode kernel's step attend through (None: SDPA over gathered blocks).
+    chunk: PagedChunkAttention | None = None
 
     def __init__(
         self,
@@ -150,8 +163,10 @@ class PagedStep:
         kernel: PagedDecodeAttention | PagedSpanAttention | None = None,
         # a span kernel's lens (S,), tiles (T, 4), rows per tile and block tables (S, W), int32 (build)
         span_meta: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None,
+        chunk: PagedChunkAttention | None = None,
     ) -> None:
         self.pool = pool
+        self.chunk = chunk
         self._span_meta = span_meta
         self.positions, self.cos, self.sin = positions, cos, sin
         self.write_blocks, self.write_rows = write_blocks, write_rows
@@ -250,6 +265,7 @@ class PagedStep:
         cos_table: torch.Tensor,  # (max_seq, hd)
         sin_table: torch.Tensor,  # (max_seq, hd)
         kernel: PagedDecodeAttention | PagedSpanAttention | None = None,
+        chunk: PagedChunkAttention | None = None,
     ) -> tuple["PagedStep", torch.Tensor]:
         """The step for ``chunks`` (rows in their order) and its input ids (1, N)."""
         device = cos_table.device
@@ -320,7 +336,7 @@ class PagedStep:
         for g in range(n_groups):
             wb, blocks = parts[4 + 2 * g], parts[5 + 2 * g]
             spans = [SeqSpan(row, n, end, blocks[a[g] : a[g] + used]) for row, n, end, a, used in spans_at]
-            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel, metas[g]))
+            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel, metas[g], chunk))
         if n_groups > 1:
             steps[0].groups = tuple(steps)
         return steps[0], ids_t.view(1, N)

@@ -1,8 +1,9 @@
 """Attention over the paged KV pool: the C++ paged decode kernel against float64 attention (as accurate
 as SDPA) and SDPA over gathered blocks (fp32 tight, bf16 loose), with scattered blocks, non-full last
 blocks, different lengths and sliding windows (blocks before a window never read); a kv group's heads
-round as each alone; threads change no bit; bad tables refused; and the model's paged steps giving
-the full forward's logits, with and without the kernel."""
+round as each alone; threads change no bit; bad tables refused; the chunk kernel (a prefill chunk's
+rows) against float64 attention over float, fp16 and bf16 pools, its rows' bits the same in any
+chunking; and the model's paged steps giving the full forward's logits, with and without the kernels."""
 
 from __future__ import annotations
 
@@ -225,6 +226,93 @@ def test_paged_kernel_refuses_bad_tables():
         cpu_attention.paged_decode_attention(q.int(), k_pool.int(), v_pool.int(), table, ctx)
 
 
+def chunk_case(dtype, kv, g, hd, bs, n, q_pos, window, seed=0):
+    """A chunk of n rows at q_pos over shuffled blocks of a pool of ``dtype``: q (n, KV, G, hd), the
+    pools, the table from the first block a row reads on, that block's index; the rows of the last
+    block past the context are NaN (never written), as are the table's entries before it (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = q_pos + n
+    nb = -(-ctx // bs)
+    k_pool = (torch.randn(nb + 5, kv, bs, hd, generator=gen) * 2).to(dtype)
+    v_pool = torch.randn(nb + 5, kv, bs, hd, generator=gen).to(dtype)
+    table = torch.randperm(nb + 5, generator=gen)[:nb]
+    if ctx % bs:
+        k_pool[table[-1], :, ctx % bs :] = float("nan")
+        v_pool[table[-1], :, ctx % bs :] = float("nan")
+    first = 0 if window is None else max(0, q_pos - window + 1) // bs
+    q = torch.randn(n, kv, g, hd, generator=gen)
+    return q, k_pool, v_pool, table[first:], first
+
+
+def chunk_reference(q, k_pool, v_pool, blocks, first, q_pos, window):
+    """The chunk's attention in float64 over its gathered keys, with the causal (and window) mask."""
+    n, kv, g, hd = q.shape
+    bs = k_pool.shape[2]
+    ks, vs = gather(k_pool, v_pool, blocks, q_pos + n - first * bs, torch.float32)  # (1, KV, L, hd)
+    keys = torch.arange(first * bs, q_pos + n)[None, :]
+    rows = torch.arange(q_pos, q_pos + n)[:, None]
+    seen = (keys <= rows) & (keys > rows - window if window is not None else True)  # (n, L)
+    s = torch.einsum("nkgd,kld->kgnl", q.double(), ks[0].double()) / math.sqrt(hd)
+    p = s.masked_fill(~seen, float("-inf")).softmax(-1)
+    return torch.einsum("kgnl,kld->nkgd", p, vs[0].double())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv,g,hd,bs", [(1, 4, 256, 16), (3, 3, 64, 16), (2, 1, 32, 8), (2, 2, 48, 12)])
+@pytest.mark.parametrize("n,q_pos,window", [(1, 0, None), (130, 0, None), (40, 300, None), (90, 200, 37),
+                                            (300, 0, 64)])
+def test_chunk_kernel_matches_float64_attention(dtype, kv, g, hd, bs, n, q_pos, window):
+    """A prefill chunk's rows, from position 0 or after a cached prefix, causal among themselves, under
+    a window or not, GQA groups, block sizes that do and do not divide into the kernel's 16-key chunks:
+    float64 attention's values to fp32 rounding, unwritten (NaN) rows and released blocks never read."""
+    assert cpu_attention.chunk_kernel(hd) is not None
+    q, k_pool, v_pool, blocks, first = chunk_case(dtype, kv, g, hd, bs, n, q_pos, window)
+    got = cpu_attention.paged_chunk_attention(q, k_pool, v_pool, blocks, first, q_pos, window, hd ** -0.5)
+    want = chunk_reference(q, k_pool, v_pool, blocks, first, q_pos, window)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 24])
+def test_chunk_rows_have_their_bits_in_any_chunking(window):
+    """A prompt's rows attended whole, in three chunks (as a chunked prefill or a prefix-cache hit
+    runs them), or on one thread: the same bits, row for row."""
+    q, k_pool, v_pool, blocks, _ = chunk_case(torch.float32, 2, 3, 64, 16, 100, 0, None)
+    assert cpu_attention.chunk_kernel(64) is not None
+    whole = cpu_attention.paged_chunk_attention(q, k_pool, v_pool, blocks, 0, 0, window, 0.125)
+    for a, b in [(0, 37), (37, 38), (38, 100)]:
+        first = 0 if window is None else max(0, a - window + 1) // 16
+        part = cpu_attention.paged_chunk_attention(q[a:b], k_pool, v_pool, blocks[first:], first, a, window, 0.125)
+        assert torch.equal(part, whole[a:b])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_attention.paged_chunk_attention(q, k_pool, v_pool, blocks, 0, 0, window, 0.125), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_chunk_kernel_refuses_what_it_cannot_read():
+    """Head dims that are not whole 16-key panels get no chunk kernel (SDPA runs); a table too short
+    for the chunk, one that starts after a row's oldest key or names a block outside the pool is an
+    error, not a read of memory that is not the pool's."""
+    assert cpu_attention.chunk_kernel(40) is None and cpu_attention.chunk_kernel(64) is not None
+    q, k_pool, v_pool, blocks, _ = chunk_case(torch.float32, 2, 2, 32, 16, 40, 20, None)
+    with pytest.raises(RuntimeError, match="the table is too short"):
+        cpu_attention.paged_chunk_attention(q, k_pool, v_pool, blocks[:2], 0, 20, None, 0.2)
+    with pytest.raises(RuntimeError, match="after the oldest key"):
+        cpu_attention.paged_chunk_attention(q, k_pool, v_pool, blocks[1:], 1, 20, None, 0.2)
+    bad = blocks.clone()
+    bad[1] = k_pool.shape[0]
+    with pytest.raises(RuntimeError, match="is not in the pool"):
+        cpu_attention.paged_chunk_attention(q, k_pool, v_pool, bad, 0, 20, None, 0.2)
+    with pytest.raises(RuntimeError, match="not a multiple of 16"):
+        cpu_attention.paged_chunk_attention(q[..., :8], k_pool[..., :8], v_pool[..., :8], blocks, 0, 20, None, 0.2)
+
+
 @pytest.fixture(scope="module")
 def lm(tiny_folder):
     from localllm.loaders.load import load_model
@@ -238,7 +326,7 @@ P1, P2 = [(7 * i) % 300 + 3 for i in range(40)], [200, 11, 64, 9, 31, 5, 77]
 T1, T2 = [3, 1, 7], [4]
 
 
-def three_paged_steps(model, kv_dtype: str, kernel) -> tuple[KVPool, list[torch.Tensor]]:  # type: ignore[no-untyped-def]
+def three_paged_steps(model, kv_dtype: str, kernel, chunk=None) -> tuple[KVPool, list[torch.Tensor]]:  # type: ignore[no-untyped-def]
     """P1 and P2 through three paged steps over a fresh pool of ``kv_dtype``: P1's first 20 tokens
     beside all of P2; the rest of P1 beside P2's decode token 9; decode tokens 11 and 12. The pool,
     and each step's logits (S_out, vocab)."""
@@ -248,7 +336,7 @@ def three_paged_steps(model, kv_dtype: str, kernel) -> tuple[KVPool, list[torch.
     cos, sin = cos.to(model.dtype), sin.to(model.dtype)
 
     def run(chunks):
-        step, ids = PagedStep.build(pool, chunks, cos, sin, kernel)
+        step, ids = PagedStep.build(pool, chunks, cos, sin, kernel, chunk)
         with torch.inference_mode():
             return model(ids, step)[0]
 
@@ -257,16 +345,18 @@ def three_paged_steps(model, kv_dtype: str, kernel) -> tuple[KVPool, list[torch.
                   run([SeqChunk([11], 40, T1, True), SeqChunk([12], 8, T2, True)])]
 
 
-@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+@pytest.mark.parametrize("attention", ["kernels", "kernel", "sdpa"])
 def test_paged_forward_gives_the_full_forwards_logits(lm, attention):
     """Two sequences through three paged steps (a first chunk beside a whole prompt; the rest of the
     prompt beside a decode token; two decode tokens), blocks scattered: each row's logits are those of
-    a whole cache-less forward of that sequence, and the pool holds the keys where the tables say."""
-    kernel = cpu_attention.paged_kernel() if attention == "kernel" else None
-    if attention == "kernel" and kernel is None:
+    a whole cache-less forward of that sequence, and the pool holds the keys where the tables say;
+    with the decode and chunk kernels (the engine's CPU steps), the decode kernel alone, or SDPA."""
+    kernel = cpu_attention.paged_kernel() if attention != "sdpa" else None
+    chunk = cpu_attention.chunk_kernel(lm.config.head_dim) if attention == "kernels" else None
+    if attention != "sdpa" and kernel is None:
         pytest.skip("no C++ kernel here")
     model = lm.model
-    pool, (s1, s2, s3) = three_paged_steps(model, "16bit", kernel)
+    pool, (s1, s2, s3) = three_paged_steps(model, "16bit", kernel, chunk)
     with torch.inference_mode():
         full1 = model(torch.tensor([P1 + [11]]))[0]  # (41, vocab)
         full2 = model(torch.tensor([P2 + [9, 12]]))[0]  # (9, vocab)

@@ -1,0 +1,288 @@
+// A prefill chunk's attention on the CPU, over its sequence's keys and values where they lie in the
+// paged KV pool: the rows of one sequence at consecutive positions, each seeing the keys up to its own
+// position (and, in a sliding-window layer, no older than its window), the chunk's own keys included
+// (the step writes them to the pool first).
+//
+// What it replaces: a gather of the sequence's whole history out of its blocks (a copy of every key and
+// value, per layer) and torch's flash-attention kernel over the copy, whose GEMMs come from MKL (a
+// library that picks its own instructions) and which takes a materialised mask for any chunk that does
+// not start at position 0 or that a window cuts. Here the keys are read in place, 16 at a time,
+// through the fp32 register tiles of the quantized GEMMs (quant/csrc/panel_gemm.h): a tile of query
+// rows (every head of one kv head's group) is multiplied by a chunk of 16 keys turned into a panel,
+// scores go through an online softmax (flash attention's running maximum and sum), and the
+// probabilities multiply the 16 value rows as they lie in the block. Chunks above a tile's last row, or
+// older than its first row's window, are never read.
+//
+// Each row's arithmetic depends only on its own position and the keys: chunks follow the pool's blocks
+// (16 keys at a time from each block's start), a chunk with no key a row sees leaves that row's state
+// untouched, and no sum runs across rows. So a row has the same bits whatever chunk of the prompt it
+// arrives in and whatever rows share its tile: a prompt prefilled whole or in chunks, or served from the
+// prefix cache in part, attends alike.
+//
+//   localllm::paged_chunk_attention(q (n, KV, G, hd) fp32, k_pool, v_pool (n_blocks, KV, block, hd) fp32,
+//       fp16 or bf16, blocks (nb,) long, first_pos, q_pos, window, scale) -> (n, KV, G, hd) fp32
+//
+// blocks: the sequence's block table from the block holding key position first_pos on (first_pos a
+// multiple of the block size); row i of q sits at position q_pos + i. window 0: every earlier key.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "../../quant/csrc/panel_gemm.h"
+
+namespace {
+
+namespace panel = localllm::panel;
+using panel::MR;
+using panel::NV;
+using panel::V;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t KC = panel::WIDTH;  // keys a chunk: one panel's columns
+constexpr int64_t VS = Vec::size();
+static_assert(KC % VS == 0, "a chunk's scores must be whole vectors");
+
+// s (R, KC) = q (R, hd) . kt (hd, KC): kt holds the chunk's keys as a panel (column j is key j).
+template <int R>
+inline void scores(const float* q, int64_t hd, const float* kt, float* s) {
+  V a[R][NV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) a[r][j] = panel::vset(0.f);
+  for (int64_t k = 0; k < hd; ++k) {
+    V w[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) w[j] = panel::vload(kt + k * KC + j * Vec::size());
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const V x = panel::vset(q[r * hd + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) a[r][j] = panel::vfma(w[j], x, a[r][j]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) panel::vstore(s + r * KC + j * Vec::size(), a[r][j]);
+}
+
+// acc (R, hd) += p (R, KC) . v (nv, hd), rows of v ld apart: KC columns of the output at a time in
+// registers, each value row's slice loaded once for the R rows.
+template <int R>
+inline void weigh(const float* p, const float* v, int64_t ld, int64_t nv, int64_t hd, float* acc) {
+  for (int64_t c = 0; c < hd; c += KC) {
+    V a[R][NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) a[r][j] = panel::vload(acc + r * hd + c + j * Vec::size());
+    for (int64_t k = 0; k < nv; ++k) {
+      V w[NV];
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) w[j] = panel::vload(v + k * ld + c + j * Vec::size());
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const V x = panel::vset(p[r * KC + k]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) a[r][j] = panel::vfma(w[j], x, a[r][j]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) panel::vstore(acc + r * hd + c + j * Vec::size(), a[r][j]);
+  }
+}
+
+// The two micro-kernels over Q query rows, MR at a time (R a compile-time constant in each call).
+template <int R>
+inline void scores_tail(int64_t left, const float* q, int64_t hd, const float* kt, float* s) {
+  if constexpr (R > 0) {
+    if (left == R) scores<R>(q, hd, kt, s);
+    else scores_tail<R - 1>(left, q, hd, kt, s);
+  }
+}
+
+template <int R>
+inline void weigh_tail(int64_t left, const float* p, const float* v, int64_t ld, int64_t nv, int64_t hd, float* acc) {
+  if constexpr (R > 0) {
+    if (left == R) weigh<R>(p, v, ld, nv, hd, acc);
+    else weigh_tail<R - 1>(left, p, v, ld, nv, hd, acc);
+  }
+}
+
+// n rows of src (T, ld apart) as fp32 rows hd apart into dst, and rows n .. KC - 1 zero.
+template <typename T>
+inline void rows_to_float(const T* src, int64_t ld, int64_t n, int64_t hd, float* dst) {
+  for (int64_t r = 0; r < n; ++r) {
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(dst + r * hd, src + r * ld, hd * sizeof(float));
+    } else {
+      for (int64_t d = 0; d < hd; ++d) dst[r * hd + d] = static_cast<float>(src[r * ld + d]);
+    }
+  }
+  std::fill(dst + n * hd, dst + KC * hd, 0.f);
+}
+
+struct Shape {
+  int64_t n, KV, G, hd, bs;
+};
+
+// One tile: rows r0 .. r1 - 1 of the chunk, the G heads of kv head h (query vector i = row r0 + i / G,
+// head i % G), over their keys chunk by chunk.
+template <typename T>
+void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64_t first_pos, int64_t q_pos,
+          int64_t window, float scale, const Shape& S, int64_t h, int64_t r0, int64_t r1, float* out,
+          std::vector<float>& buf) {
+  const int64_t G = S.G, hd = S.hd, bs = S.bs, Q = (r1 - r0) * G;
+  buf.resize(Q * hd * 2 + Q * KC * 2 + 2 * KC * hd + 2 * Q);
+  float* qs = buf.data();        // (Q, hd): the queries, times the scale
+  float* acc = qs + Q * hd;      // (Q, hd): sums of probability-weighted values
+  float* s = acc + Q * hd;       // (Q, KC): a chunk's scores, then probabilities
+  float* kt = s + Q * KC;        // (hd, KC): the chunk's keys as a panel
+  float* rows = kt + hd * KC;    // (KC, hd): a chunk's rows as fp32 (a 16-bit pool, a short chunk)
+  float* m = rows + KC * hd;     // (Q,): running maxima
+  float* l = m + Q;              // (Q,): running sums
+  for (int64_t i = 0; i < Q; ++i) {
+    const float* src = q + (((r0 + i / G) * S.KV + h) * G + i % G) * hd;
+    for (int64_t d = 0; d < hd; ++d) qs[i * hd + d] = src[d] * scale;
+  }
+  std::fill(acc, acc + Q * hd, 0.f);
+  std::fill(m, m + Q, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + Q, 0.f);
+  const int64_t lo = q_pos + r0, hi = q_pos + r1 - 1;  // the tile's first and last positions
+  const int64_t kfirst = window > 0 ? std::max<int64_t>(0, lo - window + 1) : 0;
+  const int64_t block_stride = S.KV * bs * hd;  // elements from one block to the next
+  for (int64_t b = kfirst / bs; b <= hi / bs; ++b) {
+    const int64_t id = blocks[b - first_pos / bs];
+    const T* kb = kp + id * block_stride + h * bs * hd;
+    const T* vb = vp + id * block_stride + h * bs * hd;
+    for (int64_t c0 = 0; c0 < bs; c0 += KC) {
+      const int64_t kpos = b * bs + c0;  // the chunk's first key position
+      if (kpos > hi) break;
+      const int64_t nv = std::min({KC, bs - c0, hi - kpos + 1});  // keys some row of the tile may see
+      if (kpos + nv <= kfirst) continue;
+      const float* kr = rows;
+      if (std::is_same_v<T, float> && nv == KC) kr = reinterpret_cast<const float*>(kb + c0 * hd);
+      else rows_to_float(kb + c0 * hd, hd, nv, hd, rows);
+      panel::transpose_rows(kr, hd, hd, kt);
+      for (int64_t i0 = 0; i0 < Q; i0 += MR) scores_tail<MR>(std::min<int64_t>(MR, Q - i0), qs + i0 * hd, hd, kt, s + i0 * KC);
+      for (int64_t i = 0; i < Q; ++i) {
+        float* si = s + i * KC;
+        const int64_t pos = q_pos + r0 + i / G;
+        const int64_t last = std::min(nv - 1, pos - kpos);                          // keys after it: unseen
+        const int64_t first = window > 0 ? std::max<int64_t>(0, pos - window + 1 - kpos) : 0;  // before: left
+        if (last < first) {  // no key of this chunk for this row: its state stays as it is
+          std::fill(si, si + KC, 0.f);
+          continue;
+        }
+        float cmax = si[first];
+        for (int64_t j = first + 1; j <= last; ++j) cmax = std::max(cmax, si[j]);
+        const float mnew = std::max(m[i], cmax);
+        if (mnew != m[i]) {  // a new maximum: rescale what the row has so far (nothing, the first time)
+          const float alpha = std::exp(m[i] - mnew);
+          l[i] *= alpha;
+          float* ai = acc + i * hd;
+          for (int64_t d = 0; d < hd; d += VS) (Vec::loadu(ai + d) * Vec(alpha)).store(ai + d);
+          m[i] = mnew;
+        }
+        for (int64_t j = 0; j < KC; ++j)
+          if (j < first || j > last) si[j] = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < KC; j += VS) (Vec::loadu(si + j) - Vec(mnew)).exp_u20().store(si + j);
+        float sum = 0.f;
+        for (int64_t j = first; j <= last; ++j) sum += si[j];
+        l[i] += sum;
+      }
+      const float* vr = rows;
+      int64_t ld = hd;
+      if constexpr (std::is_same_v<T, float>) {
+        vr = reinterpret_cast<const float*>(vb + c0 * hd);
+      } else {
+        rows_to_float(vb + c0 * hd, hd, nv, hd, rows);
+      }
+      for (int64_t i0 = 0; i0 < Q; i0 += MR)
+        weigh_tail<MR>(std::min<int64_t>(MR, Q - i0), s + i0 * KC, vr, ld, nv, hd, acc + i0 * hd);
+    }
+  }
+  for (int64_t i = 0; i < Q; ++i) {
+    float* dst = out + (((r0 + i / G) * S.KV + h) * G + i % G) * hd;
+    const Vec inv(1.f / l[i]);
+    for (int64_t d = 0; d < hd; d += VS) (Vec::loadu(acc + i * hd + d) * inv).store(dst + d);
+  }
+}
+
+template <typename T>
+void run(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64_t first_pos, int64_t q_pos,
+         int64_t window, float scale, const Shape& S, float* out) {
+  // Tiles of about four register tiles of query vectors; the heaviest (latest rows: most keys) first.
+  const int64_t rows = std::max<int64_t>(1, 4 * MR / S.G);
+  const int64_t tiles = (S.n + rows - 1) / rows, tasks = tiles * S.KV;
+  localllm::in_turn(tasks, [&](const auto& claim) {
+    std::vector<float> buf;
+    for (int64_t t = claim(); t < tasks; t = claim()) {
+      const int64_t tl = tiles - 1 - t / S.KV, h = t % S.KV;
+      tile<T>(q, kp, vp, blocks, first_pos, q_pos, window, scale, S, h, tl * rows, std::min(S.n, (tl + 1) * rows),
+              out, buf);
+    }
+  });
+}
+
+at::Tensor paged_chunk_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                 const at::Tensor& blocks, int64_t first_pos, int64_t q_pos, int64_t window,
+                                 double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "paged_chunk_attention: q must be (n, KV, G, hd) float32");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type(),
+              "paged_chunk_attention: k_pool, v_pool must be (n_blocks, KV, block, hd) alike");
+  TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kLong, "paged_chunk_attention: blocks must be (nb,) long");
+  const Shape S{q.size(0), q.size(1), q.size(2), q.size(3), k_pool.size(2)};
+  TORCH_CHECK(k_pool.size(1) == S.KV && k_pool.size(3) == S.hd, "paged_chunk_attention: q and the pool disagree on KV, hd");
+  TORCH_CHECK(S.hd % KC == 0, "paged_chunk_attention: head_dim ", S.hd, " is not a multiple of ", KC);
+  TORCH_CHECK(first_pos >= 0 && first_pos % S.bs == 0 && q_pos >= first_pos,
+              "paged_chunk_attention: first_pos must be a block start at or before q_pos");
+  TORCH_CHECK(blocks.size(0) * S.bs >= q_pos + S.n - first_pos, "paged_chunk_attention: the table is too short");
+  const at::Tensor qc = q.contiguous(), kc = k_pool.contiguous(), vc = v_pool.contiguous(), bc = blocks.contiguous();
+  at::Tensor out = at::empty(qc.sizes(), qc.options());
+  if (S.n == 0) return out;
+  const int64_t* bp = bc.data_ptr<int64_t>();
+  // The blocks the rows read: from the one holding row 0's oldest key to the one holding the last row.
+  const int64_t oldest = window > 0 ? std::max<int64_t>(0, q_pos - window + 1) : 0;
+  TORCH_CHECK(oldest / S.bs * S.bs >= first_pos, "paged_chunk_attention: the table starts at position ", first_pos,
+              ", after the oldest key the first row sees (", oldest, ")");
+  for (int64_t b = (oldest - first_pos) / S.bs; b <= (q_pos + S.n - 1 - first_pos) / S.bs; ++b)
+    TORCH_CHECK(bp[b] >= 0 && bp[b] < kc.size(0), "paged_chunk_attention: block id ", bp[b], " is not in the pool of ",
+                kc.size(0), " blocks");
+  const float* qp = qc.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  float* op = out.data_ptr<float>();
+  switch (kc.scalar_type()) {
+    case at::kFloat: run<float>(qp, kc.data_ptr<float>(), vc.data_ptr<float>(), bp, first_pos, q_pos, window, sc, S, op); break;
+    case at::kHalf: run<at::Half>(qp, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), bp, first_pos, q_pos, window, sc, S, op); break;
+    case at::kBFloat16:
+      run<at::BFloat16>(qp, kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(), bp, first_pos, q_pos, window, sc, S, op);
+      break;
+    default: TORCH_CHECK(false, "paged_chunk_attention: pools of ", kc.scalar_type(), " are not supported");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(localllm, m) {
+  m.def("paged_chunk_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor blocks, int first_pos, int q_pos, "
+        "int window, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(localllm, CPU, m) { m.impl("paged_chunk_attention", &paged_chunk_attention); }
