@@ -23,6 +23,13 @@ sides; `--also-variant default` for a checkout that has no `--speculate`), in th
 its own LOCALLLM_HOME). Every row runs from the filesystem's root, so that `python -m localllm`
 imports what PYTHONPATH names, never the current folder's package.
 
+Under `ATEN_CPU_CAPABILITY=avx2` (or `default`), the machine a user without AVX-512 has is played in
+full: torch's own kernels and localllm's take the narrower path by that variable, and this script
+holds MKL and oneDNN (which torch calls for SDPA's and fp32 linears' GEMMs, and which read only their
+own variables) to the same instructions with MKL_ENABLE_INSTRUCTIONS and ONEDNN_MAX_CPU_ISA, unless
+they are set already. Build llama-bench for that capability too (-DGGML_NATIVE=OFF -DGGML_AVX2=ON
+-DGGML_AVX512=OFF for avx2).
+
 The JSON goes to results/vs_llamacpp.json (an ignored folder) unless --json says otherwise.
 """
 
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import statistics
@@ -81,6 +89,20 @@ def localllm_row(model: str, prompt: str, tokens: int, threads: int, flags: list
             "step": step.group(1) if step else "?"}
 
 
+#: What MKL and oneDNN are held to under each narrower ATEN_CPU_CAPABILITY (their own ISA names).
+LIBRARY_ISA = {"avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+               "default": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"}}
+
+
+def hold_libraries_to_capability() -> dict[str, str]:
+    """Set (in this process's environment, which every row inherits) the MKL and oneDNN variables that
+    match ATEN_CPU_CAPABILITY, where the caller has not; returns what was set."""
+    wanted = LIBRARY_ISA.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower(), {})
+    chosen = {name: value for name, value in wanted.items() if name not in os.environ}
+    os.environ.update(chosen)
+    return chosen
+
+
 def llama_row(bench: str, model: str, prompt_tokens: int, tokens: int, threads: int) -> dict[str, float | str]:
     out = subprocess.run([bench, "-m", model, "-t", str(threads), "-p", str(prompt_tokens), "-n", str(tokens),
                           "-d", f"0,{prompt_tokens}", "-r", "1", "-o", "json"],
@@ -116,6 +138,9 @@ def main() -> None:
         from localllm.paths import default_model_gguf
 
         args.model = str(default_model_gguf())
+    held = hold_libraries_to_capability()
+    if held:
+        print("as ATEN_CPU_CAPABILITY says: " + " ".join(f"{k}={v}" for k, v in held.items()), file=sys.stderr)
     prompt = exact_prompt(args.model, args.prompt_tokens)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
@@ -152,8 +177,10 @@ def main() -> None:
                  if base else "")
         print(f"{name:14} {row['prefill_tok_s']:14.1f} {row['decode_tok_s']:13.1f}{ratio}   ({row['step']})")
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    isa = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", *LIBRARY_ISA["avx2"]) if k in os.environ}
     args.json.write_text(json.dumps({"model": args.model, "threads": args.threads, "tokens": args.tokens,
-                                     "prompt_tokens": args.prompt_tokens, "rounds": rounds, "medians": table},
+                                     "prompt_tokens": args.prompt_tokens, "isa": isa, "rounds": rounds,
+                                     "medians": table},
                                     indent=2))
     print(f"wrote {args.json}", file=sys.stderr)
 
