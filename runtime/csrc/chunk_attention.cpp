@@ -137,6 +137,38 @@ inline void rows_to_float(const T* src, int64_t ld, int64_t n, int64_t hd, float
   std::fill(dst + n * hd, dst + KC * hd, 0.f);
 }
 
+constexpr int64_t NC = KC / VS;  // vectors a chunk's scores
+
+// A row's scores si (KC) of which keys first .. last are its own (the others it does not see): folded
+// into its running maximum m and sum l, and its value sums acc (hd) rescaled when the maximum rises;
+// si becomes the probabilities (0 for the keys that are not its own). idx: the lanes' key indices.
+inline void online_softmax(float* si, int64_t first, int64_t last, const Vec* idx, float& m, float& l, float* acc,
+                           int64_t hd) {
+  Vec sc[NC];
+  const Vec lo(static_cast<float>(first)), hi(static_cast<float>(last)), none(-std::numeric_limits<float>::infinity());
+  const bool whole = first == 0 && last == KC - 1;
+  for (int64_t c = 0; c < NC; ++c) {
+    sc[c] = Vec::loadu(si + c * VS);
+    if (!whole) sc[c] = Vec::blendv(none, sc[c], (idx[c] >= lo) & (idx[c] <= hi));
+  }
+  Vec top = sc[0];
+  for (int64_t c = 1; c < NC; ++c) top = at::vec::maximum(top, sc[c]);
+  const float mnew = std::max(m, at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, top));
+  if (mnew != m) {  // a new maximum: rescale what the row has so far (nothing, the first time)
+    const float alpha = std::exp(m - mnew);
+    l *= alpha;
+    for (int64_t d = 0; d < hd; d += VS) (Vec::loadu(acc + d) * Vec(alpha)).store(acc + d);
+    m = mnew;
+  }
+  Vec sum(0.f);
+  for (int64_t c = 0; c < NC; ++c) {
+    const Vec p = (sc[c] - Vec(mnew)).exp_u20();  // exp(-inf) = 0: keys not its own weigh nothing
+    p.store(si + c * VS);
+    sum = sum + p;
+  }
+  l += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+}
+
 struct Shape {
   int64_t n, KV, G, hd, bs;
 };
@@ -163,6 +195,12 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
   std::fill(acc, acc + Q * hd, 0.f);
   std::fill(m, m + Q, -std::numeric_limits<float>::infinity());
   std::fill(l, l + Q, 0.f);
+  Vec idx[NC];
+  for (int64_t c = 0; c < NC; ++c) {
+    alignas(64) float lanes[VS];
+    for (int64_t j = 0; j < VS; ++j) lanes[j] = static_cast<float>(c * VS + j);
+    idx[c] = Vec::loadu(lanes);
+  }
   const int64_t lo = q_pos + r0, hi = q_pos + r1 - 1;  // the tile's first and last positions
   const int64_t kfirst = window > 0 ? std::max<int64_t>(0, lo - window + 1) : 0;
   const int64_t block_stride = S.KV * bs * hd;  // elements from one block to the next
@@ -189,22 +227,7 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
           std::fill(si, si + KC, 0.f);
           continue;
         }
-        float cmax = si[first];
-        for (int64_t j = first + 1; j <= last; ++j) cmax = std::max(cmax, si[j]);
-        const float mnew = std::max(m[i], cmax);
-        if (mnew != m[i]) {  // a new maximum: rescale what the row has so far (nothing, the first time)
-          const float alpha = std::exp(m[i] - mnew);
-          l[i] *= alpha;
-          float* ai = acc + i * hd;
-          for (int64_t d = 0; d < hd; d += VS) (Vec::loadu(ai + d) * Vec(alpha)).store(ai + d);
-          m[i] = mnew;
-        }
-        for (int64_t j = 0; j < KC; ++j)
-          if (j < first || j > last) si[j] = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < KC; j += VS) (Vec::loadu(si + j) - Vec(mnew)).exp_u20().store(si + j);
-        float sum = 0.f;
-        for (int64_t j = first; j <= last; ++j) sum += si[j];
-        l[i] += sum;
+        online_softmax(si, first, last, idx, m[i], l[i], acc + i * hd, hd);
       }
       const float* vr = rows;
       int64_t ld = hd;
@@ -228,7 +251,7 @@ template <typename T>
 void run(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64_t first_pos, int64_t q_pos,
          int64_t window, float scale, const Shape& S, float* out) {
   // Tiles of about four register tiles of query vectors; the heaviest (latest rows: most keys) first.
-  const int64_t rows = std::max<int64_t>(1, 4 * MR / S.G);
+  const int64_t rows = std::max<int64_t>(1, 8 * MR / S.G);
   const int64_t tiles = (S.n + rows - 1) / rows, tasks = tiles * S.KV;
   localllm::in_turn(tasks, [&](const auto& claim) {
     std::vector<float> buf;
