@@ -59,7 +59,7 @@ LIBRARY = native.NativeLibrary(
     headers=(_QUANT_CSRC / "panel_gemm.h", _QUANT_CSRC / "parallel_rows.h"),
 )
 
-#: Head dims the chunk kernel takes: whole panels of 16.
+#: The chunk kernel takes head dims that are multiples of this (whole 16-wide panels).
 CHUNK_HEAD_DIM = 16
 
 

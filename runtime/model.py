@@ -274,7 +274,7 @@ def paged_attention(
     has one, each prefill chunk through the step's chunk kernel (fp32 queries over a float pool) when it
     has one, the rest through SDPA over keys/values gathered from their blocks. In a sliding-window
     layer a sequence whose context the window cuts reads only the blocks that hold its window (the pool
-    has given back the blocks before them: :mod:`runtime.kv_pool`), SDPA with a mask.
+    has given back the blocks before them: :mod:`runtime.kv_pool`); SDPA takes a mask there.
     Soft-capped scores (Gemma 2 style) never take a kernel.
     """
     if isinstance(layer.k, QuantKV):  # an int8 pool holds keys rotated (runtime.cache.key_rotation)

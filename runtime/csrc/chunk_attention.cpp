@@ -54,6 +54,23 @@ constexpr int64_t KC = panel::WIDTH;  // keys a chunk: one panel's columns
 constexpr int64_t VS = Vec::size();
 static_assert(KC % VS == 0, "a chunk's scores must be whole vectors");
 
+// a[r] += sum over k < n of x[r * xs + k] * w[k * ws ..], w's rows NV vectors each: the register tile
+// both products below are made of (each w row loaded once for the R rows, one broadcast a row).
+template <int R>
+inline void fma_rows(V (&a)[R][NV], const float* x, int64_t xs, const float* w, int64_t ws, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    V wk[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) wk[j] = panel::vload(w + k * ws + j * Vec::size());
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const V xb = panel::vset(x[r * xs + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) a[r][j] = panel::vfma(wk[j], xb, a[r][j]);
+    }
+  }
+}
+
 // s (R, KC) = q (R, hd) . kt (hd, KC): kt holds the chunk's keys as a panel (column j is key j).
 template <int R>
 inline void scores(const float* q, int64_t hd, const float* kt, float* s) {
@@ -62,17 +79,7 @@ inline void scores(const float* q, int64_t hd, const float* kt, float* s) {
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) a[r][j] = panel::vset(0.f);
-  for (int64_t k = 0; k < hd; ++k) {
-    V w[NV];
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) w[j] = panel::vload(kt + k * KC + j * Vec::size());
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const V x = panel::vset(q[r * hd + k]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) a[r][j] = panel::vfma(w[j], x, a[r][j]);
-    }
-  }
+  fma_rows<R>(a, q, hd, kt, KC, hd);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
@@ -80,7 +87,7 @@ inline void scores(const float* q, int64_t hd, const float* kt, float* s) {
 }
 
 // acc (R, hd) += p (R, KC) . v (nv, hd), rows of v ld apart: KC columns of the output at a time in
-// registers, each value row's slice loaded once for the R rows.
+// registers.
 template <int R>
 inline void weigh(const float* p, const float* v, int64_t ld, int64_t nv, int64_t hd, float* acc) {
   for (int64_t c = 0; c < hd; c += KC) {
@@ -89,17 +96,7 @@ inline void weigh(const float* p, const float* v, int64_t ld, int64_t nv, int64_
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) a[r][j] = panel::vload(acc + r * hd + c + j * Vec::size());
-    for (int64_t k = 0; k < nv; ++k) {
-      V w[NV];
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) w[j] = panel::vload(v + k * ld + c + j * Vec::size());
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const V x = panel::vset(p[r * KC + k]);
-#pragma GCC unroll 4
-        for (int j = 0; j < NV; ++j) a[r][j] = panel::vfma(w[j], x, a[r][j]);
-      }
-    }
+    fma_rows<R>(a, p, KC, v + c, ld, nv);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
@@ -180,7 +177,7 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
           int64_t window, float scale, const Shape& S, int64_t h, int64_t r0, int64_t r1, float* out,
           std::vector<float>& buf) {
   const int64_t G = S.G, hd = S.hd, bs = S.bs, Q = (r1 - r0) * G;
-  buf.resize(Q * hd * 2 + Q * KC * 2 + 2 * KC * hd + 2 * Q);
+  buf.resize(2 * Q * hd + Q * KC + 2 * KC * hd + 2 * Q);
   float* qs = buf.data();        // (Q, hd): the queries, times the scale
   float* acc = qs + Q * hd;      // (Q, hd): sums of probability-weighted values
   float* s = acc + Q * hd;       // (Q, KC): a chunk's scores, then probabilities
@@ -213,9 +210,11 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
       if (kpos > hi) break;
       const int64_t nv = std::min({KC, bs - c0, hi - kpos + 1});  // keys some row of the tile may see
       if (kpos + nv <= kfirst) continue;
-      const float* kr = rows;
-      if (std::is_same_v<T, float> && nv == KC) kr = reinterpret_cast<const float*>(kb + c0 * hd);
-      else rows_to_float(kb + c0 * hd, hd, nv, hd, rows);
+      const float* kr = rows;  // the 16 key rows, fp32: in place when they are, else converted (or padded)
+      if constexpr (std::is_same_v<T, float>) {
+        if (nv == KC) kr = kb + c0 * hd;
+      }
+      if (kr == rows) rows_to_float(kb + c0 * hd, hd, nv, hd, rows);
       panel::transpose_rows(kr, hd, hd, kt);
       for (int64_t i0 = 0; i0 < Q; i0 += MR) scores_tail<MR>(std::min<int64_t>(MR, Q - i0), qs + i0 * hd, hd, kt, s + i0 * KC);
       for (int64_t i = 0; i < Q; ++i) {
@@ -229,15 +228,11 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
         }
         online_softmax(si, first, last, idx, m[i], l[i], acc + i * hd, hd);
       }
-      const float* vr = rows;
-      int64_t ld = hd;
-      if constexpr (std::is_same_v<T, float>) {
-        vr = reinterpret_cast<const float*>(vb + c0 * hd);
-      } else {
-        rows_to_float(vb + c0 * hd, hd, nv, hd, rows);
-      }
+      const float* vr = rows;  // the nv value rows, fp32: in place when they are, else converted
+      if constexpr (std::is_same_v<T, float>) vr = vb + c0 * hd;
+      else rows_to_float(vb + c0 * hd, hd, nv, hd, rows);
       for (int64_t i0 = 0; i0 < Q; i0 += MR)
-        weigh_tail<MR>(std::min<int64_t>(MR, Q - i0), s + i0 * KC, vr, ld, nv, hd, acc + i0 * hd);
+        weigh_tail<MR>(std::min<int64_t>(MR, Q - i0), s + i0 * KC, vr, hd, nv, hd, acc + i0 * hd);
     }
   }
   for (int64_t i = 0; i < Q; ++i) {
@@ -250,7 +245,7 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
 template <typename T>
 void run(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64_t first_pos, int64_t q_pos,
          int64_t window, float scale, const Shape& S, float* out) {
-  // Tiles of about four register tiles of query vectors; the heaviest (latest rows: most keys) first.
+  // Tiles of about eight register tiles of query vectors; the heaviest (latest rows: most keys) first.
   const int64_t rows = std::max<int64_t>(1, 8 * MR / S.G);
   const int64_t tiles = (S.n + rows - 1) / rows, tasks = tiles * S.KV;
   localllm::in_turn(tasks, [&](const auto& claim) {
