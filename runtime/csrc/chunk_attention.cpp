@@ -39,6 +39,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../../quant/csrc/panel_gemm.h"
@@ -104,20 +105,13 @@ inline void weigh(const float* p, const float* v, int64_t ld, int64_t nv, int64_
   }
 }
 
-// The two micro-kernels over Q query rows, MR at a time (R a compile-time constant in each call).
-template <int R>
-inline void scores_tail(int64_t left, const float* q, int64_t hd, const float* kt, float* s) {
+// f(std::integral_constant<int, left>) for 0 < left <= R: the micro-kernels take their row count as a
+// compile-time constant (each row's FMAs unroll into registers).
+template <int R, class F>
+inline void with_rows(int64_t left, const F& f) {
   if constexpr (R > 0) {
-    if (left == R) scores<R>(q, hd, kt, s);
-    else scores_tail<R - 1>(left, q, hd, kt, s);
-  }
-}
-
-template <int R>
-inline void weigh_tail(int64_t left, const float* p, const float* v, int64_t ld, int64_t nv, int64_t hd, float* acc) {
-  if constexpr (R > 0) {
-    if (left == R) weigh<R>(p, v, ld, nv, hd, acc);
-    else weigh_tail<R - 1>(left, p, v, ld, nv, hd, acc);
+    if (left == R) f(std::integral_constant<int, R>{});
+    else with_rows<R - 1>(left, f);
   }
 }
 
@@ -216,7 +210,8 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
       }
       if (kr == rows) rows_to_float(kb + c0 * hd, hd, nv, hd, rows);
       panel::transpose_rows(kr, hd, hd, kt);
-      for (int64_t i0 = 0; i0 < Q; i0 += MR) scores_tail<MR>(std::min<int64_t>(MR, Q - i0), qs + i0 * hd, hd, kt, s + i0 * KC);
+      for (int64_t i0 = 0; i0 < Q; i0 += MR)
+        with_rows<MR>(std::min<int64_t>(MR, Q - i0), [&](auto r) { scores<r>(qs + i0 * hd, hd, kt, s + i0 * KC); });
       for (int64_t i = 0; i < Q; ++i) {
         float* si = s + i * KC;
         const int64_t pos = q_pos + r0 + i / G;
@@ -232,7 +227,7 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
       if constexpr (std::is_same_v<T, float>) vr = vb + c0 * hd;
       else rows_to_float(vb + c0 * hd, hd, nv, hd, rows);
       for (int64_t i0 = 0; i0 < Q; i0 += MR)
-        weigh_tail<MR>(std::min<int64_t>(MR, Q - i0), s + i0 * KC, vr, hd, nv, hd, acc + i0 * hd);
+        with_rows<MR>(std::min<int64_t>(MR, Q - i0), [&](auto r) { weigh<r>(s + i0 * KC, vr, hd, nv, hd, acc + i0 * hd); });
     }
   }
   for (int64_t i = 0; i < Q; ++i) {
