@@ -113,13 +113,17 @@ def test_the_matmul_is_x_times_the_exact_weight(type_name):
 
 
 @needs_native
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "F16"])
-def test_panel_gemm_rows_do_not_depend_on_the_batch(type_name):
-    """Each row of a prefill-sized product bit for bit the same alone and within other batches."""
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q4_1", "F16"])
+def test_rows_do_not_depend_on_the_batch(type_name):
+    """Each row of a product bit for bit the same alone and within other batches: the panel GEMM's
+    (a prefill), and the block kernel's (a verify step's or a batched decode's rows, 8 at a time
+    sharing each decoded block, against the one row of a decode step)."""
     layer, _ = gguf_layer(type_name, 40, 512, seed=4)
     kind = GGUF_BLOCKS[type_name][0]
     x = torch.randn(30, 512, generator=torch.Generator().manual_seed(5))
     panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.gguf_gemm(a, layer.blocks, kind, 512), x)
+    if type_name != "F16":
+        panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.gguf_mm(a, layer.blocks, kind, 512), x)
 
 
 @needs_native

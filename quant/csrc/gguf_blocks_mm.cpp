@@ -141,11 +141,17 @@ inline void fifth_bits(const uint8_t* h, int8_t* q, int bias) {
 #endif
 }
 
+// Whether a type's weights have offsets (w = q * scale + offset), as decode returns.
+constexpr bool has_offsets(int64_t type) {
+  return type == Q4_1 || type == Q5_1 || type == Q2_K || type == Q4_K || type == Q5_K;
+}
+
 // One block -> codes q[block], scale[block / sub], offset[block / sub] (w = q * scale + offset).
 // Returns whether the type has offsets (so callers may skip them). The block is read in place: copying
 // its parts into small local arrays first made the wider vector loads of those arrays wait on store
 // forwarding, which cost Q4_K and Q6_K a third to two fifths of their time.
-inline bool decode(int64_t type, const uint8_t* b, int8_t* q, float* scale, float* offset) {
+__attribute__((always_inline)) inline bool decode(int64_t type, const uint8_t* b, int8_t* q, float* scale,
+                                                 float* offset) {
   switch (type) {
     case Q4_0: {  // d, 16 bytes: weight j in the low nibble of byte j, j + 16 in its high nibble
       nibbles(b + 2, q, 8);
@@ -276,11 +282,13 @@ inline void float_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
 
 // Asks for the bytes PREFETCH past a block's, every cache line of them. A thread's rows are one
 // stream of memory, but a decode step reads each layer once from L3 or DRAM, between other layers'
-// reads: the hardware prefetchers alone left each layer waiting on memory.
+// reads: the hardware prefetchers alone left each layer waiting on memory. Written as an asm
+// statement: GCC dropped the _mm_prefetch intrinsic from some of the row kernels it inlined (a
+// 640 x 262144 Q8_0 product took 15 ms instead of 10.5 on one row).
 template <int64_t BYTES>
 inline void prefetch_block(const uint8_t* block) {
 #if defined(__SSE2__)
-  for (int64_t o = 0; o < BYTES; o += 64) _mm_prefetch(reinterpret_cast<const char*>(block + o + PREFETCH), _MM_HINT_T0);
+  for (int64_t o = 0; o < BYTES; o += 64) asm volatile("prefetcht0 %0" : : "m"(*(block + o + PREFETCH)));
 #endif
 }
 
@@ -295,14 +303,64 @@ inline void codes_in_memory() {
 #endif
 }
 
-constexpr int64_t MAX_M = 8;  // activation rows handled together (each decoded block serves them all)
+constexpr int64_t MAX_M = 8;  // activation rows sharing each decoded block
 
-// The sub-block's dot product q . x, in fp32 (SUB a multiple of Vec::size()).
-template <int64_t SUB>
-inline Vec sub_dot(const int8_t* q, const float* x) {
-  Vec t = load_int8(q) * Vec::loadu(x);
-  for (int64_t j = VS; j < SUB; j += VS) t = at::vec::fmadd(load_int8(q + j), Vec::loadu(x + j), t);
-  return t;
+// Output row wn (nb blocks) for R activation rows at x (K apart; xsum: their sums per sub-block, nsub
+// apart) -> out[0..R). Each block is decoded once and each sub-block's codes widened once for all R
+// rows. Per row the operations are those of one row alone, in the same order: the sub-block's dot
+// product (a multiply, then FMAs), scaled once into one of two chains (even and odd sub-blocks of the
+// row, so consecutive FMAs need not wait on each other), the offsets summed apart, all added at the
+// end; so a row's result does not depend on which rows share the call (a speculative verify step's rows
+// get the bits a one-row decode step gives).
+template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB, int R>
+void row_blocks(const float* x, int64_t K, const float* xsum, int64_t nsub, const uint8_t* wn, int64_t nb,
+                float* out) {
+  using namespace localllm::panel;
+  constexpr int64_t NS = BLOCK / SUB, SV = SUB / VS;
+  alignas(64) int8_t q[BLOCK];
+  float scale[NS], offset[NS];
+  V a0[R], a1[R];
+  float off[R];
+  for (int r = 0; r < R; ++r) {
+    a0[r] = a1[r] = vset(0.f);
+    off[r] = 0.f;
+  }
+  // Block bi; ODD: whether it is an odd block (the chain of a one-sub-block type's sums).
+  const auto add_block = [&](int64_t bi, auto odd) __attribute__((always_inline)) {
+    const uint8_t* b = wn + bi * BYTES;
+    prefetch_block<BYTES>(b);
+    decode(TYPE, b, q, scale, offset);
+    codes_in_memory<BLOCK>();
+#pragma GCC unroll 16
+    for (int64_t s = 0; s < NS; ++s) {
+      V w[SV];
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < SV; ++j) w[j] = static_cast<V>(load_int8(q + s * SUB + j * VS));
+      const V sc = vset(scale[s]);
+      const bool second = ((NS == 1 && odd()) + s) % 2;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* xs = x + r * K + bi * BLOCK + s * SUB;
+        V t = vmul(w[0], vload(xs));
+#pragma GCC unroll 4
+        for (int64_t j = 1; j < SV; ++j) t = vfma(w[j], vload(xs + j * VS), t);
+        if (second) a1[r] = vfma(t, sc, a1[r]);
+        else a0[r] = vfma(t, sc, a0[r]);
+      }
+    }
+    if constexpr (has_offsets(TYPE))
+      for (int r = 0; r < R; ++r)
+        for (int64_t s = 0; s < NS; ++s) off[r] += offset[s] * xsum[r * nsub + bi * NS + s];
+  };
+  int64_t bi = 0;
+  if constexpr (NS == 1) {  // in pairs, so that which chain a block adds to is known at compile time
+    for (; bi + 1 < nb; bi += 2) {
+      add_block(bi, std::false_type{});
+      add_block(bi + 1, std::true_type{});
+    }
+  }
+  for (; bi < nb; ++bi) add_block(bi, std::false_type{});  // a K-quant's sub-blocks alternate within it
+  for (int r = 0; r < R; ++r) out[r] = hsum(Vec(a0[r]) + Vec(a1[r])) + off[r];
 }
 
 // x (M, K) fp32, blocks (N, K / block * bytes) -> y (M, N) fp32. xsum (M, K / sub): sums of x per
@@ -310,59 +368,21 @@ inline Vec sub_dot(const int8_t* q, const float* x) {
 // sub-blocks unroll and the decoding vectorizes.
 template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB>
 void mm_blocks(const float* x, const float* xsum, const uint8_t* w, int64_t M, int64_t K, int64_t N, float* y) {
-  constexpr int64_t NS = BLOCK / SUB;
   const int64_t nb = K / BLOCK, row_bytes = nb * BYTES, nsub = K / SUB;
   localllm::parallel_chunks(N, 16, [&](int64_t begin, int64_t end) {
-    alignas(64) int8_t q[BLOCK];
-    float scale[NS], offset[NS];
-    if (M == 1) {  // decode: one activation row, accumulators in registers
-      for (const auto n : c10::irange(begin, end)) {
-        const uint8_t* wn = w + n * row_bytes;
-        Vec a0(0.f), a1(0.f);  // two chains, so consecutive FMAs need not wait on each other
-        float off = 0.f;
-        for (int64_t bi = 0; bi < nb; ++bi) {
-          prefetch_block<BYTES>(wn + bi * BYTES);
-          const bool has_offset = decode(TYPE, wn + bi * BYTES, q, scale, offset);
-          codes_in_memory<BLOCK>();
-          const float* xb = x + bi * BLOCK;
-          for (int64_t s = 0; s < NS; ++s) {
-            const Vec t = sub_dot<SUB>(q + s * SUB, xb + s * SUB);
-            if (s % 2) a1 = at::vec::fmadd(t, Vec(scale[s]), a1);
-            else a0 = at::vec::fmadd(t, Vec(scale[s]), a0);
-          }
-          if (has_offset)
-            for (int64_t s = 0; s < NS; ++s) off += offset[s] * xsum[bi * NS + s];
-        }
-        y[n] = hsum(a0 + a1) + off;
+    float out[MAX_M];
+    for (const auto n : c10::irange(begin, end)) {
+      const uint8_t* wn = w + n * row_bytes;
+      if (M == 1) {  // a decode step's one row: straight to y
+        row_blocks<TYPE, BLOCK, BYTES, SUB, 1>(x, K, xsum, nsub, wn, nb, y + n);
+        continue;
       }
-      return;
-    }
-    Vec acc[MAX_M];
-    float off_acc[MAX_M];
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
-      const int64_t mc = std::min(MAX_M, M - m0);
-      for (const auto n : c10::irange(begin, end)) {
-        const uint8_t* wn = w + n * row_bytes;
-        for (int64_t m = 0; m < mc; ++m) {
-          acc[m] = Vec(0.f);
-          off_acc[m] = 0.f;
-        }
-        for (int64_t bi = 0; bi < nb; ++bi) {
-          if (m0 == 0) prefetch_block<BYTES>(wn + bi * BYTES);
-          const bool has_offset = decode(TYPE, wn + bi * BYTES, q, scale, offset);
-          codes_in_memory<BLOCK>();
-          for (int64_t m = 0; m < mc; ++m) {
-            const float* xb = x + (m0 + m) * K + bi * BLOCK;
-            Vec a = acc[m];
-            for (int64_t s = 0; s < NS; ++s) a = at::vec::fmadd(sub_dot<SUB>(q + s * SUB, xb + s * SUB), Vec(scale[s]), a);
-            acc[m] = a;
-            if (has_offset) {
-              const float* xsm = xsum + (m0 + m) * nsub + bi * NS;
-              for (int64_t s = 0; s < NS; ++s) off_acc[m] += offset[s] * xsm[s];
-            }
-          }
-        }
-        for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n] = hsum(acc[m]) + off_acc[m];
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+        const int64_t rows = std::min(MAX_M, M - m0);
+        localllm::panel::with_rows<MAX_M>(rows, [&](auto r) {
+          row_blocks<TYPE, BLOCK, BYTES, SUB, r>(x + m0 * K, K, xsum + m0 * nsub, nsub, wn, nb, out);
+        });
+        for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * N + n] = out[r];
       }
     }
   });

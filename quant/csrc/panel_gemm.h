@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "parallel_rows.h"
@@ -79,6 +80,16 @@ struct Tile {
   int64_t pstep, rstep;
   float* at(int64_t p, int64_t r) const { return base + p * pstep + r * rstep; }
 };
+
+// f(std::integral_constant<int, left>) for 0 < left <= R: register kernels take their row count as a
+// compile-time constant (each row's FMAs unroll into registers).
+template <int R, class F>
+inline void with_rows(int64_t left, const F& f) {
+  if constexpr (R > 0) {
+    if (left == R) f(std::integral_constant<int, R>{});
+    else with_rows<R - 1>(left, f);
+  }
+}
 
 // out (R, WIDTH) = in (R, WIDTH) + x (R, kb) . panel (kb, WIDTH), for P panels side by side
 // (pstride floats apart); in == nullptr: from zero (the first columns). x: packed (element (r, k) at

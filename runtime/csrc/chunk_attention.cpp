@@ -105,15 +105,6 @@ inline void weigh(const float* p, const float* v, int64_t ld, int64_t nv, int64_
   }
 }
 
-// f(std::integral_constant<int, left>) for 0 < left <= R: the micro-kernels take their row count as a
-// compile-time constant (each row's FMAs unroll into registers).
-template <int R, class F>
-inline void with_rows(int64_t left, const F& f) {
-  if constexpr (R > 0) {
-    if (left == R) f(std::integral_constant<int, R>{});
-    else with_rows<R - 1>(left, f);
-  }
-}
 
 // n rows of src (T, ld apart) as fp32 rows hd apart into dst, and rows n .. KC - 1 zero.
 template <typename T>
@@ -211,7 +202,7 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
       if (kr == rows) rows_to_float(kb + c0 * hd, hd, nv, hd, rows);
       panel::transpose_rows(kr, hd, hd, kt);
       for (int64_t i0 = 0; i0 < Q; i0 += MR)
-        with_rows<MR>(std::min<int64_t>(MR, Q - i0), [&](auto r) { scores<r>(qs + i0 * hd, hd, kt, s + i0 * KC); });
+        panel::with_rows<MR>(std::min<int64_t>(MR, Q - i0), [&](auto r) { scores<r>(qs + i0 * hd, hd, kt, s + i0 * KC); });
       for (int64_t i = 0; i < Q; ++i) {
         float* si = s + i * KC;
         const int64_t pos = q_pos + r0 + i / G;
@@ -227,7 +218,7 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
       if constexpr (std::is_same_v<T, float>) vr = vb + c0 * hd;
       else rows_to_float(vb + c0 * hd, hd, nv, hd, rows);
       for (int64_t i0 = 0; i0 < Q; i0 += MR)
-        with_rows<MR>(std::min<int64_t>(MR, Q - i0), [&](auto r) { weigh<r>(s + i0 * KC, vr, hd, nv, hd, acc + i0 * hd); });
+        panel::with_rows<MR>(std::min<int64_t>(MR, Q - i0), [&](auto r) { weigh<r>(s + i0 * KC, vr, hd, nv, hd, acc + i0 * hd); });
     }
   }
   for (int64_t i = 0; i < Q; ++i) {
