@@ -21,6 +21,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
+# A bare machine's python3 (no venv, nothing to fetch) has no localllm installed: for this run, runtime/,
+# quant/ and loaders/ are linked into localllm/ as setup.cfg's package_dir maps them, and unlinked at exit.
+links=()
+if ! "$PY" -c "import localllm.runtime" 2>/dev/null; then
+  for d in runtime quant loaders; do [ -e "localllm/$d" ] || { ln -s "../$d" "localllm/$d" && links+=("localllm/$d"); }; done
+fi
+trap 'rm -f "${links[@]}"' EXIT
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv; "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; } \
   2>&1 | tee "$OUT/machine.txt"
@@ -29,8 +36,10 @@ schemes=fp16,int8,int4
 "$PY" -c "import bitsandbytes" 2>/dev/null && schemes=$schemes,nf4
 status=0
 # --continue-on-collection-errors: a module that cannot import here must not hide the CUDA tests of the others.
-timeout 180 "$PY" -m pytest tests -m "cuda or cuda_dryrun" -q -p no:cacheprovider --continue-on-collection-errors 2>&1 \
-  | tail -40 | tee "$OUT/pytest-cuda.txt" || status=1
+# The whole log to $OUT (a failure's traceback comes back even when the run is cut short), its end here.
+timeout 300 "$PY" -m pytest tests -m "cuda or cuda_dryrun" -q -rfE -p no:cacheprovider --continue-on-collection-errors \
+  > "$OUT/pytest-cuda.txt" 2>&1 || status=1
+tail -40 "$OUT/pytest-cuda.txt"
 timeout 300 "$PY" scripts/bench_gpu.py --quant "$schemes" --runs 3 --prompt-tokens 2000 --serving 1,8,16 \
   --out "$OUT/bench" 2>&1 \
   | tee "$OUT/bench.log" | tail -30 || status=1
