@@ -112,13 +112,16 @@ void row_groups(const float* x, int64_t K, const int8_t* qn, const at::Half* sn,
   for (int r = 0; r < R; ++r) out[r] = hsum(Vec(a0[r]) + Vec(a1[r]));
 }
 
-constexpr int64_t MAX_M = 8;  // activation rows sharing each widened group (16 accumulators)
-
-template <int GV>
+template <int GV, int R = 8>
 void row_groups_any(int64_t rows, const float* x, int64_t K, const int8_t* qn, const at::Half* sn, int64_t ns,
                     int64_t group, float* out) {
-  localllm::panel::with_rows<MAX_M>(rows, [&](auto r) { row_groups<r, GV>(x, K, qn, sn, ns, group, out); });
+  if constexpr (R > 0) {
+    if (rows == R) row_groups<R, GV>(x, K, qn, sn, ns, group, out);
+    else row_groups_any<GV, R - 1>(rows, x, K, qn, sn, ns, group, out);
+  }
 }
+
+constexpr int64_t MAX_M = 8;  // activation rows sharing each widened group (16 accumulators)
 
 template <typename T>
 void mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int64_t group, at::Tensor& y) {
