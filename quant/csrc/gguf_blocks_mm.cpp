@@ -141,11 +141,6 @@ inline void fifth_bits(const uint8_t* h, int8_t* q, int bias) {
 #endif
 }
 
-// Whether a type's weights have offsets (w = q * scale + offset), as decode returns.
-constexpr bool has_offsets(int64_t type) {
-  return type == Q4_1 || type == Q5_1 || type == Q2_K || type == Q4_K || type == Q5_K;
-}
-
 // One block -> codes q[block], scale[block / sub], offset[block / sub] (w = q * scale + offset).
 // Returns whether the type has offsets (so callers may skip them). The block is read in place: copying
 // its parts into small local arrays first made the wider vector loads of those arrays wait on store
@@ -329,7 +324,7 @@ void row_blocks(const float* x, int64_t K, const float* xsum, int64_t nsub, cons
   const auto add_block = [&](int64_t bi, auto odd) __attribute__((always_inline)) {
     const uint8_t* b = wn + bi * BYTES;
     prefetch_block<BYTES>(b);
-    decode(TYPE, b, q, scale, offset);
+    const bool has_offset = decode(TYPE, b, q, scale, offset);  // a constant: decode is inlined for TYPE
     codes_in_memory<BLOCK>();
 #pragma GCC unroll 16
     for (int64_t s = 0; s < NS; ++s) {
@@ -348,7 +343,7 @@ void row_blocks(const float* x, int64_t K, const float* xsum, int64_t nsub, cons
         else a0[r] = vfma(t, sc, a0[r]);
       }
     }
-    if constexpr (has_offsets(TYPE))
+    if (has_offset)
       for (int r = 0; r < R; ++r)
         for (int64_t s = 0; s < NS; ++s) off[r] += offset[s] * xsum[r * nsub + bi * NS + s];
   };

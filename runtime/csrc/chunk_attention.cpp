@@ -105,7 +105,6 @@ inline void weigh(const float* p, const float* v, int64_t ld, int64_t nv, int64_
   }
 }
 
-
 // n rows of src (T, ld apart) as fp32 rows hd apart into dst, and rows n .. KC - 1 zero.
 template <typename T>
 inline void rows_to_float(const T* src, int64_t ld, int64_t n, int64_t hd, float* dst) {
