@@ -12,7 +12,9 @@ degrades to slow, never to wrong. Each kernel says why it cannot run a layer
 kernel                 scheme  where                                         activations
 =====================  ======  ============================================  =====================
 int4-tinygemm-cpu      int4    CPU (``torch._weight_int4pack_mm_for_cpu``)   bf16
+int4-triton-cuda       int4    CUDA, Triton (``quant.int_triton``)           bf16 / fp16 / fp32
 int4-tinygemm-cuda     int4    CUDA sm80+ (``torch._weight_int4pack_mm``)    bf16
+int8-triton-cuda       int8    CUDA, Triton (``quant.int_triton``)           bf16 / fp16 / fp32
 int8-weight-only       int8    per-channel (``torch._weight_int8pack_mm``)   bf16 / fp16 / fp32
 int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf16 / fp16 / fp32
 int4-q8-cpu            int4    CPU, AVX2 / VNNI, opt-in (``int4_q8_mm``)     int8 per 32 (from fp32)
@@ -211,6 +213,59 @@ class Int4TinygemmCUDA(Kernel):
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         return torch.ops.aten._weight_int4pack_mm(x, layer.packed, layer.scheme.group_size, layer.scales_zeros)
+
+
+def _triton_unsupported(target: Target, act_dtype: torch.dtype) -> str | None:
+    """Why localllm's Triton kernels cannot run on ``target`` with ``act_dtype`` activations, or None."""
+    if target.type != "cuda":
+        return "runs on CUDA only"
+    if importlib.util.find_spec("triton") is None:
+        return "needs Triton (torch's CUDA builds install it)"
+    capability = target.capability
+    if act_dtype == torch.bfloat16 and (capability is None or capability < (8, 0)):
+        have = "this one's is unknown" if capability is None else f"this one has {capability[0]}.{capability[1]}"
+        return f"needs a GPU of compute capability 8.0 or newer for bfloat16 activations ({have})"
+    return None
+
+
+class _IntTritonCUDA(Kernel):
+    """int4 or int8 weights on CUDA from their canonical tensors as they are (:mod:`quant.int_triton`):
+    a few rows split the input width across the SMs, prefill runs tensor-core tiles."""
+
+    device_type = "cuda"
+
+    @classmethod
+    def unsupported(cls, layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def,override]
+        if layer.scheme.name != cls.scheme:
+            return f"runs {cls.scheme} weights only"
+        return _triton_unsupported(target, act_dtype)
+
+    @staticmethod
+    def prepare(layer):  # type: ignore[no-untyped-def]
+        return dict(layer.canonical())
+
+    @staticmethod
+    def matmul(layer, x):  # type: ignore[no-untyped-def]
+        from localllm.quant.int_triton import int_mm
+
+        return int_mm(x, layer.qweight, layer.scales, getattr(layer, "offsets", None), layer.scheme.group_size)
+
+
+class Int4TritonCUDA(_IntTritonCUDA):
+    """Taken before tinygemm, whose prefill the first GPU run measured at eleven times fp16's (README,
+    "On a GPU"); ``--kernel int4-tinygemm-cuda`` still picks that one, and ``scripts/linear_gpu.py``
+    times both."""
+
+    name = "int4-triton-cuda"
+    scheme = "int4"
+
+
+class Int8TritonCUDA(_IntTritonCUDA):
+    """Per channel or per group: torch's ``_weight_int8pack_mm`` decoded at 3% of an H200's bandwidth
+    and took 28 s over a 2,000-token prompt of a 7B model on the first GPU run."""
+
+    name = "int8-triton-cuda"
+    scheme = "int8"
 
 
 class Int8WeightOnly(Kernel):
@@ -680,7 +735,8 @@ class Nf4Bitsandbytes(Kernel):
 
 #: In order of preference; the first that supports a layer (and passes its check) is used.
 KERNELS: tuple[type[Kernel], ...] = (
-    Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int8GroupCPU, Int8WeightOnly, GGUFBlocksCPU, GGUFBlocksCUDA,
+    Int4TritonCUDA, Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int8GroupCPU, Int8TritonCUDA, Int8WeightOnly,
+    GGUFBlocksCPU, GGUFBlocksCUDA,
     Nf4Bitsandbytes, Int4Q8CPU, Int8Q8CPU, Reference
 )
 BY_NAME = {k.name: k for k in KERNELS}

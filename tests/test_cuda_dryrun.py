@@ -15,7 +15,8 @@ sampled request with a repeat penalty) and one ``Engine`` generation, and checks
 * logits have the shapes and dtypes the CPU path gives for the same model, and the matmuls, attention
   and embedding give the activation dtype (no float32 slip);
 * the CUDA kernels' own argument checks hold (the ``TORCH_CHECK`` calls of ``int4mm.cu`` and
-  ``int8mm.cu``, which the meta kernels leave out: a wrong tinygemm layout fails here);
+  ``int8mm.cu``, which the meta kernels leave out: a wrong tinygemm layout fails here; localllm's
+  Triton int8/int4 op checks its layouts in its fake as in its launch);
 * a forward makes no host sync and no blocking copy (a batch step's forward: device ops alone; a
   whole sequence works its RoPE frequencies out on the host and sends them up without blocking),
   and the engine's steps read nothing back beyond the sampled ids: one transfer at the end of each
@@ -27,7 +28,8 @@ sampled request with a repeat penalty) and one ``Engine`` generation, and checks
 * the engines' decode-only steps go through the CUDA graphs' static buffers (:mod:`runtime.cuda_graphs`,
   buckets 1, 2 and 4 for four sequences; a graph's function rerun at each replay, as capturing needs
   a real GPU), with the same checks of their steps: the buckets used are asserted;
-* SmolLM2's real widths (576: not a multiple of 128) keep tinygemm;
+* SmolLM2's real widths (576: not a multiple of 128) run on the Triton int4 kernel, and on tinygemm
+  (4 k-tiles a pack) when it is named;
 * a 7B-shape Llama's weights (fp16, int4) and KV pools (one 4096-token sequence's, a 1 GiB budget's)
   take the bytes the arithmetic says, counted from the fake tensors (nothing real is allocated).
 
@@ -101,7 +103,17 @@ def scheme_param(*values: str):  # type: ignore[no-untyped-def]
     return pytest.param(*values, marks=pytest.mark.skipif(
         NO_BNB and "nf4" in values, reason="nf4 runs on bitsandbytes, which is not installed here"))
 #: The kernel the CUDA selection must give each quantized scheme's layers.
-CUDA_KERNEL = {"int8": "int8-weight-only", "int4": "int4-tinygemm-cuda", "nf4": "nf4-bitsandbytes"}
+CUDA_KERNEL = {"int8": "int8-triton-cuda", "int4": "int4-triton-cuda", "nf4": "nf4-bitsandbytes"}
+#: Kernels a case names (``int4+tinygemm``: int4 weights on ``--kernel int4-tinygemm-cuda``), so that the
+#: kernels taken only when named keep their checks too (tinygemm's layout, below).
+NAMED = {"tinygemm": "int4-tinygemm-cuda", "int8pack": "int8-weight-only"}
+
+
+def parse_case(case: str) -> tuple[str, str | None, int]:
+    """``scheme[+kernel][:gpu]`` -> (scheme, the kernel named or None, the GPU's index)."""
+    base, _, index = case.partition(":")
+    scheme, _, named = base.partition("+")
+    return scheme, NAMED[named] if named else None, int(index or 0)
 #: Tiny families wide enough for tinygemm (inputs a multiple of 128); Mistral with a window shorter
 #: than the prompts, so the windowed masks run too.
 FAMILIES = {"llama": {}, "mistral": {"sliding_window": 8}, "qwen2": {},
@@ -220,6 +232,7 @@ READS = {aten._local_scalar_dense.default, aten.item.default}
 #: Ops whose output dtype is the activation dtype: a float32 slip shows here. (Under inference mode,
 #: as the runtime runs, composite ops such as linear and SDPA reach the mode whole.)
 MATMULS = {"aten.linear.default", "aten._weight_int4pack_mm.default", "aten._weight_int8pack_mm.default",
+           "localllm.int_mm_cuda.default", "localllm.gguf_mm_cuda.default",
            "aten.scaled_dot_product_attention.default", "aten.embedding.default",
            "bitsandbytes.gemm_4bit.default", "bitsandbytes.gemv_4bit.default",
            "localllm.paged_span_attention.default"}
@@ -345,13 +358,15 @@ def model_tensors_of(model) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters()) + list(model.named_buffers())
 
 
-def assert_cuda_kernels(model, scheme: str, kernels_used: Counter | None = None) -> None:
-    """Every quantized layer runs the CUDA selection's kernel for its scheme, never the reference."""
+def assert_cuda_kernels(model, scheme: str, kernels_used: Counter | None = None, named: str | None = None) -> None:
+    """Every quantized layer runs the CUDA selection's kernel for its scheme (or the kernel ``named``),
+    never the reference."""
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     if scheme in CUDA_KERNEL:
         assert layers
-        wrong = [(n, m.kernel.name) for n, m in layers if m.kernel.name != CUDA_KERNEL[scheme]]
-        assert not wrong, f"{scheme} layers on another kernel than {CUDA_KERNEL[scheme]}: {wrong[:4]}"
+        want = named or CUDA_KERNEL[scheme]
+        wrong = [(n, m.kernel.name) for n, m in layers if m.kernel.name != want]
+        assert not wrong, f"{scheme} layers on another kernel than {want}: {wrong[:4]}"
         assert all(m.kernel.device_type in (None, "cuda") for _, m in layers)
     else:
         assert not layers
@@ -547,24 +562,27 @@ def wide_folders(tmp_path_factory):
 #: so a paged pool of layer groups) with one: what a family changes is
 #: attention and biases, the same code whatever the weights' scheme. (The whole grid takes twice as
 #: long: the file is kept within a minute on two cores.) One case runs on the second GPU, cuda:1: a
-#: tensor put on the default GPU instead of the model's would show there.
-CASES = [scheme_param("llama", s) for s in SCHEMES] + [("mistral", "bf16"), ("mistral", "int4"), ("qwen2", "fp16"),
+#: tensor put on the default GPU instead of the model's would show there. tinygemm, taken only when
+#: named, runs once (its layout's checks: :func:`_check_cuda_kernel`).
+CASES = [scheme_param("llama", s) for s in SCHEMES] + [("llama", "int4+tinygemm"), ("mistral", "bf16"),
+                                                       ("mistral", "int4"), ("qwen2", "fp16"),
                                            ("qwen2", "int8:1"), ("gemma3", "int4")]
 
 
 @pytest.mark.parametrize("family,case", CASES)
 def test_a_family_runs_its_cuda_path_on_a_fake_gpu(family, case, wide_folders, fake, host_checkpoints):
-    scheme, _, index = case.partition(":")
-    device = torch.device("cuda", int(index or 0))
+    scheme, named, index = parse_case(case)
+    device = torch.device("cuda", index)
     if torch.cuda.is_available() and torch.cuda.device_count() <= device.index:
         # A CUDA build with a real GPU keeps its real device guard, which refuses a GPU that is not there.
         pytest.skip(f"{device} is not on this machine, whose CUDA device guard is real")
     folder = str(wide_folders(family))
     with fake:
-        lm = load_model(folder, device=Target(device, GPU.capability), quant=scheme, check_kernels=False)
+        lm = load_model(folder, device=Target(device, GPU.capability), quant=scheme, kernel=named,
+                        check_kernels=False)
     assert lm.device.type == "cuda" and lm.dtype == (torch.float16 if scheme == "fp16" else torch.bfloat16)
     assert_on_device(model_tensors_of(lm.model), device)
-    assert_cuda_kernels(lm.model, scheme, lm.kernels)
+    assert_cuda_kernels(lm.model, scheme, lm.kernels, named)
     assert lm.kernels["attention-cuda"] == lm.config.n_layers  # what --verbose reports
     with fake:
         got = run_runtime(lm.model, lm.tokenizer)
@@ -599,25 +617,28 @@ def fake_checkpoint(config: ModelConfig, plan: dict) -> Iterator[tuple[str, torc
         yield name, torch.empty(t.shape, dtype=t.dtype)
 
 
-def build_on_fake_gpu(config: ModelConfig, scheme: str, target: Target = GPU):
-    """``config``'s model in ``scheme``, built on meta, fused, and filled from :func:`fake_checkpoint`
-    on the fake GPU as ``load_model`` fills a real one (call inside the fake mode)."""
+def build_on_fake_gpu(config: ModelConfig, scheme: str, target: Target = GPU, kernel: str | None = None):
+    """``config``'s model in ``scheme`` (on the kernel named, if one is), built on meta, fused, and
+    filled from :func:`fake_checkpoint` on the fake GPU as ``load_model`` fills a real one (call
+    inside the fake mode)."""
     model = empty_model(config)
     plan = make_plan(model, parse_scheme(scheme)) if scheme in CUDA_KERNEL else {}
     swap_linears(model, plan)
     fuse_projections(model)
     act = torch.float16 if scheme == "fp16" else torch.bfloat16
-    return load_weights(model, fake_checkpoint(config, plan), target, act, "fake weights", check=False)
+    return load_weights(model, fake_checkpoint(config, plan), target, act, "fake weights", kernel, check=False)
 
 
-@pytest.mark.parametrize("scheme", [scheme_param(s) for s in SCHEMES])
-def test_smollm2_shapes_run_their_cuda_path_on_a_fake_gpu(scheme, fake):
-    """The default model's real widths (576 inputs: not a multiple of 128) on the CUDA path."""
+@pytest.mark.parametrize("case", [scheme_param(s) for s in SCHEMES] + ["int4+tinygemm"])
+def test_smollm2_shapes_run_their_cuda_path_on_a_fake_gpu(case, fake):
+    """The default model's real widths (576 inputs: not a multiple of 128) on the CUDA path; tinygemm,
+    named, packs them by 4 k-tiles."""
     config = ModelConfig.from_hf(SMOLLM2)
+    scheme, named, _ = parse_case(case)
     with fake:
-        model = build_on_fake_gpu(config, scheme)
+        model = build_on_fake_gpu(config, scheme, kernel=named)
         assert_on_device(model_tensors_of(model))
-        assert_cuda_kernels(model, scheme)
+        assert_cuda_kernels(model, scheme, named=named)
         got = run_runtime(model)  # the loops run the same forwards: tested on the tiny models
     check_audit(got, config.n_layers)
     act = model.dtype
@@ -637,7 +658,7 @@ def test_a_7b_llama_takes_the_bytes_the_arithmetic_says(fake):
                                + 3 * config.dim * config.intermediate_size)
     rest = config.num_parameters() - block  # embedding, head and norms, 16-bit in both schemes
     for scheme, want in [("fp16", 2 * config.num_parameters()),
-                         # int4: a code is half a byte; tinygemm's bf16 scale and zero per group of 32
+                         # int4: a code is half a byte; an fp16 scale and offset per group of 32
                          ("int4", block // 2 + block // 32 * 2 * 2 + 2 * rest)]:
         with fake:
             model = build_on_fake_gpu(config, scheme)
@@ -691,6 +712,7 @@ def test_the_device_decision_is_given_not_asked(fake, monkeypatch, wide_folders)
                                    Target(torch.device("cuda"), (7, 5)))
     assert {m.kernel.name for m in turing.modules() if isinstance(m, QuantLinear)} == {"reference"}
     assert kernels.why_not_fast(turing.layers[0].mlp.down, Target(torch.device("cuda"), (7, 5)), torch.bfloat16) == [
+        "int4-triton-cuda needs a GPU of compute capability 8.0 or newer for bfloat16 activations (this one has 7.5)",
         "int4-tinygemm-cuda needs a GPU of compute capability 8.0 or newer (this one has 7.5)"]
     if not torch.cuda.is_available():
         with pytest.raises(LocalLLMError, match="no CUDA GPU is visible"):
@@ -722,7 +744,7 @@ def test_the_dry_run_catches_a_tinygemm_layout_the_cuda_kernel_refuses(fake, mon
     monkeypatch.setattr(kernels.Int4TinygemmCPU, "_scales_and_zeros",
                         staticmethod(lambda layer: real(layer).transpose(0, 1).contiguous()))
     with fake:
-        model = build_on_fake_gpu(config, "int4")
+        model = build_on_fake_gpu(config, "int4", kernel="int4-tinygemm-cuda")
         tokens = torch.tensor([[1, 2, 3]], device="cuda")
         model(tokens, last_only=True)  # the meta kernels alone: no complaint
         with pytest.raises(AssertionError, match="int4mm: scales"), Audit().during("whole"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import gguf
 import numpy as np
 import pytest
@@ -267,12 +269,16 @@ def test_reasons_the_gpu_kernels_give(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     cuda = torch.device("cuda")
     layer = make_layer("int4", 32)[0]
+    triton = "needs a GPU of compute capability 8.0 or newer for bfloat16 activations (this one has 7.5)"
     assert kernels.why_not_fast(layer, cuda, torch.bfloat16) == [
-        "int4-tinygemm-cuda needs a GPU of compute capability 8.0 or newer (this one has 7.5)"]
+        f"int4-triton-cuda {triton}", "int4-tinygemm-cuda needs a GPU of compute capability 8.0 or newer (this one has 7.5)"]
     assert kernels.why_not_fast(make_layer("int8", 32)[0], cuda, torch.bfloat16) == [
-        "int8-group-cpu runs on the CPU only", "int8-weight-only needs one scale per output channel, not per group"]
+        f"int8-triton-cuda {triton}", "int8-weight-only needs one scale per output channel, not per group"]
     assert kernels.why_not_fast(make_layer("int8", None)[0], cuda, torch.bfloat16) == [
-        "int8-group-cpu runs on the CPU only"]  # int8-weight-only runs it
+        f"int8-triton-cuda {triton}"]  # int8-weight-only runs it
+    # fp16 activations on that card: the Triton kernels run int4 and grouped int8 (nothing to say)
+    assert kernels.candidates(layer, cuda, torch.float16)[0].name == "int4-triton-cuda"
+    assert kernels.candidates(make_layer("int8", 32)[0], cuda, torch.float16)[0].name == "int8-triton-cuda"
 
 
 def test_int4_repacked_in_slices_is_the_layout_of_the_whole():
@@ -303,15 +309,23 @@ def test_quieting_bitsandbytes_restores_its_logger():
         logger.setLevel(logging.NOTSET)
 
 
+NO_BNB = importlib.util.find_spec("bitsandbytes") is None
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("name,group,inp", [("int4", 32, 4096), ("int4", 128, 4096), ("int8", None, 4096),
-                                            ("nf4", 64, 4096), ("int4", 32, 576)])  # 576: k-tiles packed by 4
-def test_cuda_kernels_match_the_reference(name, group, inp):
+@pytest.mark.parametrize("kernel,name,group,inp", [
+    ("int4-triton-cuda", "int4", 32, 4096), ("int4-triton-cuda", "int4", 128, 4096),
+    ("int4-triton-cuda", "int4", 32, 576), ("int4-tinygemm-cuda", "int4", 32, 4096),
+    ("int4-tinygemm-cuda", "int4", 32, 576),  # 576: k-tiles packed by 4
+    ("int8-triton-cuda", "int8", None, 4096), ("int8-triton-cuda", "int8", 64, 4096),
+    ("int8-weight-only", "int8", None, 4096),
+    pytest.param("nf4-bitsandbytes", "nf4", 64, 4096,
+                 marks=pytest.mark.skipif(NO_BNB, reason="bitsandbytes is not installed here"))])
+def test_cuda_kernels_match_the_reference(kernel, name, group, inp):
     layer, _ = make_layer(name, group, out=4096, inp=inp, device="cuda")
     want_w = dequantize(layer.canonical(), layer.scheme)
-    chosen = layer.prepare(torch.bfloat16)
-    assert chosen != "reference"
+    assert layer.prepare(torch.bfloat16, kernel) == kernel
     x = torch.randn(4, inp, device="cuda")
     want = x.cpu() @ want_w.cpu().t()
     got = layer(x.to(torch.bfloat16)).float().cpu()
