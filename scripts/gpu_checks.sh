@@ -2,7 +2,8 @@
 # Every check that needs a CUDA GPU, in one go (one device run): the CUDA tests (the Triton paged
 # attention kernel against float64 references, real CUDA graphs against eager steps) and the CUDA dry
 # run (tests/test_cuda_dryrun.py, which CI runs without a GPU: here it checks that fake and real CUDA
-# agree on choices, shapes and syncs), then the 7B-shape bench: per scheme load, peak memory against
+# agree on choices, shapes and syncs), then every int4/int8 kernel on the 7B layer shapes beside F.linear
+# (scripts/linear_gpu.py: $OUT/linears.txt), then the 7B-shape bench: per scheme load, peak memory against
 # the plan, TTFT of a 2,000-token prompt, decode tok/s and its share of the bandwidth measured in the
 # same run (decode steps replayed from CUDA graphs); then the serving bench at 1, 8 and 16 streams on
 # int4. One JSON ($OUT/bench/bench.json) and one table ($OUT/bench/table.txt), within 8 minutes.
@@ -40,6 +41,8 @@ status=0
 timeout 300 "$PY" -m pytest tests -m "cuda or cuda_dryrun" -q -rfE -p no:cacheprovider --continue-on-collection-errors \
   > "$OUT/pytest-cuda.txt" 2>&1 || status=1
 tail -40 "$OUT/pytest-cuda.txt"
+# Each int4/int8 kernel against F.linear on the 7B layer shapes (which one a scheme should take).
+timeout 120 "$PY" scripts/linear_gpu.py --out "$OUT" 2>&1 | tee "$OUT/linears.log" | tail -20 || status=1
 timeout 300 "$PY" scripts/bench_gpu.py --quant "$schemes" --runs 3 --prompt-tokens 2000 --serving 1,8,16 \
   --out "$OUT/bench" 2>&1 \
   | tee "$OUT/bench.log" | tail -30 || status=1

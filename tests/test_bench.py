@@ -340,6 +340,24 @@ def test_gpu_script_without_cuda_fails_clearly(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_the_gpu_kernel_table_runs_on_the_cpu_with_the_tiny_shape(tmp_path):
+    """scripts/linear_gpu.py's logic with the CPU's kernels: every shape has F.linear and a kernel of
+    each scheme, each timed at every row count, with the bytes its layer reads."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "linear_gpu.py"), "--device", "cpu", "--shape",
+                           "tiny", "--rows", "1,3", "--rounds", "1", "--calls", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((tmp_path / "linears.json").read_text())
+    assert data["rows"] == [1, 3] and data["read_bytes_per_s"] > 0
+    by_layer: dict[str, set[str]] = {}
+    for r in data["results"]:
+        by_layer.setdefault(r["layer"], set()).add(r["scheme"])
+        assert set(r["us_by_rows"]) == {"1", "3"} and all(t > 0 for t in r["us_by_rows"].values())
+        assert r["bytes"] > 0 and r["bandwidth_share_1_row"] > 0
+    assert by_layer == {"qkv": {"16-bit", "int4", "int8"}, "down": {"16-bit", "int4", "int8"}}
+    assert (tmp_path / "linears.txt").read_text().strip() == proc.stdout.strip()
+
+
 # ------------------------------------------------------------------------------ SmolLM2
 @pytest.mark.slow
 def test_smollm2_bench(smollm2_path, tmp_path):
