@@ -32,10 +32,12 @@ if available():  # only on CUDA (and in the interpreter's checks): the CPU path 
 
 @jit
 def _int_mm(
-    X, Q, S, O, Y, M, N, K, k_per_split, group, sxm, sqn, ssn, sym, syk,
-    BITS: tl.constexpr, PER_CHANNEL: tl.constexpr, OFFSETS: tl.constexpr,
+    X, Q, S, O, Y, M, N, K, k_per_split, sxm, sqn, ssn, sym, syk,
+    BITS: tl.constexpr, GROUP: tl.constexpr, OFFSETS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WIDEN: tl.constexpr,
 ):
+    # GROUP (0: one scale per output channel) is a constant so that the compiler knows a scale is the
+    # same for GROUP columns and loads it once; EVEN_K: the width is a whole number of tiles, no mask.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)  # the slice of the input width this program sums
@@ -48,19 +50,25 @@ def _int_mm(
     k_end = tl.minimum(K, (pid_k + 1) * k_per_split)
     for k0 in range(pid_k * k_per_split, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < k_end
-        ok = n_ok[:, None] & k_ok[None, :]
-        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # int4: the bytes of columns k
+        if EVEN_K:  # masks broadcast over the tile
+            ok = n_ok[:, None]
+            x_ok = m_ok[:, None]
+            kb_ok = n_ok[:, None]
+        else:
+            ok = n_ok[:, None] & (k < k_end)[None, :]
+            x_ok = m_ok[:, None] & (k < k_end)[None, :]
+            kb_ok = n_ok[:, None] & (2 * kb < k_end)[None, :]
+        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=x_ok, other=0.0)
         if BITS == 8:
             q = tl.load(Q + rows * sqn + k[None, :], mask=ok, other=0).to(tl.float32)  # (BN, BK)
         else:  # two codes a byte, the even column in the low nibble: each byte read once
-            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            byte = tl.load(Q + rows * sqn + kb[None, :], mask=n_ok[:, None] & (2 * kb < k_end)[None, :], other=0)
+            byte = tl.load(Q + rows * sqn + kb[None, :], mask=kb_ok, other=0)
             q = tl.interleave(byte & 15, byte >> 4).to(tl.float32)  # (BN, BK): columns 2j, 2j + 1
-        if PER_CHANNEL:
+        if GROUP == 0:
             w = q  # integers: exact in any activation dtype; the scale comes after the sums
         else:
-            at = rows * ssn + (k // group)[None, :]
+            at = rows * ssn + (k // GROUP)[None, :]
             w = q * tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
             if OFFSETS:
                 w += tl.load(O + at, mask=ok, other=0.0).to(tl.float32)
@@ -74,7 +82,7 @@ def _int_mm(
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), input_precision="ieee")
-    if PER_CHANNEL:
+    if GROUP == 0:
         acc *= tl.load(S + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = Y + pid_k * syk + m[:, None] * sym + n[None, :]
     tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -148,9 +156,9 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offset
     per_channel = scales.dim() == 1
     _int_mm[(*grid_mn, split)](
         x, qweight, scales, offsets if offsets is not None else scales, y, M, N, K, k_per_split,
-        group or K, x.stride(0), qweight.stride(0), 0 if per_channel else scales.stride(0),
+        x.stride(0), qweight.stride(0), 0 if per_channel else scales.stride(0),
         y.stride(-2), y.stride(0) if sums else 0,
-        BITS=bits, PER_CHANNEL=per_channel, OFFSETS=offsets is not None,
+        BITS=bits, GROUP=group or 0, OFFSETS=offsets is not None, EVEN_K=K % block_k == 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         WIDEN=interpreted and x.dtype != torch.float32, num_warps=warps, num_stages=stages)
     return y.sum(0).to(x.dtype) if sums else y

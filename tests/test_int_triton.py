@@ -1,7 +1,7 @@
 """The Triton int8 / int4 kernel (:mod:`quant.int_triton`, CUDA's kernel for those schemes) checked
 on any machine in Triton's interpreter: random weights quantized per channel and per group, at one
-activation row with the input width split across programs (decode), and at 40 and 130 rows (prefill
-tiles of 64 and 128, partial ones), in fp32, fp16 and bf16, against the dequantized weight rounded
+activation row with the input width split across programs (decode), at two over a width of partial
+tiles, and at 40 and 130 rows (prefill tiles of 64 and 128, partial ones), in fp32, fp16 and bf16, against the dequantized weight rounded
 to the activation dtype (the reference's rounding) and summed in float64. The bound is half a unit
 in the last place of each output plus fp32 summation error, so a wrong scale, offset or nibble
 order fails by far; then the kernels' glue (layout, group, the check at load) and the CUDA choice."""
@@ -21,8 +21,10 @@ on_cpu = pytest.mark.skipif(not triton_kernels.available() or not triton_kernels
                             reason="triton is not installed (dev extra), or a GPU is here (the cuda test runs)")
 
 SCHEMES = [("int8", None), ("int8", 32), ("int4", 32), ("int4", 128)]
-#: (rows, input width): one row split across programs, a 64-row tile, two 128-row tiles (one partial)
-SHAPES = [(1, 2048), (40, 512), (130, 256)]
+#: (rows, input width): one row split across programs, two rows over a width that is not a whole number
+#: of tiles (masked), a 64-row tile, two 128-row tiles (one partial). A width the group does not divide
+#: is left out (no such layer exists).
+SHAPES = [(1, 2048), (2, 1056), (40, 512), (130, 256)]
 #: mantissa bits of each activation dtype (half an ulp of an output is 2 ** -(bits + 1) of it)
 MANTISSA = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 
@@ -41,7 +43,7 @@ def multiply(t: dict, scheme, x: torch.Tensor) -> torch.Tensor:
 
 def check(name: str, group: int | None, device: str = "cpu") -> None:
     out = 72  # a partial tile of output columns
-    for rows, inp in SHAPES:
+    for rows, inp in [(r, i) for r, i in SHAPES if i % (group or 1) == 0]:
         t, scheme = layer_tensors(name, group, out, inp, seed=rows)
         t = {k: v.to(device) for k, v in t.items()}
         x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(inp))
