@@ -252,9 +252,9 @@ class _IntTritonCUDA(Kernel):
 
 
 class Int4TritonCUDA(_IntTritonCUDA):
-    """Taken before tinygemm, whose prefill the first GPU run measured at eleven times fp16's (README,
-    "On a GPU"); ``--kernel int4-tinygemm-cuda`` still picks that one, and ``scripts/linear_gpu.py``
-    times both."""
+    """Taken before tinygemm, whose prefill the first GPU run measured at eleven times fp16's (the
+    README's H200 table); ``--kernel int4-tinygemm-cuda`` still picks that one, and
+    ``scripts/linear_gpu.py`` times both."""
 
     name = "int4-triton-cuda"
     scheme = "int4"
