@@ -106,6 +106,17 @@ def _split(programs: int, k_steps: int, sms: int) -> int:
     return split
 
 
+def tiles(rows: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for ``rows`` activation rows of ``dtype``: a few rows'
+    thin tiles, then 64- and 128-row ones (fp32 tiles hold twice the bytes: smaller)."""
+    wide = dtype == torch.float32
+    if rows <= 16:
+        return 16, 32, 64 if wide else 128, 4, 3
+    if rows <= 64:
+        return (64, 64, 32, 4, 3) if wide else (64, 128, 64, 4, 3)
+    return (64, 64, 32, 4, 2) if wide else (128, 128, 64, 8, 3)
+
+
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
            bits: int, group: int | None, in_features: int) -> None:
     """The layouts the kernel reads (run by the op and by its fake, so a traced or dry run checks them too)."""
@@ -137,13 +148,7 @@ def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offset
         return x.new_empty(M, N)
     check_device(x, f"int{bits}")
     x = x.contiguous()
-    wide = x.dtype == torch.float32  # fp32 tiles: twice the shared memory of 16-bit ones
-    if M <= 16:
-        block_m, block_n, block_k, warps, stages = 16, 32, 128 if not wide else 64, 4, 3
-    elif M <= 64:
-        block_m, block_n, block_k, warps, stages = 64, 64 if wide else 128, 32 if wide else 64, 4, 3
-    else:
-        block_m, block_n, block_k, warps, stages = (64, 64, 32, 4, 2) if wide else (128, 128, 64, 8, 3)
+    block_m, block_n, block_k, warps, stages = tiles(M, x.dtype)
     k_steps = -(-K // block_k)
     grid_mn = (-(-M // block_m), -(-N // block_n))
     split = _split(grid_mn[0] * grid_mn[1], k_steps, _sms(x.device)) if M <= 16 else 1

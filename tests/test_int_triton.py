@@ -8,6 +8,11 @@ order fails by far; then the kernels' glue (layout, group, the check at load) an
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -104,3 +109,43 @@ def test_the_cuda_selection_takes_them():
             assert kernels.candidates(layer, target, dtype)[0].name == want, (name, group, dtype)
     layer = QuantLinear(256, 64, parse_scheme("int4", 32))
     assert kernels.BY_NAME["int4-tinygemm-cuda"].supports(layer, target, torch.bfloat16)
+
+
+#: Shared memory a block may use on an sm86 card (RTX 30 series), the smallest of the GPUs it targets.
+SM86_SHARED = 101376
+#: Run in a process of its own: Triton compiles for a GPU only where its interpreter is off.
+COMPILE = """
+import json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from localllm.quant import int_triton
+dtype = getattr(torch, sys.argv[1])
+act = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+shared = {}
+for rows in (1, 40, 300):
+    block_m, block_n, block_k, warps, stages = int_triton.tiles(rows, dtype)
+    for bits, group in ((8, 0), (4, 32)):
+        signature = {"X": "*" + act, "Q": "*i8" if bits == 8 else "*u8", "S": "*fp16", "O": "*fp16", "Y": "*" + act}
+        signature.update({a: "i32" for a in ("M", "N", "K", "k_per_split", "sxm", "sqn", "ssn", "sym", "syk")})
+        constants = dict(BITS=bits, GROUP=group, OFFSETS=bits == 4, EVEN_K=True, BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_K=block_k, WIDEN=False)
+        signature.update({name: "constexpr" for name in constants})
+        compiled = triton.compile(ASTSource(int_triton._int_mm, signature, constants),
+                                  target=GPUTarget("cuda", 86, 32), options=dict(num_warps=warps, num_stages=stages))
+        shared[f"{rows} rows, int{bits}"] = compiled.metadata.shared
+print(json.dumps(shared))
+"""
+
+
+@pytest.mark.skipif(not triton_kernels.available(), reason="triton is not installed (dev extra)")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_it_compiles_for_a_consumer_gpu_without_one(dtype):
+    """Triton compiles the kernel ahead of time for sm86 (its own ptxas, no GPU needed): every tile
+    shape the launch picks for this dtype, int8 per channel and int4 per group, within the shared
+    memory such a card gives a block. (The interpreter checks numbers, not what the compiler accepts.)"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton's default today, said so that it does not warn
+    done = subprocess.run([sys.executable, "-c", COMPILE, dtype], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(shared) == 6 and all(0 < b <= SM86_SHARED for b in shared.values()), shared
