@@ -102,6 +102,8 @@ def scheme_param(*values: str):  # type: ignore[no-untyped-def]
     """A parametrize case, skipped when it is nf4 and bitsandbytes is not installed."""
     return pytest.param(*values, marks=pytest.mark.skipif(
         NO_BNB and "nf4" in values, reason="nf4 runs on bitsandbytes, which is not installed here"))
+
+
 #: The kernel the CUDA selection must give each quantized scheme's layers.
 CUDA_KERNEL = {"int8": "int8-triton-cuda", "int4": "int4-triton-cuda", "nf4": "nf4-bitsandbytes"}
 #: Kernels a case names (``int4+tinygemm``: int4 weights on ``--kernel int4-tinygemm-cuda``), so that the
@@ -114,6 +116,8 @@ def parse_case(case: str) -> tuple[str, str | None, int]:
     base, _, index = case.partition(":")
     scheme, _, named = base.partition("+")
     return scheme, NAMED[named] if named else None, int(index or 0)
+
+
 #: Tiny families wide enough for tinygemm (inputs a multiple of 128); Mistral with a window shorter
 #: than the prompts, so the windowed masks run too.
 FAMILIES = {"llama": {}, "mistral": {"sliding_window": 8}, "qwen2": {},
@@ -629,10 +633,10 @@ def build_on_fake_gpu(config: ModelConfig, scheme: str, target: Target = GPU, ke
     return load_weights(model, fake_checkpoint(config, plan), target, act, "fake weights", kernel, check=False)
 
 
-@pytest.mark.parametrize("case", [scheme_param(s) for s in SCHEMES] + ["int4+tinygemm"])
+@pytest.mark.parametrize("case", [scheme_param(s) for s in SCHEMES] + ["int4+tinygemm", "int8+int8pack"])
 def test_smollm2_shapes_run_their_cuda_path_on_a_fake_gpu(case, fake):
     """The default model's real widths (576 inputs: not a multiple of 128) on the CUDA path; tinygemm,
-    named, packs them by 4 k-tiles."""
+    named, packs them by 4 k-tiles, and ``_weight_int8pack_mm``, named, keeps its argument checks."""
     config = ModelConfig.from_hf(SMOLLM2)
     scheme, named, _ = parse_case(case)
     with fake:
