@@ -119,25 +119,25 @@ def tiles(rows: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
            bits: int, group: int | None, in_features: int) -> None:
-    """The layouts the kernel reads (run by the op and by its fake, so a traced or dry run checks them too)."""
+    """The layouts the kernel reads (run by the op and by its fake, so a traced or dry run checks them
+    too). Called at every matmul: the conditions are plain comparisons, the message is built only when
+    one fails."""
     N, K = qweight.shape[0], in_features
     codes = (torch.int8, (N, K)) if bits == 8 else (torch.uint8, (N, K // 2))
     groups = (N,) if group is None else (N, K // group)
-    problems = [
-        (x.dim() != 2 or x.shape[1] != K, f"x {tuple(x.shape)} is not (rows, {K})"),
-        (x.dtype not in (torch.float16, torch.bfloat16, torch.float32), f"x is {x.dtype}"),
-        ((qweight.dtype, tuple(qweight.shape)) != codes or qweight.stride(1) != 1,
-         f"codes {qweight.dtype} {tuple(qweight.shape)}, not {codes[0]} {codes[1]} with unit column stride"),
-        (group is not None and K % group != 0, f"group {group} does not divide {K}"),
-        (tuple(scales.shape) != groups or scales.stride(-1) != 1, f"scales {tuple(scales.shape)}, not {groups}"),
-        (bits == 4 and (group is None or offsets is None or offsets.shape != scales.shape
-                        or offsets.stride() != scales.stride()), "int4 needs per-group offsets laid out as its scales"),
-        (any(t.device != x.device for t in (qweight, scales, *([offsets] if offsets is not None else []))),
-         "tensors on different devices"),
-    ]
-    bad = [why for wrong, why in problems if wrong]
-    if bad:
-        raise ValueError(f"int{bits} Triton matmul: {'; '.join(bad)}")
+    tensors = (qweight, scales) if offsets is None else (qweight, scales, offsets)
+    if (x.dim() == 2 and x.shape[1] == K and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and (qweight.dtype, tuple(qweight.shape)) == codes and qweight.stride(1) == 1
+            and (group is None or K % group == 0) and tuple(scales.shape) == groups and scales.stride(-1) == 1
+            and (bits == 8 or (group is not None and offsets is not None and offsets.shape == scales.shape
+                               and offsets.stride() == scales.stride()))
+            and all(t.device == x.device for t in tensors)):
+        return
+    raise ValueError(
+        f"int{bits} Triton matmul: x {x.dtype} {tuple(x.shape)} (rows, {K} wanted), codes {qweight.dtype} "
+        f"{tuple(qweight.shape)} stride {qweight.stride()} ({codes[0]} {codes[1]} wanted), group {group}, scales "
+        f"{tuple(scales.shape)} ({groups} wanted), offsets {None if offsets is None else tuple(offsets.shape)} "
+        f"(int4: laid out as the scales), devices {[str(t.device) for t in (x, *tensors)]}")
 
 
 def _launch(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
