@@ -131,7 +131,9 @@ def load(lib: NativeLibrary, cache_dir: Path) -> Path | None:
         return None
     path = library_path(lib, cache_dir)
     if not path.exists():
-        print("building localllm's CPU kernels (once, a few seconds)...", file=sys.stderr, flush=True)
+        # One line a library, said before the wait: a build takes up to a minute or two on a few cores.
+        print(f"building localllm's CPU kernels: {lib.name} (once for this torch and CPU)...", file=sys.stderr,
+              flush=True)
         _build(lib, path)
     torch.ops.load_library(str(path))
     if lib.register_fakes is not None:

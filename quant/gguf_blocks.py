@@ -14,6 +14,17 @@ ggml block layouts (little-endian, one block = 32 consecutive weights of a row):
 * Q8_0: fp16 ``d``, 32 int8 codes;                ``w = q * d``
 
 In the 4-bit blocks byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+
+Two more, whose integer codes the opt-in int8-activation kernels multiply (:func:`integer_grid`):
+
+* Q5_0 (22 bytes): fp16 ``d``, uint32 ``qh``, 16 bytes ``qs``; weight j's code is the nibble of
+  ``qs`` as above plus bit j of ``qh`` as its fifth bit; ``w = (q - 16) * d``.
+* Q4_K (144 bytes, 256 weights = 8 sub-blocks of 32): fp16 ``d``, fp16 ``dmin``, 12 bytes of 6-bit
+  sub-block scales ``sc`` and minimums ``m``, 128 bytes of codes: byte i of the 32-byte chunk c holds
+  weight i of sub-block 2c (low nibble) and of 2c + 1 (high); ``w = d * sc * q - dmin * m``. For
+  j < 4, ``sc[j] = b[j] & 63`` and ``m[j] = b[j + 4] & 63``; for j >= 4 the low four bits come from
+  ``b[j + 4]`` (``sc``: its low nibble, ``m``: its high) and the top two from the top bits of
+  ``b[j - 4]`` (``sc``) or ``b[j]`` (``m``).
 """
 
 from __future__ import annotations
@@ -68,6 +79,42 @@ def dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType, rows: int = D
     for a in range(rows, data.shape[0], rows):
         out[a : a + rows] = gguf.quants.dequantize(data[a : a + rows], qtype)
     return out
+
+
+#: GGUF types :func:`integer_grid` converts, by the canonical scheme (group 32) that holds their codes.
+INTEGER_GRIDS = {"Q5_0": "int8", "Q4_K": "int4"}
+
+
+def integer_grid(type_name: str, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(rows, bytes) uint8 blocks of a :data:`INTEGER_GRIDS` type -> canonical tensors of group 32 that
+    hold the same integer codes: int8 ``qweight`` / ``scales`` (Q5_0: ``q - 16`` and ``d``, exact) or
+    int4 ``qweight`` / ``scales`` / ``offsets`` (Q4_K). For the int8-activation kernels, which multiply
+    codes in 8-bit integers. Q4_K's sub-block scale ``d * sc`` and offset ``-dmin * m`` are products
+    exact only in fp32; the canonical grid rounds them to fp16 (a relative error of at most 2^-11 a
+    sub-block, far below the activations' rounding to 1/254 of their block's largest), which is why
+    the exact default keeps these blocks as they are."""
+    rows = blocks.shape[0]
+    if type_name == "Q5_0":
+        b = blocks.view(rows, -1, 22)  # (rows, blocks, bytes)
+        d = b[..., 0:2].contiguous().view(torch.float16)  # (rows, nb, 1)
+        qh = b[..., 2:6]  # (rows, nb, 4): bit i of byte k is weight 8k + i's fifth bit
+        fifth = ((qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).flatten(-2)  # (rows, nb, 32)
+        qs = b[..., 6:22]
+        nibbles = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # (rows, nb, 32)
+        codes = (nibbles | fifth << 4).view(torch.int8) - 16  # -16 .. 15
+        return {"qweight": codes.view(rows, -1), "scales": d.view(rows, -1)}
+    if type_name == "Q4_K":
+        b = blocks.view(rows, -1, 144)
+        d = b[..., 0:2].contiguous().view(torch.float16).float()  # (rows, nb, 1)
+        dmin = b[..., 2:4].contiguous().view(torch.float16).float()
+        s = b[..., 4:16].to(torch.int32)  # (rows, nb, 12)
+        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | (s[..., 0:4] >> 6) << 4], dim=-1)  # (rows, nb, 8)
+        m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | (s[..., 4:8] >> 6) << 4], dim=-1)
+        qs = b[..., 16:].reshape(rows, -1, 4, 1, 32)  # (rows, nb, chunk, 1, 32)
+        codes = torch.cat([qs & 0x0F, qs >> 4], dim=3).view(rows, -1)  # sub-block 2c, then 2c + 1
+        return {"qweight": pack_int4(codes), "scales": (d * sc).half().view(rows, -1),
+                "offsets": (-(dmin * m)).half().view(rows, -1)}
+    raise ValueError(f"GGUF {type_name} blocks have no integer grid here (only {', '.join(INTEGER_GRIDS)})")
 
 
 def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:

@@ -19,6 +19,7 @@ int8-weight-only       int8    per-channel (``torch._weight_int8pack_mm``)   bf1
 int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf16 / fp16 / fp32
 int4-q8-cpu            int4    CPU, AVX2 / VNNI, opt-in (``int4_q8_mm``)     int8 per 32 (from fp32)
 int8-q8-cpu            int8    CPU, AVX2 / VNNI, opt-in (``int8_q8_mm``)     int8 per 32 (from fp32)
+gguf-q8-cpu            gguf    CPU, opt-in: Q5_0 / Q4_K as the two above    int8 per 32 (from fp32)
 gguf-blocks-cpu        gguf    CPU (``localllm::gguf_mm``): a GGUF's blocks  bf16 / fp16 / fp32
 gguf-blocks-cuda       gguf    CUDA, Triton (``quant.gguf_triton``)          bf16 / fp16 / fp32
 nf4-bitsandbytes       nf4     bitsandbytes ``matmul_4bit`` (CPU and CUDA)   bf16 / fp16 / fp32
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from localllm import native
 from localllm.quant.formats import GGUF_BLOCKS, dequantize, quiet_bitsandbytes, unpack_int4
+from localllm.quant.gguf_blocks import INTEGER_GRIDS, integer_grid
 from localllm.quant.target import Target
 
 if TYPE_CHECKING:
@@ -509,17 +511,25 @@ class _Q8Kernel(Kernel):
         return None
 
 
-def _dword_tiles(layer, row_bytes) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _dword_tiles(qweight: torch.Tensor, row_bytes) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """The int8-activation kernels' layout: uint8 (tiles of 16 rows, n/4, 64), dword j of column c being
     output row 16t + j's 4 bytes c of ``row_bytes(qweight rows)`` ((rows, n) uint8); built
     :data:`Int4GroupCPU.PACK_ROWS` rows at a time, the last tile padded with zeros."""
     if not native.available(LIBRARY):
         raise RuntimeError("localllm's CPU kernels are not built")
     tile, rows = Int4GroupCPU.TILE, Int4GroupCPU.PACK_ROWS
-    parts = [Int4GroupCPU._tiles(row_bytes(layer.qweight[a : a + rows]).view(torch.int32), tile)
-             for a in range(0, layer.out_features, rows)]  # (rows/16, n/4, 16) dwords each
+    parts = [Int4GroupCPU._tiles(row_bytes(qweight[a : a + rows]).view(torch.int32), tile)
+             for a in range(0, qweight.shape[0], rows)]  # (rows/16, n/4, 16) dwords each
     packed = torch.cat(parts) if len(parts) > 1 else parts[0]
     return packed.view(torch.uint8).view(packed.shape[0], packed.shape[1], 4 * tile)
+
+
+def _tile_rows(layer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """(n,) output rows -> (n, in/4, 4) bytes of ``layer.packed`` (:func:`_dword_tiles`' layout) and
+    (n, groups) fp32 ``layer.tile_scales`` of those rows."""
+    t, j = tokens // Int4GroupCPU.TILE, tokens % Int4GroupCPU.TILE
+    tiles, dwords, _ = layer.packed.shape
+    return layer.packed.view(tiles, dwords, Int4GroupCPU.TILE, 4)[t, :, j], layer.tile_scales[t, :, j].float()
 
 
 class Int4Q8CPU(_Q8Kernel):
@@ -549,18 +559,31 @@ class Int4Q8CPU(_Q8Kernel):
         return (q[:, :, 0] | (q[:, :, 1] << 4)).flatten(1)
 
     @staticmethod
-    def prepare(layer):  # type: ignore[no-untyped-def]
+    def pack(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical int4 tensors (``qweight``, ``scales``, ``offsets``) -> this kernel's layout."""
         tile = Int4GroupCPU.TILE
         return {
-            "packed": _dword_tiles(layer, Int4Q8CPU._octets),
-            "tile_scales": Int4GroupCPU._tiles(layer.scales.half(), tile),
-            "tile_offsets": Int4GroupCPU._tiles(layer.offsets.half(), tile),
+            "packed": _dword_tiles(canonical["qweight"], Int4Q8CPU._octets),
+            "tile_scales": Int4GroupCPU._tiles(canonical["scales"].half(), tile),
+            "tile_offsets": Int4GroupCPU._tiles(canonical["offsets"].half(), tile),
         }
+
+    @staticmethod
+    def prepare(layer):  # type: ignore[no-untyped-def]
+        return Int4Q8CPU.pack(layer.canonical())
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         return torch.ops.localllm.int4_q8_mm(x, layer.packed, layer.tile_scales, layer.tile_offsets,
                                              layer.scheme.group_size, layer.out_features)
+
+    @staticmethod
+    def rows_of(layer, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """(n,) row ids -> (n, in) fp32 weights, q * scale + offset, from the kernel's layout."""
+        octets, s = _tile_rows(layer, tokens)  # (n, in/8, 4): byte i holds columns 8o + i and 8o + 4 + i
+        q = torch.cat([octets & 0x0F, octets >> 4], dim=-1).flatten(1).float()  # (n, in)
+        o = layer.tile_offsets[tokens // Int4GroupCPU.TILE, :, tokens % Int4GroupCPU.TILE].float()  # (n, groups)
+        return (q.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1) + o.unsqueeze(-1)).flatten(-2)
 
 
 class Int8Q8CPU(_Q8Kernel):
@@ -579,14 +602,19 @@ class Int8Q8CPU(_Q8Kernel):
         return layer.scheme.group_size or layer.in_features
 
     @staticmethod
-    def prepare(layer):  # type: ignore[no-untyped-def]
+    def pack(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical int8 tensors (``qweight``, ``scales`` per row or per group) -> this kernel's layout."""
         tile = Int4GroupCPU.TILE
-        packed = _dword_tiles(layer, lambda q: (q.to(torch.int16) + 128).to(torch.uint8))  # codes + 128
-        scales = layer.scales.half()
+        packed = _dword_tiles(canonical["qweight"], lambda q: (q.to(torch.int16) + 128).to(torch.uint8))  # codes + 128
+        scales = canonical["scales"].half()
         return {
             "packed": packed,
             "tile_scales": Int4GroupCPU._tiles(scales if scales.dim() == 2 else scales.view(-1, 1), tile),
         }
+
+    @staticmethod
+    def prepare(layer):  # type: ignore[no-untyped-def]
+        return Int8Q8CPU.pack(layer.canonical())
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
@@ -596,12 +624,55 @@ class Int8Q8CPU(_Q8Kernel):
     @staticmethod
     def rows_of(layer, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
         """(n,) row ids -> (n, in) fp32 weights, q * scale (exact in fp32), from the kernel's layout."""
-        t, j = tokens // Int4GroupCPU.TILE, tokens % Int4GroupCPU.TILE
-        tiles, quads, _ = layer.packed.shape
-        codes = layer.packed.view(tiles, quads, Int4GroupCPU.TILE, 4)[t, :, j]  # (n, in/4, 4) uint8
+        codes, s = _tile_rows(layer, tokens)  # (n, in/4, 4) codes + 128, (n, in/group or 1)
         q = (codes.flatten(1).to(torch.int16) - 128).float()  # (n, in)
-        s = layer.tile_scales[t, :, j].float()  # (n, in/group or 1)
         return (q.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
+
+
+class GGUFQ8CPU(_Q8Kernel):
+    """The int8-activation family's member for a GGUF's Q5_0 and Q4_K blocks (most of a Q4_K_M file's
+    layers), which ``--kernel int4-q8-cpu`` takes with the rest of its family. At load the blocks
+    become the integer grid that holds their codes (:func:`quant.gguf_blocks.integer_grid`: Q5_0 int8
+    codes with its fp16 scale, Q4_K int4 codes with an fp16 scale and offset a sub-block) in
+    :class:`Int8Q8CPU`'s or :class:`Int4Q8CPU`'s layout, and the codes multiply in 8-bit integers as
+    theirs do, as llama.cpp multiplies these blocks (the exact default forms an fp32 product of every
+    weight, which bounds a one-row step by the core rather than by memory on AVX2 machines). Q5_0's
+    codes take a byte each (the layer grows from 5.5 to 8.5 bits a weight); Q4_K's scales are rounded
+    to fp16 on the way (see ``integer_grid``). Other GGUF types (Q6_K, Q5_K...) stay on
+    :class:`GGUFBlocksCPU`: Q6_K's scales cover 16 inputs, half an activation block."""
+
+    name = "gguf-q8-cpu"
+    scheme = "gguf"
+
+    @classmethod
+    def unsupported(cls, layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def,override]
+        why = super().unsupported(layer, target, act_dtype)
+        if why is None and layer.scheme.gguf_type not in INTEGER_GRIDS:
+            return f"runs {', '.join(INTEGER_GRIDS)} blocks only"
+        return why
+
+    @staticmethod
+    def _grid(layer):  # type: ignore[no-untyped-def]
+        return Int4Q8CPU if INTEGER_GRIDS[layer.scheme.gguf_type] == "int4" else Int8Q8CPU
+
+    @staticmethod
+    def prepare(layer):  # type: ignore[no-untyped-def]
+        grid, rows = GGUFQ8CPU._grid(layer), Int4GroupCPU.PACK_ROWS
+        parts = [grid.pack(integer_grid(layer.scheme.gguf_type, layer.blocks[a : a + rows]))
+                 for a in range(0, layer.out_features, rows)]  # a head's codes never all unpacked at once
+        return {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
+
+    @staticmethod
+    def matmul(layer, x):  # type: ignore[no-untyped-def]
+        ops, n = torch.ops.localllm, layer.out_features
+        if hasattr(layer, "tile_offsets"):
+            return ops.int4_q8_mm(x, layer.packed, layer.tile_scales, layer.tile_offsets, 32, n)
+        return ops.int8_q8_mm(x, layer.packed, layer.tile_scales, 32, n)
+
+    @staticmethod
+    def rows_of(layer, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """A tied head's embedding rows from the kernel's layout (Q4_K's with the fp16-rounded scales)."""
+        return GGUFQ8CPU._grid(layer).rows_of(layer, tokens)
 
 
 def gguf_dequantize(blocks: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
@@ -737,7 +808,7 @@ class Nf4Bitsandbytes(Kernel):
 KERNELS: tuple[type[Kernel], ...] = (
     Int4TritonCUDA, Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int8GroupCPU, Int8TritonCUDA, Int8WeightOnly,
     GGUFBlocksCPU, GGUFBlocksCUDA,
-    Nf4Bitsandbytes, Int4Q8CPU, Int8Q8CPU, Reference
+    Nf4Bitsandbytes, Int4Q8CPU, Int8Q8CPU, GGUFQ8CPU, Reference
 )
 BY_NAME = {k.name: k for k in KERNELS}
 

@@ -227,7 +227,8 @@ class TiedHeadEmbedding(nn.Module):
     or one per group of a row), or a GGUF head's blocks as the file has them (a Q4_K_M file's tied
     Q6_K ``token_embd``). Each looked-up row is formed in fp32, where it is exact (``q * scale``, or
     the block decoder's values, bit for bit ``gguf.quants.dequantize``), then rounded once to the
-    activation dtype: the values a 16-bit table made from the same tensor holds.
+    activation dtype: the values a 16-bit table made from the same tensor holds (but for a Q4_K head
+    under the opt-in ``gguf-q8-cpu`` kernel, whose rows carry the scales that kernel rounds to fp16).
     """
 
     def __init__(self, head: QuantLinear) -> None:
@@ -238,12 +239,12 @@ class TiedHeadEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         head = self._head[0]
-        if head.scheme.name == "gguf":
-            rows = self._block_rows(head, tokens.reshape(-1))  # (B*T, D) fp32
-            return rows.view(*tokens.shape, head.in_features).to(head.act_dtype)
         rows_of = getattr(head.kernel, "rows_of", None)
         if rows_of is not None:  # a kernel that keeps the codes in a layout of its own
             rows = rows_of(head, tokens.reshape(-1))  # (B*T, D) fp32
+            return rows.view(*tokens.shape, head.in_features).to(head.act_dtype)
+        if head.scheme.name == "gguf":
+            rows = self._block_rows(head, tokens.reshape(-1))  # (B*T, D) fp32
             return rows.view(*tokens.shape, head.in_features).to(head.act_dtype)
         scales = head.kscales if hasattr(head, "kscales") else head.scales  # (V,) or (V, D / group)
         rows = head.qweight[tokens].float()  # (B, T, D)
