@@ -25,6 +25,10 @@ Two more, whose integer codes the opt-in int8-activation kernels multiply (:func
   j < 4, ``sc[j] = b[j] & 63`` and ``m[j] = b[j + 4] & 63``; for j >= 4 the low four bits come from
   ``b[j + 4]`` (``sc``: its low nibble, ``m``: its high) and the top two from the top bits of
   ``b[j - 4]`` (``sc``) or ``b[j]`` (``m``).
+* Q6_K (210 bytes, 256 weights = 16 sub-blocks of 16): 128 bytes ``ql`` (low four bits), 64 bytes
+  ``qh`` (top two), 16 int8 sub-block scales ``sc``, fp16 ``d``; ``w = d * sc * (q - 32)``. In half h
+  (weights 128h ..), byte l of ``ql``'s 64 gives weights l (low nibble) and 64 + l (high), and byte l
+  of ``qh``'s 32 gives the top bits of weights l, 32 + l, 64 + l and 96 + l (bits 0-1, 2-3, 4-5, 6-7).
 """
 
 from __future__ import annotations
@@ -81,18 +85,19 @@ def dequantize(data: np.ndarray, qtype: gguf.GGMLQuantizationType, rows: int = D
     return out
 
 
-#: GGUF types :func:`integer_grid` converts, by the canonical scheme (group 32) that holds their codes.
-INTEGER_GRIDS = {"Q5_0": "int8", "Q4_K": "int4"}
+#: GGUF types :func:`integer_grid` converts, by the canonical scheme and group that hold their codes.
+INTEGER_GRIDS = {"Q5_0": ("int8", 32), "Q4_K": ("int4", 32), "Q6_K": ("int8", 16)}
 
 
 def integer_grid(type_name: str, blocks: torch.Tensor) -> dict[str, torch.Tensor]:
-    """(rows, bytes) uint8 blocks of a :data:`INTEGER_GRIDS` type -> canonical tensors of group 32 that
-    hold the same integer codes: int8 ``qweight`` / ``scales`` (Q5_0: ``q - 16`` and ``d``, exact) or
-    int4 ``qweight`` / ``scales`` / ``offsets`` (Q4_K). For the int8-activation kernels, which multiply
-    codes in 8-bit integers. Q4_K's sub-block scale ``d * sc`` and offset ``-dmin * m`` are products
-    exact only in fp32; the canonical grid rounds them to fp16 (a relative error of at most 2^-11 a
-    sub-block, far below the activations' rounding to 1/254 of their block's largest), which is why
-    the exact default keeps these blocks as they are."""
+    """(rows, bytes) uint8 blocks of a :data:`INTEGER_GRIDS` type -> canonical tensors that hold the same
+    integer codes: int8 ``qweight`` / ``scales`` (Q5_0: ``q - 16`` and ``d`` per 32, exact; Q6_K:
+    ``q - 32`` and ``d * sc`` per 16) or int4 ``qweight`` / ``scales`` / ``offsets`` per 32 (Q4_K:
+    ``q``, ``d * sc`` and ``-dmin * m``). For the int8-activation kernels, which multiply codes in 8-bit
+    integers. The K-quants' sub-block scales and offsets are products exact only in fp32; the canonical
+    grid rounds them to fp16 (a relative error of at most 2^-11 a sub-block, far below the
+    activations' rounding to 1/254 of their block's largest), which is why the exact default keeps
+    these blocks as they are."""
     rows = blocks.shape[0]
     if type_name == "Q5_0":
         b = blocks.view(rows, -1, 22)  # (rows, blocks, bytes)
@@ -114,6 +119,16 @@ def integer_grid(type_name: str, blocks: torch.Tensor) -> dict[str, torch.Tensor
         codes = torch.cat([qs & 0x0F, qs >> 4], dim=3).view(rows, -1)  # sub-block 2c, then 2c + 1
         return {"qweight": pack_int4(codes), "scales": (d * sc).half().view(rows, -1),
                 "offsets": (-(dmin * m)).half().view(rows, -1)}
+    if type_name == "Q6_K":
+        b = blocks.view(rows, -1, 210)
+        ql = b[..., :128].reshape(rows, -1, 2, 64)  # (rows, nb, half, 64)
+        low = torch.cat([ql & 0x0F, ql >> 4], dim=-1)  # (rows, nb, half, 128)
+        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+        top = (qh & 3).flatten(-2)  # (rows, nb, half, 128)
+        codes = (low | top << 4).view(torch.int8) - 32  # -32 .. 31
+        sc = b[..., 192:208].contiguous().view(torch.int8).float()  # (rows, nb, 16)
+        d = b[..., 208:210].contiguous().view(torch.float16).float()  # (rows, nb, 1)
+        return {"qweight": codes.view(rows, -1), "scales": (d * sc).half().view(rows, -1)}
     raise ValueError(f"GGUF {type_name} blocks have no integer grid here (only {', '.join(INTEGER_GRIDS)})")
 
 

@@ -19,7 +19,7 @@ int8-weight-only       int8    per-channel (``torch._weight_int8pack_mm``)   bf1
 int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf16 / fp16 / fp32
 int4-q8-cpu            int4    CPU, AVX2 / VNNI, opt-in (``int4_q8_mm``)     int8 per 32 (from fp32)
 int8-q8-cpu            int8    CPU, AVX2 / VNNI, opt-in (``int8_q8_mm``)     int8 per 32 (from fp32)
-gguf-q8-cpu            gguf    CPU, opt-in: Q5_0 / Q4_K as the two above    int8 per 32 (from fp32)
+gguf-q8-cpu            gguf    CPU, opt-in: Q5_0, Q4_K, Q6_K as the above    int8 per 32 (from fp32)
 gguf-blocks-cpu        gguf    CPU (``localllm::gguf_mm``): a GGUF's blocks  bf16 / fp16 / fp32
 gguf-blocks-cuda       gguf    CUDA, Triton (``quant.gguf_triton``)          bf16 / fp16 / fp32
 nf4-bitsandbytes       nf4     bitsandbytes ``matmul_4bit`` (CPU and CUDA)   bf16 / fp16 / fp32
@@ -503,7 +503,9 @@ class _Q8Kernel(Kernel):
         why = _native_cpu_unsupported(target, act_dtype)
         if why is not None:
             return why
-        if (layer.scheme.group_size or layer.in_features) % 32:  # a weight scale covers whole activation blocks
+        group = layer.scheme.group_size or layer.in_features
+        if layer.in_features % 32 or (group % 32 and not (group == 16 and cls.scheme != "int4")):
+            # a weight scale covers whole activation blocks, or (int8) each half of one
             return "needs weight scales per group (or row) of a multiple of 32 inputs"
         if torch.ops.localllm.q8_isa() == Q8_PORTABLE:
             return ("needs AVX2 (this CPU, or ATEN_CPU_CAPABILITY=default, gives none; the portable loop is "
@@ -630,16 +632,17 @@ class Int8Q8CPU(_Q8Kernel):
 
 
 class GGUFQ8CPU(_Q8Kernel):
-    """The int8-activation family's member for a GGUF's Q5_0 and Q4_K blocks (most of a Q4_K_M file's
-    layers), which ``--kernel int4-q8-cpu`` takes with the rest of its family. At load the blocks
-    become the integer grid that holds their codes (:func:`quant.gguf_blocks.integer_grid`: Q5_0 int8
-    codes with its fp16 scale, Q4_K int4 codes with an fp16 scale and offset a sub-block) in
+    """The int8-activation family's member for a GGUF's Q5_0, Q4_K and Q6_K blocks (a Q4_K_M file's),
+    which ``--kernel int4-q8-cpu`` takes with the rest of its family. At load the blocks become the
+    integer grid that holds their codes (:func:`quant.gguf_blocks.integer_grid`: Q5_0 int8 codes with
+    its fp16 scale, Q4_K int4 codes with an fp16 scale and offset a sub-block, Q6_K int8 codes with an
+    fp16 scale per 16 inputs) in
     :class:`Int8Q8CPU`'s or :class:`Int4Q8CPU`'s layout, and the codes multiply in 8-bit integers as
     theirs do, as llama.cpp multiplies these blocks (the exact default forms an fp32 product of every
     weight, which bounds a one-row step by the core rather than by memory on AVX2 machines). Q5_0's
-    codes take a byte each (the layer grows from 5.5 to 8.5 bits a weight); Q4_K's scales are rounded
-    to fp16 on the way (see ``integer_grid``). Other GGUF types (Q6_K, Q5_K...) stay on
-    :class:`GGUFBlocksCPU`: Q6_K's scales cover 16 inputs, half an activation block."""
+    and Q6_K's codes take a byte each (5.5 -> 8.5 and 6.56 -> 9 bits a weight); the K-quants' scales
+    are rounded to fp16 on the way (see ``integer_grid``). Other GGUF types (Q5_K, Q3_K...) stay on
+    :class:`GGUFBlocksCPU`."""
 
     name = "gguf-q8-cpu"
     scheme = "gguf"
@@ -653,7 +656,7 @@ class GGUFQ8CPU(_Q8Kernel):
 
     @staticmethod
     def _grid(layer):  # type: ignore[no-untyped-def]
-        return Int4Q8CPU if INTEGER_GRIDS[layer.scheme.gguf_type] == "int4" else Int8Q8CPU
+        return Int4Q8CPU if INTEGER_GRIDS[layer.scheme.gguf_type][0] == "int4" else Int8Q8CPU
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
@@ -665,9 +668,10 @@ class GGUFQ8CPU(_Q8Kernel):
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         ops, n = torch.ops.localllm, layer.out_features
+        group = INTEGER_GRIDS[layer.scheme.gguf_type][1]
         if hasattr(layer, "tile_offsets"):
-            return ops.int4_q8_mm(x, layer.packed, layer.tile_scales, layer.tile_offsets, 32, n)
-        return ops.int8_q8_mm(x, layer.packed, layer.tile_scales, 32, n)
+            return ops.int4_q8_mm(x, layer.packed, layer.tile_scales, layer.tile_offsets, group, n)
+        return ops.int8_q8_mm(x, layer.packed, layer.tile_scales, group, n)
 
     @staticmethod
     def rows_of(layer, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]

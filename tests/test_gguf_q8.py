@@ -1,8 +1,9 @@
-"""A GGUF's Q5_0 and Q4_K blocks in the opt-in int8-activation family (``gguf-q8-cpu``, which
+"""A GGUF's Q5_0, Q4_K and Q6_K blocks in the opt-in int8-activation family (``gguf-q8-cpu``, which
 ``--kernel int4-q8-cpu`` takes for them, issue 31).
 
 The blocks become the integer grid that holds their codes (``quant.gguf_blocks.integer_grid``): Q5_0's
-values exactly, Q4_K's within the rounding of its sub-block scale and offset products to fp16. The
+values exactly, the K-quants' within the rounding of their sub-block scale (and offset) products to
+fp16. The
 layer's product is then the int8-quantized activations by that grid's weights, as
 ``tests/test_int4_q8.py`` holds the int4 and int8 members to; the blocks are gone once the layer is
 prepared; other GGUF types stay on the exact block kernel; a model loads with it and stays close to
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compil
 def grid_weights(type_name: str, blocks: torch.Tensor) -> torch.Tensor:
     """The float64 weights of ``integer_grid``'s tensors for these blocks."""
     canonical = integer_grid(type_name, blocks)
-    return dequantize(canonical, parse_scheme(INTEGER_GRIDS[type_name], 32), torch.float64)
+    return dequantize(canonical, parse_scheme(*INTEGER_GRIDS[type_name]), torch.float64)
 
 
 def k4_terms(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -50,13 +51,17 @@ def k4_terms(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("type_name", sorted(INTEGER_GRIDS))
 def test_the_grid_holds_the_files_codes(type_name):
-    """Random blocks (every code, every 6-bit scale and minimum): Q5_0's grid is the file's values bit
-    for bit; Q4_K's differs only by the fp16 rounding of ``d * sc`` and ``dmin * m`` (half an ulp of
-    each product, 2^-11 relative), far less than one code's step."""
+    """Random blocks (every code, every scale and minimum): Q5_0's grid is the file's values bit for
+    bit; Q4_K's and Q6_K's differ only by the fp16 rounding of ``d * sc`` (and Q4_K's ``dmin * m``): half
+    an ulp of each product, 2^-11 relative, far less than one code's step."""
     layer, w = gguf_layer(type_name, 48, 512, seed=2)
     got = grid_weights(type_name, layer.blocks)
     if type_name == "Q5_0":
         assert torch.equal(got, w.double())
+        return
+    if type_name == "Q6_K":  # w = d * sc * (q - 32): its own size bounds the scale's rounding
+        assert ((got - w.double()).abs() <= 2.0**-11 * 1.001 * w.double().abs()).all()
+        assert (got != w.double()).any()
         return
     scaled, shifted = k4_terms(layer.blocks.numpy())
     bound = 2.0**-11 * torch.from_numpy(scaled + shifted)
@@ -93,8 +98,8 @@ def test_the_product_is_the_quantized_activations_by_the_grid(type_name):
 @pytest.mark.usefixtures("needs_avx2")
 def test_other_gguf_types_keep_the_exact_block_kernel(monkeypatch):
     monkeypatch.setattr(kernels, "WARNED", set())
-    layer, _ = gguf_layer("Q6_K", 32, 512)
-    with pytest.warns(UserWarning, match=r"kernel gguf-q8-cpu cannot run Q6_K .* it runs Q5_0, Q4_K blocks only"):
+    layer, _ = gguf_layer("Q5_K", 32, 512)
+    with pytest.warns(UserWarning, match=r"kernel gguf-q8-cpu cannot run Q5_K .* it runs Q5_0, Q4_K, Q6_K blocks only"):
         assert layer.prepare(torch.float32, "int4-q8-cpu") == "gguf-blocks-cpu"
     default, _ = gguf_layer("Q5_0", 32, 512)
     assert default.prepare(torch.float32) == "gguf-blocks-cpu"  # opt-in: never taken unnamed
@@ -103,8 +108,7 @@ def test_other_gguf_types_keep_the_exact_block_kernel(monkeypatch):
 @pytest.mark.usefixtures("needs_avx2")
 def test_a_k_quant_file_runs_its_q5_0_and_q4_k_layers_on_it(tmp_path, monkeypatch):
     """A tiny Q4_K_M-like file (Q5_0 attention and MLP, Q4_K output projection, Q6_K down and head,
-    Q8_0 values) with ``--kernel int4-q8-cpu``: every Q5_0 and Q4_K layer on the grid, the rest on their
-    own kernels. Its logits are compared with the exact default's in a file whose output projection is
+    Q8_0 values) with ``--kernel int4-q8-cpu``: every layer on the family's integer kernels. Its logits are compared with the exact default's in a file whose output projection is
     Q5_0 too: the test file's random Q4_K blocks are all-positive codes under a random-signed scale,
     weights far from centred, whose products cancel so much that any rounding of the activations shows
     large in the logits (real Q4_K blocks are centred by their minimums; ``localllm bench`` reports a
@@ -115,11 +119,12 @@ def test_a_k_quant_file_runs_its_q5_0_and_q4_k_layers_on_it(tmp_path, monkeypatc
     (tmp_path / "k").mkdir()
     lm = load_model(str(write_k_quant_gguf(tmp_path / "k", monkeypatch)), dtype="fp32", kernel="int4-q8-cpu")
     layer = lm.model.layers[0]
-    assert layer.attn.o.kernel is kernels.GGUFQ8CPU and layer.mlp.down.kernel is kernels.GGUFBlocksCPU
-    assert lm.kernels["gguf-q8-cpu"] >= 3 and lm.kernels["int8-q8-cpu"] >= 1 and "reference" not in lm.kernels
+    assert layer.attn.o.kernel is kernels.GGUFQ8CPU and layer.mlp.down.kernel is kernels.GGUFQ8CPU
+    assert lm.model.output.kernel is kernels.GGUFQ8CPU  # the Q6_K head
+    assert set(lm.kernels) - {"attention-cpu"} == {"gguf-q8-cpu", "int8-q8-cpu"}
     path = write_k_quant_gguf(tmp_path, monkeypatch, {**K_TYPES, "attn_output.weight": "Q5_0"})
     lm, exact = load_model(str(path), dtype="fp32", kernel="int4-q8-cpu"), load_model(str(path), dtype="fp32")
-    assert lm.kernels["gguf-q8-cpu"] >= 4
+    assert lm.kernels["gguf-q8-cpu"] >= 6
     ids = torch.tensor([[1, 5, 77, 300, 12, 9, 250, 3]])
     with torch.no_grad():
         got, want = lm.model(ids).log_softmax(-1), exact.model(ids).log_softmax(-1)

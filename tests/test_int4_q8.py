@@ -63,12 +63,12 @@ def paths() -> list[int]:
 
 
 @pytest.mark.parametrize("scheme,group,out", [("int4", 32, 200), ("int4", 64, 48), ("int4", 128, 13),
-                                               ("int8", 32, 200), ("int8", None, 40)])
+                                               ("int8", 32, 200), ("int8", None, 40), ("int8", 16, 200)])
 @pytest.mark.parametrize("portable", [False, True])
 def test_the_product_is_the_quantized_activations_by_the_exact_weights(scheme, group, out, portable):
     """Row counts 1 (decode), up to a pass of 8, 9 (5 + 4), 17 and 40 (passes of equal size); output
     rows past a tile (and past half a tile, AVX2's pass); a block of zeros (its scale 0); int8 per group
-    and per row."""
+    (of 32, and of 16: two scales an activation block, a GGUF's Q6_K) and per row."""
     layer, w = layer_of(group, out, 512, scheme_name=scheme)
     op = ops(layer, kernels.Q8_PORTABLE if portable else None)
     g = torch.Generator().manual_seed(1)
@@ -84,12 +84,14 @@ def test_the_product_is_the_quantized_activations_by_the_exact_weights(scheme, g
         assert ((x.double() @ w.t() - want).abs() > 3 * FP32_BOUND * (xq.abs() @ w.abs().t())).any()  # lossy
 
 
-@pytest.mark.parametrize("scheme,out", [("int4", 200), ("int8", 200), ("int4", 205), ("int8", 205)])
-def test_every_path_gives_the_portable_bits_and_rows_ignore_their_batch(scheme, out):
+@pytest.mark.parametrize("scheme,group,out", [("int4", 32, 200), ("int8", 32, 200), ("int4", 32, 205),
+                                               ("int8", 32, 205), ("int8", 16, 205)])
+def test_every_path_gives_the_portable_bits_and_rows_ignore_their_batch(scheme, group, out):
     """Each path this CPU runs, including the narrower ones (AVX2's vpmaddubsw on a VNNI CPU). int8
     codes reach -128 and 127 and activations +-127, vpmaddubsw's worst pairs. 205 outputs leave a
-    last tile of 13 (a second AVX2 half tile of 5); passes of 1 to 4 rows (AVX2) and up to 8."""
-    layer, _ = layer_of(32, out, 576, scheme_name=scheme)
+    last tile of 13 (a second AVX2 half tile of 5); passes of 1 to 4 rows (AVX2) and up to 8; int8
+    scales per 16 inputs (VNNI takes each half block's bias back on its own)."""
+    layer, _ = layer_of(group, out, 576, scheme_name=scheme)
     if scheme == "int8":
         layer.qweight[:, ::3] = -128
         layer.qweight[:, 1::3] = 127

@@ -12,6 +12,8 @@
 // Output: for each row and output n, acc = 0, then for every block in order:
 //   acc = fma(float(sum_k code[n,k] * q[k]), scale[n,g] * d, acc);   (the integer sum is exact)
 //   acc = fma(offset[n,g], s, acc);                                   (int4 only)
+// int8 weights may also have a scale per 16 inputs (G = 16, a GGUF's Q6_K): a block is then two
+// terms, acc = fma(float(sum over its first 16 inputs), scale[n,2b] * d, acc), then its last 16's.
 // One chain of fp32 operations a row, the same whatever the other rows of the call, so a sequence's
 // result does not depend on its batch; every ISA's path (Isa below) gives the portable one's bits
 // for finite activations:
@@ -26,7 +28,7 @@
 //   scales, offsets  fp16 (T, K/G, 16), as Int4GroupCPU's.
 // int8 (Int8Q8CPU.prepare): packed uint8 (T, K/4, 64): dword j of quad c holds row 16t + j's codes of
 // columns 4c .. 4c + 3, each plus 128 (vpdpbusd's unsigned operand; the kernel takes 128 * sum(q) back
-// off the integer sum, exactly); scales fp16 (T, K/G, 16), G = K for a scale per row.
+// off the integer sum of each 16 inputs, exactly); scales fp16 (T, K/G, 16), G = K for a scale per row.
 // Rows past N in the last tile are zeros and are not written. Tiles are split across threads.
 
 #include <ATen/Parallel.h>
@@ -94,7 +96,8 @@ int64_t best_isa() {
 #endif
 }
 
-// The activations, quantized: q (M, K) int8, d, s and the integer sums of q (M, K/32).
+// The activations, quantized: q (M, K) int8, d and s (M, K/32), and the integer sums of q over each
+// half block (M, K/16).
 struct Quantized {
   std::vector<int8_t> q;
   std::vector<float> d, s;
@@ -105,15 +108,16 @@ void quantize_block_portable(const float* x, int8_t* q, float* d, float* s, int3
   float amax = 0.f;
   for (int64_t i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  int32_t sum = 0;
+  int32_t half[2] = {0, 0};
   for (int64_t i = 0; i < QB; ++i) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv));  // |v| <= 127 by construction
     q[i] = static_cast<int8_t>(v);
-    sum += v;
+    half[i / 16] += v;
   }
   *d = amax / 127.f;
-  *s = *d * static_cast<float>(sum);
-  *qsum = sum;
+  *s = *d * static_cast<float>(half[0] + half[1]);
+  qsum[0] = half[0];
+  qsum[1] = half[1];
 }
 
 #if defined(__x86_64__)
@@ -125,10 +129,10 @@ LOCALLLM_VNNI void quantize_block_vnni(const float* x, int8_t* q, float* d, floa
   const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
-  const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  qsum[0] = _mm512_reduce_add_epi32(qa);
+  qsum[1] = _mm512_reduce_add_epi32(qb);
   *d = amax / 127.f;
-  *s = *d * static_cast<float>(sum);
-  *qsum = sum;
+  *s = *d * static_cast<float>(qsum[0] + qsum[1]);
 }
 
 LOCALLLM_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* d, float* s, int32_t* qsum) {
@@ -152,34 +156,36 @@ LOCALLLM_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* d, floa
   const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
                       _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-  __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
-  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
-  t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
-  const int32_t sum = _mm_cvtsi128_si32(t4);
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {  // inputs 16h .. 16h + 15
+    const __m256i t = _mm256_add_epi32(i[2 * h], i[2 * h + 1]);
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+    qsum[h] = _mm_cvtsi128_si32(t4);
+  }
   *d = amax / 127.f;
-  *s = *d * static_cast<float>(sum);
-  *qsum = sum;
+  *s = *d * static_cast<float>(qsum[0] + qsum[1]);
 }
 #endif
 
 Quantized quantize(const float* x, int64_t M, int64_t K, int64_t isa) {
   const int64_t nb = K / QB;
   Quantized out{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
-                std::vector<int32_t>(M * nb)};
+                std::vector<int32_t>(M * nb * 2)};
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
 #if defined(__x86_64__)
       if (isa == AVX512_VNNI) {
-        quantize_block_vnni(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i], &out.sum[i]);
+        quantize_block_vnni(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i], &out.sum[2 * i]);
         continue;
       }
       if (isa != PORTABLE) {
-        quantize_block_avx2(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i], &out.sum[i]);
+        quantize_block_avx2(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i], &out.sum[2 * i]);
         continue;
       }
 #endif
-      quantize_block_portable(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i], &out.sum[i]);
+      quantize_block_portable(x + i * QB, out.q.data() + i * QB, &out.d[i], &out.s[i], &out.sum[2 * i]);
     }
   });
   return out;
@@ -264,19 +270,25 @@ void tile_vnni_tail(int64_t rows, const int8_t* q, const float* d, const float* 
 void tile8_portable(const int8_t* q, const float* d, const int32_t* qsum, int64_t rows, const uint8_t* w,
                     const c10::Half* sc, int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
   (void)qsum;  // the portable sum takes the codes as they are: no bias to take back
-  const int64_t nb = K / QB, per = G / QB;
+  const int64_t nb = K / QB;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < valid; ++j) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        int32_t isum = 0;
+        int32_t isum[2] = {0, 0};  // inputs 0 .. 15 and 16 .. 31 of the block
         for (int64_t c = 0; c < QB / 4; ++c) {
           const uint8_t* dw = w + ((b * 8 + c) * TILE + j) * 4;
           const int8_t* xq = q + r * K + b * QB + c * 4;
-          for (int i = 0; i < 4; ++i) isum += (static_cast<int32_t>(dw[i]) - 128) * xq[i];
+          for (int i = 0; i < 4; ++i) isum[c / 4] += (static_cast<int32_t>(dw[i]) - 128) * xq[i];
         }
-        const float scale = static_cast<float>(sc[(b / per) * TILE + j]);
-        acc = std::fma(static_cast<float>(isum), scale * d[r * nb + b], acc);
+        if (G == 16) {
+          for (int h = 0; h < 2; ++h)
+            acc = std::fma(static_cast<float>(isum[h]), static_cast<float>(sc[(2 * b + h) * TILE + j]) * d[r * nb + b],
+                           acc);
+        } else {
+          const float scale = static_cast<float>(sc[(b * QB / G) * TILE + j]);
+          acc = std::fma(static_cast<float>(isum[0] + isum[1]), scale * d[r * nb + b], acc);
+        }
       }
       y[r * ldy + j] = acc;
     }
@@ -286,27 +298,38 @@ void tile8_portable(const int8_t* q, const float* d, const int32_t* qsum, int64_
 template <int R>
 LOCALLLM_VNNI void tile8_vnni(const int8_t* q, const float* d, const int32_t* qsum, const uint8_t* w,
                               const c10::Half* sc, int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
-  const int64_t nb = K / QB, per = G / QB;
+  const int64_t nb = K / QB;
+  const bool halves = G == 16;  // a scale per 16 inputs: two terms a block
   __m512 acc[R];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m512 scale =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + (b / per) * TILE)));
+    const c10::Half* sb = sc + (halves ? 2 * b : b * QB / G) * TILE;
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
     __m512i wv[8];
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) wv[c] = _mm512_loadu_si512(w + (b * 8 + c) * 64);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const int32_t* xr = reinterpret_cast<const int32_t*>(q + r * K + b * QB);
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  // inputs 0 .. 15, 16 .. 31
 #pragma GCC unroll 4
-      for (int c = 0; c < 8; c += 2) {
+      for (int c = 0; c < 4; ++c) {
         s0 = _mm512_dpbusd_epi32(s0, wv[c], _mm512_set1_epi32(xr[c]));
-        s1 = _mm512_dpbusd_epi32(s1, wv[c + 1], _mm512_set1_epi32(xr[c + 1]));
+        s1 = _mm512_dpbusd_epi32(s1, wv[c + 4], _mm512_set1_epi32(xr[c + 4]));
       }
-      const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * qsum[r * nb + b]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * nb + b])), acc[r]);
+      const int32_t* bias = qsum + (r * nb + b) * 2;  // each half's sum of q, times 128, comes back off
+      const __m512 db = _mm512_set1_ps(d[r * nb + b]);
+      if (halves) {
+        const __m512 scale1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + TILE)));
+        const __m512i i0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(128 * bias[0]));
+        const __m512i i1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(128 * bias[1]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(scale, db), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(scale1, db), acc[r]);
+        continue;
+      }
+      const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * (bias[0] + bias[1])));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scale, db), acc[r]);
     }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
@@ -392,25 +415,26 @@ LOCALLLM_AVX2 void tile_avx2(const int8_t* q, const float* d, const float* s, co
 template <int R, bool VNNI>
 LOCALLLM_AVX2 void tile8_avx2(const int8_t* q, const float* d, const int32_t* qsum, const uint8_t* w,
                               const c10::Half* sc, int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
-  const int64_t nb = K / QB, per = G / QB;
+  const int64_t nb = K / QB;
+  const bool halves = G == 16;  // a scale per 16 inputs: two terms a block
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t h = 0; h < 2 && 8 * h < valid; ++h) {
     __m256 acc[R];
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const __m256 scale =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + (b / per) * TILE + 8 * h)));
+      const c10::Half* sb = sc + (halves ? 2 * b : b * QB / G) * TILE + 8 * h;
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb)));
       const uint8_t* wb = w + b * 8 * 64 + 32 * h;
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const int32_t* xr = reinterpret_cast<const int32_t*>(q + r * K + b * QB);
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();  // inputs 0 .. 15, 16 .. 31
 #pragma GCC unroll 8
         for (int c = 0; c < 8; ++c) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c * 64));  // codes + 128
           const __m256i x = _mm256_set1_epi32(xr[c]);
-          __m256i& acc_c = c % 2 ? s1 : s0;
+          __m256i& acc_c = c < 4 ? s0 : s1;
           if constexpr (VNNI) {
             acc_c = dot4<true>(acc_c, v, x);
           } else {  // |code| by the activation with the code's sign: vpmaddubsw's pairs stay within int16
@@ -418,10 +442,21 @@ LOCALLLM_AVX2 void tile8_avx2(const int8_t* q, const float* d, const int32_t* qs
             acc_c = dot4<false>(acc_c, _mm256_abs_epi8(code), _mm256_sign_epi8(x, code));
           }
         }
+        const int32_t* half = qsum + (r * nb + b) * 2;  // VNNI: each half's sum of q, times 128, comes back off
+        const __m256 db = _mm256_set1_ps(d[r * nb + b]);
+        if (halves) {
+          if constexpr (VNNI) {
+            s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(128 * half[0]));
+            s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(128 * half[1]));
+          }
+          const __m256 scale1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + TILE)));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(scale, db), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(scale1, db), acc[r]);
+          continue;
+        }
         __m256i isum = _mm256_add_epi32(s0, s1);
-        if constexpr (VNNI) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(128 * qsum[r * nb + b]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_set1_ps(d[r * nb + b])),
-                                 acc[r]);
+        if constexpr (VNNI) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(128 * (half[0] + half[1])));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, db), acc[r]);
       }
     }
 #pragma GCC unroll 4
@@ -464,7 +499,7 @@ void mm(const Quantized& xq, int64_t M, const uint8_t* w, const c10::Half* sc, c
         const int8_t* q = xq.q.data() + m * K;
         const float* d = xq.d.data() + m * nb;
         const float* s = xq.s.data() + m * nb;
-        const int32_t* qs = xq.sum.data() + m * nb;
+        const int32_t* qs = xq.sum.data() + m * nb * 2;
         float* yt = y + m * N + t * TILE;
         m += rows;
 #if defined(__x86_64__)
@@ -499,8 +534,9 @@ void check_scales(const at::Tensor& t, int64_t T, int64_t groups, const char* op
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, int64_t K, const at::Tensor& scales,
                const at::Tensor* offsets, int64_t group, int64_t N, int64_t isa, const char* op) {
   const int64_t T = packed.size(0);
-  TORCH_CHECK(group > 0 && group % QB == 0 && K % group == 0, op, ": group ", group,
-              " must be a multiple of 32 that divides the width ", K);
+  const bool per16 = group == 16 && offsets == nullptr;  // int8 only: a GGUF's Q6_K
+  TORCH_CHECK((per16 || (group > 0 && group % QB == 0)) && K % QB == 0 && K % group == 0, op, ": group ", group,
+              " must be a multiple of 32 (or 16, for int8) that divides the width ", K, " (a multiple of 32)");
   TORCH_CHECK(N > (T - 1) * TILE && N <= T * TILE, op, ": ", N, " rows do not fill ", T, " tiles of 16");
   TORCH_CHECK(packed.is_contiguous(), op, ": packed must be contiguous");
   check_scales(scales, T, K / group, op);
