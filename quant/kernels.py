@@ -661,6 +661,10 @@ class GGUFQ8CPU(_Q8Kernel):
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
         grid, rows = GGUFQ8CPU._grid(layer), Int4GroupCPU.PACK_ROWS
+        kind = layer.scheme.gguf_type
+        if kind.endswith("_K"):  # never a coarser grid silently (the weights, not only the activations)
+            warn_once(f"kernel {GGUFQ8CPU.name} holds {kind} layers with their sub-block scales rounded to fp16 "
+                      "(within 2^-11 of the file's)")
         parts = [grid.pack(integer_grid(layer.scheme.gguf_type, layer.blocks[a : a + rows]))
                  for a in range(0, layer.out_features, rows)]  # a head's codes never all unpacked at once
         return {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}

@@ -12,6 +12,8 @@ the file's weights.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -77,13 +79,19 @@ def needs_avx2() -> None:
 
 @pytest.mark.usefixtures("needs_avx2")
 @pytest.mark.parametrize("type_name", sorted(INTEGER_GRIDS))
-def test_the_product_is_the_quantized_activations_by_the_grid(type_name):
-    """Named through its family (``int4-q8-cpu``); the blocks are dropped for the kernel's layout; 1 to
-    40 rows over 90 outputs (a partial tile) equal the int8-per-32 activations by the grid's weights
-    within fp32 summation; a tied head's rows read back as the grid's weights."""
+def test_the_product_is_the_quantized_activations_by_the_grid(type_name, monkeypatch):
+    """Named through its family (``int4-q8-cpu``), saying so where it rounds a K-quant's scales; the
+    blocks are dropped for the kernel's layout; 1 to 40 rows over 90 outputs (a partial tile) equal the
+    int8-per-32 activations by the grid's weights within fp32 summation; a tied head's rows read back
+    as the grid's weights."""
+    monkeypatch.setattr(kernels, "WARNED", set())
     layer, _ = gguf_layer(type_name, 90, 512, seed=3)
     w = grid_weights(type_name, layer.blocks)
-    assert layer.prepare(torch.float32, "int4-q8-cpu") == "gguf-q8-cpu"
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert layer.prepare(torch.float32, "int4-q8-cpu") == "gguf-q8-cpu"
+    rounded = [str(m.message) for m in said if "sub-block scales rounded to fp16" in str(m.message)]
+    assert len(rounded) == (type_name != "Q5_0"), rounded
     assert not hasattr(layer, "blocks")
     g = torch.Generator().manual_seed(4)
     for rows in (1, 3, 9, 40):
