@@ -484,9 +484,8 @@ void mm(const Quantized& xq, int64_t M, const uint8_t* w, const c10::Half* sc, c
   const int64_t tile_bytes = of != nullptr ? K / 2 * TILE : K * TILE;
   const int64_t rmax = isa == AVX512_VNNI ? RMAX : RMAX_AVX2;
   const int64_t groups = (M + rmax - 1) / rmax;  // rows in passes of equal size, at most rmax
-  // Enough tiles a task that a thread's share is worth waking it: ~256K weight-row products (a
-  // 256 x 640 layer's one row runs faster on one thread than split in two).
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (TILE * K * std::max<int64_t>(M, 1)));
+  // Enough tiles a task that a thread's share is worth waking it: ~64K weights.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (TILE * K));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* wt = w + t * tile_bytes;
