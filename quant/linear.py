@@ -227,7 +227,7 @@ class TiedHeadEmbedding(nn.Module):
     or one per group of a row), or a GGUF head's blocks as the file has them (a Q4_K_M file's tied
     Q6_K ``token_embd``). Each looked-up row is formed in fp32, where it is exact (``q * scale``, or
     the block decoder's values, bit for bit ``gguf.quants.dequantize``), then rounded once to the
-    activation dtype: the values a 16-bit table made from the same tensor holds (but for a Q4_K head
+    activation dtype: the values a 16-bit table made from the same tensor holds (but for a K-quant head
     under the opt-in ``gguf-q8-cpu`` kernel, whose rows carry the scales that kernel rounds to fp16).
     """
 
