@@ -154,3 +154,38 @@ def test_the_open_workload_runs_speculation_off_and_on_side_by_side(llama, tmp_p
     assert sp["accepted_tokens"] <= sp["drafted_tokens"] and "1" in sp["step_ms_by_rows_off"]
     assert data["settings"]["speculate"] == "on" and f"{ROUNDS} interleaved rounds" in " ".join(data["notes"])
     assert "speculative decoding" in stdout and "level 1: off" in stdout
+    # What bounds the gain, from the replies made without it: the engine's own steps (greedy fp32: the
+    # same reply both ways; a decode step yields its accepted drafts plus one) take no fewer.
+    engine_steps = row["generated_tokens"] - row["requests"] - row["accepted_tokens"]
+    assert 1 <= sp["lookup_decode_steps"] <= engine_steps
+    assert sp["lookup_tokens_per_step"] == pytest.approx((row["generated_tokens"] - 1) / sp["lookup_decode_steps"])
+    assert sp["lookup_throughput_bound"] >= 1 and "the best lookup" in stdout
+
+
+def test_the_lookup_bound_counts_the_fewest_steps_a_lookup_could_take():
+    """A reply copying its prompt takes MAX_DRAFT + 1 tokens a step once its first two tokens are
+    seen; a reply of new tokens one a step; and the engine's own proposer, drafting all it proposes
+    every step, never takes fewer steps on random texts full of repeats."""
+    import random
+
+    from localllm.bench.speculation import lookup_steps
+    from localllm.runtime.speculate import MAX_DRAFT, NgramIndex
+
+    prompt = list(range(100, 160))
+    # reply[0] from the prefill; reply[1] after an unseen pair; then whole drafts
+    assert lookup_steps(prompt, prompt[3:40]) == 1 + -(-(37 - 2) // (MAX_DRAFT + 1))
+    assert lookup_steps(prompt, list(range(10, 30))) == 19
+    assert lookup_steps(prompt, [5]) == 0
+    rng = random.Random(3)
+    for _ in range(30):
+        text = [rng.randrange(6) for _ in range(rng.randrange(20, 120))]
+        prompt, reply = text[: len(text) // 2], text[len(text) // 2 :]
+        index, steps, at = NgramIndex(), 0, 1
+        while at < len(reply):
+            draft, _ = index.propose([*prompt, *reply[:at]], MAX_DRAFT)
+            kept = 0
+            while kept < len(draft) and at + kept < len(reply) and draft[kept] == reply[at + kept]:
+                kept += 1
+            at += kept + 1
+            steps += 1
+        assert lookup_steps(prompt, reply) <= steps

@@ -39,7 +39,9 @@ def format_serving(result: dict[str, Any]) -> str:
             lines.append(f"level {r['level']}: off {sp['off_tok_s']:.1f} tok/s, on {sp['on_tok_s']:.1f} tok/s "
                          f"({_x(sp['on_over_off'])}); a stream decodes {sp['off_stream_decode_tok_s']:.1f} -> "
                          f"{sp['on_stream_decode_tok_s']:.1f} tok/s ({_x(sp['stream_decode_on_over_off'])}); {sp['accepted_tokens']} of {sp['drafted_tokens']} drafted tokens "
-                         f"accepted ({rate}), {mean} per verify step; step ms by rows {{{steps}}}")
+                         f"accepted ({rate}), {mean} per verify step; step ms by rows {{{steps}}}; the best "
+                         f"lookup: {sp['lookup_tokens_per_step']:.2f} tokens a decode step, throughput at most "
+                         f"{_x(sp['lookup_throughput_bound'])}")
     elif result["workload"] == "uniform":
         w = c["with_long_prompt"]
         lines += [f"throughput c8 / c1: {_x(c['throughput_c8_over_c1'])}; ITL p99 at c8 / p50 at c1: "

@@ -5,7 +5,10 @@ requests on a fresh engine with speculation off, then on (the order alternating 
 rounds, so that the machine's drift falls on both alike), and reports per concurrency level the
 median throughput of each and their ratio, drafted and accepted tokens, the acceptance rate, the
 mean accepted length per verify step, and what the engine measured a decode step to cost by its
-number of query rows (a verify step of k drafts has k more rows than the sequences in it).
+number of query rows (a verify step of k drafts has k more rows than the sequences in it). What
+limits the gain is reported too: from the replies generated with speculation off, the fewest decode
+steps any lookup of this engine's kind could take (:func:`lookup_steps`), and the throughput that
+would give if a verify step cost what a one-token step costs.
 ``--workload agent --speculate compare`` does the same for the agent workload's turns.
 
 Workloads (chat-templated prompts, greedy, end-of-sequence ignored, ``gen_tokens`` per request):
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from localllm.bench.settings import Log
+from localllm.runtime.speculate import MAX_DRAFT, MIN_NGRAM
 
 ROUNDS = 3
 EDIT_TOKENS = 1000
@@ -90,6 +94,48 @@ def _requests(workload: str, tokenizer: Any, text: Any, level: int, gen_tokens: 
     return [Request(p, gen_tokens) for p in prompts]
 
 
+def lookup_steps(prompt: Sequence[int], reply: Sequence[int], max_draft: int = MAX_DRAFT) -> int:
+    """Decode steps ``reply`` (its first token from the prefill) would take after ``prompt`` had each
+    step verified the best draft its text offered: of every earlier occurrence of its last
+    ``MIN_NGRAM`` tokens, the one whose followers (in the text so far) match the most of the next
+    reply tokens, at most ``max_draft`` of them; a step yields those plus one token. The engine's
+    proposals (the latest occurrence of the longest matching suffix) are among these candidates, so
+    no step of it keeps more: its decode steps on the same reply are at least this many."""
+    text = [*prompt, *reply[:1]]
+    followers: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions of the tokens that followed it
+    indexed = 0  # n-grams ending before text[indexed] are in followers
+    steps, at = 0, 1
+    while at < len(reply):
+        for end in range(max(indexed, MIN_NGRAM - 1), len(text) - 1):  # the last n-gram has no follower yet
+            followers.setdefault(tuple(text[end + 1 - MIN_NGRAM : end + 1]), []).append(end + 1)
+        indexed = max(indexed, len(text) - 1)
+        best = 0
+        for j in followers.get(tuple(text[-MIN_NGRAM:]), ()):
+            n = 0
+            while n < max_draft and j + n < len(text) and at + n < len(reply) and text[j + n] == reply[at + n]:
+                n += 1
+            best = max(best, n)
+        take = min(best + 1, len(reply) - at)
+        text += reply[at : at + take]
+        at += take
+        steps += 1
+    return steps
+
+
+def lookup_figures(requests: Sequence[Any], figures: dict[str, Any]) -> dict[str, Any]:
+    """What bounds speculation's gain on a run made without it (``drive``'s figures of ``requests``):
+    its replies' decode tokens per step under :func:`lookup_steps` (a stream's decode rate could rise
+    at most that much), and the throughput ratio were every decode step that much fewer and a verify
+    step as cheap as a one-token step (the steps that carried prompt tokens as they were)."""
+    tokens = sum(max(0, len(r.tokens) - 1) for r in requests)
+    steps = sum(lookup_steps(r.prompt, r.tokens) for r in requests)
+    per_step = tokens / steps if steps else 1.0
+    wall, decode = figures["wall_s"], figures["decode_steps_s"]
+    saved = decode * (1 - 1 / per_step)
+    return {"lookup_decode_steps": steps, "lookup_tokens_per_step": per_step,
+            "lookup_throughput_bound": wall / (wall - saved) if wall > saved else None}
+
+
 def speculation_row(off: Sequence[dict[str, Any]], on: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One level's comparison from its rounds' figures (``drive``'s), speculation off and on."""
     last = on[-1]
@@ -111,6 +157,10 @@ def speculation_row(off: Sequence[dict[str, Any]], on: Sequence[dict[str, Any]])
         "acceptance": accepted / drafted if drafted else None,
         "mean_accepted": accepted / steps if steps else None,
         "verify_steps": steps,
+        # from the runs without speculation: what no lookup of this kind could beat (lookup_figures)
+        "lookup_decode_steps": off[-1]["lookup_decode_steps"],
+        "lookup_tokens_per_step": off[-1]["lookup_tokens_per_step"],
+        "lookup_throughput_bound": statistics.median(r["lookup_throughput_bound"] or 1.0 for r in off),
         "step_ms_by_rows_on": last["step_ms_by_rows"],
         "step_ms_by_rows_off": off[-1]["step_ms_by_rows"],
     }
@@ -130,7 +180,9 @@ def compare(levels: Sequence[int], run_level: Callable[[int, bool], dict[str, An
         log(f"  {label} c={level}: {sp['off_tok_s']:.1f} tok/s off, {sp['on_tok_s']:.1f} on ({sp['on_over_off']:.2f}x); "
             f"a stream decodes {sp['off_stream_decode_tok_s']:.1f} -> {sp['on_stream_decode_tok_s']:.1f} tok/s "
             f"({sp['stream_decode_on_over_off']:.2f}x); "
-            f"{sp['accepted_tokens']} of {sp['drafted_tokens']} drafts accepted")
+            f"{sp['accepted_tokens']} of {sp['drafted_tokens']} drafts accepted; the best lookup: "
+            f"{sp['lookup_tokens_per_step']:.2f} tokens a decode step, throughput at most "
+            f"{sp['lookup_throughput_bound']:.2f}x")
         rows.append(row)
     return rows
 
@@ -144,7 +196,8 @@ def speculative(model: Any, tokenizer: Any, s: Any, text: Any, log: Log) -> dict
         requests = _requests(s.workload, tokenizer, text, level, s.gen_tokens, s.prompt_tokens)
         text.offset = start  # the same prompts both ways and every round
         engine = make_engine(model, replace(s, speculate=speculate), level)
-        return drive(engine, requests)
+        figures = drive(engine, requests)
+        return figures if speculate else {**figures, **lookup_figures(requests, figures)}
 
     return _result(compare(s.levels, run_level, log, s.workload))
 
@@ -161,9 +214,10 @@ def agent_compare(model: Any, s: Any, text: Any, log: Log) -> dict[str, Any]:
         start = text.offset
         sized = replace(s, speculate=speculate, kv_budget_bytes=s.kv_budget_bytes or kv_bytes(
             model, level * (longest + AGENT_TOOL), s.kv_dtype))
-        figures = drive(make_engine(model, sized, level), agent_requests(text, level))
+        requests = agent_requests(text, level)
+        figures = drive(make_engine(model, sized, level), requests)
         text.offset = start
-        return figures
+        return figures if speculate else {**figures, **lookup_figures(requests, figures)}
 
     return _result(compare(s.levels, run_level, log, "agent"))
 
