@@ -38,7 +38,7 @@ from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_
 from localllm.runtime.model import Transformer, cache_rope_tables
 from localllm.runtime.cuda_graphs import GraphedDecode
 from localllm.runtime.paged import PagedChunkAttention, PagedDecodeAttention, PagedSpanAttention, PagedStep, SeqChunk
-from localllm.runtime.compiled_step import CompiledDecode, find_step
+from localllm.runtime.compiled_step import CompiledDecode, find_step, wanted_batch
 from localllm.runtime.constrain import Constraint, apply_masks
 from localllm.runtime.sampling import SamplingParams, greedy, sample, top_k, unit_random
 from localllm.runtime.scheduler import Chunk, Scheduler, Sequence as Seq, Status
@@ -238,7 +238,8 @@ class BatchEngine:
     per-token, per-head scales: half the bytes).
     ``compile``: False runs every step eagerly; "auto" runs decode-only steps through the compiled
     step's packages when they are built (:attr:`needs_build` says when they are not); True builds
-    missing ones now (a minute or so a package on two cores). Where the step cannot run the model
+    missing ones now (a minute or so a package on two cores), all but those of a lone sequence's verify
+    steps, which a background build adds (:attr:`needs_build`, :attr:`build_batch`). Where the step cannot run the model
     (:func:`runtime.compiled_step.unsupported`), steps run eagerly and :attr:`compile_note` says why.
     ``speculate``: propose tokens from each sequence's own history and verify them in the step where
     that pays (:mod:`runtime.speculate`); the tokens are the same either way. ``cuda_graphs``: on a
@@ -297,6 +298,9 @@ class BatchEngine:
         #: "auto" found no compiled step built for this model and pool shape (``localllm compile``),
         #: and no build of it failed before.
         self.needs_build = False
+        #: The batch size (query rows) a build for this engine covers (:func:`wanted_batch`): what to
+        #: hand ``localllm compile --batch`` when :attr:`needs_build`.
+        self.build_batch = wanted_batch(max_running, speculate)
         self.compile_s = 0.0  # building (True) or loading the compiled step's packages
         #: Why steps run eagerly although compiling was asked for (None: they do not, or it was not).
         self.compile_note: str | None = None
@@ -327,7 +331,8 @@ class BatchEngine:
     def _compile(self, build: bool, max_running: int) -> None:
         # Verify steps have more rows than sequences: packages built for such batches serve them too.
         rows = max_running * (1 + MAX_DRAFT) if self.speculate else max_running
-        found = find_step(self.model, self.pool, self.kernel, max_running, build, load_batch=rows)
+        found = find_step(self.model, self.pool, self.kernel, max_running, build, load_batch=rows,
+                          want_batch=self.build_batch)
         self._compiled, self.compile_s = found.step, found.seconds
         self.needs_build, self.compile_note = found.needs_build, found.note
 

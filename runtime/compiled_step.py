@@ -57,6 +57,7 @@ from localllm.runtime.cache import QuantKV, key_rotation
 from localllm.runtime.kv_pool import KVPool
 from localllm.runtime.model import Transformer, cache_rope_tables
 from localllm.runtime.paged import PagedDecodeAttention, PagedSpanAttention, PagedStep, Split
+from localllm.runtime.speculate import MAX_DRAFT
 
 #: Bumped when the exported step's calling convention changes, so old packages are not picked up.
 FORMAT = 6
@@ -392,16 +393,19 @@ class CompiledDecode:
     model or cannot be built here."""
 
     def __init__(self, model: Transformer, pool: KVPool, kernel: PagedDecodeAttention, max_batch: int,
-                 build: bool = False, cache_dir: Path | None = None, load_batch: int = 0) -> None:
+                 build: bool = False, cache_dir: Path | None = None, load_batch: int = 0,
+                 want_batch: int = 0) -> None:
         why = unsupported(model, pool, kernel)
         if why:
             raise RuntimeError(f"the compiled step cannot run this model: {why}")
         every, tensors = package_paths(model, pool, kernel, cache_dir)
         paths = [(rng, p) for rng, p in every if rng[0] <= max_batch]
-        # Built packages of more rows than sequences (a verify step's drafts) serve too; none is built for them.
-        extra = [(rng, p) for rng, p in every if max_batch < rng[0] <= load_batch and p.exists()]
+        # Packages of more rows than sequences (verify steps: each sequence's drafts are rows of their
+        # own) serve where built, up to load_batch rows; build=True does not wait for them.
+        drafts = [(rng, p) for rng, p in every if max_batch < rng[0] <= load_batch]
         self.build_s = 0.0
-        #: Packages of this engine's batch sizes that are not built (``build=False`` only).
+        #: Packages not built: of this engine's batch sizes (``build=False`` only), and of verify steps of
+        #: up to ``want_batch`` rows (what a background build of :func:`wanted_batch` adds).
         self.missing = [p for _, p in paths if not p.exists()]
         if self.missing and not build and len(self.missing) == len(paths):
             raise PackageMissing(f"no decode step is built for this model yet ({self.missing[0].name})",
@@ -418,7 +422,8 @@ class CompiledDecode:
             self.build_s += time.perf_counter() - t0
         if build:
             self.missing = []
-        paths = [(rng, p) for rng, p in paths if p.exists()] + extra
+        self.missing += [p for (lo, _), p in drafts if lo <= want_batch and not p.exists()]
+        paths = [(rng, p) for rng, p in paths + drafts if p.exists()]
         self.paths = [p for _, p in paths]
         #: (smallest batch, largest batch, runner) of each package.
         self._runners = [(lo, hi, load_runner(p)) for (lo, hi), p in paths]
@@ -458,17 +463,28 @@ class StepLookup:
     note: str | None = None  # why steps run eagerly although a compiled step was asked for
 
 
+def wanted_batch(max_running: int, speculate: bool) -> int:
+    """The batch sizes (query rows) an engine of ``max_running`` sequences wants packages for, and its
+    background builds cover: its own, and with speculation a lone sequence's verify steps too (up to
+    ``1 + MAX_DRAFT`` rows), which run eagerly otherwise, at more than twice a compiled step's time.
+    Larger batches' verify steps stay eager until ``localllm compile --batch`` builds them: in those
+    steps drafts rarely pay."""
+    return max(max_running, 1 + MAX_DRAFT) if speculate else max_running
+
+
 def find_step(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention | None, max_batch: int,
-              build: bool, load_batch: int = 0) -> StepLookup:
+              build: bool, load_batch: int = 0, want_batch: int = 0) -> StepLookup:
     """The compiled decode step for ``model`` over ``pool``: loaded when built, built now with
-    ``build``, else nothing (with :attr:`StepLookup.needs_build` saying whether a build would serve)."""
+    ``build``, else nothing (with :attr:`StepLookup.needs_build` saying whether a build would serve).
+    ``load_batch``, ``want_batch``: as for :class:`CompiledDecode`."""
     why = unsupported(model, pool, kernel)
     if why is not None:
         return StepLookup(None, note=f"decode steps run eagerly: {why}")
     assert kernel is not None
     t0 = time.perf_counter()
     try:
-        step = CompiledDecode(model, pool, kernel, max_batch, build=build, load_batch=load_batch)
+        step = CompiledDecode(model, pool, kernel, max_batch, build=build, load_batch=load_batch,
+                              want_batch=want_batch)
     except PackageMissing as e:  # a build that failed before is not started again by itself
         return StepLookup(None, time.perf_counter() - t0, needs_build=not failure_marker(e.path).exists())
     except RuntimeError as e:  # no compiler, or the build failed: eager, saying why

@@ -99,6 +99,12 @@ class Engine:
         return self.batch.needs_build
 
     @property
+    def build_batch(self) -> int:
+        """The batch size a build of this engine's compiled step covers (``localllm compile --batch``):
+        with speculation, a verify step's rows too."""
+        return self.batch.build_batch
+
+    @property
     def compile_s(self) -> float:
         """Time spent building or loading the compiled step."""
         return self.batch.compile_s

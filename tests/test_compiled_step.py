@@ -21,6 +21,7 @@ from localllm.loaders.load import load_model
 from localllm.runtime import compiled_step
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.compiled_step import MAX_BATCH, CompiledDecode, PackageMissing, batch_ranges
+from localllm.runtime.speculate import MAX_DRAFT
 from tests.engines import GREEDY
 from tests.test_batch import BIG, DECIDED, MAX_TOKENS, PROMPTS, assert_same
 
@@ -166,6 +167,12 @@ def test_compiled_steps_give_the_eager_engines_tokens(fp32, home):
         sizes = counted(partial)
         run_mixed(partial)
         assert set(sizes) == {1}
+        # A lone stream wants that package too when it speculates (its verify steps' rows would run
+        # eagerly), and a background build for it covers them; without speculation it wants none.
+        lone = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=1, compile="auto")
+        assert lone.compiled and lone.needs_build and lone.build_batch == 1 + MAX_DRAFT
+        plain = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=1, compile="auto", speculate=False)
+        assert plain.compiled and not plain.needs_build and plain.build_batch == 1
     finally:
         aside.rename(batch_package)
 
@@ -297,6 +304,7 @@ def test_a_first_run_builds_the_step_in_the_background_for_the_next(tiny_folder,
         assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
         time.sleep(1)
     assert "--threads 1" in log.read_text()  # built for the run's thread count, which packages are keyed by
+    assert f"--batch {1 + MAX_DRAFT}" in log.read_text()  # and the rows of its verify steps (speculation)
     second = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
     assert second.returncode == 0 and "decode step: aot" in second.stderr and "background" not in second.stderr
     assert second.stdout == first.stdout  # the same greedy tokens

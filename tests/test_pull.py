@@ -34,6 +34,7 @@ from localllm.loaders.pull import gguf_name, pull_if_missing
 from localllm.loaders.store import Store
 from localllm.quant.formats import dequantize, parse_scheme
 from localllm.quant.gguf_blocks import to_canonical
+from localllm.runtime.speculate import MAX_DRAFT
 from tests.answers import WIDE_MARGIN, fp32_greedy
 from tests.hub_server import HubServer, hub_env, hub_fixture, running_hub
 
@@ -457,10 +458,11 @@ def test_pull_again_force_name_and_conflicts(tiny_repo: str, home: Path, monkeyp
     import localllm.runtime.compiled_step as compile_step
 
     builds: list[object] = []  # what pull asks to build in the background (tests/test_compiled_step.py runs one)
-    monkeypatch.setattr(compile_step, "start_background_build", lambda args, batch=1: builds.append(args) or True)
+    monkeypatch.setattr(compile_step, "start_background_build", lambda args, batch=1: builds.append((args, batch)) or True)
     first = in_process("pull", tiny_repo)
     assert first.exit_code == 0 and "quantizing" in first.stderr and first.stdout == ""
-    assert builds == [compile_step.LoadArgs("tiny-llama:int4")]  # the stored model, loaded as run loads it
+    # the stored model, loaded as run loads it, with the rows of run's verify steps (speculation is on by default)
+    assert builds == [(compile_step.LoadArgs("tiny-llama:int4"), 1 + MAX_DRAFT)]
     assert "compiling its decode step in the background" in first.stderr
     again = in_process("pull", tiny_repo)
     assert again.exit_code == 0 and "'tiny-llama:int4' is already stored" in again.stderr

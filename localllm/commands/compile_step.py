@@ -6,7 +6,9 @@ A plain ``localllm run`` never waits for a compiler: it uses the step built for 
 is one, and otherwise runs eagerly and, once its reply is done, starts this command in a detached
 process (``--if-idle``, at the lowest CPU priority) so that the next run finds the step. Set-up builds
 the embedded model's step in the foreground; ``pull`` starts the build for the model it stored,
-``serve`` for each model it loads (``--batch`` its ``--parallel``).
+``serve`` for each model it loads (``--batch`` its ``--parallel``). With speculation on (the default)
+the batch covers a lone sequence's verify steps too: up to 1 + MAX_DRAFT rows
+(:func:`runtime.compiled_step.wanted_batch`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from localllm.commands.common import kv_cache_option, note, quant_head_option, t
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
-from localllm.runtime.compiled_step import LoadArgs, start_background_build
+from localllm.runtime.compiled_step import LoadArgs, start_background_build, wanted_batch
 
 
 @click.command("compile")
@@ -31,7 +33,8 @@ from localllm.runtime.compiled_step import LoadArgs, start_background_build
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)), help="As for run.")
 @kv_cache_option
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Sequences at once the step is built for: 1 for run, serve's --parallel for the server.")
+              help=f"Query rows at once the step is built for: 1 for run's plain steps, {wanted_batch(1, True)} for its "
+                   "verify steps too (speculation), serve's --parallel for the server.")
 @click.option("--if-idle", is_flag=True, hidden=True,
               help="A background build: leave at once if another build is running, at the lowest CPU priority.")
 def compile_step(model: str, device: str, dtype: str, threads: int | None, quant: str | None,
@@ -75,5 +78,5 @@ def build_after(args: LoadArgs, needed: bool, batch: int = 1) -> None:
     """After a run that found no compiled step (``needed``): start its build in the background and say
     so (it outlives this command)."""
     if needed and start_background_build(args, batch):
-        note("building a compiled decode step for this model in the background (about a minute, only on idle "
-             "CPU time; it goes on after this command; output in the logs folder); later runs use it")
+        note("building a compiled decode step for this model in the background (a minute or two a package, only "
+             "on idle CPU time; it goes on after this command; output in the logs folder); later runs use it")

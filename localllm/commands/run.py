@@ -285,7 +285,7 @@ def run(
 
     if text is None:
         _chat(engine, params, system, max_tokens, stop, verbose, load_s, think, not hide_thinking, grammar, logprobs)
-        build_after(build, needs_build)
+        build_after(build, needs_build, engine.build_batch)
         return
     if raw:
         pieces = engine.complete(text, params, max_tokens, stop, grammar, logprobs)
@@ -298,7 +298,7 @@ def run(
     if logprobs is not None:
         print_logprobs(engine.logprobs, engine.constraints.token_bytes)
     _after(engine, verbose, load_s)
-    build_after(build, needs_build)
+    build_after(build, needs_build, engine.build_batch)
 
 
 def print_logprobs(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> None:

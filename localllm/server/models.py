@@ -352,7 +352,7 @@ class ModelManager:
             from localllm.runtime.compiled_step import LoadArgs, start_background_build
 
             if start_background_build(LoadArgs(ref, cfg.device, cfg.dtype, cfg.quant, kernel=cfg.kernel,
-                                               kv_cache=cfg.kv_dtype), batch=cfg.parallel):
+                                               kv_cache=cfg.kv_dtype), batch=engine.build_batch):
                 log.info("building a compiled decode step for %s in the background, only on idle CPU time; it goes "
                          "on after the server stops (output in %s); the next load of %s uses it",
                          name, home() / "logs" / "compile.log", name)
