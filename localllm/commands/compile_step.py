@@ -78,5 +78,5 @@ def build_after(args: LoadArgs, needed: bool, batch: int = 1) -> None:
     """After a run that found no compiled step (``needed``): start its build in the background and say
     so (it outlives this command)."""
     if needed and start_background_build(args, batch):
-        note("building a compiled decode step for this model in the background (a minute or two a package, only "
-             "on idle CPU time; it goes on after this command; output in the logs folder); later runs use it")
+        note("building this model's compiled decode steps in the background (a minute or two each, only on idle "
+             "CPU time; it goes on after this command; output in the logs folder); later runs use them")
