@@ -239,8 +239,9 @@ class BatchEngine:
     ``compile``: False runs every step eagerly; "auto" runs decode-only steps through the compiled
     step's packages when they are built (:attr:`needs_build` says when they are not); True builds
     missing ones now (a minute or so a package on two cores), all but those of a lone sequence's verify
-    steps, which a background build adds (:attr:`needs_build`, :attr:`build_batch`). Where the step cannot run the model
-    (:func:`runtime.compiled_step.unsupported`), steps run eagerly and :attr:`compile_note` says why.
+    steps, which a background build adds (:attr:`needs_build`, :attr:`build_batch`). Where the step
+    cannot run the model (:func:`runtime.compiled_step.unsupported`), steps run eagerly and
+    :attr:`compile_note` says why.
     ``speculate``: propose tokens from each sequence's own history and verify them in the step where
     that pays (:mod:`runtime.speculate`); the tokens are the same either way. ``cuda_graphs``: on a
     GPU, replay decode-only steps from CUDA graphs captured per batch-size bucket

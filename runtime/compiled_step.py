@@ -466,7 +466,7 @@ class StepLookup:
 def wanted_batch(max_running: int, speculate: bool) -> int:
     """The batch sizes (query rows) an engine of ``max_running`` sequences wants packages for, and its
     background builds cover: its own, and with speculation a lone sequence's verify steps too (up to
-    ``1 + MAX_DRAFT`` rows), which run eagerly otherwise, at more than twice a compiled step's time.
+    ``1 + MAX_DRAFT`` rows), which run eagerly otherwise, at about twice a compiled step's time.
     Larger batches' verify steps stay eager until ``localllm compile --batch`` builds them: in those
     steps drafts rarely pay."""
     return max(max_running, 1 + MAX_DRAFT) if speculate else max_running

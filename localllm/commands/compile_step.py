@@ -33,8 +33,8 @@ from localllm.runtime.compiled_step import LoadArgs, start_background_build, wan
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)), help="As for run.")
 @kv_cache_option
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
-              help=f"Query rows at once the step is built for: 1 for run's plain steps, {wanted_batch(1, True)} for its "
-                   "verify steps too (speculation), serve's --parallel for the server.")
+              help=f"Query rows at once the step is built for: 1 for run's plain steps, {wanted_batch(1, True)} "
+                   "for its verify steps too (speculation), serve's --parallel for the server.")
 @click.option("--if-idle", is_flag=True, hidden=True,
               help="A background build: leave at once if another build is running, at the lowest CPU priority.")
 def compile_step(model: str, device: str, dtype: str, threads: int | None, quant: str | None,
