@@ -95,31 +95,31 @@ def _requests(workload: str, tokenizer: Any, text: Any, level: int, gen_tokens: 
 
 
 def lookup_steps(prompt: Sequence[int], reply: Sequence[int], max_draft: int = MAX_DRAFT) -> int:
-    """Decode steps ``reply`` (its first token from the prefill) would take after ``prompt`` had each
-    step verified the best draft its text offered: of every earlier occurrence of its last
-    ``MIN_NGRAM`` tokens, the one whose followers (in the text so far) match the most of the next
-    reply tokens, at most ``max_draft`` of them; a step yields those plus one token. The engine's
-    proposals (the latest occurrence of the longest matching suffix) are among these candidates, so
-    no step of it keeps more: its decode steps on the same reply are at least this many."""
-    text = [*prompt, *reply[:1]]
+    """The fewest decode steps in which ``reply`` (its first token from the prefill) could follow
+    ``prompt`` had every step's draft come from the text so far: after ``reply[:p]``, a step keeps at
+    most the longest run of the next reply tokens that follows some earlier occurrence of the last
+    ``MIN_NGRAM`` tokens (at most ``max_draft``), plus one token of its own, and may keep fewer (a
+    shorter draft). The engine's proposals (the latest occurrence of the longest matching suffix) are
+    among those occurrences, so its decode steps on the same reply are at least this many."""
+    text = [*prompt, *reply]
     followers: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions of the tokens that followed it
-    indexed = 0  # n-grams ending before text[indexed] are in followers
-    steps, at = 0, 1
-    while at < len(reply):
-        for end in range(max(indexed, MIN_NGRAM - 1), len(text) - 1):  # the last n-gram has no follower yet
+    indexed = MIN_NGRAM - 1  # n-grams ending before text[indexed] are in followers
+    reach = [1] * len(reply)  # reach[p]: the most reply tokens one step after reply[:p] can add
+    for p in range(1, len(reply)):
+        held = len(prompt) + p  # the sequence holds text[:held]
+        for end in range(indexed, held - 1):  # the n-gram ending at the last token has no follower yet
             followers.setdefault(tuple(text[end + 1 - MIN_NGRAM : end + 1]), []).append(end + 1)
-        indexed = max(indexed, len(text) - 1)
-        best = 0
-        for j in followers.get(tuple(text[-MIN_NGRAM:]), ()):
+        indexed = max(indexed, held - 1)
+        for j in followers.get(tuple(text[held - MIN_NGRAM : held]), ()) if held >= MIN_NGRAM else ():
             n = 0
-            while n < max_draft and j + n < len(text) and at + n < len(reply) and text[j + n] == reply[at + n]:
+            while n < max_draft and j + n < held and p + n < len(reply) and text[j + n] == reply[p + n]:
                 n += 1
-            best = max(best, n)
-        take = min(best + 1, len(reply) - at)
-        text += reply[at : at + take]
-        at += take
-        steps += 1
-    return steps
+            reach[p] = max(reach[p], n + 1)
+    # fewest[p]: steps from reply[:p] to the whole reply, each step adding 1 .. reach[p] tokens
+    fewest = [0] * (len(reply) + 1)
+    for p in range(len(reply) - 1, 0, -1):
+        fewest[p] = 1 + min(fewest[p + 1 : min(len(reply), p + reach[p]) + 1])
+    return fewest[1] if len(reply) > 1 else 0
 
 
 def lookup_figures(requests: Sequence[Any], figures: dict[str, Any]) -> dict[str, Any]:
