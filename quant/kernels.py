@@ -526,12 +526,14 @@ def _dword_tiles(qweight: torch.Tensor, row_bytes) -> torch.Tensor:  # type: ign
     return packed.view(torch.uint8).view(packed.shape[0], packed.shape[1], 4 * tile)
 
 
-def _tile_rows(layer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
-    """(n,) output rows -> (n, in/4, 4) bytes of ``layer.packed`` (:func:`_dword_tiles`' layout) and
-    (n, groups) fp32 ``layer.tile_scales`` of those rows."""
+def _tile_rows(layer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # type: ignore[no-untyped-def]
+    """(n,) output rows -> (n, in/4, 4) bytes of ``layer.packed`` (:func:`_dword_tiles`' layout), and
+    (n, groups) fp32 ``layer.tile_scales`` and ``layer.tile_offsets`` (None without) of those rows."""
     t, j = tokens // Int4GroupCPU.TILE, tokens % Int4GroupCPU.TILE
     tiles, dwords, _ = layer.packed.shape
-    return layer.packed.view(tiles, dwords, Int4GroupCPU.TILE, 4)[t, :, j], layer.tile_scales[t, :, j].float()
+    offsets = getattr(layer, "tile_offsets", None)
+    return (layer.packed.view(tiles, dwords, Int4GroupCPU.TILE, 4)[t, :, j], layer.tile_scales[t, :, j].float(),
+            None if offsets is None else offsets[t, :, j].float())
 
 
 class Int4Q8CPU(_Q8Kernel):
@@ -582,9 +584,9 @@ class Int4Q8CPU(_Q8Kernel):
     @staticmethod
     def rows_of(layer, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
         """(n,) row ids -> (n, in) fp32 weights, q * scale + offset, from the kernel's layout."""
-        octets, s = _tile_rows(layer, tokens)  # (n, in/8, 4): byte i holds columns 8o + i and 8o + 4 + i
+        octets, s, o = _tile_rows(layer, tokens)  # (n, in/8, 4): byte i holds columns 8o + i and 8o + 4 + i
         q = torch.cat([octets & 0x0F, octets >> 4], dim=-1).flatten(1).float()  # (n, in)
-        o = layer.tile_offsets[tokens // Int4GroupCPU.TILE, :, tokens % Int4GroupCPU.TILE].float()  # (n, groups)
+        assert o is not None  # an int4 layout always has its offsets
         return (q.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1) + o.unsqueeze(-1)).flatten(-2)
 
 
@@ -626,7 +628,7 @@ class Int8Q8CPU(_Q8Kernel):
     @staticmethod
     def rows_of(layer, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
         """(n,) row ids -> (n, in) fp32 weights, q * scale (exact in fp32), from the kernel's layout."""
-        codes, s = _tile_rows(layer, tokens)  # (n, in/4, 4) codes + 128, (n, in/group or 1)
+        codes, s, _ = _tile_rows(layer, tokens)  # (n, in/4, 4) codes + 128, (n, in/group or 1)
         q = (codes.flatten(1).to(torch.int16) - 128).float()  # (n, in)
         return (q.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
 
