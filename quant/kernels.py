@@ -337,7 +337,22 @@ def _register_fakes() -> None:
     @torch.library.register_fake("localllm::int4_group_dequant")
     def _int4_dequant(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int,
                       out_features: int) -> torch.Tensor:
-        return packed.new_empty((out_features, packed.shape[1] * 2), dtype=torch.float32)
+        return packed.new_empty((out_features, packed.shape[1] * 8), dtype=torch.float32)
+
+    @torch.library.register_fake("localllm::int5_group_mm")
+    def _int5_mm(x: torch.Tensor, packed: torch.Tensor, fifth: torch.Tensor, scales: torch.Tensor,
+                 out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("localllm::int5_group_gemm")
+    def _int5_gemm(x: torch.Tensor, packed: torch.Tensor, fifth: torch.Tensor, scales: torch.Tensor,
+                   out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("localllm::int5_group_dequant")
+    def _int5_dequant(packed: torch.Tensor, fifth: torch.Tensor, scales: torch.Tensor,
+                      out_features: int) -> torch.Tensor:
+        return packed.new_empty((out_features, packed.shape[1] * 8), dtype=torch.float32)
 
     @torch.library.register_fake("localllm::gguf_dequant")
     def _gguf_dequant(blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
@@ -354,7 +369,7 @@ LIBRARY = native.NativeLibrary(
                        _CSRC / "gguf_blocks_mm.cpp"),
     ("int8_group_mm", "int8_group_gemm", "int4_group_mm", "int4_group_gemm", "int4_group_dequant",
      "int4_q8_mm", "int4_q8_mm_isa", "int8_q8_mm", "int8_q8_mm_isa", "q8_isa",
-     "gguf_mm", "gguf_gemm", "gguf_dequant"),
+     "gguf_mm", "gguf_gemm", "gguf_dequant", "int5_group_mm", "int5_group_gemm", "int5_group_dequant"),
     _register_fakes, headers=(_CSRC / "panel_gemm.h", _CSRC / "fp32_vec.h", _CSRC / "parallel_rows.h"),
 )
 
@@ -429,10 +444,12 @@ class Int4GroupCPU(Kernel):
     :data:`GEMV_ROWS` rows (a batched step, a prefill) go through fp32 panels of the exact weights
     (``int4_group_gemm``, ``csrc/panel_gemm.h``), which never hold more than a few KB of them.
 
-    Layout (made here, from the canonical tensors): output rows in tiles of 16, ``packed`` uint8
-    (tiles, in/2, 16), byte j of column pair p holding row j's codes of columns 2p (low nibble) and
-    2p + 1 (high); ``scales`` and ``offsets`` fp16 (tiles, in/group, 16). Rows past the layer's last
-    in the last tile are zeros. Same bytes as the canonical tensors (but that padding)."""
+    Layout (made here, from the canonical tensors; :class:`Int4Q8CPU` reads the same): output rows in
+    tiles of 16, ``packed`` uint8 (tiles, in/8, 64), dword j of octet o holding row 16t + j's codes of
+    columns 8o + i (low nibble of byte i) and 8o + 4 + i (high nibble), so that each of an octet's
+    columns is a shift and a mask of one load's lanes; ``tile_scales`` and ``tile_offsets`` fp16
+    (tiles, in/group, 16). Rows past the layer's last in the last tile are zeros. Same bytes as the
+    canonical tensors (but that padding)."""
 
     name = "int4-group-cpu"
     scheme = "int4"
@@ -459,23 +476,25 @@ class Int4GroupCPU(Kernel):
         return t.view(-1, tile, cols).transpose(1, 2).contiguous()
 
     @staticmethod
-    def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
-        if not native.available(LIBRARY):
-            raise RuntimeError("localllm's CPU kernels are not built")
+    def _octets(qweight: torch.Tensor) -> torch.Tensor:
+        """(rows, in/2) canonical bytes -> (rows, in/2), 4 bytes an octet of columns (low nibbles 0-3)."""
+        q = unpack_int4(qweight).view(qweight.shape[0], -1, 2, 4)  # (rows, octets, 2 halves, 4)
+        return (q[:, :, 0] | (q[:, :, 1] << 4)).flatten(1)
+
+    @staticmethod
+    def pack(canonical: dict[str, torch.Tensor], rows: int | None = None) -> dict[str, torch.Tensor]:
+        """Canonical int4 tensors (``qweight``, ``scales``, ``offsets``) -> this layout, ``rows`` output
+        rows repacked at a time (:data:`PACK_ROWS`)."""
         tile = Int4GroupCPU.TILE
-        rows = rows or Int4GroupCPU.PACK_ROWS
-        rows -= rows % tile
-        out, half = layer.qweight.shape
-        parts = []
-        for a in range(0, out, rows):
-            q = unpack_int4(layer.qweight[a : a + rows])  # (rows, in) codes, a byte each
-            pairs = q[:, 0::2] | (q[:, 1::2] << 4)  # (rows, in/2): the canonical bytes, as they are
-            parts.append(Int4GroupCPU._tiles(pairs, tile))  # (rows/16, in/2, 16)
         return {
-            "packed": torch.cat(parts) if len(parts) > 1 else parts[0],
-            "tile_scales": Int4GroupCPU._tiles(layer.scales.half(), tile),
-            "tile_offsets": Int4GroupCPU._tiles(layer.offsets.half(), tile),
+            "packed": _dword_tiles(canonical["qweight"], Int4GroupCPU._octets, rows),
+            "tile_scales": Int4GroupCPU._tiles(canonical["scales"].half(), tile),
+            "tile_offsets": Int4GroupCPU._tiles(canonical["offsets"].half(), tile),
         }
+
+    @staticmethod
+    def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
+        return Int4GroupCPU.pack(layer.canonical(), rows)
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
@@ -513,13 +532,16 @@ class _Q8Kernel(Kernel):
         return None
 
 
-def _dword_tiles(qweight: torch.Tensor, row_bytes) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The int8-activation kernels' layout: uint8 (tiles of 16 rows, n/4, 64), dword j of column c being
-    output row 16t + j's 4 bytes c of ``row_bytes(qweight rows)`` ((rows, n) uint8); built
-    :data:`Int4GroupCPU.PACK_ROWS` rows at a time, the last tile padded with zeros."""
+def _dword_tiles(qweight: torch.Tensor, row_bytes, rows: int | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The layout of the int4 kernels and of the int8-activation ones: uint8 (tiles of 16 rows, n/4,
+    64), dword j of column c being output row 16t + j's 4 bytes c of ``row_bytes(qweight rows)``
+    ((rows, n) uint8); built ``rows`` (:data:`Int4GroupCPU.PACK_ROWS`) rows at a time, the last tile
+    padded with zeros."""
     if not native.available(LIBRARY):
         raise RuntimeError("localllm's CPU kernels are not built")
-    tile, rows = Int4GroupCPU.TILE, Int4GroupCPU.PACK_ROWS
+    tile = Int4GroupCPU.TILE
+    rows = rows or Int4GroupCPU.PACK_ROWS
+    rows -= rows % tile
     parts = [Int4GroupCPU._tiles(row_bytes(qweight[a : a + rows]).view(torch.int32), tile)
              for a in range(0, qweight.shape[0], rows)]  # (rows/16, n/4, 16) dwords each
     packed = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -548,33 +570,15 @@ class Int4Q8CPU(_Q8Kernel):
     the default stays the fp32 product with the exact weights. Every path gives the portable loop's
     bits; that loop is slow, so the kernel is offered only where AVX2 is.
 
-    Layout (made here): ``packed`` uint8 (tiles of 16 rows, in/8, 64): dword j of octet o holds row
-    16t + j's codes of columns 8o + i (low nibble of byte i) and 8o + 4 + i (high nibble);
-    ``tile_scales`` / ``tile_offsets`` as :class:`Int4GroupCPU`'s. Same bytes as the canonical tensors
-    (but the last tile's padding)."""
+    Layout: :class:`Int4GroupCPU`'s."""
 
     name = "int4-q8-cpu"
     scheme = "int4"
-
-    @staticmethod
-    def _octets(qweight: torch.Tensor) -> torch.Tensor:
-        """(rows, in/2) canonical bytes -> (rows, in/2), 4 bytes an octet of columns (low nibbles 0-3)."""
-        q = unpack_int4(qweight).view(qweight.shape[0], -1, 2, 4)  # (rows, octets, 2 halves, 4)
-        return (q[:, :, 0] | (q[:, :, 1] << 4)).flatten(1)
-
-    @staticmethod
-    def pack(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Canonical int4 tensors (``qweight``, ``scales``, ``offsets``) -> this kernel's layout."""
-        tile = Int4GroupCPU.TILE
-        return {
-            "packed": _dword_tiles(canonical["qweight"], Int4Q8CPU._octets),
-            "tile_scales": Int4GroupCPU._tiles(canonical["scales"].half(), tile),
-            "tile_offsets": Int4GroupCPU._tiles(canonical["offsets"].half(), tile),
-        }
+    pack = staticmethod(Int4GroupCPU.pack)  # the same layout
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
-        return Int4Q8CPU.pack(layer.canonical())
+        return Int4GroupCPU.pack(layer.canonical())
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
@@ -712,16 +716,54 @@ class GGUFBlocksCPU(Kernel):
             return "runs GGUF blocks only"
         return _native_cpu_unsupported(target, act_dtype)
 
+    #: Activation rows up to which a Q5_0 layer's register kernel runs; above, the panel GEMM.
+    INT5_GEMV_ROWS = Int4GroupCPU.GEMV_ROWS
+
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
         if not native.available(LIBRARY):
             raise RuntimeError("localllm's CPU kernels are not built")
+        if layer.scheme.gguf_type == "Q5_0" and not getattr(layer, "serves_embedding", False):
+            return GGUFBlocksCPU.int5_pack(layer.blocks)
         return {"blocks": layer.blocks}  # the file's bytes as they are
 
     @staticmethod
+    def int5_pack(blocks: torch.Tensor, rows: int | None = None) -> dict[str, torch.Tensor]:
+        """Q5_0 blocks (out, in/32 * 22) -> ``csrc/int4_group_mm.cpp``'s int5 layout, the same codes and
+        scales (``packed`` as :class:`Int4GroupCPU`'s, of the codes' low nibbles; ``fifth`` (tiles, in/32,
+        64): dword j of group g holding row 16t + j's fifth bits, column 8c + i's at bit c + the bit
+        where column i's nibble starts in its dword; ``tile_scales`` fp16 (tiles, in/32, 16): d). A
+        decode step multiplies 16 rows' codes a vector without a byte shuffle, where the blocks' own
+        layout (16 bytes of nibbles, then 4 of fifth bits, a row at a time) takes several."""
+        tile = Int4GroupCPU.TILE
+        rows = rows or Int4GroupCPU.PACK_ROWS
+        rows -= rows % tile
+        i = torch.arange(8)
+        shift = torch.where(i < 4, 8 * i, 8 * (i - 4) + 4)  # (8,): where column i's nibble starts
+        bit = (torch.arange(4).view(4, 1) + shift).flatten()  # (32,): column k's fifth bit in its group's dword
+        parts: dict[str, list[torch.Tensor]] = {"packed": [], "fifth": [], "tile_scales": []}
+        for a in range(0, blocks.shape[0], rows):
+            grid = integer_grid("Q5_0", blocks[a : a + rows])  # q - 16 int8 (r, in), d fp16 (r, in/32)
+            q = grid["qweight"].to(torch.int32) + 16  # (r, in): 0..31
+            lo = (q & 15).view(q.shape[0], -1, 2, 4)  # (r, octets, halves, 4)
+            octets = (lo[:, :, 0] | lo[:, :, 1] << 4).to(torch.uint8).flatten(1).view(torch.int32)  # (r, in/8)
+            words = ((q >> 4).view(q.shape[0], -1, 32).long() << bit).sum(-1)  # (r, in/32), < 2^32
+            words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+            parts["packed"].append(Int4GroupCPU._tiles(octets, tile))  # (r/16, in/8, 16) dwords
+            parts["fifth"].append(Int4GroupCPU._tiles(words, tile))  # (r/16, in/32, 16) dwords
+            parts["tile_scales"].append(Int4GroupCPU._tiles(grid["scales"].half(), tile))
+        out = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in parts.items()}
+        for k in ("packed", "fifth"):
+            out[k] = out[k].view(torch.uint8).view(out[k].shape[0], out[k].shape[1], 4 * tile)
+        return out
+
+    @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
-        kind = GGUF_BLOCKS[layer.scheme.gguf_type][0]
         ops = torch.ops.localllm
+        if hasattr(layer, "fifth"):  # Q5_0, repacked (int5_pack)
+            op = ops.int5_group_mm if x.shape[0] <= GGUFBlocksCPU.INT5_GEMV_ROWS else ops.int5_group_gemm
+            return op(x, layer.packed, layer.fifth, layer.tile_scales, layer.out_features)
+        kind = GGUF_BLOCKS[layer.scheme.gguf_type][0]
         op = ops.gguf_mm if x.shape[0] <= GGUFBlocksCPU.GEMV_ROWS else ops.gguf_gemm
         return op(x, layer.blocks, kind, layer.in_features)
 

@@ -236,6 +236,7 @@ class TiedHeadEmbedding(nn.Module):
         if not head_serves_embedding(head.scheme):
             raise ValueError(f"a {head.scheme.label()} head does not serve as an embedding")
         self._head = [head]  # a plain list: not a submodule, so its tensors are not listed twice
+        head.serves_embedding = True  # its kernel keeps the rows readable (a GGUF head keeps its blocks)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         head = self._head[0]

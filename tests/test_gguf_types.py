@@ -104,7 +104,9 @@ def test_the_matmul_is_x_times_the_exact_weight(type_name):
     width = {256: 512, 32: 800, 1: 808}[GGUF_BLOCKS[type_name][1]]
     layer, w = gguf_layer(type_name, 90, width, seed=3)
     assert layer.prepare(torch.float32) == "gguf-blocks-cpu"
-    assert {n for n, _ in layer.named_buffers()} == {"blocks"}  # no other copy of the weight
+    # no other copy of the weight: Q5_0's blocks are repacked for the int5 kernel, the rest kept as they are
+    assert {n for n, _ in layer.named_buffers()} == ({"packed", "fifth", "tile_scales"} if type_name == "Q5_0"
+                                                     else {"blocks"})
     for rows in (1, 3, 8, 21, 40):
         x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
         want = x.double() @ w.double().t()
@@ -124,6 +126,28 @@ def test_rows_do_not_depend_on_the_batch(type_name):
     panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.gguf_gemm(a, layer.blocks, kind, 512), x)
     if type_name != "F16":
         panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.gguf_mm(a, layer.blocks, kind, 512), x)
+
+
+@needs_native
+def test_q5_0_repacked_holds_the_blocks_codes_and_scales():
+    """The int5 layout a Q5_0 layer is repacked into (``GGUFBlocksCPU.int5_pack``) decodes to gguf's own
+    values bit for bit, is the same made a slice of rows at a time, and pads the last tile with zeros;
+    a tied head keeps its blocks (the embedding reads their rows)."""
+    layer, w = gguf_layer("Q5_0", 90, 800, seed=6)
+    whole = kernels.GGUFBlocksCPU.int5_pack(layer.blocks)
+    assert all(torch.equal(whole[k], v) for k, v in kernels.GGUFBlocksCPU.int5_pack(layer.blocks, rows=32).items())
+    assert whole["packed"].shape == (6, 100, 64) and whole["fifth"].shape == (6, 25, 64)
+    assert (whole["packed"][-1, :, 40:] == 0).all() and (whole["fifth"][-1, :, 40:] == 0).all()
+    assert (whole["tile_scales"][-1, :, 10:] == 0).all()
+    got = torch.ops.localllm.int5_group_dequant(whole["packed"], whole["fifth"], whole["tile_scales"], 90)
+    assert torch.equal(got, w)
+    with pytest.raises(RuntimeError, match="fifth must be contiguous"):
+        torch.ops.localllm.int5_group_mm(torch.randn(1, 800), whole["packed"], whole["fifth"][:, :5],
+                                         whole["tile_scales"], 90)
+    head, _ = gguf_layer("Q5_0", 90, 800, seed=6)
+    head.serves_embedding = True
+    head.prepare(torch.float32)
+    assert {n for n, _ in head.named_buffers()} == {"blocks"}
 
 
 @needs_native

@@ -5,17 +5,29 @@
 // activations' rounding alone moved SmolLM2's predictions by a KL divergence of 1e-3 from the file's
 // own weights in fp32. This kernel multiplies the exact weights by the exact activations.
 //
-// Layout (made at load by quant/kernels.py, Int4GroupCPU.prepare): output rows in tiles of 16.
-//   packed  uint8 (T, K/2, 16): byte j of pair p of tile t holds row 16t + j's codes for columns 2p
-//           (low nibble) and 2p + 1 (high nibble);
+// Layout (made at load by quant/kernels.py, Int4GroupCPU.prepare; the int8-activation kernel of
+// q8_mm.cpp reads the same): output rows in tiles of 16, columns in octets of 8.
+//   packed  uint8 (T, K/8, 64): dword j of octet c holds row 16t + j's codes of columns 8c + i (low
+//           nibble of byte i) and 8c + 4 + i (high nibble), i < 4;
 //   scales, offsets  fp16 (T, K/G, 16): row 16t + j's scale and offset of group g.
-// One 16-byte load gives two columns of 16 rows; each lane of a vector is an output row, so the
-// activations are broadcast, no horizontal sum is ever needed, and a group's dot product q . x (exact
-// codes, fp32 FMAs) is scaled once and its offset added as offset * (sum of the group's activations).
+// An octet's 64 bytes are one load on AVX-512, two on AVX2, and each lane of a vector is an output
+// row: a column's codes are a shift and a mask of the lanes away from int32, with no byte shuffles
+// (a decode step's product is bound by decoding the codes, not by reading them), the activations are
+// broadcast, no horizontal sum is ever needed, and a group's dot product q . x (exact codes, fp32
+// FMAs) is scaled once and its offset added as offset * (sum of the group's activations).
 // Rows past N in the last tile are zero codes, zero scales and zero offsets, and are not written.
 //
-// Decode (one activation row) keeps four accumulators a row so consecutive FMAs do not wait on each
-// other; a few rows share each decoded column (MC at a time). Tiles are split across threads.
+// int5 (a GGUF's Q5_0 blocks exactly: w = (q - 16) * d, q in 0..31, d fp16 per 32 columns) is the same
+// product with a fifth bit a code: packed holds q's low nibbles as above, and
+//   fifth   uint8 (T, K/32, 64): dword j of group g holds row 16t + j's fifth bits, that of column
+//           8c + i (octet c of the group) at bit c + (the bit where column i's nibble starts: 8i, or
+//           8(i - 4) + 4 for i >= 4), so that one shift and mask of the dword put an octet's fifth bits
+//           beside its nibbles, as bytes;
+//   scales  fp16 (T, K/32, 16): d; the offset is -16 d, exact in fp32, made in registers.
+//
+// Decode (one activation row) keeps four accumulators a row (column k of a group goes to k % 4) so
+// consecutive FMAs do not wait on each other; a few rows share each decoded column (MC at a time).
+// Tiles are split across threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +41,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -41,7 +54,9 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t VS = Vec::size();
-constexpr int64_t TILE = 16;       // output rows a tile (one byte each in a 16-byte column pair)
+constexpr int64_t TILE = 16;       // output rows a tile (one dword each in an octet's 64 bytes)
+constexpr int64_t OCTET = 8;       // columns a dword
+constexpr int64_t OCTET_BYTES = 4 * TILE;
 constexpr int NV = TILE / VS;      // vectors a tile's column: 1 (AVX-512), 2 (AVX2 and the portable code)
 static_assert(TILE % VS == 0, "a tile must be whole vectors");
 #ifndef PREFETCH
@@ -53,32 +68,52 @@ constexpr int64_t MC = 4;  // activation rows sharing a decoded column (32 regis
 constexpr int64_t MC = 2;  // (16 registers)
 #endif
 
-// The 16 bytes of a column pair -> the 16 rows' codes of the even column (lo) and the odd one (hi).
-inline void codes(const uint8_t* p, Vec* lo, Vec* hi) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i l = _mm_and_si128(v, mask), h = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+// The bit at which column C (0..7) of an octet starts in its dword.
+template <int C>
+constexpr int shift_of() {
+  return C < 4 ? 8 * C : 8 * (C - 4) + 4;
+}
+
+// An octet of 16 rows (64 bytes), loaded once; col<C>() gives column C's 16 codes as fp32 vectors.
+struct Octet {
 #if defined(CPU_CAPABILITY_AVX512)
-  lo[0] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(l)));
-  hi[0] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(h)));
-#else
-  lo[0] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l)));
-  lo[1] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(l, l))));
-  hi[0] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h)));
-  hi[1] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(h, h))));
-#endif
-#else
-  alignas(64) float fl[TILE], fh[TILE];
-  for (int j = 0; j < TILE; ++j) {
-    fl[j] = static_cast<float>(p[j] & 0x0F);
-    fh[j] = static_cast<float>(p[j] >> 4);
+  __m512i v;
+  explicit Octet(const uint8_t* p) : v(_mm512_loadu_si512(p)) {}
+  template <int C>
+  void col(Vec* out) const {
+    out[0] = Vec(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, shift_of<C>()), _mm512_set1_epi32(15))));
   }
-  for (int v = 0; v < NV; ++v) {
-    lo[v] = Vec::loadu(fl + v * VS);
-    hi[v] = Vec::loadu(fh + v * VS);
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256i v[2];
+  explicit Octet(const uint8_t* p)
+      : v{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))} {}
+  template <int C>
+  void col(Vec* out) const {
+    const __m256i m = _mm256_set1_epi32(15);
+    out[0] = Vec(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[0], shift_of<C>()), m)));
+    out[1] = Vec(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v[1], shift_of<C>()), m)));
+  }
+#else
+  uint32_t d[TILE];
+  explicit Octet(const uint8_t* p) { std::memcpy(d, p, sizeof(d)); }
+  template <int C>
+  void col(Vec* out) const {
+    alignas(64) float f[TILE];
+    for (int j = 0; j < TILE; ++j) f[j] = static_cast<float>((d[j] >> shift_of<C>()) & 15u);
+    for (int v = 0; v < NV; ++v) out[v] = Vec::loadu(f + v * VS);
   }
 #endif
+};
+
+// fn(std::integral_constant<int, C>) for C = 0 .. 7, unrolled (each column's shift is a constant).
+template <class F, int... C>
+inline void each_column(const F& fn, std::integer_sequence<int, C...>) {
+  (fn(std::integral_constant<int, C>{}), ...);
+}
+template <class F>
+inline void each_column(const F& fn) {
+  each_column(fn, std::make_integer_sequence<int, OCTET>{});
 }
 
 // 16 fp16 values -> fp32 vectors.
@@ -95,14 +130,113 @@ inline void halves(const c10::Half* p, Vec* out) {
 #endif
 }
 
-// One tile (16 output rows) for R activation rows; A accumulators a row within a group (A even:
-// pairs of columns alternate between A / 2 pairs of them).
-//   x (R, K) rows ldx apart; xsum (R, K/G) rows ng apart; w (K/2, 16); s, o (K/G, 16);
-//   y: R rows ldy apart, 16 columns of which ``valid`` are written.
-template <int R, int A>
-void tile_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, const c10::Half* s,
-               const c10::Half* o, int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
-  const int64_t ng = K / G, pairs = G / 2;
+// An int5 octet: its nibbles (64 bytes) and its group's fifth bits (64 bytes), as two words a row of
+// four 5-bit codes a byte (columns 0-3 and 4-7); col<C>() gives column C's 16 codes (0..31) as fp32.
+struct Octet5 {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512i lo, hi;
+  Octet5(const uint8_t* p, const uint8_t* fifth, int c) {
+    const __m512i v = _mm512_loadu_si512(p), f = _mm512_loadu_si512(fifth);
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), m5 = _mm512_set1_epi32(0x10101010);
+    lo = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_sll_epi32(f, _mm_cvtsi32_si128(4 - c)), m5));
+    hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v, 4), m4),
+                         _mm512_and_si512(_mm512_srl_epi32(f, _mm_cvtsi32_si128(c)), m5));
+  }
+  template <int C>
+  void col(Vec* out) const {
+    const __m512i w = _mm512_srli_epi32(C < 4 ? lo : hi, 8 * (C % 4));
+    out[0] = Vec(_mm512_cvtepi32_ps(C % 4 == 3 ? w : _mm512_and_si512(w, _mm512_set1_epi32(31))));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256i lo[2], hi[2];
+  Octet5(const uint8_t* p, const uint8_t* fifth, int c) {
+    const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), m5 = _mm256_set1_epi32(0x10101010);
+    const __m128i up = _mm_cvtsi32_si128(4 - c), down = _mm_cvtsi32_si128(c);
+    for (int k = 0; k < 2; ++k) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
+      const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(fifth + 32 * k));
+      lo[k] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_sll_epi32(f, up), m5));
+      hi[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(v, 4), m4),
+                              _mm256_and_si256(_mm256_srl_epi32(f, down), m5));
+    }
+  }
+  template <int C>
+  void col(Vec* out) const {
+    for (int k = 0; k < 2; ++k) {
+      const __m256i w = _mm256_srli_epi32(C < 4 ? lo[k] : hi[k], 8 * (C % 4));
+      out[k] = Vec(_mm256_cvtepi32_ps(C % 4 == 3 ? w : _mm256_and_si256(w, _mm256_set1_epi32(31))));
+    }
+  }
+#else
+  uint32_t d[TILE], f[TILE];
+  int c;
+  Octet5(const uint8_t* p, const uint8_t* fifth, int c) : c(c) {
+    std::memcpy(d, p, sizeof(d));
+    std::memcpy(f, fifth, sizeof(f));
+  }
+  template <int C>
+  void col(Vec* out) const {
+    alignas(64) float v[TILE];
+    for (int j = 0; j < TILE; ++j)
+      v[j] = static_cast<float>(((d[j] >> shift_of<C>()) & 15u) | (((f[j] >> (shift_of<C>() + c)) & 1u) << 4));
+    for (int k = 0; k < NV; ++k) out[k] = Vec::loadu(v + k * VS);
+  }
+#endif
+};
+
+// A tile's weights: int4 (fifth null) or int5 (offsets null: -16 * scale).
+struct TileWeights {
+  const uint8_t* w;      // (K/8, 64) nibbles
+  const uint8_t* fifth;  // (K/32, 64) fifth bits, or null
+  const c10::Half* s;    // (K/G, 16)
+  const c10::Half* o;    // (K/G, 16), or null
+};
+
+// A layer's weights (all tiles) and tile t's.
+struct Weights {
+  const uint8_t* w;
+  const uint8_t* fifth;
+  const c10::Half* s;
+  const c10::Half* o;
+  int64_t K, G;
+  TileWeights tile(int64_t t) const {
+    const int64_t ng = K / G;
+    return {w + t * (K / OCTET) * OCTET_BYTES, fifth ? fifth + t * ng * OCTET_BYTES : nullptr, s + t * ng * TILE,
+            o ? o + t * ng * TILE : nullptr};
+  }
+};
+
+// Group g's scales and offsets, fp32.
+inline void scales_offsets(const TileWeights& t, int64_t g, Vec* sc, Vec* of) {
+  halves(t.s + g * TILE, sc);
+  if (t.o != nullptr) {
+    halves(t.o + g * TILE, of);
+  } else {
+    for (int v = 0; v < NV; ++v) of[v] = sc[v] * Vec(-16.f);
+  }
+}
+
+// fn(octet) for octet c of group g (fn takes an Octet or an Octet5).
+template <bool FIFTH, class F>
+inline void with_octet(const TileWeights& t, int64_t G, int64_t g, int64_t c, const F& fn) {
+  const uint8_t* p = t.w + (g * (G / OCTET) + c) * OCTET_BYTES;
+  if constexpr (FIFTH) {
+    fn(Octet5(p, t.fifth + g * OCTET_BYTES, static_cast<int>(c)));
+  } else {
+    fn(Octet(p));
+  }
+}
+
+
+// One tile (16 output rows) for R activation rows; A accumulators a row within a group (A divides 8:
+// column k of a group goes to accumulator k % A). FIFTH: int5 codes (t.fifth), else int4.
+//   x (R, K) rows ldx apart; xsum (R, K/G) rows ng apart; y: R rows ldy apart, 16 columns of which
+//   ``valid`` are written.
+template <int R, int A, bool FIFTH>
+void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights& t, int64_t K, int64_t G,
+               float* y, int64_t ldy, int64_t valid) {
+  static_assert(OCTET % A == 0, "an octet's columns must cycle through the accumulators");
+  const int64_t ng = K / G, octets = G / OCTET;
   Vec tot[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) tot[r][v] = Vec(0.f);
@@ -113,35 +247,34 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w,
     for (int r = 0; r < R; ++r)
       for (int a = 0; a < A; ++a)
         for (int v = 0; v < NV; ++v) dot[(r * A + a) * NV + v] = Vec(0.f);
-    const uint8_t* wg = w + g * pairs * TILE;
     const float* xg = x + g * G;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if (g % 2 == 0) {  // the scales and offsets a few tiles ahead (a cache line holds two groups')
-      _mm_prefetch(reinterpret_cast<const char*>(s + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(o + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(t.s + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
+      if (t.o != nullptr) _mm_prefetch(reinterpret_cast<const char*>(t.o + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
     }
+    if (FIFTH) _mm_prefetch(reinterpret_cast<const char*>(t.fifth + g * OCTET_BYTES) + PREFETCH / 4, _MM_HINT_T0);
 #endif
-    for (int64_t p = 0; p < pairs; p += A / 2) {
+    for (int64_t c = 0; c < octets; ++c) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-      if ((p * TILE) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(wg + p * TILE + PREFETCH), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(t.w + (g * octets + c) * OCTET_BYTES + PREFETCH), _MM_HINT_T0);
 #endif
-#pragma GCC unroll 8
-      for (int u = 0; u < A / 2; ++u) {
-        Vec lo[NV], hi[NV];
-        codes(wg + (p + u) * TILE, lo, hi);
-        for (int r = 0; r < R; ++r) {
-          const float* xr = xg + r * ldx + 2 * (p + u);
-          const Vec xl(xr[0]), xh(xr[1]);
-          for (int v = 0; v < NV; ++v) {
-            dot[(r * A + 2 * u) * NV + v] = at::vec::fmadd(lo[v], xl, dot[(r * A + 2 * u) * NV + v]);
-            dot[(r * A + 2 * u + 1) * NV + v] = at::vec::fmadd(hi[v], xh, dot[(r * A + 2 * u + 1) * NV + v]);
+      const float* xc = xg + c * OCTET;
+      with_octet<FIFTH>(t, G, g, c, [&](const auto& q) {
+        each_column([&](auto col) {
+          constexpr int C = decltype(col)::value;
+          Vec code[NV];
+          q.template col<C>(code);
+          for (int r = 0; r < R; ++r) {
+            const Vec xv(xc[r * ldx + C]);
+            for (int v = 0; v < NV; ++v)
+              dot[(r * A + C % A) * NV + v] = at::vec::fmadd(code[v], xv, dot[(r * A + C % A) * NV + v]);
           }
-        }
-      }
+        });
+      });
     }
     Vec sc[NV], of[NV];
-    halves(s + g * TILE, sc);
-    halves(o + g * TILE, of);
+    scales_offsets(t, g, sc, of);
     for (int r = 0; r < R; ++r) {
       const Vec xs(xsum[r * ng + g]);
       for (int v = 0; v < NV; ++v) {
@@ -162,155 +295,198 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w,
   }
 }
 
-// Tile t's columns [k0, k0 + kb) as an fp32 panel (kb, 16): w = q * scale + offset, rounded once (q *
-// scale is exact in fp32), the values int4_group_dequant gives. k0 and kb are whole groups.
-void decode_panel(const uint8_t* w, const c10::Half* s, const c10::Half* o, int64_t K, int64_t G, int64_t k0,
-                  int64_t kb, float* panel) {
-  const int64_t pairs = G / 2;
+// A tile's columns [k0, k0 + kb) as an fp32 panel (kb, 16): w = q * scale + offset, rounded once (q *
+// scale is exact in fp32), the values int4_group_dequant / int5_group_dequant give. k0 and kb are
+// whole groups.
+template <bool FIFTH>
+void decode_panel(const TileWeights& t, int64_t G, int64_t k0, int64_t kb, float* panel) {
+  const int64_t octets = G / OCTET;
   for (int64_t g = k0 / G; g < (k0 + kb) / G; ++g) {
     Vec sc[NV], of[NV];
-    halves(s + g * TILE, sc);
-    halves(o + g * TILE, of);
-    float* pg = panel + (g * G - k0) * TILE;
-    for (int64_t p = 0; p < pairs; ++p) {
-      Vec lo[NV], hi[NV];
-      codes(w + (g * pairs + p) * TILE, lo, hi);
-      for (int v = 0; v < NV; ++v) {
-        at::vec::fmadd(lo[v], sc[v], of[v]).store(pg + 2 * p * TILE + v * VS);
-        at::vec::fmadd(hi[v], sc[v], of[v]).store(pg + (2 * p + 1) * TILE + v * VS);
-      }
+    scales_offsets(t, g, sc, of);
+    for (int64_t c = 0; c < octets; ++c) {
+      float* pc = panel + (g * G + c * OCTET - k0) * TILE;
+      with_octet<FIFTH>(t, G, g, c, [&](const auto& q) {
+        each_column([&](auto col) {
+          constexpr int C = decltype(col)::value;
+          Vec code[NV];
+          q.template col<C>(code);
+          for (int v = 0; v < NV; ++v) at::vec::fmadd(code[v], sc[v], of[v]).store(pc + C * TILE + v * VS);
+        });
+      });
     }
   }
 }
 
 // Many activation rows: each tile's weights decoded once per panel of columns and multiplied by
-// every row (panel_gemm.h). w, s, o as in mm; x (M, K) -> y (M, N).
-void mm_panels(const float* x, const uint8_t* w, const c10::Half* s, const c10::Half* o, int64_t M, int64_t K,
-               int64_t G, int64_t N, float* y) {
+// every row (panel_gemm.h). x (M, K) -> y (M, N).
+template <bool FIFTH>
+void mm_panels(const float* x, const Weights& w, int64_t M, int64_t N, float* y) {
   static_assert(localllm::panel::WIDTH == TILE, "a panel is a tile");
-  const int64_t ng = K / G;
+  const int64_t G = w.G;
   const int64_t kb = std::max<int64_t>(G, localllm::panel::KB / G * G);  // whole groups a panel
-  localllm::panel::gemm(x, M, K, N, kb, y, [&](int64_t t, int64_t k0, int64_t n, float* panel, float*) {
-    decode_panel(w + t * (K / 2) * TILE, s + t * ng * TILE, o + t * ng * TILE, K, G, k0, n, panel);
+  localllm::panel::gemm(x, M, w.K, N, kb, y, [&](int64_t t, int64_t k0, int64_t n, float* panel, float*) {
+    decode_panel<FIFTH>(w.tile(t), G, k0, n, panel);
   });
 }
 
-void mm(const float* x, const float* xsum, const uint8_t* w, const c10::Half* s, const c10::Half* o, int64_t M,
-        int64_t K, int64_t G, int64_t N, float* y) {
+template <bool FIFTH>
+void mm(const float* x, const float* xsum, const Weights& w, int64_t M, int64_t N, float* y) {
+  const int64_t K = w.K, G = w.G;
   const int64_t T = (N + TILE - 1) / TILE, ng = K / G;
   // Enough tiles a task that a thread's share is worth waking it: ~64K weights.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (TILE * K));
   at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* wt = w + t * (K / 2) * TILE;
-      const c10::Half* st = s + t * ng * TILE;
-      const c10::Half* ot = o + t * ng * TILE;
+      const TileWeights wt = w.tile(t);
       const int64_t valid = std::min(TILE, N - t * TILE);
       float* yt = y + t * TILE;
       if (M == 1) {
-        tile_rows<1, 4>(x, K, xsum, wt, st, ot, K, G, yt, N, valid);
+        tile_rows<1, 4, FIFTH>(x, K, xsum, wt, K, G, yt, N, valid);
         continue;
       }
       int64_t m = 0;
-      for (; m + MC <= M; m += MC)
-        tile_rows<MC, 2>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
+      for (; m + MC <= M; m += MC) tile_rows<MC, 2, FIFTH>(x + m * K, K, xsum + m * ng, wt, K, G, yt + m * N, N, valid);
       // The rest shares its decoded columns too where registers allow (a verify step's 2-3 rows):
       // each row decoded on its own costs nearly a whole one-row product per row.
       const int64_t rest = M - m;
       if (MC > 3 && rest == 3)
-        tile_rows<3, 2>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
+        tile_rows<3, 2, FIFTH>(x + m * K, K, xsum + m * ng, wt, K, G, yt + m * N, N, valid);
       else if (MC > 2 && rest == 2)
-        tile_rows<2, 2>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
+        tile_rows<2, 2, FIFTH>(x + m * K, K, xsum + m * ng, wt, K, G, yt + m * N, N, valid);
       else
-        for (; m < M; ++m)
-          tile_rows<1, 4>(x + m * K, K, xsum + m * ng, wt, st, ot, K, G, yt + m * N, N, valid);
+        for (; m < M; ++m) tile_rows<1, 4, FIFTH>(x + m * K, K, xsum + m * ng, wt, K, G, yt + m * N, N, valid);
     }
   });
 }
 
-void check(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group,
-           int64_t N, const char* op) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == TILE && packed.scalar_type() == at::kByte,
-              op, ": packed must be uint8 (tiles, K/2, 16)");
-  TORCH_CHECK(group > 0 && group % 8 == 0, op, ": group ", group, " is not a multiple of 8");
-  const int64_t T = packed.size(0), K = packed.size(1) * 2;
+// packed's tiles and width, checked against the group and the output rows.
+std::pair<int64_t, int64_t> check_packed(const at::Tensor& packed, int64_t group, int64_t N, const char* op) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == OCTET_BYTES && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous(),
+              op, ": packed must be contiguous uint8 (tiles, K/8, 64)");
+  TORCH_CHECK(group > 0 && group % OCTET == 0, op, ": group ", group, " is not a multiple of 8");
+  const int64_t T = packed.size(0), K = packed.size(1) * OCTET;
   TORCH_CHECK(K % group == 0, op, ": width ", K, " is not a multiple of the group ", group);
   TORCH_CHECK(N > (T - 1) * TILE && N <= T * TILE, op, ": ", N, " rows do not fill ", T, " tiles of 16");
-  for (const at::Tensor* t : {&scales, &offsets}) {
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->dim() == 3 && t->size(0) == T && t->size(1) == K / group &&
-                    t->size(2) == TILE,
-                op, ": scales and offsets must be float16 (tiles, K/group, 16)");
-  }
-  TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && offsets.is_contiguous(),
-              op, ": packed, scales and offsets must be contiguous");
+  return {T, K};
 }
 
-at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                         const at::Tensor& offsets, int64_t group, int64_t N) {
-  check(packed, scales, offsets, group, N, "int4_group_mm");
-  const int64_t K = packed.size(1) * 2, ng = K / group;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "int4_group_mm: x must be (M, ", K, ")");
+void check_per_group(const at::Tensor& t, int64_t T, int64_t groups, at::ScalarType dtype, int64_t last,
+                     const char* what, const char* op) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.dim() == 3 && t.size(0) == T && t.size(1) == groups &&
+                  t.size(2) == last && t.is_contiguous(),
+              op, ": ", what, " must be contiguous ", dtype, " (tiles, K/group, ", last, ")");
+}
+
+Weights int4_weights(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group,
+                     int64_t N, const char* op) {
+  const auto [T, K] = check_packed(packed, group, N, op);
+  check_per_group(scales, T, K / group, at::kHalf, TILE, "scales", op);
+  check_per_group(offsets, T, K / group, at::kHalf, TILE, "offsets", op);
+  return {packed.data_ptr<uint8_t>(), nullptr, scales.data_ptr<c10::Half>(), offsets.data_ptr<c10::Half>(), K,
+          group};
+}
+
+constexpr int64_t INT5_GROUP = 32;  // Q5_0's block
+
+Weights int5_weights(const at::Tensor& packed, const at::Tensor& fifth, const at::Tensor& scales, int64_t N,
+                     const char* op) {
+  const auto [T, K] = check_packed(packed, INT5_GROUP, N, op);
+  check_per_group(fifth, T, K / INT5_GROUP, at::kByte, OCTET_BYTES, "fifth", op);
+  check_per_group(scales, T, K / INT5_GROUP, at::kHalf, TILE, "scales", op);
+  return {packed.data_ptr<uint8_t>(), fifth.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), nullptr, K,
+          INT5_GROUP};
+}
+
+// x (M, K) -> y (M, N): the register kernels (mm) or the fp32 panels (gemm: for many activation rows).
+template <bool FIFTH>
+at::Tensor product(const at::Tensor& x, const Weights& w, int64_t N, bool gemm, const char* op) {
+  const int64_t K = w.K, G = w.G, ng = K / G;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be (M, ", K, ")");
   const at::Tensor xf = x.to(at::kFloat).contiguous();  // bf16 / fp16 widen exactly
   const int64_t M = xf.size(0);
   const float* xp = xf.data_ptr<float>();
-  std::vector<float> xsum(M * ng);  // per activation row and group: for the offsets
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < ng; ++g) {
-      const float* xg = xp + m * K + g * group;
-      Vec a(0.f);
-      for (int64_t j = 0; j < group; j += VS) a = a + Vec::loadu(xg + j, std::min<int64_t>(VS, group - j));
-      xsum[m * ng + g] = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
-    }
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  mm(xp, xsum.data(), packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(), offsets.data_ptr<c10::Half>(), M,
-     K, group, N, y.data_ptr<float>());
+  if (gemm) {
+    mm_panels<FIFTH>(xp, w, M, N, y.data_ptr<float>());
+  } else {
+    std::vector<float> xsum(M * ng);  // per activation row and group: for the offsets
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < ng; ++g) {
+        const float* xg = xp + m * K + g * G;
+        Vec a(0.f);
+        for (int64_t j = 0; j < G; j += VS) a = a + Vec::loadu(xg + j, std::min<int64_t>(VS, G - j));
+        xsum[m * ng + g] = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
+      }
+    mm<FIFTH>(xp, xsum.data(), w, M, N, y.data_ptr<float>());
+  }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-// The same product through fp32 panels (mm_panels): for many activation rows.
-at::Tensor int4_group_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                           const at::Tensor& offsets, int64_t group, int64_t N) {
-  check(packed, scales, offsets, group, N, "int4_group_gemm");
-  const int64_t K = packed.size(1) * 2;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "int4_group_gemm: x must be (M, ", K, ")");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({xf.size(0), N}, x.options().dtype(at::kFloat));
-  mm_panels(xf.data_ptr<float>(), packed.data_ptr<uint8_t>(), scales.data_ptr<c10::Half>(),
-            offsets.data_ptr<c10::Half>(), xf.size(0), K, group, N, y.data_ptr<float>());
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
-}
-
-// The weights (N, K) in fp32, w = q * scale + offset: q * scale is exact in fp32 (4 + 11 significant
-// bits), so each weight is rounded once, as the reference's fp32 dequantization rounds it.
-at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
-                              int64_t group, int64_t N) {
-  check(packed, scales, offsets, group, N, "int4_group_dequant");
-  const int64_t K = packed.size(1) * 2, ng = K / group, pairs = group / 2;
-  at::Tensor out = at::empty({N, K}, packed.options().dtype(at::kFloat));
-  const uint8_t* w = packed.data_ptr<uint8_t>();
-  const c10::Half* s = scales.data_ptr<c10::Half>();
-  const c10::Half* o = offsets.data_ptr<c10::Half>();
+// The weights (N, K) in fp32, w = q * scale + offset: q * scale is exact in fp32 (at most 5 + 11
+// significant bits), so each weight is rounded once, as the reference's fp32 dequantization rounds it
+// (and int5's is exact: (q - 16) * d).
+at::Tensor dequant(const Weights& w, int64_t N, const at::TensorOptions& options) {
+  const int64_t K = w.K, G = w.G, ng = K / G;
+  at::Tensor out = at::empty({N, K}, options.dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
+      const TileWeights wt = w.tile(t);
       const int64_t valid = std::min(TILE, N - t * TILE);
-      for (int64_t g = 0; g < ng; ++g) {
-        const uint8_t* wg = w + (t * (K / 2) + g * pairs) * TILE;
-        const c10::Half* sg = s + (t * ng + g) * TILE;
-        const c10::Half* og = o + (t * ng + g) * TILE;
-        for (int64_t j = 0; j < valid; ++j) {
-          const float sj = static_cast<float>(sg[j]), oj = static_cast<float>(og[j]);
-          float* row = op + (t * TILE + j) * K + g * group;
-          for (int64_t p = 0; p < pairs; ++p) {
-            const uint8_t b = wg[p * TILE + j];
-            row[2 * p] = static_cast<float>(b & 0x0F) * sj + oj;
-            row[2 * p + 1] = static_cast<float>(b >> 4) * sj + oj;
+      for (int64_t j = 0; j < valid; ++j) {
+        float* row = op + (t * TILE + j) * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t g = k / G, i = k % OCTET, shift = i < 4 ? 8 * i : 8 * (i - 4) + 4;
+          const uint8_t b = wt.w[(k / OCTET) * OCTET_BYTES + 4 * j + i % 4];
+          uint32_t q = i < 4 ? b & 0x0F : b >> 4;
+          if (wt.fifth != nullptr) {
+            uint32_t f;
+            std::memcpy(&f, wt.fifth + g * OCTET_BYTES + 4 * j, 4);
+            q |= ((f >> (shift + (k % G) / OCTET)) & 1u) << 4;
           }
+          const float sc = static_cast<float>(wt.s[g * TILE + j]);
+          const float of = wt.o != nullptr ? static_cast<float>(wt.o[g * TILE + j]) : -16.f * sc;
+          row[k] = static_cast<float>(q) * sc + of;
         }
       }
     }
   });
   return out;
+}
+
+at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                         const at::Tensor& offsets, int64_t group, int64_t N) {
+  return product<false>(x, int4_weights(packed, scales, offsets, group, N, "int4_group_mm"), N, false,
+                        "int4_group_mm");
+}
+
+// The same product through fp32 panels (mm_panels): for many activation rows.
+at::Tensor int4_group_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& offsets, int64_t group, int64_t N) {
+  return product<false>(x, int4_weights(packed, scales, offsets, group, N, "int4_group_gemm"), N, true,
+                        "int4_group_gemm");
+}
+
+at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
+                              int64_t group, int64_t N) {
+  return dequant(int4_weights(packed, scales, offsets, group, N, "int4_group_dequant"), N, packed.options());
+}
+
+at::Tensor int5_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& fifth,
+                         const at::Tensor& scales, int64_t N) {
+  return product<true>(x, int5_weights(packed, fifth, scales, N, "int5_group_mm"), N, false, "int5_group_mm");
+}
+
+at::Tensor int5_group_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& fifth,
+                           const at::Tensor& scales, int64_t N) {
+  return product<true>(x, int5_weights(packed, fifth, scales, N, "int5_group_gemm"), N, true, "int5_group_gemm");
+}
+
+at::Tensor int5_group_dequant(const at::Tensor& packed, const at::Tensor& fifth, const at::Tensor& scales,
+                              int64_t N) {
+  return dequant(int5_weights(packed, fifth, scales, N, "int5_group_dequant"), N, packed.options());
 }
 
 }  // namespace
@@ -319,10 +495,16 @@ TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("int4_group_mm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
   m.def("int4_group_gemm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
   m.def("int4_group_dequant(Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
+  m.def("int5_group_mm(Tensor x, Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
+  m.def("int5_group_gemm(Tensor x, Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
+  m.def("int5_group_dequant(Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("int4_group_mm", &int4_group_mm);
   m.impl("int4_group_gemm", &int4_group_gemm);
   m.impl("int4_group_dequant", &int4_group_dequant);
+  m.impl("int5_group_mm", &int5_group_mm);
+  m.impl("int5_group_gemm", &int5_group_gemm);
+  m.impl("int5_group_dequant", &int5_group_dequant);
 }

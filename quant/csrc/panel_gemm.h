@@ -95,9 +95,12 @@ inline void with_rows(int64_t left, const F& f) {
 // (pstride floats apart); in == nullptr: from zero (the first columns). x: packed (element (r, k) at
 // x[k * R + r]) or rows ldx apart, as PACK says. Two panels (AVX-512) share each broadcast: per column
 // P panel loads and R broadcasts feed R * P FMAs, not R, and the loads stop being the bound.
+// Never inlined: inlined into a kernel's gemm task (with its decoder beside it), GCC kept one of the 12
+// AVX2 accumulators on the stack (a load and a store around its FMA every column), which halved the
+// int5 kernel's prefill; compiled on its own, its register use does not depend on the caller's code.
 template <int R, int P>
-inline void rows(const float* x, int64_t ldx, const float* panel, int64_t pstride, int64_t kb, const Tile* in,
-                 const Tile& out) {
+__attribute__((noinline)) void rows(const float* x, int64_t ldx, const float* panel, int64_t pstride, int64_t kb,
+                                    const Tile* in, const Tile& out) {
   constexpr int J = P * NV;  // accumulators a row
   V a[R][J];
 #pragma GCC unroll 16

@@ -20,7 +20,8 @@
 // the integer sums are exact in each (vpmaddubsw's int16 pairs cannot saturate: int4 codes are at most
 // 15, and int8 codes enter as |code| against the activation carrying the code's sign, 2 * 128 * 127).
 //
-// Layout (made at load by quant/kernels.py, Int4Q8CPU.prepare): output rows in tiles of 16;
+// Layout (made at load by quant/kernels.py, Int4GroupCPU.pack: int4_group_mm.cpp reads the same):
+// output rows in tiles of 16;
 //   packed  uint8 (T, K/8, 64): dword j of octet o of tile t holds row 16t + j's codes of columns
 //           8o .. 8o + 7, byte i being column 8o + i (low nibble) and 8o + 4 + i (high nibble), so a
 //           mask or a shift and a mask give four columns' codes a byte, one dword a row: vpdpbusd's
