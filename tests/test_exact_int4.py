@@ -102,7 +102,7 @@ def panel_rows_are_batch_invariant(op, x: torch.Tensor) -> None:
 
 def test_panel_gemm_rows_do_not_depend_on_the_batch():
     """What makes a sequence's logits the same in any batch that takes the panel path (issue 13); the
-    int8 row kernel's rows too (a head's logits, rows shared 8 at a time)."""
+    int8 row kernel's rows too (a head's logits, rows shared 8 at a time; one row, output rows in pairs)."""
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(3))
     layer, _ = layer_of("int4", 32, 200, 576)
     t = kernels.Int4GroupCPU.prepare(layer)
@@ -113,6 +113,9 @@ def test_panel_gemm_rows_do_not_depend_on_the_batch():
         lambda a: torch.ops.localllm.int8_group_gemm(a, layer8.qweight, layer8.scales, 32), x)
     panel_rows_are_batch_invariant(
         lambda a: torch.ops.localllm.int8_group_mm(a, layer8.qweight, layer8.scales, 32), x)
+    # one activation row takes output rows in pairs (the last one of an odd count alone): the same bits
+    odd, _ = layer_of("int8", 32, 201, 576)
+    panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.int8_group_mm(a, odd.qweight, odd.scales, 32), x)
 
 
 @pytest.mark.parametrize("group", [None, 32])

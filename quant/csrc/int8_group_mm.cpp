@@ -112,6 +112,61 @@ void row_groups(const float* x, int64_t K, const int8_t* qn, const at::Half* sn,
   for (int r = 0; r < R; ++r) out[r] = hsum(Vec(a0[r]) + Vec(a1[r]));
 }
 
+// Output rows n and n + 1 (q0, and q0 + K) for one activation row: row_groups<1, GV>'s operations for
+// each, in the same order (so the same bits), interleaved. A decode step's row alone waits on its
+// group's chain of dependent FMAs; two rows' chains overlap, and share the activations' loads.
+template <int GV>
+void row_pair(const float* x, int64_t K, const int8_t* q0, const at::Half* s0, int64_t ns, int64_t group,
+              float* out) {
+  using namespace localllm::panel;
+  static_assert(GV > 0, "a whole number of vectors a group");
+  const int8_t* q1 = q0 + K;
+  const at::Half* s1 = s0 + ns;
+  const int64_t ng = K / group;
+  V a0[2] = {vset(0.f), vset(0.f)}, a1[2] = {vset(0.f), vset(0.f)};  // [output row]: even, odd groups
+  const auto add_group = [&](int64_t g, float sc0, float sc1, V* acc) {
+    const int8_t* qg0 = q0 + g * group;
+    const int8_t* qg1 = q1 + g * group;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if ((g * group) % 64 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(qg0) + PREFETCH, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(qg1) + PREFETCH, _MM_HINT_T0);
+    }
+    if (g % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(s0 + g) + PREFETCH / 16, _MM_HINT_T0);
+#endif
+    const float* xg = x + g * group;
+    V xv = vload(xg);
+    V t0 = vmul(static_cast<V>(load_int8(qg0)), xv), t1 = vmul(static_cast<V>(load_int8(qg1)), xv);
+    for (int d = 1; d < GV; ++d) {
+      xv = vload(xg + d * VS);
+      t0 = vfma(static_cast<V>(load_int8(qg0 + d * VS)), xv, t0);
+      t1 = vfma(static_cast<V>(load_int8(qg1 + d * VS)), xv, t1);
+    }
+    acc[0] = vfma(t0, vset(sc0), acc[0]);
+    acc[1] = vfma(t1, vset(sc1), acc[1]);
+  };
+  constexpr int64_t CH = 64;  // as row_groups: even, so a chunk's first group is even
+  alignas(64) float scl0[CH], scl1[CH];
+  for (int64_t g0 = 0; g0 < ng; g0 += CH) {
+    const int64_t gn = std::min(CH, ng - g0);
+    if (ns == 1) {
+      std::fill(scl0, scl0 + gn, static_cast<float>(s0[0]));
+      std::fill(scl1, scl1 + gn, static_cast<float>(s1[0]));
+    } else {
+      scales_to_float(s0 + g0, scl0, gn);
+      scales_to_float(s1 + g0, scl1, gn);
+    }
+    int64_t i = 0;
+    for (; i + 1 < gn; i += 2) {
+      add_group(g0 + i, scl0[i], scl1[i], a0);
+      add_group(g0 + i + 1, scl0[i + 1], scl1[i + 1], a1);
+    }
+    if (i < gn) add_group(g0 + i, scl0[i], scl1[i], a0);
+  }
+  out[0] = hsum(Vec(a0[0]) + Vec(a1[0]));
+  out[1] = hsum(Vec(a0[1]) + Vec(a1[1]));
+}
+
 template <int GV, int R = 8>
 void row_groups_any(int64_t rows, const float* x, int64_t K, const int8_t* qn, const at::Half* sn, int64_t ns,
                     int64_t group, float* out) {
@@ -137,6 +192,22 @@ void mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, int6
   T* yp = y.data_ptr<T>();
   localllm::parallel_chunks(N, 64, [&](int64_t begin, int64_t end) {
     float out[MAX_M];
+    if (M == 1 && (gv == 1 || gv == 2 || gv == 4 || gv == 8)) {  // a decode step: output rows in pairs
+      int64_t n = begin;
+      for (; n + 1 < end; n += 2) {
+        const int8_t* qn = qp + n * K;
+        const at::Half* sn = sp + n * ns;
+        switch (gv) {
+          case 1: row_pair<1>(xf.data(), K, qn, sn, ns, group, out); break;
+          case 2: row_pair<2>(xf.data(), K, qn, sn, ns, group, out); break;
+          case 4: row_pair<4>(xf.data(), K, qn, sn, ns, group, out); break;
+          default: row_pair<8>(xf.data(), K, qn, sn, ns, group, out);
+        }
+        yp[n] = static_cast<T>(out[0]);
+        yp[n + 1] = static_cast<T>(out[1]);
+      }
+      begin = n;  // an odd row left: below
+    }
     for (const auto n : c10::irange(begin, end)) {
       const int8_t* qn = qp + n * K;
       const at::Half* sn = sp + n * ns;
