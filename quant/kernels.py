@@ -716,9 +716,6 @@ class GGUFBlocksCPU(Kernel):
             return "runs GGUF blocks only"
         return _native_cpu_unsupported(target, act_dtype)
 
-    #: Activation rows up to which a Q5_0 layer's register kernel runs; above, the panel GEMM.
-    INT5_GEMV_ROWS = Int4GroupCPU.GEMV_ROWS
-
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
         if not native.available(LIBRARY):
@@ -760,8 +757,8 @@ class GGUFBlocksCPU(Kernel):
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         ops = torch.ops.localllm
-        if hasattr(layer, "fifth"):  # Q5_0, repacked (int5_pack)
-            op = ops.int5_group_mm if x.shape[0] <= GGUFBlocksCPU.INT5_GEMV_ROWS else ops.int5_group_gemm
+        if hasattr(layer, "fifth"):  # Q5_0, repacked (int5_pack): the int4 kernel's register rows and panels
+            op = ops.int5_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int5_group_gemm
             return op(x, layer.packed, layer.fifth, layer.tile_scales, layer.out_features)
         kind = GGUF_BLOCKS[layer.scheme.gguf_type][0]
         op = ops.gguf_mm if x.shape[0] <= GGUFBlocksCPU.GEMV_ROWS else ops.gguf_gemm
