@@ -735,20 +735,25 @@ class GGUFBlocksCPU(Kernel):
         tile = Int4GroupCPU.TILE
         rows = rows or Int4GroupCPU.PACK_ROWS
         rows -= rows % tile
+        # spread[c][v]: byte v of qh (the fifth bits of columns 8c .. 8c + 7) at their bits in the dword
         i = torch.arange(8)
         shift = torch.where(i < 4, 8 * i, 8 * (i - 4) + 4)  # (8,): where column i's nibble starts
-        bit = (torch.arange(4).view(4, 1) + shift).flatten()  # (32,): column k's fifth bit in its group's dword
+        bits = (torch.arange(256).view(256, 1) >> i) & 1  # (256, 8)
+        spread = [((bits << (shift + c)).sum(-1)) for c in range(4)]  # 4 x (256,) int64, < 2^32
         parts: dict[str, list[torch.Tensor]] = {"packed": [], "fifth": [], "tile_scales": []}
         for a in range(0, blocks.shape[0], rows):
-            grid = integer_grid("Q5_0", blocks[a : a + rows])  # q - 16 int8 (r, in), d fp16 (r, in/32)
-            q = grid["qweight"].to(torch.int32) + 16  # (r, in): 0..31
-            lo = (q & 15).view(q.shape[0], -1, 2, 4)  # (r, octets, halves, 4)
-            octets = (lo[:, :, 0] | lo[:, :, 1] << 4).to(torch.uint8).flatten(1).view(torch.int32)  # (r, in/8)
-            words = ((q >> 4).view(q.shape[0], -1, 32).long() << bit).sum(-1)  # (r, in/32), < 2^32
+            b = blocks[a : a + rows].reshape(-1, blocks.shape[1] // 22, 22)  # (r, nb, bytes): d, qh, qs
+            r = b.shape[0]
+            qs = b[..., 6:22]  # (r, nb, 16): column j's low 4 bits, column 16 + j's in the high nibble
+            nibbles = torch.cat([qs & 0x0F, qs >> 4], dim=-1).view(r, -1, 2, 4)  # (r, octets, halves, 4)
+            octets = (nibbles[:, :, 0] | nibbles[:, :, 1] << 4).flatten(1).view(torch.int32)  # (r, in/8)
+            qh = b[..., 2:6].long()  # (r, nb, 4): byte c holds columns 8c .. 8c + 7's fifth bits
+            words = sum(spread[c][qh[..., c]] for c in range(4))  # (r, nb)
             words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+            d = b[..., 0:2].contiguous().view(torch.float16).view(r, -1)  # (r, nb)
             parts["packed"].append(Int4GroupCPU._tiles(octets, tile))  # (r/16, in/8, 16) dwords
             parts["fifth"].append(Int4GroupCPU._tiles(words, tile))  # (r/16, in/32, 16) dwords
-            parts["tile_scales"].append(Int4GroupCPU._tiles(grid["scales"].half(), tile))
+            parts["tile_scales"].append(Int4GroupCPU._tiles(d, tile))
         out = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in parts.items()}
         for k in ("packed", "fifth"):
             out[k] = out[k].view(torch.uint8).view(out[k].shape[0], out[k].shape[1], 4 * tile)
