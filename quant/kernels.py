@@ -476,10 +476,15 @@ class Int4GroupCPU(Kernel):
         return t.view(-1, tile, cols).transpose(1, 2).contiguous()
 
     @staticmethod
-    def _octets(qweight: torch.Tensor) -> torch.Tensor:
-        """(rows, in/2) canonical bytes -> (rows, in/2), 4 bytes an octet of columns (low nibbles 0-3)."""
-        q = unpack_int4(qweight).view(qweight.shape[0], -1, 2, 4)  # (rows, octets, 2 halves, 4)
+    def octet_bytes(codes: torch.Tensor) -> torch.Tensor:
+        """(rows, in) 4-bit codes, a byte each -> (rows, in/2), 4 bytes an octet of columns (low nibbles 0-3)."""
+        q = codes.view(codes.shape[0], -1, 2, 4)  # (rows, octets, 2 halves, 4)
         return (q[:, :, 0] | (q[:, :, 1] << 4)).flatten(1)
+
+    @staticmethod
+    def _octets(qweight: torch.Tensor) -> torch.Tensor:
+        """(rows, in/2) canonical bytes -> :meth:`octet_bytes`."""
+        return Int4GroupCPU.octet_bytes(unpack_int4(qweight))
 
     @staticmethod
     def pack(canonical: dict[str, torch.Tensor], rows: int | None = None) -> dict[str, torch.Tensor]:
@@ -745,8 +750,8 @@ class GGUFBlocksCPU(Kernel):
             b = blocks[a : a + rows].reshape(-1, blocks.shape[1] // 22, 22)  # (r, nb, bytes): d, qh, qs
             r = b.shape[0]
             qs = b[..., 6:22]  # (r, nb, 16): column j's low 4 bits, column 16 + j's in the high nibble
-            nibbles = torch.cat([qs & 0x0F, qs >> 4], dim=-1).view(r, -1, 2, 4)  # (r, octets, halves, 4)
-            octets = (nibbles[:, :, 0] | nibbles[:, :, 1] << 4).flatten(1).view(torch.int32)  # (r, in/8)
+            nibbles = torch.cat([qs & 0x0F, qs >> 4], dim=-1).view(r, -1)  # (r, in): the codes' low 4 bits
+            octets = Int4GroupCPU.octet_bytes(nibbles).view(torch.int32)  # (r, in/8)
             qh = b[..., 2:6].long()  # (r, nb, 4): byte c holds columns 8c .. 8c + 7's fifth bits
             words = sum(spread[c][qh[..., c]] for c in range(4))  # (r, nb)
             words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
