@@ -299,12 +299,13 @@ def _register_fakes() -> None:
     """The ops' output shapes for tracing (torch.export, torch.compile), without running them."""
 
     @torch.library.register_fake("localllm::int8_group_mm")
-    def _mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], qweight.shape[0]))
+    def _mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int, out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("localllm::int8_group_gemm")
-    def _gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], qweight.shape[0]))
+    def _gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
+              out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
 
     @torch.library.register_fake("localllm::gguf_mm")
     def _gguf_mm(x: torch.Tensor, blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
@@ -360,13 +361,12 @@ def _register_fakes() -> None:
 
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-#: localllm's quantized CPU matmuls, built by :mod:`localllm.native` as one library: the grouped int8
-#: matmul (``csrc/int8_group_mm.cpp``), the grouped int4 one with fp32 activations
-#: (``csrc/int4_group_mm.cpp``), the one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``) and
-#: the opt-in ones with int8 activations (``csrc/q8_mm.cpp``).
+#: localllm's quantized CPU matmuls, built by :mod:`localllm.native` as one library: the exact ones
+#: on int4, int5 and int8 codes in tiles of 16 rows, with fp32 activations (``csrc/tile_mm.cpp``), the
+#: one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``) and the opt-in ones with int8
+#: activations (``csrc/q8_mm.cpp``).
 LIBRARY = native.NativeLibrary(
-    "localllm_quant", (_CSRC / "int8_group_mm.cpp", _CSRC / "int4_group_mm.cpp", _CSRC / "q8_mm.cpp",
-                       _CSRC / "gguf_blocks_mm.cpp"),
+    "localllm_quant", (_CSRC / "tile_mm.cpp", _CSRC / "q8_mm.cpp", _CSRC / "gguf_blocks_mm.cpp"),
     ("int8_group_mm", "int8_group_gemm", "int4_group_mm", "int4_group_gemm", "int4_group_dequant",
      "int4_q8_mm", "int4_q8_mm_isa", "int8_q8_mm", "int8_q8_mm_isa", "q8_isa",
      "gguf_mm", "gguf_gemm", "gguf_dequant", "int5_group_mm", "int5_group_gemm", "int5_group_dequant"),
@@ -388,17 +388,23 @@ def _native_cpu_unsupported(target: Target, act_dtype: torch.dtype) -> str | Non
 
 class Int8GroupCPU(Kernel):
     """int8 with a scale per group of inputs (a GGUF's Q8_0 blocks exactly) through localllm's C++
-    kernel (:mod:`localllm.native`): as fast as the per-channel kernel, without re-rounding. With fp32
-    activations it also runs per-channel int8 (one scale a row), which torch's int8 kernel multiplies
-    4x slower in fp32 than in bf16. Up to 8 activation rows share each widened group of codes; more
-    than :data:`GEMV_ROWS` rows (a prefill, a quality window's every position through the head) go
-    through fp32 panels of the exact weights (``int8_group_gemm``, ``csrc/panel_gemm.h``)."""
+    kernel (``csrc/tile_mm.cpp``), with fp32 activations and fp32 accumulation: the product with the
+    exact weights, without re-rounding. It also runs per-channel int8 (one scale a row), which torch's
+    int8 kernel multiplies 4x slower in fp32 than in bf16. Up to :data:`GEMV_ROWS` activation rows
+    (a decode or verify step) share each decoded column of codes; more (a prefill, a quality window's
+    every position through the head) go through fp32 panels of the exact weights (``int8_group_gemm``,
+    ``csrc/panel_gemm.h``).
+
+    Layout (:meth:`pack`, which :class:`Int8Q8CPU` shares): ``packed`` uint8 (tiles of 16 rows, in/4,
+    64), dword j of quad c holding row 16t + j's codes of columns 4c .. 4c + 3, each plus 128;
+    ``tile_scales`` fp16 (tiles, in/group or 1, 16). A tied model's embedding reads its rows back
+    (:meth:`rows_of`)."""
 
     name = "int8-group-cpu"
     scheme = "int8"
     device_type = "cpu"
-    #: Activation rows up to which the row kernel runs; above, the panel GEMM.
-    GEMV_ROWS = 12
+    #: Activation rows up to which the register kernel runs; above, the panel GEMM.
+    GEMV_ROWS = 8
 
     @staticmethod
     def dot_group(layer) -> int:  # type: ignore[no-untyped-def]
@@ -423,22 +429,37 @@ class Int8GroupCPU(Kernel):
         return None
 
     @staticmethod
+    def pack(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical int8 tensors (``qweight``, ``scales`` per row or per group) -> this layout."""
+        tile = Int4GroupCPU.TILE
+        packed = _dword_tiles(canonical["qweight"], lambda q: (q.to(torch.int16) + 128).to(torch.uint8))  # codes + 128
+        scales = canonical["scales"].half()
+        return {
+            "packed": packed,
+            "tile_scales": Int4GroupCPU._tiles(scales if scales.dim() == 2 else scales.view(-1, 1), tile),
+        }
+
+    @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
-        if not native.available(LIBRARY):
-            raise RuntimeError("localllm's CPU kernels are not built")
-        return {"qweight": layer.qweight, "scales": layer.scales}  # the canonical layout as it is
+        return Int8GroupCPU.pack(layer.canonical())
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
-        scales = layer.scales if layer.scales.dim() == 2 else layer.scales.view(-1, 1)  # (out, groups or 1)
-        if x.shape[0] <= Int8GroupCPU.GEMV_ROWS:
-            return torch.ops.localllm.int8_group_mm(x, layer.qweight, scales, Int8GroupCPU.dot_group(layer))
-        return torch.ops.localllm.int8_group_gemm(x, layer.qweight, scales, Int8GroupCPU.dot_group(layer))
+        ops = torch.ops.localllm
+        op = ops.int8_group_mm if x.shape[0] <= Int8GroupCPU.GEMV_ROWS else ops.int8_group_gemm
+        return op(x, layer.packed, layer.tile_scales, Int8GroupCPU.dot_group(layer), layer.out_features)
+
+    @staticmethod
+    def rows_of(layer, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """(n,) row ids -> (n, in) fp32 weights, q * scale (exact in fp32), from the kernel's layout."""
+        codes, s, _ = _tile_rows(layer, tokens)  # (n, in/4, 4) codes + 128, (n, in/group or 1)
+        q = (codes.flatten(1).to(torch.int16) - 128).float()  # (n, in)
+        return (q.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
 
 
 class Int4GroupCPU(Kernel):
     """int4 with an fp16 scale and offset per group (the canonical format: a GGUF's Q4_0 / Q4_1 blocks
-    exactly, or weights quantized to int4) through localllm's C++ kernel (``csrc/int4_group_mm.cpp``),
+    exactly, or weights quantized to int4) through localllm's C++ kernel (``csrc/tile_mm.cpp``),
     with fp32 activations and fp32 accumulation: the product with the exact weights, up to summation
     order. A decode step of one or a few sequences decodes the codes in registers; more than
     :data:`GEMV_ROWS` rows (a batched step, a prefill) go through fp32 panels of the exact weights
@@ -603,9 +624,7 @@ class Int8Q8CPU(_Q8Kernel):
     """int8 weights (a scale per group of a multiple of 32 inputs, a GGUF's Q8_0 head; or per row) by
     the activations quantized to int8 per block of 32, on AVX2 or VNNI (``csrc/q8_mm.cpp``): the int8
     member of :class:`Int4Q8CPU`'s opt-in family, which ``--kernel int4-q8-cpu`` also takes for a
-    model's int8 head. Layout (made here): ``packed`` uint8 (tiles of 16 rows, in/4, 64), dword j of
-    quad c holding row 16t + j's codes of columns 4c .. 4c + 3, each plus 128; ``tile_scales`` fp16
-    (tiles, in/group or 1, 16). A tied model's embedding reads its rows back (:meth:`rows_of`)."""
+    model's int8 head. Layout: :class:`Int8GroupCPU`'s (``pack``, ``rows_of``)."""
 
     name = "int8-q8-cpu"
     scheme = "int8"
@@ -614,32 +633,18 @@ class Int8Q8CPU(_Q8Kernel):
     def _group(layer) -> int:  # type: ignore[no-untyped-def]
         return layer.scheme.group_size or layer.in_features
 
-    @staticmethod
-    def pack(canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Canonical int8 tensors (``qweight``, ``scales`` per row or per group) -> this kernel's layout."""
-        tile = Int4GroupCPU.TILE
-        packed = _dword_tiles(canonical["qweight"], lambda q: (q.to(torch.int16) + 128).to(torch.uint8))  # codes + 128
-        scales = canonical["scales"].half()
-        return {
-            "packed": packed,
-            "tile_scales": Int4GroupCPU._tiles(scales if scales.dim() == 2 else scales.view(-1, 1), tile),
-        }
+    pack = staticmethod(Int8GroupCPU.pack)  # the same layout
+    rows_of = staticmethod(Int8GroupCPU.rows_of)
 
     @staticmethod
     def prepare(layer):  # type: ignore[no-untyped-def]
-        return Int8Q8CPU.pack(layer.canonical())
+        return Int8GroupCPU.pack(layer.canonical())
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         return torch.ops.localllm.int8_q8_mm(x, layer.packed, layer.tile_scales, Int8Q8CPU._group(layer),
                                              layer.out_features)
 
-    @staticmethod
-    def rows_of(layer, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        """(n,) row ids -> (n, in) fp32 weights, q * scale (exact in fp32), from the kernel's layout."""
-        codes, s, _ = _tile_rows(layer, tokens)  # (n, in/4, 4) codes + 128, (n, in/group or 1)
-        q = (codes.flatten(1).to(torch.int16) - 128).float()  # (n, in)
-        return (q.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
 
 
 class GGUFQ8CPU(_Q8Kernel):
@@ -731,7 +736,7 @@ class GGUFBlocksCPU(Kernel):
 
     @staticmethod
     def int5_pack(blocks: torch.Tensor, rows: int | None = None) -> dict[str, torch.Tensor]:
-        """Q5_0 blocks (out, in/32 * 22) -> ``csrc/int4_group_mm.cpp``'s int5 layout, the same codes and
+        """Q5_0 blocks (out, in/32 * 22) -> ``csrc/tile_mm.cpp``'s int5 layout, the same codes and
         scales (``packed`` as :class:`Int4GroupCPU`'s, of the codes' low nibbles; ``fifth`` (tiles, in/32,
         64): dword j of group g holding row 16t + j's fifth bits, column 8c + i's at bit c + the bit
         where column i's nibble starts in its dword; ``tile_scales`` fp16 (tiles, in/32, 16): d). A

@@ -102,33 +102,35 @@ def panel_rows_are_batch_invariant(op, x: torch.Tensor) -> None:
 
 def test_panel_gemm_rows_do_not_depend_on_the_batch():
     """What makes a sequence's logits the same in any batch that takes the panel path (issue 13); the
-    int8 row kernel's rows too (a head's logits, rows shared 8 at a time; one row, output rows in pairs)."""
+    int8 register kernel's rows too (a head's logits: rows sharing each decoded column two at a time,
+    the last of an odd count alone, with the same chains of FMAs)."""
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(3))
     layer, _ = layer_of("int4", 32, 200, 576)
     t = kernels.Int4GroupCPU.prepare(layer)
     panel_rows_are_batch_invariant(
         lambda a: torch.ops.localllm.int4_group_gemm(a, t["packed"], t["tile_scales"], t["tile_offsets"], 32, 200), x)
-    layer8, _ = layer_of("int8", 32, 200, 576)
-    panel_rows_are_batch_invariant(
-        lambda a: torch.ops.localllm.int8_group_gemm(a, layer8.qweight, layer8.scales, 32), x)
-    panel_rows_are_batch_invariant(
-        lambda a: torch.ops.localllm.int8_group_mm(a, layer8.qweight, layer8.scales, 32), x)
-    # one activation row takes output rows in pairs (the last one of an odd count alone): the same bits
-    odd, _ = layer_of("int8", 32, 201, 576)
-    panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.int8_group_mm(a, odd.qweight, odd.scales, 32), x)
+    for out in (200, 201):  # a last tile of 8 rows, and of 9
+        layer8, _ = layer_of("int8", 32, out, 576)
+        t8 = kernels.Int8GroupCPU.prepare(layer8)
+        for op in (torch.ops.localllm.int8_group_gemm, torch.ops.localllm.int8_group_mm):
+            panel_rows_are_batch_invariant(lambda a: op(a, t8["packed"], t8["tile_scales"], 32, out), x)
 
 
 @pytest.mark.parametrize("group", [None, 32])
 def test_int8_kernel_with_fp32_activations_is_the_exact_product(group):
     """Per-channel int8 too (torch's int8 kernel is 4x slower with fp32 activations): every row count,
-    the row kernel's (1, 3, 5; 9 and 12: 8 rows sharing each group, then the rest) and the panel
-    GEMM's (16, 17, 40), over a width with a last panel of fewer columns (576 = 2 x 256 + 64)."""
+    the register kernel's (1, 3, 5, 8: rows sharing each decoded column, then the rest) and the panel
+    GEMM's (9, 16, 17, 40), over a width with a last panel of fewer columns (576 = 2 x 256 + 64); a
+    tied head's rows read back from the layout are the weights."""
     layer, w = layer_of("int8", group, 200, 576)
     assert layer.prepare(torch.float32) == "int8-group-cpu"
+    assert set(layer._buffers) == {"packed", "tile_scales"}  # no canonical copy beside the layout
     g = torch.Generator().manual_seed(2)
-    for rows in (1, 3, 5, 9, 12, 16, 17, 40):
+    for rows in (1, 3, 5, 8, 9, 16, 17, 40):
         x = torch.randn(rows, 576, generator=g)
         assert_fp32_exact(layer(x), x, w)
+    ids = torch.tensor([0, 15, 16, 199, 7])
+    assert torch.equal(kernels.Int8GroupCPU.rows_of(layer, ids), w[ids].float())
 
 
 def test_int4_kernel_refuses_a_layout_that_does_not_match():

@@ -35,9 +35,10 @@ def test_config_read_from_gguf(lm):
 @pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
 def test_q8_0_head_loads_as_it_is_in_the_file(smollm2_path):
     """On the CPU the GGUF's Q8_0 tied embedding becomes an int8 group-32 head with the file's codes
-    and scales, run by the grouped kernel, and the embedding reads the same 8-bit table."""
+    and scales (in the exact kernel's tiles), and the embedding reads the same 8-bit table."""
     from gguf import GGUFReader
 
+    from localllm.quant import kernels
     from localllm.quant.formats import dequantize
     from localllm.quant.gguf_blocks import to_canonical
 
@@ -47,7 +48,8 @@ def test_q8_0_head_loads_as_it_is_in_the_file(smollm2_path):
     raw = next(t for t in GGUFReader(str(smollm2_path)).tensors if t.name == "token_embd.weight")
     assert raw.tensor_type.name == "Q8_0"
     want = to_canonical("Q8_0", raw.data)
-    assert torch.equal(head.qweight, want["qweight"]) and torch.equal(head.scales, want["scales"])
+    laid_out = kernels.Int8GroupCPU.pack(want)  # the kernel's tiles of the file's codes and scales
+    assert torch.equal(head.packed, laid_out["packed"]) and torch.equal(head.tile_scales, laid_out["tile_scales"])
     tokens = torch.tensor([[0, 17, 49151]])
     rows = dequantize(want, head.scheme)[tokens[0]].to(lm.dtype)
     assert torch.equal(lm.model.embed(tokens)[0], rows)  # TiedHeadEmbedding, no 16-bit copy

@@ -20,16 +20,17 @@
 // the integer sums are exact in each (vpmaddubsw's int16 pairs cannot saturate: int4 codes are at most
 // 15, and int8 codes enter as |code| against the activation carrying the code's sign, 2 * 128 * 127).
 //
-// Layout (made at load by quant/kernels.py, Int4GroupCPU.pack: int4_group_mm.cpp reads the same):
+// Layout (made at load by quant/kernels.py, Int4GroupCPU.pack: tile_mm.cpp reads the same):
 // output rows in tiles of 16;
 //   packed  uint8 (T, K/8, 64): dword j of octet o of tile t holds row 16t + j's codes of columns
 //           8o .. 8o + 7, byte i being column 8o + i (low nibble) and 8o + 4 + i (high nibble), so a
 //           mask or a shift and a mask give four columns' codes a byte, one dword a row: vpdpbusd's
 //           unsigned operand, against four activations broadcast;
 //   scales, offsets  fp16 (T, K/G, 16), as Int4GroupCPU's.
-// int8 (Int8Q8CPU.prepare): packed uint8 (T, K/4, 64): dword j of quad c holds row 16t + j's codes of
-// columns 4c .. 4c + 3, each plus 128 (vpdpbusd's unsigned operand; the kernel takes 128 * sum(q) back
-// off the integer sum of each 16 inputs, exactly); scales fp16 (T, K/G, 16), G = K for a scale per row.
+// int8 (Int8GroupCPU.pack; tile_mm.cpp reads it too): packed uint8 (T, K/4, 64): dword j of quad c
+// holds row 16t + j's codes of columns 4c .. 4c + 3, each plus 128 (vpdpbusd's unsigned operand; the
+// kernel takes 128 * sum(q) back off the integer sum of each 16 inputs, exactly); scales fp16
+// (T, K/G, 16), G = K for a scale per row.
 // Rows past N in the last tile are zeros and are not written. Tiles are split across threads.
 
 #include <ATen/Parallel.h>

@@ -1,5 +1,7 @@
-// y = x W^T for int4 weights with an fp16 scale and offset per group of input columns (localllm's
-// canonical int4: w = q * scale + offset, q in 0..15), with fp32 activations and fp32 accumulation.
+// The exact tile kernels: y = x W^T with fp32 activations and fp32 accumulation, for int4 weights
+// with an fp16 scale and offset per group of input columns (localllm's canonical int4: w = q * scale +
+// offset, q in 0..15), int5 (a GGUF's Q5_0), and int8 with an fp16 scale per group or per row (a GGUF's
+// Q8_0; per-channel int8), each in output tiles of 16 rows.
 //
 // torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) takes bf16 activations and bf16 scales: the
 // activations' rounding alone moved SmolLM2's predictions by a KL divergence of 1e-3 from the file's
@@ -25,9 +27,21 @@
 //           beside its nibbles, as bytes;
 //   scales  fp16 (T, K/32, 16): d; the offset is -16 d, exact in fp32, made in registers.
 //
-// Decode (one activation row) keeps four accumulators a row (column k of a group goes to k % 4) so
-// consecutive FMAs do not wait on each other; a few rows share each decoded column (MC at a time).
-// Tiles are split across threads.
+// int8 (w = q * scale: exact in fp32, 8 + 11 significant bits; no offsets) is read in the layout of
+// the int8-activation kernel of q8_mm.cpp (made by Int8GroupCPU.pack), columns in quads of 4:
+//   packed  uint8 (T, K/4, 64): dword j of quad c holds row 16t + j's codes of columns 4c + i (byte i),
+//           each plus 128 (what vpmaddubsw takes); a column's signed codes are an xor and two shifts;
+//   scales  fp16 (T, K/G, 16), or (T, 1, 16): one a row (the groups G then only where partial sums are
+//           scaled: the same scale each time).
+// A row-major int8 kernel widened each group of a row with byte shuffles and summed it across lanes;
+// in tiles, one activation row streams through the weights as the int4 one does, with fewer
+// instructions a weight and one stream a thread (a large-vocabulary head is read from memory).
+//
+// Decode (one activation row) keeps four accumulators a row for int4 and int5 (column k of a group goes
+// to k % 4) so consecutive FMAs do not wait on each other, two for int8 (two vectors a column: enough
+// chains), and a few rows share each decoded column (MC at a time). int8 takes two for every number of
+// rows, so that a row's value does not depend on the rows beside it (a head's logits: the same in a
+// verify step as in a decode step). Tiles are split across threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,14 +63,16 @@
 #endif
 
 #include "panel_gemm.h"
+#include "parallel_rows.h"
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t VS = Vec::size();
 constexpr int64_t TILE = 16;       // output rows a tile (one dword each in an octet's 64 bytes)
-constexpr int64_t OCTET = 8;       // columns a dword
-constexpr int64_t OCTET_BYTES = 4 * TILE;
+constexpr int64_t OCTET = 8;       // columns a dword (int4, int5)
+constexpr int64_t QUAD = 4;        // columns a dword (int8)
+constexpr int64_t OCTET_BYTES = 4 * TILE;  // a dword a row: an octet's (a quad's) bytes
 constexpr int NV = TILE / VS;      // vectors a tile's column: 1 (AVX-512), 2 (AVX2 and the portable code)
 static_assert(TILE % VS == 0, "a tile must be whole vectors");
 #ifndef PREFETCH
@@ -67,6 +83,15 @@ constexpr int64_t MC = 4;  // activation rows sharing a decoded column (32 regis
 #else
 constexpr int64_t MC = 2;  // (16 registers)
 #endif
+
+// The codes a tile holds; a kernel function is compiled for each.
+enum class Codes { Int4, Int5, Int8 };
+
+// Columns a dword holds.
+template <Codes KIND>
+constexpr int64_t cols_of() {
+  return KIND == Codes::Int8 ? QUAD : OCTET;
+}
 
 // The bit at which column C (0..7) of an octet starts in its dword.
 template <int C>
@@ -106,14 +131,14 @@ struct Octet {
 #endif
 };
 
-// fn(std::integral_constant<int, C>) for C = 0 .. 7, unrolled (each column's shift is a constant).
+// fn(std::integral_constant<int, C>) for C = 0 .. N - 1, unrolled (each column's shift is a constant).
 template <class F, int... C>
 inline void each_column(const F& fn, std::integer_sequence<int, C...>) {
   (fn(std::integral_constant<int, C>{}), ...);
 }
-template <class F>
+template <int N, class F>
 inline void each_column(const F& fn) {
-  each_column(fn, std::make_integer_sequence<int, OCTET>{});
+  each_column(fn, std::make_integer_sequence<int, N>{});
 }
 
 // 16 fp16 values -> fp32 vectors.
@@ -184,12 +209,52 @@ struct Octet5 {
 #endif
 };
 
-// A tile's weights: int4 (fifth null) or int5 (offsets null: -16 * scale).
+// A quad of int8 codes for 16 rows (64 bytes, each code plus 128), loaded once and made signed (an
+// xor); col<C>() gives column C's 16 codes (-128..127) as fp32: byte C of each lane, moved to the top
+// and shifted down with its sign.
+struct Quad8 {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512i v;
+  explicit Quad8(const uint8_t* p)
+      : v(_mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi32(static_cast<int>(0x80808080u)))) {}
+  template <int C>
+  void col(Vec* out) const {
+    const __m512i w = C == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * C);
+    out[0] = Vec(_mm512_cvtepi32_ps(_mm512_srai_epi32(w, 24)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256i v[2];
+  explicit Quad8(const uint8_t* p) {
+    const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80808080u));
+    v[0] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), sign);
+    v[1] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), sign);
+  }
+  template <int C>
+  void col(Vec* out) const {
+    for (int k = 0; k < 2; ++k) {
+      const __m256i w = C == 3 ? v[k] : _mm256_slli_epi32(v[k], 24 - 8 * C);
+      out[k] = Vec(_mm256_cvtepi32_ps(_mm256_srai_epi32(w, 24)));
+    }
+  }
+#else
+  uint32_t d[TILE];
+  explicit Quad8(const uint8_t* p) { std::memcpy(d, p, sizeof(d)); }
+  template <int C>
+  void col(Vec* out) const {
+    alignas(64) float f[TILE];
+    for (int j = 0; j < TILE; ++j) f[j] = static_cast<float>(static_cast<int>((d[j] >> (8 * C)) & 0xFFu) - 128);
+    for (int k = 0; k < NV; ++k) out[k] = Vec::loadu(f + k * VS);
+  }
+#endif
+};
+
+// A tile's weights: int4 (fifth null), int5 (offsets null: -16 * scale) or int8 (both null).
 struct TileWeights {
-  const uint8_t* w;      // (K/8, 64) nibbles
+  const uint8_t* w;      // (K/8, 64) nibbles, or (K/4, 64) int8 codes
   const uint8_t* fifth;  // (K/32, 64) fifth bits, or null
-  const c10::Half* s;    // (K/G, 16)
+  const c10::Half* s;    // (K/G, 16), or (1, 16): one scale a row
   const c10::Half* o;    // (K/G, 16), or null
+  int64_t sstep;         // s's step a group: 16, or 0 for one scale a row
 };
 
 // A layer's weights (all tiles) and tile t's.
@@ -199,44 +264,50 @@ struct Weights {
   const c10::Half* s;
   const c10::Half* o;
   int64_t K, G;
+  int64_t cols = OCTET;  // columns a dword
+  int64_t ns = 0;        // scales a row: K / G (0: that), or 1
   TileWeights tile(int64_t t) const {
-    const int64_t ng = K / G;
-    return {w + t * (K / OCTET) * OCTET_BYTES, fifth ? fifth + t * ng * OCTET_BYTES : nullptr, s + t * ng * TILE,
-            o ? o + t * ng * TILE : nullptr};
+    const int64_t ng = K / G, nsc = ns == 0 ? ng : ns;
+    return {w + t * (K / cols) * OCTET_BYTES, fifth ? fifth + t * ng * OCTET_BYTES : nullptr, s + t * nsc * TILE,
+            o ? o + t * ng * TILE : nullptr, nsc == 1 ? 0 : TILE};
   }
 };
 
-// Group g's scales and offsets, fp32.
+// Group g's scales and offsets (int8: scales only), fp32.
+template <Codes KIND>
 inline void scales_offsets(const TileWeights& t, int64_t g, Vec* sc, Vec* of) {
-  halves(t.s + g * TILE, sc);
-  if (t.o != nullptr) {
+  halves(t.s + g * t.sstep, sc);
+  if constexpr (KIND == Codes::Int4) {
     halves(t.o + g * TILE, of);
-  } else {
+  } else if constexpr (KIND == Codes::Int5) {
     for (int v = 0; v < NV; ++v) of[v] = sc[v] * Vec(-16.f);
   }
 }
 
-// fn(octet) for octet c of group g (fn takes an Octet or an Octet5).
-template <bool FIFTH, class F>
+// fn(codes) for octet (int8: quad) c of group g: an Octet, an Octet5 or a Quad8.
+template <Codes KIND, class F>
 inline void with_octet(const TileWeights& t, int64_t G, int64_t g, int64_t c, const F& fn) {
-  const uint8_t* p = t.w + (g * (G / OCTET) + c) * OCTET_BYTES;
-  if constexpr (FIFTH) {
+  const uint8_t* p = t.w + (g * (G / cols_of<KIND>()) + c) * OCTET_BYTES;
+  if constexpr (KIND == Codes::Int5) {
     fn(Octet5(p, t.fifth + g * OCTET_BYTES, static_cast<int>(c)));
+  } else if constexpr (KIND == Codes::Int8) {
+    fn(Quad8(p));
   } else {
     fn(Octet(p));
   }
 }
 
 
-// One tile (16 output rows) for R activation rows; A accumulators a row within a group (A divides 8:
-// column k of a group goes to accumulator k % A). FIFTH: int5 codes (t.fifth), else int4.
-//   x (R, K) rows ldx apart; xsum (R, K/G) rows ng apart; y: R rows ldy apart, 16 columns of which
-//   ``valid`` are written.
-template <int R, int A, bool FIFTH>
+// One tile (16 output rows) for R activation rows; A accumulators a row within a group (A divides the
+// columns of a dword: column k of a group goes to accumulator k % A).
+//   x (R, K) rows ldx apart; xsum (R, K/G) rows ng apart (int8: unused); y: R rows ldy apart, 16
+//   columns of which ``valid`` are written.
+template <int R, int A, Codes KIND>
 void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights& t, int64_t K, int64_t G,
                float* y, int64_t ldy, int64_t valid) {
-  static_assert(OCTET % A == 0, "an octet's columns must cycle through the accumulators");
-  const int64_t ng = K / G, octets = G / OCTET;
+  constexpr int COLS = cols_of<KIND>();
+  static_assert(COLS % A == 0, "a dword's columns must cycle through the accumulators");
+  const int64_t ng = K / G, octets = G / COLS;
   Vec tot[R][NV];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) tot[r][v] = Vec(0.f);
@@ -250,18 +321,18 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights
     const float* xg = x + g * G;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     if (g % 2 == 0) {  // the scales and offsets a few tiles ahead (a cache line holds two groups')
-      _mm_prefetch(reinterpret_cast<const char*>(t.s + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(t.s + g * t.sstep) + PREFETCH / 4, _MM_HINT_T0);
       if (t.o != nullptr) _mm_prefetch(reinterpret_cast<const char*>(t.o + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
     }
-    if (FIFTH) _mm_prefetch(reinterpret_cast<const char*>(t.fifth + g * OCTET_BYTES) + PREFETCH / 4, _MM_HINT_T0);
+    if (KIND == Codes::Int5) _mm_prefetch(reinterpret_cast<const char*>(t.fifth + g * OCTET_BYTES) + PREFETCH / 4, _MM_HINT_T0);
 #endif
     for (int64_t c = 0; c < octets; ++c) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
       _mm_prefetch(reinterpret_cast<const char*>(t.w + (g * octets + c) * OCTET_BYTES + PREFETCH), _MM_HINT_T0);
 #endif
-      const float* xc = xg + c * OCTET;
-      with_octet<FIFTH>(t, G, g, c, [&](const auto& q) {
-        each_column([&](auto col) {
+      const float* xc = xg + c * COLS;
+      with_octet<KIND>(t, G, g, c, [&](const auto& q) {
+        each_column<COLS>([&](auto col) {
           constexpr int C = decltype(col)::value;
           Vec code[NV];
           q.template col<C>(code);
@@ -274,13 +345,16 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights
       });
     }
     Vec sc[NV], of[NV];
-    scales_offsets(t, g, sc, of);
+    scales_offsets<KIND>(t, g, sc, of);
     for (int r = 0; r < R; ++r) {
-      const Vec xs(xsum[r * ng + g]);
       for (int v = 0; v < NV; ++v) {
         Vec d = dot[r * A * NV + v];
         for (int a = 1; a < A; ++a) d = d + dot[(r * A + a) * NV + v];
-        tot[r][v] = at::vec::fmadd(of[v], xs, at::vec::fmadd(d, sc[v], tot[r][v]));
+        if constexpr (KIND == Codes::Int8) {
+          tot[r][v] = at::vec::fmadd(d, sc[v], tot[r][v]);
+        } else {
+          tot[r][v] = at::vec::fmadd(of[v], Vec(xsum[r * ng + g]), at::vec::fmadd(d, sc[v], tot[r][v]));
+        }
       }
     }
   }
@@ -296,22 +370,29 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights
 }
 
 // A tile's columns [k0, k0 + kb) as an fp32 panel (kb, 16): w = q * scale + offset, rounded once (q *
-// scale is exact in fp32), the values int4_group_dequant / int5_group_dequant give. k0 and kb are
-// whole groups.
-template <bool FIFTH>
+// scale is exact in fp32), the values int4_group_dequant / int5_group_dequant give; int8's q * scale,
+// exact. k0 and kb are whole groups.
+template <Codes KIND>
 void decode_panel(const TileWeights& t, int64_t G, int64_t k0, int64_t kb, float* panel) {
-  const int64_t octets = G / OCTET;
+  constexpr int COLS = cols_of<KIND>();
+  const int64_t octets = G / COLS;
   for (int64_t g = k0 / G; g < (k0 + kb) / G; ++g) {
     Vec sc[NV], of[NV];
-    scales_offsets(t, g, sc, of);
+    scales_offsets<KIND>(t, g, sc, of);
     for (int64_t c = 0; c < octets; ++c) {
-      float* pc = panel + (g * G + c * OCTET - k0) * TILE;
-      with_octet<FIFTH>(t, G, g, c, [&](const auto& q) {
-        each_column([&](auto col) {
+      float* pc = panel + (g * G + c * COLS - k0) * TILE;
+      with_octet<KIND>(t, G, g, c, [&](const auto& q) {
+        each_column<COLS>([&](auto col) {
           constexpr int C = decltype(col)::value;
           Vec code[NV];
           q.template col<C>(code);
-          for (int v = 0; v < NV; ++v) at::vec::fmadd(code[v], sc[v], of[v]).store(pc + C * TILE + v * VS);
+          for (int v = 0; v < NV; ++v) {
+            if constexpr (KIND == Codes::Int8) {
+              (code[v] * sc[v]).store(pc + C * TILE + v * VS);
+            } else {
+              at::vec::fmadd(code[v], sc[v], of[v]).store(pc + C * TILE + v * VS);
+            }
+          }
         });
       });
     }
@@ -320,53 +401,58 @@ void decode_panel(const TileWeights& t, int64_t G, int64_t k0, int64_t kb, float
 
 // Many activation rows: each tile's weights decoded once per panel of columns and multiplied by
 // every row (panel_gemm.h). x (M, K) -> y (M, N).
-template <bool FIFTH>
+template <Codes KIND>
 void mm_panels(const float* x, const Weights& w, int64_t M, int64_t N, float* y) {
   static_assert(localllm::panel::WIDTH == TILE, "a panel is a tile");
   const int64_t G = w.G;
   const int64_t kb = std::max<int64_t>(G, localllm::panel::KB / G * G);  // whole groups a panel
   localllm::panel::gemm(x, M, w.K, N, kb, y, [&](int64_t t, int64_t k0, int64_t n, float* panel, float*) {
-    decode_panel<FIFTH>(w.tile(t), G, k0, n, panel);
+    decode_panel<KIND>(w.tile(t), G, k0, n, panel);
   });
 }
 
-template <bool FIFTH>
+template <Codes KIND>
 void mm(const float* x, const float* xsum, const Weights& w, int64_t M, int64_t N, float* y) {
   const int64_t K = w.K, G = w.G;
   const int64_t T = (N + TILE - 1) / TILE, ng = K / G;
-  // Enough tiles a task that a thread's share is worth waking it: ~64K weights.
+  // A row alone: int8 keeps the accumulators of several rows (see the top), int4 and int5 take more.
+  constexpr int A1 = KIND == Codes::Int8 ? 2 : 4;
+  // Enough tiles a task that a thread's share is worth waking it: ~64K weights; claimed in turn.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (TILE * K));
-  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+  localllm::parallel_chunks(T, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const TileWeights wt = w.tile(t);
       const int64_t valid = std::min(TILE, N - t * TILE);
       float* yt = y + t * TILE;
+      // int8 reads no sums of the activations (no offsets): xsum is null.
+      const auto xs = [&](int64_t m) { return xsum == nullptr ? nullptr : xsum + m * ng; };
       if (M == 1) {
-        tile_rows<1, 4, FIFTH>(x, K, xsum, wt, K, G, yt, N, valid);
+        tile_rows<1, A1, KIND>(x, K, xsum, wt, K, G, yt, N, valid);
         continue;
       }
       int64_t m = 0;
-      for (; m + MC <= M; m += MC) tile_rows<MC, 2, FIFTH>(x + m * K, K, xsum + m * ng, wt, K, G, yt + m * N, N, valid);
+      for (; m + MC <= M; m += MC) tile_rows<MC, 2, KIND>(x + m * K, K, xs(m), wt, K, G, yt + m * N, N, valid);
       // The rest shares its decoded columns too where registers allow (a verify step's 2-3 rows):
       // each row decoded on its own costs nearly a whole one-row product per row.
       const int64_t rest = M - m;
       if (MC > 3 && rest == 3)
-        tile_rows<3, 2, FIFTH>(x + m * K, K, xsum + m * ng, wt, K, G, yt + m * N, N, valid);
+        tile_rows<3, 2, KIND>(x + m * K, K, xs(m), wt, K, G, yt + m * N, N, valid);
       else if (MC > 2 && rest == 2)
-        tile_rows<2, 2, FIFTH>(x + m * K, K, xsum + m * ng, wt, K, G, yt + m * N, N, valid);
+        tile_rows<2, 2, KIND>(x + m * K, K, xs(m), wt, K, G, yt + m * N, N, valid);
       else
-        for (; m < M; ++m) tile_rows<1, 4, FIFTH>(x + m * K, K, xsum + m * ng, wt, K, G, yt + m * N, N, valid);
+        for (; m < M; ++m) tile_rows<1, A1, KIND>(x + m * K, K, xs(m), wt, K, G, yt + m * N, N, valid);
     }
   });
 }
 
-// packed's tiles and width, checked against the group and the output rows.
-std::pair<int64_t, int64_t> check_packed(const at::Tensor& packed, int64_t group, int64_t N, const char* op) {
+// packed's tiles and width (cols columns a dword), checked against the group and the output rows.
+std::pair<int64_t, int64_t> check_packed(const at::Tensor& packed, int64_t group, int64_t N, const char* op,
+                                         int64_t cols = OCTET) {
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == OCTET_BYTES && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous(),
-              op, ": packed must be contiguous uint8 (tiles, K/8, 64)");
-  TORCH_CHECK(group > 0 && group % OCTET == 0, op, ": group ", group, " is not a multiple of 8");
-  const int64_t T = packed.size(0), K = packed.size(1) * OCTET;
+              op, ": packed must be contiguous uint8 (tiles, K/", cols, ", 64)");
+  TORCH_CHECK(group > 0 && group % cols == 0, op, ": group ", group, " is not a multiple of ", cols);
+  const int64_t T = packed.size(0), K = packed.size(1) * cols;
   TORCH_CHECK(K % group == 0, op, ": width ", K, " is not a multiple of the group ", group);
   TORCH_CHECK(N > (T - 1) * TILE && N <= T * TILE, op, ": ", N, " rows do not fill ", T, " tiles of 16");
   return {T, K};
@@ -399,8 +485,18 @@ Weights int5_weights(const at::Tensor& packed, const at::Tensor& fifth, const at
           INT5_GROUP};
 }
 
+// int8 codes (quads) with scales per group, or one a row (group: the columns a partial sum then).
+Weights int8_weights(const at::Tensor& packed, const at::Tensor& scales, int64_t group, int64_t N, const char* op) {
+  const auto [T, K] = check_packed(packed, group, N, op, QUAD);
+  TORCH_CHECK(scales.dim() == 3 && (scales.size(1) == K / group || scales.size(1) == 1), op,
+              ": scales must be (tiles, K/group, 16), or (tiles, 1, 16): one a row");
+  check_per_group(scales, T, scales.size(1), at::kHalf, TILE, "scales", op);
+  return {packed.data_ptr<uint8_t>(), nullptr, scales.data_ptr<c10::Half>(), nullptr, K, group, QUAD,
+          scales.size(1)};
+}
+
 // x (M, K) -> y (M, N): the register kernels (mm) or the fp32 panels (gemm: for many activation rows).
-template <bool FIFTH>
+template <Codes KIND>
 at::Tensor product(const at::Tensor& x, const Weights& w, int64_t N, bool gemm, const char* op) {
   const int64_t K = w.K, G = w.G, ng = K / G;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x must be (M, ", K, ")");
@@ -409,7 +505,9 @@ at::Tensor product(const at::Tensor& x, const Weights& w, int64_t N, bool gemm, 
   const float* xp = xf.data_ptr<float>();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (gemm) {
-    mm_panels<FIFTH>(xp, w, M, N, y.data_ptr<float>());
+    mm_panels<KIND>(xp, w, M, N, y.data_ptr<float>());
+  } else if constexpr (KIND == Codes::Int8) {
+    mm<KIND>(xp, nullptr, w, M, N, y.data_ptr<float>());
   } else {
     std::vector<float> xsum(M * ng);  // per activation row and group: for the offsets
     for (int64_t m = 0; m < M; ++m)
@@ -419,7 +517,7 @@ at::Tensor product(const at::Tensor& x, const Weights& w, int64_t N, bool gemm, 
         for (int64_t j = 0; j < G; j += VS) a = a + Vec::loadu(xg + j, std::min<int64_t>(VS, G - j));
         xsum[m * ng + g] = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
       }
-    mm<FIFTH>(xp, xsum.data(), w, M, N, y.data_ptr<float>());
+    mm<KIND>(xp, xsum.data(), w, M, N, y.data_ptr<float>());
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -458,14 +556,14 @@ at::Tensor dequant(const Weights& w, int64_t N, const at::TensorOptions& options
 
 at::Tensor int4_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                          const at::Tensor& offsets, int64_t group, int64_t N) {
-  return product<false>(x, int4_weights(packed, scales, offsets, group, N, "int4_group_mm"), N, false,
+  return product<Codes::Int4>(x, int4_weights(packed, scales, offsets, group, N, "int4_group_mm"), N, false,
                         "int4_group_mm");
 }
 
 // The same product through fp32 panels (mm_panels): for many activation rows.
 at::Tensor int4_group_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                            const at::Tensor& offsets, int64_t group, int64_t N) {
-  return product<false>(x, int4_weights(packed, scales, offsets, group, N, "int4_group_gemm"), N, true,
+  return product<Codes::Int4>(x, int4_weights(packed, scales, offsets, group, N, "int4_group_gemm"), N, true,
                         "int4_group_gemm");
 }
 
@@ -476,17 +574,30 @@ at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scales
 
 at::Tensor int5_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& fifth,
                          const at::Tensor& scales, int64_t N) {
-  return product<true>(x, int5_weights(packed, fifth, scales, N, "int5_group_mm"), N, false, "int5_group_mm");
+  return product<Codes::Int5>(x, int5_weights(packed, fifth, scales, N, "int5_group_mm"), N, false, "int5_group_mm");
 }
 
 at::Tensor int5_group_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& fifth,
                            const at::Tensor& scales, int64_t N) {
-  return product<true>(x, int5_weights(packed, fifth, scales, N, "int5_group_gemm"), N, true, "int5_group_gemm");
+  return product<Codes::Int5>(x, int5_weights(packed, fifth, scales, N, "int5_group_gemm"), N, true, "int5_group_gemm");
 }
 
 at::Tensor int5_group_dequant(const at::Tensor& packed, const at::Tensor& fifth, const at::Tensor& scales,
                               int64_t N) {
   return dequant(int5_weights(packed, fifth, scales, N, "int5_group_dequant"), N, packed.options());
+}
+
+at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
+                         int64_t N) {
+  return product<Codes::Int8>(x, int8_weights(packed, scales, group, N, "int8_group_mm"), N, false,
+                              "int8_group_mm");
+}
+
+// The same product through fp32 panels (mm_panels): for many activation rows.
+at::Tensor int8_group_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
+                           int64_t N) {
+  return product<Codes::Int8>(x, int8_weights(packed, scales, group, N, "int8_group_gemm"), N, true,
+                              "int8_group_gemm");
 }
 
 }  // namespace
@@ -498,6 +609,8 @@ TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("int5_group_mm(Tensor x, Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
   m.def("int5_group_gemm(Tensor x, Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
   m.def("int5_group_dequant(Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
+  m.def("int8_group_mm(Tensor x, Tensor packed, Tensor scales, int group, int out_features) -> Tensor");
+  m.def("int8_group_gemm(Tensor x, Tensor packed, Tensor scales, int group, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
@@ -507,4 +620,6 @@ TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("int5_group_mm", &int5_group_mm);
   m.impl("int5_group_gemm", &int5_group_gemm);
   m.impl("int5_group_dequant", &int5_group_dequant);
+  m.impl("int8_group_mm", &int8_group_mm);
+  m.impl("int8_group_gemm", &int8_group_gemm);
 }
