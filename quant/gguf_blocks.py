@@ -109,16 +109,9 @@ def integer_grid(type_name: str, blocks: torch.Tensor) -> dict[str, torch.Tensor
         codes = (nibbles | fifth << 4).view(torch.int8) - 16  # -16 .. 15
         return {"qweight": codes.view(rows, -1), "scales": d.view(rows, -1)}
     if type_name == "Q4_K":
-        b = blocks.view(rows, -1, 144)
-        d = b[..., 0:2].contiguous().view(torch.float16).float()  # (rows, nb, 1)
-        dmin = b[..., 2:4].contiguous().view(torch.float16).float()
-        s = b[..., 4:16].to(torch.int32)  # (rows, nb, 12)
-        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | (s[..., 0:4] >> 6) << 4], dim=-1)  # (rows, nb, 8)
-        m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | (s[..., 4:8] >> 6) << 4], dim=-1)
-        qs = b[..., 16:].reshape(rows, -1, 4, 1, 32)  # (rows, nb, chunk, 1, 32)
-        codes = torch.cat([qs & 0x0F, qs >> 4], dim=3).view(rows, -1)  # sub-block 2c, then 2c + 1
-        return {"qweight": pack_int4(codes), "scales": (d * sc).half().view(rows, -1),
-                "offsets": (-(dmin * m)).half().view(rows, -1)}
+        d, dmin, sc, m, codes = q4_k_parts(blocks)
+        return {"qweight": pack_int4(codes), "scales": (d.float().unsqueeze(-1) * sc).half().view(rows, -1),
+                "offsets": (-(dmin.float().unsqueeze(-1) * m)).half().view(rows, -1)}
     if type_name == "Q6_K":
         b = blocks.view(rows, -1, 210)
         ql = b[..., :128].reshape(rows, -1, 2, 64)  # (rows, nb, half, 64)
@@ -130,6 +123,22 @@ def integer_grid(type_name: str, blocks: torch.Tensor) -> dict[str, torch.Tensor
         d = b[..., 208:210].contiguous().view(torch.float16).float()  # (rows, nb, 1)
         return {"qweight": codes.view(rows, -1), "scales": (d * sc).half().view(rows, -1)}
     raise ValueError(f"GGUF {type_name} blocks have no integer grid here (only {', '.join(INTEGER_GRIDS)})")
+
+
+def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, bytes) uint8 Q4_K blocks -> d, dmin fp16 (rows, nb); sc, m uint8 (rows, nb, 8), the
+    6-bit scale and min of each sub-block of 32; codes uint8 (rows, nb * 256) in weight order. A
+    weight is d * sc * code - dmin * m."""
+    rows = blocks.shape[0]
+    b = blocks.view(rows, -1, 144)
+    d = b[..., 0:2].contiguous().view(torch.float16).view(rows, -1)
+    dmin = b[..., 2:4].contiguous().view(torch.float16).view(rows, -1)
+    s = b[..., 4:16]  # (rows, nb, 12)
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | (s[..., 0:4] >> 6) << 4], dim=-1)  # (rows, nb, 8)
+    m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | (s[..., 4:8] >> 6) << 4], dim=-1)
+    qs = b[..., 16:].reshape(rows, -1, 4, 1, 32)  # (rows, nb, chunk, 1, 32)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=3).view(rows, -1)  # sub-block 2c, then 2c + 1
+    return d, dmin, sc, m, codes
 
 
 def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:

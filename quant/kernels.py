@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from localllm import native
 from localllm.quant.formats import GGUF_BLOCKS, dequantize, quiet_bitsandbytes, unpack_int4
-from localllm.quant.gguf_blocks import INTEGER_GRIDS, integer_grid
+from localllm.quant.gguf_blocks import INTEGER_GRIDS, integer_grid, q4_k_parts
 from localllm.quant.target import Target
 
 if TYPE_CHECKING:
@@ -355,6 +355,21 @@ def _register_fakes() -> None:
                       out_features: int) -> torch.Tensor:
         return packed.new_empty((out_features, packed.shape[1] * 8), dtype=torch.float32)
 
+    @torch.library.register_fake("localllm::int4k_group_mm")
+    def _int4k_mm(x: torch.Tensor, packed: torch.Tensor, mins: torch.Tensor, supers: torch.Tensor,
+                  out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("localllm::int4k_group_gemm")
+    def _int4k_gemm(x: torch.Tensor, packed: torch.Tensor, mins: torch.Tensor, supers: torch.Tensor,
+                    out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
+    @torch.library.register_fake("localllm::int4k_group_dequant")
+    def _int4k_dequant(packed: torch.Tensor, mins: torch.Tensor, supers: torch.Tensor,
+                       out_features: int) -> torch.Tensor:
+        return packed.new_empty((out_features, packed.shape[1] * 8), dtype=torch.float32)
+
     @torch.library.register_fake("localllm::gguf_dequant")
     def _gguf_dequant(blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
         return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.float32)
@@ -369,7 +384,8 @@ LIBRARY = native.NativeLibrary(
     "localllm_quant", (_CSRC / "tile_mm.cpp", _CSRC / "q8_mm.cpp", _CSRC / "gguf_blocks_mm.cpp"),
     ("int8_group_mm", "int8_group_gemm", "int4_group_mm", "int4_group_gemm", "int4_group_dequant",
      "int4_q8_mm", "int4_q8_mm_isa", "int8_q8_mm", "int8_q8_mm_isa", "q8_isa",
-     "gguf_mm", "gguf_gemm", "gguf_dequant", "int5_group_mm", "int5_group_gemm", "int5_group_dequant"),
+     "gguf_mm", "gguf_gemm", "gguf_dequant", "int5_group_mm", "int5_group_gemm", "int5_group_dequant",
+     "int4k_group_mm", "int4k_group_gemm", "int4k_group_dequant"),
     _register_fakes, headers=(_CSRC / "panel_gemm.h", _CSRC / "fp32_vec.h", _CSRC / "parallel_rows.h"),
 )
 
@@ -730,8 +746,11 @@ class GGUFBlocksCPU(Kernel):
     def prepare(layer):  # type: ignore[no-untyped-def]
         if not native.available(LIBRARY):
             raise RuntimeError("localllm's CPU kernels are not built")
-        if layer.scheme.gguf_type == "Q5_0" and not getattr(layer, "serves_embedding", False):
-            return GGUFBlocksCPU.int5_pack(layer.blocks)
+        if not getattr(layer, "serves_embedding", False):  # a tied head keeps its blocks: the embedding reads them
+            if layer.scheme.gguf_type == "Q5_0":
+                return GGUFBlocksCPU.int5_pack(layer.blocks)
+            if layer.scheme.gguf_type == "Q4_K":
+                return GGUFBlocksCPU.q4_k_pack(layer.blocks)
         return {"blocks": layer.blocks}  # the file's bytes as they are
 
     @staticmethod
@@ -770,8 +789,34 @@ class GGUFBlocksCPU(Kernel):
         return out
 
     @staticmethod
+    def q4_k_pack(blocks: torch.Tensor, rows: int | None = None) -> dict[str, torch.Tensor]:
+        """Q4_K blocks (out, in/256 * 144) -> ``csrc/tile_mm.cpp``'s Int4K layout, the same codes and
+        scales in as many bytes (``packed`` as :class:`Int4GroupCPU`'s, of the codes; ``mins`` uint8
+        (tiles, in/32, 32): each row's 6-bit sc of a sub-block, then its m; ``supers`` fp16 (tiles,
+        in/256, 32): d, then dmin). The kernel forms d * sc and -dmin * m in registers, exact in fp32,
+        where the blocks' layout spreads each sub-block's codes with byte shuffles a row at a time."""
+        tile = Int4GroupCPU.TILE
+        rows = rows or Int4GroupCPU.PACK_ROWS
+        rows -= rows % tile
+        parts: dict[str, list[torch.Tensor]] = {"packed": [], "mins": [], "supers": []}
+        for a in range(0, blocks.shape[0], rows):
+            d, dmin, sc, m, codes = q4_k_parts(blocks[a : a + rows])  # (r, nb), (r, nb, 8), (r, in)
+            r = codes.shape[0]
+            parts["packed"].append(Int4GroupCPU._tiles(Int4GroupCPU.octet_bytes(codes).view(torch.int32), tile))
+            # (r/16, in/32, 16) bytes of sc beside those of m: one (r/16, in/32, 32) row of 32 a group
+            mins = [Int4GroupCPU._tiles(v.reshape(r, -1), tile) for v in (sc, m)]
+            parts["mins"].append(torch.cat(mins, dim=-1))
+            parts["supers"].append(torch.cat([Int4GroupCPU._tiles(v, tile) for v in (d, dmin)], dim=-1))
+        out = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in parts.items()}
+        out["packed"] = out["packed"].view(torch.uint8).view(out["packed"].shape[0], out["packed"].shape[1], 4 * tile)
+        return out
+
+    @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         ops = torch.ops.localllm
+        if hasattr(layer, "supers"):  # Q4_K, repacked (q4_k_pack)
+            op = ops.int4k_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int4k_group_gemm
+            return op(x, layer.packed, layer.mins, layer.supers, layer.out_features)
         if hasattr(layer, "fifth"):  # Q5_0, repacked (int5_pack): the int4 kernel's register rows and panels
             op = ops.int5_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int5_group_gemm
             return op(x, layer.packed, layer.fifth, layer.tile_scales, layer.out_features)

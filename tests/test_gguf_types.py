@@ -104,9 +104,8 @@ def test_the_matmul_is_x_times_the_exact_weight(type_name):
     width = {256: 512, 32: 800, 1: 808}[GGUF_BLOCKS[type_name][1]]
     layer, w = gguf_layer(type_name, 90, width, seed=3)
     assert layer.prepare(torch.float32) == "gguf-blocks-cpu"
-    # no other copy of the weight: Q5_0's blocks are repacked for the int5 kernel, the rest kept as they are
-    assert {n for n, _ in layer.named_buffers()} == ({"packed", "fifth", "tile_scales"} if type_name == "Q5_0"
-                                                     else {"blocks"})
+    # no other copy of the weight: Q5_0's and Q4_K's blocks are repacked into tiles, the rest kept as they are
+    assert {n for n, _ in layer.named_buffers()} == REPACKED.get(type_name, {"blocks"})
     for rows in (1, 3, 8, 21, 40):
         x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
         want = x.double() @ w.double().t()
@@ -126,6 +125,36 @@ def test_rows_do_not_depend_on_the_batch(type_name):
     panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.gguf_gemm(a, layer.blocks, kind, 512), x)
     if type_name != "F16":
         panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.gguf_mm(a, layer.blocks, kind, 512), x)
+
+
+#: The tiles a GGUF type's blocks are repacked into for the exact CPU kernels (tile_mm.cpp).
+REPACKED = {"Q5_0": {"packed", "fifth", "tile_scales"}, "Q4_K": {"packed", "mins", "supers"}}
+
+
+@needs_native
+def test_q4_k_repacked_holds_the_blocks_codes_and_scales():
+    """The Int4K layout a Q4_K layer is repacked into (``GGUFBlocksCPU.q4_k_pack``) decodes to gguf's
+    own values bit for bit (d * sc and dmin * m made in fp32, never rounded to 16 bits), in as many
+    bytes as the blocks, the same made a slice of rows at a time, the last tile padded with zeros; its
+    rows do not depend on the batch in the panel GEMM; a tied head keeps its blocks."""
+    layer, w = gguf_layer("Q4_K", 90, 512, seed=7)
+    whole = kernels.GGUFBlocksCPU.q4_k_pack(layer.blocks)
+    assert all(torch.equal(whole[k], v) for k, v in kernels.GGUFBlocksCPU.q4_k_pack(layer.blocks, rows=32).items())
+    assert whole["packed"].shape == (6, 64, 64) and whole["mins"].shape == (6, 16, 32)
+    assert whole["supers"].shape == (6, 2, 32) and whole["supers"].dtype == torch.float16
+    assert sum(t.numel() * t.element_size() for t in whole.values()) <= 1.05 * 96 * 2 * 144  # 96 rows of blocks
+    assert (whole["packed"][-1, :, 40:] == 0).all() and (whole["mins"][-1, :, 10:16] == 0).all()
+    got = torch.ops.localllm.int4k_group_dequant(whole["packed"], whole["mins"], whole["supers"], 90)
+    assert torch.equal(got, w)
+    x = torch.randn(30, 512, generator=torch.Generator().manual_seed(8))
+    panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.int4k_group_gemm(
+        a, whole["packed"], whole["mins"], whole["supers"], 90), x)
+    with pytest.raises(RuntimeError, match="supers must be contiguous"):
+        torch.ops.localllm.int4k_group_mm(x[:1], whole["packed"], whole["mins"], whole["supers"][:, :1], 90)
+    head, _ = gguf_layer("Q4_K", 90, 512, seed=7)
+    head.serves_embedding = True
+    head.prepare(torch.float32)
+    assert {n for n, _ in head.named_buffers()} == {"blocks"}
 
 
 @needs_native
@@ -232,6 +261,13 @@ def write_k_quant_gguf(tmp_path, monkeypatch, types=K_TYPES, **overrides):
     return write_llama_gguf(ref, tmp_path / "q4_k_m.gguf", types=types)
 
 
+def held_bytes(tensor) -> int:  # type: ignore[no-untyped-def]
+    """The bytes a loaded layer holds for a GGUF tensor: the file's, but for Q4_K's tiles, whose
+    sub-block scales and mins take a byte each (148 bytes a 256 weights, against the blocks' 144)."""
+    n = int(tensor.n_bytes)
+    return n // 144 * 148 if tensor.tensor_type.name == "Q4_K" else n
+
+
 @needs_native
 def test_a_mixed_k_quant_file_loads_each_tensor_in_its_own_blocks(tmp_path, monkeypatch):
     from localllm.loaders.gguf import GGUFCheckpoint
@@ -248,9 +284,9 @@ def test_a_mixed_k_quant_file_loads_each_tensor_in_its_own_blocks(tmp_path, monk
     assert lm.kernels["gguf-blocks-cpu"] >= 4 and "reference" not in lm.kernels
     assert lm.tensor_import["Q4_K"] == "1 tensor -> Q4_K blocks (as in the file), exact"
     assert lm.tensor_import["Q6_K"] == "2 tensors -> Q6_K blocks (as in the file), exact"
-    # The quantized layers hold exactly the file's bytes of their tensors.
+    # The quantized layers hold the file's bytes of their tensors (Q4_K's tiles: held_bytes).
     reader = gguf.GGUFReader(str(path))
-    quantized = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name in ("Q5_0", "Q8_0", "Q4_K", "Q6_K"))
+    quantized = sum(held_bytes(t) for t in reader.tensors if t.tensor_type.name in ("Q5_0", "Q8_0", "Q4_K", "Q6_K"))
     held = sum(weight_bytes(m) for m in lm.model.modules() if isinstance(m, QuantLinear))
     assert held == quantized
     exact = load_model(str(path), quant="fp32")  # every tensor dequantized by gguf, in fp32
@@ -282,7 +318,7 @@ def test_a_tied_k_quant_table_is_held_once_in_its_blocks(tmp_path, monkeypatch):
     reader = gguf.GGUFReader(str(path))
     table = next(t for t in reader.tensors if t.name == "token_embd.weight")
     assert lm.model.output.blocks.numel() == int(table.n_bytes)  # the file's bytes, held once
-    quantized = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name != "F32")
+    quantized = sum(held_bytes(t) for t in reader.tensors if t.tensor_type.name != "F32")
     assert weight_bytes(lm.model) - sum(p.numel() * 4 for p in lm.model.parameters()) == quantized
     ids = torch.tensor([[1, 5, 77, 300, 12, 9, 250, 3]])
     want_rows = torch.from_numpy(gguf_values("Q6_K", np.asarray(table.data)))[ids[0]]

@@ -27,6 +27,14 @@
 //           beside its nibbles, as bytes;
 //   scales  fp16 (T, K/32, 16): d; the offset is -16 d, exact in fp32, made in registers.
 //
+// int4 with a GGUF's Q4_K scales (w = d sc q - dmin m: sc and m 6-bit a sub-block of 32 columns, d and
+// dmin fp16 a super-block of 256; each product exact in fp32, so the weight is rounded once, as gguf
+// computes it) is int4's product with those scales made in registers, in as many bytes as the blocks:
+//   packed  as int4's, of the codes;
+//   mins    uint8 (T, K/32, 32): row 16t + j's sc of sub-block g at [t, g, j], its m at [t, g, 16 + j];
+//   supers  fp16 (T, K/256, 32): d at [t, s, j], dmin at [t, s, 16 + j].
+// The blocks' own layout takes a row at a time and byte shuffles to spread each sub-block's codes.
+//
 // int8 (w = q * scale: exact in fp32, 8 + 11 significant bits; no offsets) is read in the layout of
 // the int8-activation kernel of q8_mm.cpp (made by Int8GroupCPU.pack), columns in quads of 4:
 //   packed  uint8 (T, K/4, 64): dword j of quad c holds row 16t + j's codes of columns 4c + i (byte i),
@@ -84,8 +92,9 @@ constexpr int64_t MC = 4;  // activation rows sharing a decoded column (32 regis
 constexpr int64_t MC = 2;  // (16 registers)
 #endif
 
-// The codes a tile holds; a kernel function is compiled for each.
-enum class Codes { Int4, Int5, Int8 };
+// The codes a tile holds; a kernel function is compiled for each. Int4K: int4 with Q4_K's scales.
+enum class Codes { Int4, Int5, Int8, Int4K };
+constexpr int64_t SUPER = 256;  // Q4_K's super-block: 8 groups of 32
 
 // Columns a dword holds.
 template <Codes KIND>
@@ -139,6 +148,20 @@ inline void each_column(const F& fn, std::integer_sequence<int, C...>) {
 template <int N, class F>
 inline void each_column(const F& fn) {
   each_column(fn, std::make_integer_sequence<int, N>{});
+}
+
+// 16 uint8 values -> fp32 vectors.
+inline void bytes16(const uint8_t* p, Vec* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  out[0] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  out[0] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  out[1] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))));
+#else
+  alignas(64) float f[TILE];
+  for (int j = 0; j < TILE; ++j) f[j] = static_cast<float>(p[j]);
+  for (int v = 0; v < NV; ++v) out[v] = Vec::loadu(f + v * VS);
+#endif
 }
 
 // 16 fp16 values -> fp32 vectors.
@@ -248,13 +271,16 @@ struct Quad8 {
 #endif
 };
 
-// A tile's weights: int4 (fifth null), int5 (offsets null: -16 * scale) or int8 (both null).
+// A tile's weights: int4 (fifth null), int5 (offsets null: -16 * scale), int8 (both null) or Int4K
+// (s and o null: mins and supers).
 struct TileWeights {
   const uint8_t* w;      // (K/8, 64) nibbles, or (K/4, 64) int8 codes
   const uint8_t* fifth;  // (K/32, 64) fifth bits, or null
   const c10::Half* s;    // (K/G, 16), or (1, 16): one scale a row
   const c10::Half* o;    // (K/G, 16), or null
   int64_t sstep;         // s's step a group: 16, or 0 for one scale a row
+  const uint8_t* mins = nullptr;       // Int4K: (K/32, 32) sc, m
+  const c10::Half* supers = nullptr;   // Int4K: (K/256, 32) d, dmin
 };
 
 // A layer's weights (all tiles) and tile t's.
@@ -266,16 +292,36 @@ struct Weights {
   int64_t K, G;
   int64_t cols = OCTET;  // columns a dword
   int64_t ns = 0;        // scales a row: K / G (0: that), or 1
+  const uint8_t* mins = nullptr;
+  const c10::Half* supers = nullptr;
   TileWeights tile(int64_t t) const {
     const int64_t ng = K / G, nsc = ns == 0 ? ng : ns;
-    return {w + t * (K / cols) * OCTET_BYTES, fifth ? fifth + t * ng * OCTET_BYTES : nullptr, s + t * nsc * TILE,
-            o ? o + t * ng * TILE : nullptr, nsc == 1 ? 0 : TILE};
+    return {w + t * (K / cols) * OCTET_BYTES,
+            fifth ? fifth + t * ng * OCTET_BYTES : nullptr,
+            s ? s + t * nsc * TILE : nullptr,
+            o ? o + t * ng * TILE : nullptr,
+            nsc == 1 ? 0 : TILE,
+            mins ? mins + t * ng * 2 * TILE : nullptr,
+            supers ? supers + t * (K / SUPER) * 2 * TILE : nullptr};
   }
 };
 
 // Group g's scales and offsets (int8: scales only), fp32.
 template <Codes KIND>
 inline void scales_offsets(const TileWeights& t, int64_t g, Vec* sc, Vec* of) {
+  if constexpr (KIND == Codes::Int4K) {  // d sc and -dmin m, exact in fp32 (11 + 6 significant bits)
+    Vec d[NV], dmin[NV];
+    const c10::Half* sup = t.supers + (g * 32 / SUPER) * 2 * TILE;  // G = 32
+    halves(sup, d);
+    halves(sup + TILE, dmin);
+    bytes16(t.mins + g * 2 * TILE, sc);
+    bytes16(t.mins + g * 2 * TILE + TILE, of);
+    for (int v = 0; v < NV; ++v) {
+      sc[v] = sc[v] * d[v];
+      of[v] = of[v] * dmin[v] * Vec(-1.f);
+    }
+    return;
+  }
   halves(t.s + g * t.sstep, sc);
   if constexpr (KIND == Codes::Int4) {
     halves(t.o + g * TILE, of);
@@ -320,7 +366,9 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights
         for (int v = 0; v < NV; ++v) dot[(r * A + a) * NV + v] = Vec(0.f);
     const float* xg = x + g * G;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    if (g % 2 == 0) {  // the scales and offsets a few tiles ahead (a cache line holds two groups')
+    if (KIND == Codes::Int4K) {  // a cache line holds two groups' sc and m
+      if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(t.mins + g * 2 * TILE) + PREFETCH / 4, _MM_HINT_T0);
+    } else if (g % 2 == 0) {  // the scales and offsets a few tiles ahead (a cache line holds two groups')
       _mm_prefetch(reinterpret_cast<const char*>(t.s + g * t.sstep) + PREFETCH / 4, _MM_HINT_T0);
       if (t.o != nullptr) _mm_prefetch(reinterpret_cast<const char*>(t.o + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
     }
@@ -485,6 +533,20 @@ Weights int5_weights(const at::Tensor& packed, const at::Tensor& fifth, const at
           INT5_GROUP};
 }
 
+constexpr int64_t INT4K_GROUP = 32;  // Q4_K's sub-block
+
+Weights int4k_weights(const at::Tensor& packed, const at::Tensor& mins, const at::Tensor& supers, int64_t N,
+                      const char* op) {
+  const auto [T, K] = check_packed(packed, INT4K_GROUP, N, op);
+  TORCH_CHECK(K % SUPER == 0, op, ": width ", K, " is not a multiple of Q4_K's 256");
+  check_per_group(mins, T, K / INT4K_GROUP, at::kByte, 2 * TILE, "mins", op);
+  check_per_group(supers, T, K / SUPER, at::kHalf, 2 * TILE, "supers", op);
+  Weights w{packed.data_ptr<uint8_t>(), nullptr, nullptr, nullptr, K, INT4K_GROUP};
+  w.mins = mins.data_ptr<uint8_t>();
+  w.supers = supers.data_ptr<c10::Half>();
+  return w;
+}
+
 // int8 codes (quads) with scales per group, or one a row (group: the columns a partial sum then).
 Weights int8_weights(const at::Tensor& packed, const at::Tensor& scales, int64_t group, int64_t N, const char* op) {
   const auto [T, K] = check_packed(packed, group, N, op, QUAD);
@@ -544,8 +606,15 @@ at::Tensor dequant(const Weights& w, int64_t N, const at::TensorOptions& options
             std::memcpy(&f, wt.fifth + g * OCTET_BYTES + 4 * j, 4);
             q |= ((f >> (shift + (k % G) / OCTET)) & 1u) << 4;
           }
-          const float sc = static_cast<float>(wt.s[g * TILE + j]);
-          const float of = wt.o != nullptr ? static_cast<float>(wt.o[g * TILE + j]) : -16.f * sc;
+          float sc, of;
+          if (wt.mins != nullptr) {  // Int4K: d sc, -dmin m
+            const c10::Half* sup = wt.supers + (k / SUPER) * 2 * TILE;
+            sc = static_cast<float>(sup[j]) * static_cast<float>(wt.mins[g * 2 * TILE + j]);
+            of = static_cast<float>(sup[TILE + j]) * static_cast<float>(wt.mins[g * 2 * TILE + TILE + j]) * -1.f;
+          } else {
+            sc = static_cast<float>(wt.s[g * TILE + j]);
+            of = wt.o != nullptr ? static_cast<float>(wt.o[g * TILE + j]) : -16.f * sc;
+          }
           row[k] = static_cast<float>(q) * sc + of;
         }
       }
@@ -587,6 +656,23 @@ at::Tensor int5_group_dequant(const at::Tensor& packed, const at::Tensor& fifth,
   return dequant(int5_weights(packed, fifth, scales, N, "int5_group_dequant"), N, packed.options());
 }
 
+at::Tensor int4k_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& mins,
+                          const at::Tensor& supers, int64_t N) {
+  return product<Codes::Int4K>(x, int4k_weights(packed, mins, supers, N, "int4k_group_mm"), N, false,
+                               "int4k_group_mm");
+}
+
+at::Tensor int4k_group_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& mins,
+                            const at::Tensor& supers, int64_t N) {
+  return product<Codes::Int4K>(x, int4k_weights(packed, mins, supers, N, "int4k_group_gemm"), N, true,
+                               "int4k_group_gemm");
+}
+
+at::Tensor int4k_group_dequant(const at::Tensor& packed, const at::Tensor& mins, const at::Tensor& supers,
+                               int64_t N) {
+  return dequant(int4k_weights(packed, mins, supers, N, "int4k_group_dequant"), N, packed.options());
+}
+
 at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
                          int64_t N) {
   return product<Codes::Int8>(x, int8_weights(packed, scales, group, N, "int8_group_mm"), N, false,
@@ -609,6 +695,9 @@ TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("int5_group_mm(Tensor x, Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
   m.def("int5_group_gemm(Tensor x, Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
   m.def("int5_group_dequant(Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
+  m.def("int4k_group_mm(Tensor x, Tensor packed, Tensor mins, Tensor supers, int out_features) -> Tensor");
+  m.def("int4k_group_gemm(Tensor x, Tensor packed, Tensor mins, Tensor supers, int out_features) -> Tensor");
+  m.def("int4k_group_dequant(Tensor packed, Tensor mins, Tensor supers, int out_features) -> Tensor");
   m.def("int8_group_mm(Tensor x, Tensor packed, Tensor scales, int group, int out_features) -> Tensor");
   m.def("int8_group_gemm(Tensor x, Tensor packed, Tensor scales, int group, int out_features) -> Tensor");
 }
@@ -620,6 +709,9 @@ TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("int5_group_mm", &int5_group_mm);
   m.impl("int5_group_gemm", &int5_group_gemm);
   m.impl("int5_group_dequant", &int5_group_dequant);
+  m.impl("int4k_group_mm", &int4k_group_mm);
+  m.impl("int4k_group_gemm", &int4k_group_gemm);
+  m.impl("int4k_group_dequant", &int4k_group_dequant);
   m.impl("int8_group_mm", &int8_group_mm);
   m.impl("int8_group_gemm", &int8_group_gemm);
 }
