@@ -340,35 +340,19 @@ def _register_fakes() -> None:
                       out_features: int) -> torch.Tensor:
         return packed.new_empty((out_features, packed.shape[1] * 8), dtype=torch.float32)
 
-    @torch.library.register_fake("localllm::int5_group_mm")
-    def _int5_mm(x: torch.Tensor, packed: torch.Tensor, fifth: torch.Tensor, scales: torch.Tensor,
-                 out_features: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], out_features))
-
-    @torch.library.register_fake("localllm::int5_group_gemm")
-    def _int5_gemm(x: torch.Tensor, packed: torch.Tensor, fifth: torch.Tensor, scales: torch.Tensor,
-                   out_features: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], out_features))
-
-    @torch.library.register_fake("localllm::int5_group_dequant")
-    def _int5_dequant(packed: torch.Tensor, fifth: torch.Tensor, scales: torch.Tensor,
-                      out_features: int) -> torch.Tensor:
-        return packed.new_empty((out_features, packed.shape[1] * 8), dtype=torch.float32)
-
-    @torch.library.register_fake("localllm::int4k_group_mm")
-    def _int4k_mm(x: torch.Tensor, packed: torch.Tensor, mins: torch.Tensor, supers: torch.Tensor,
+    # The int5 (Q5_0) and Int4K (Q4_K) tiles: the int4 codes' tiles and two tensors of their own
+    # (fifth and scales; mins and supers), then the output rows.
+    def _tiles_mm(x: torch.Tensor, packed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                   out_features: int) -> torch.Tensor:
         return x.new_empty((x.shape[0], out_features))
 
-    @torch.library.register_fake("localllm::int4k_group_gemm")
-    def _int4k_gemm(x: torch.Tensor, packed: torch.Tensor, mins: torch.Tensor, supers: torch.Tensor,
-                    out_features: int) -> torch.Tensor:
-        return x.new_empty((x.shape[0], out_features))
-
-    @torch.library.register_fake("localllm::int4k_group_dequant")
-    def _int4k_dequant(packed: torch.Tensor, mins: torch.Tensor, supers: torch.Tensor,
-                       out_features: int) -> torch.Tensor:
+    def _tiles_dequant(packed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_features: int) -> torch.Tensor:
         return packed.new_empty((out_features, packed.shape[1] * 8), dtype=torch.float32)
+
+    for kind in ("int5", "int4k"):
+        torch.library.register_fake(f"localllm::{kind}_group_mm")(_tiles_mm)
+        torch.library.register_fake(f"localllm::{kind}_group_gemm")(_tiles_mm)
+        torch.library.register_fake(f"localllm::{kind}_group_dequant")(_tiles_dequant)
 
     @torch.library.register_fake("localllm::gguf_dequant")
     def _gguf_dequant(blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
