@@ -775,9 +775,9 @@ class GGUFBlocksCPU(Kernel):
     @staticmethod
     def q4_k_pack(blocks: torch.Tensor, rows: int | None = None) -> dict[str, torch.Tensor]:
         """Q4_K blocks (out, in/256 * 144) -> ``csrc/tile_mm.cpp``'s Int4K layout, the same codes and
-        scales in as many bytes (``packed`` as :class:`Int4GroupCPU`'s, of the codes; ``mins`` uint8
-        (tiles, in/32, 32): each row's 6-bit sc of a sub-block, then its m; ``supers`` fp16 (tiles,
-        in/256, 32): d, then dmin). The kernel forms d * sc and -dmin * m in registers, exact in fp32,
+        scales in 148 bytes a 256 weights (``packed`` as :class:`Int4GroupCPU`'s, of the codes;
+        ``mins`` uint8 (tiles, in/32, 32): each row's 6-bit sc of a sub-block, then its m, a byte each;
+        ``supers`` fp16 (tiles, in/256, 32): d, then dmin). The kernel forms d * sc and -dmin * m in registers, exact in fp32,
         where the blocks' layout spreads each sub-block's codes with byte shuffles a row at a time."""
         tile = Int4GroupCPU.TILE
         rows = rows or Int4GroupCPU.PACK_ROWS

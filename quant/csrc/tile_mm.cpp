@@ -29,7 +29,8 @@
 //
 // int4 with a GGUF's Q4_K scales (w = d sc q - dmin m: sc and m 6-bit a sub-block of 32 columns, d and
 // dmin fp16 a super-block of 256; each product exact in fp32, so the weight is rounded once, as gguf
-// computes it) is int4's product with those scales made in registers, in as many bytes as the blocks:
+// computes it) is int4's product with those scales made in registers, in 148 bytes a 256 weights (the
+// blocks' 144: sc and m take a byte each):
 //   packed  as int4's, of the codes;
 //   mins    uint8 (T, K/32, 32): row 16t + j's sc of sub-block g at [t, g, j], its m at [t, g, 16 + j];
 //   supers  fp16 (T, K/256, 32): d at [t, s, j], dmin at [t, s, 16 + j].
@@ -372,7 +373,8 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights
       _mm_prefetch(reinterpret_cast<const char*>(t.s + g * t.sstep) + PREFETCH / 4, _MM_HINT_T0);
       if (t.o != nullptr) _mm_prefetch(reinterpret_cast<const char*>(t.o + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
     }
-    if (KIND == Codes::Int5) _mm_prefetch(reinterpret_cast<const char*>(t.fifth + g * OCTET_BYTES) + PREFETCH / 4, _MM_HINT_T0);
+    if (KIND == Codes::Int5)
+      _mm_prefetch(reinterpret_cast<const char*>(t.fifth + g * OCTET_BYTES) + PREFETCH / 4, _MM_HINT_T0);
 #endif
     for (int64_t c = 0; c < octets; ++c) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
