@@ -361,7 +361,8 @@ def _register_fakes() -> None:
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 #: localllm's quantized CPU matmuls, built by :mod:`localllm.native` as one library: the exact ones
-#: on int4, int5 and int8 codes in tiles of 16 rows, with fp32 activations (``csrc/tile_mm.cpp``), the
+#: on int4, int5 and int8 codes in tiles of 16 rows, with fp32 activations (int16 in the decode kernels
+#: of 4- and 5-bit codes: ``csrc/tile_mm.cpp``), the
 #: one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``) and the opt-in ones with int8
 #: activations (``csrc/q8_mm.cpp``).
 LIBRARY = native.NativeLibrary(
@@ -460,8 +461,10 @@ class Int8GroupCPU(Kernel):
 class Int4GroupCPU(Kernel):
     """int4 with an fp16 scale and offset per group (the canonical format: a GGUF's Q4_0 / Q4_1 blocks
     exactly, or weights quantized to int4) through localllm's C++ kernel (``csrc/tile_mm.cpp``),
-    with fp32 activations and fp32 accumulation: the product with the exact weights, up to summation
-    order. A decode step of one or a few sequences decodes the codes in registers; more than
+    with fp32 accumulation: the product with the exact weights, up to summation order. A decode step
+    of one or a few sequences decodes the codes in registers and, where the CPU has AVX2 or AVX-512,
+    multiplies them by the activations rounded to int16 per 32 columns (steps of 2^-16 of their
+    largest, ``tile_rows_q16``); more than
     :data:`GEMV_ROWS` rows (a batched step, a prefill) go through fp32 panels of the exact weights
     (``int4_group_gemm``, ``csrc/panel_gemm.h``), which never hold more than a few KB of them.
 
@@ -712,7 +715,9 @@ class GGUFBlocksCPU(Kernel):
     steps (a few rows of activations) run localllm's C++ kernel, which decodes each block as it
     multiplies; more rows (a batched step, a prefill) go through fp32 panels of the weights decoded
     by the same decoder (``gguf_gemm``, ``csrc/panel_gemm.h``). No copy of the whole weight is ever
-    made, and the scales stay as exact as the file's (fp32 products, never rounded to 16 bits)."""
+    made, and the scales stay as exact as the file's (fp32 products, never rounded to 16 bits). Q5_0 and
+    Q4_K are repacked at load into ``csrc/tile_mm.cpp``'s tiles (:meth:`int5_pack`, :meth:`q4_k_pack`),
+    whose decode kernels take int16 activations as :class:`Int4GroupCPU`'s do."""
 
     name = "gguf-blocks-cpu"
     scheme = "gguf"

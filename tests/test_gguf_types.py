@@ -15,7 +15,7 @@ from localllm.quant import kernels
 from localllm.quant.formats import GGUF_BLOCKS, QuantScheme, dequantize, gguf_scheme
 from localllm.quant.gguf_blocks import exact_import, exact_scheme, to_canonical
 from localllm.quant.linear import QuantLinear
-from tests.test_exact_int4 import panel_rows_are_batch_invariant
+from tests.test_exact_int4 import int16_bound, panel_rows_are_batch_invariant
 
 needs_native = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
 
@@ -110,7 +110,10 @@ def test_the_matmul_is_x_times_the_exact_weight(type_name):
         x = torch.randn(rows, width, generator=torch.Generator().manual_seed(rows))
         want = x.double() @ w.double().t()
         got = layer(x).double()
-        assert ((got - want).abs().max() / want.abs().max()) < 2e-6, rows
+        # the tiles' register kernel takes the activations in int16 steps (tile_mm.cpp)
+        int16 = type_name in REPACKED and rows <= kernels.Int4GroupCPU.GEMV_ROWS
+        bound = 2e-6 * want.abs().max() + (int16_bound(x, w.double()) if int16 else 0)
+        assert ((got - want).abs() <= bound).all(), rows
 
 
 @needs_native

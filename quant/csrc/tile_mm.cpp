@@ -1,11 +1,14 @@
-// The exact tile kernels: y = x W^T with fp32 activations and fp32 accumulation, for int4 weights
+// The exact tile kernels: y = x W^T with the exact weights and fp32 accumulation, for int4 weights
 // with an fp16 scale and offset per group of input columns (localllm's canonical int4: w = q * scale +
 // offset, q in 0..15), int5 (a GGUF's Q5_0), and int8 with an fp16 scale per group or per row (a GGUF's
 // Q8_0; per-channel int8), each in output tiles of 16 rows.
 //
 // torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) takes bf16 activations and bf16 scales: the
 // activations' rounding alone moved SmolLM2's predictions by a KL divergence of 1e-3 from the file's
-// own weights in fp32. This kernel multiplies the exact weights by the exact activations.
+// own weights in fp32. These kernels multiply the exact weights by fp32 activations (int8 codes, and
+// every panel), or, in the decode kernels of 4- and 5-bit codes where the ISA has vpmaddwd, by the
+// activations rounded to int16 steps of 2^-16 of their 32 columns' largest (see tile_rows_q16), a
+// rounding thousands of times finer than that of the int8 activations of llama.cpp.
 //
 // Layout (made at load by quant/kernels.py, Int4GroupCPU.prepare; the int8-activation kernel of
 // q8_mm.cpp reads the same): output rows in tiles of 16, columns in octets of 8.
@@ -62,6 +65,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -419,6 +423,172 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// The decode kernels' activations in 16-bit integers (int4, int5 and Int4K codes; where the vector ISA
+// has vpmaddwd): each 32 columns of a row x as s * q, q = round(x / s) in -32767..32767, s = max |x| /
+// 32767, so each activation is within s / 2 = 2^-16 of its 32 columns' largest (256 times finer than
+// the int8 activations of llama.cpp and of --kernel int4-q8-cpu, and finer than fp16's rounding of the
+// largest). The codes times q are exact integers (vpmaddwd: two 16-bit products a 32-bit lane, summed
+// without rounding over the 32 columns), scaled once by s in fp32: half the instructions a weight of
+// the fp32 product (a shift, a mask and a multiply-add for two codes of a row, where fp32 takes a
+// shift, a mask, a conversion and an FMA for each), which bound the product of weights in cache.
+// The weights stay exact, and the offsets multiply the fp32 sums of x. Many rows (the panel GEMM)
+// stay fp32. A non-finite activation makes its 32 columns' scale NaN, so the output is NaN as fp32's.
+constexpr int64_t XQ = 32;  // columns an activation scale covers
+constexpr float XQ_MAX = 32767.f;
+
+// An octet's codes pair up as 16-bit halves of a row's dword: pair P (P < 4) holds columns
+// PAIR_ORDER[2P] (low half) and PAIR_ORDER[2P + 1] (high half); an octet's activations are stored in
+// that order.
+constexpr int PAIR_ORDER[OCTET] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+// Rows (M, K) of fp32 activations -> q (M, K) int16, each octet in PAIR_ORDER; s (M, K/32).
+void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* s) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k0 = 0; k0 < K; k0 += XQ) {
+      const float* xc = x + m * K + k0;
+      float amax = 0.f, poison = 0.f;  // poison: NaN where a value is inf or NaN
+      for (int64_t k = 0; k < XQ; ++k) {
+        amax = std::max(amax, std::abs(xc[k]));
+        poison += xc[k] * 0.f;
+      }
+      s[m * (K / XQ) + k0 / XQ] = amax / XQ_MAX + poison;
+      const float inv = amax > 0.f && poison == 0.f ? XQ_MAX / amax : 0.f;
+      for (int64_t o = 0; o < XQ; o += OCTET)
+        for (int j = 0; j < OCTET; ++j) {
+          const float v = xc[o + PAIR_ORDER[j]] * inv;
+          q[m * K + k0 + o + j] = std::isfinite(v) ? static_cast<int16_t>(std::nearbyint(v)) : int16_t{0};
+        }
+    }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+using IVec = __m512i;
+inline IVec ivec_zero() { return _mm512_setzero_si512(); }
+inline IVec ivec_set(int32_t v) { return _mm512_set1_epi32(v); }
+inline IVec ivec_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec ivec_and(IVec a, IVec b) { return _mm512_and_si512(a, b); }
+inline IVec ivec_or(IVec a, IVec b) { return _mm512_or_si512(a, b); }
+template <int S>
+inline IVec ivec_srl(IVec a) { return S == 0 ? a : _mm512_srli_epi32(a, S); }
+inline IVec ivec_sll_n(IVec a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline IVec ivec_srl_n(IVec a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline IVec ivec_madd_add(IVec acc, IVec codes, IVec x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(codes, x)); }
+inline Vec ivec_float(IVec a) { return Vec(_mm512_cvtepi32_ps(a)); }
+#else
+using IVec = __m256i;
+inline IVec ivec_zero() { return _mm256_setzero_si256(); }
+inline IVec ivec_set(int32_t v) { return _mm256_set1_epi32(v); }
+inline IVec ivec_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec ivec_and(IVec a, IVec b) { return _mm256_and_si256(a, b); }
+inline IVec ivec_or(IVec a, IVec b) { return _mm256_or_si256(a, b); }
+template <int S>
+inline IVec ivec_srl(IVec a) { return S == 0 ? a : _mm256_srli_epi32(a, S); }
+inline IVec ivec_sll_n(IVec a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline IVec ivec_srl_n(IVec a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline IVec ivec_madd_add(IVec acc, IVec codes, IVec x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(codes, x)); }
+inline Vec ivec_float(IVec a) { return Vec(_mm256_cvtepi32_ps(a)); }
+#endif
+constexpr int64_t IVS = sizeof(IVec) / 4;  // rows a vector (dwords)
+
+// An octet of 16 rows as four pairs of 16-bit codes a row (pair<P>(v): vector v's rows, columns
+// PAIR_ORDER[2P], PAIR_ORDER[2P + 1]). int4 and Int4K: the nibbles of columns i and i + 2 (bytes i and
+// i + 2) are 16 bits apart, so pair P is the dword shifted by 4P and masked. int5: the low nibble
+// and fifth bit of each column joined first (as Octet5), then the same with bytes.
+template <Codes KIND>
+struct Pairs {
+  IVec v[NV];
+  Pairs(const uint8_t* p, const uint8_t*, int) {
+    for (int k = 0; k < NV; ++k) v[k] = ivec_load(p + k * 4 * IVS);
+  }
+  template <int P>
+  IVec pair(int k) const {
+    return ivec_and(ivec_srl<4 * P>(v[k]), ivec_set(0x000F000F));
+  }
+};
+
+template <>
+struct Pairs<Codes::Int5> {
+  IVec lo[NV], hi[NV];  // bytes: 5-bit codes of columns 0-3, and of 4-7
+  Pairs(const uint8_t* p, const uint8_t* fifth, int c) {
+    const IVec m4 = ivec_set(0x0F0F0F0F), m5 = ivec_set(0x10101010);
+    for (int k = 0; k < NV; ++k) {
+      const IVec v = ivec_load(p + k * 4 * IVS), f = ivec_load(fifth + k * 4 * IVS);
+      lo[k] = ivec_or(ivec_and(v, m4), ivec_and(ivec_sll_n(f, 4 - c), m5));
+      hi[k] = ivec_or(ivec_and(ivec_srl<4>(v), m4), ivec_and(ivec_srl_n(f, c), m5));
+    }
+  }
+  template <int P>
+  IVec pair(int k) const {  // P: (0, 2), (4, 6), (1, 3), (5, 7)
+    return ivec_and(ivec_srl<P < 2 ? 0 : 8>(P % 2 == 0 ? lo[k] : hi[k]), ivec_set(0x001F001F));
+  }
+};
+
+// tile_rows with int16 activations: xq (R, K) int16 rows ldx apart (quantize_rows), xs (R, K/32)
+// their scales rows K/32 apart; the rest as tile_rows. G is a multiple of 32.
+template <int R, Codes KIND>
+void tile_rows_q16(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum, const TileWeights& t,
+                   int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
+  const int64_t ng = K / G, octets = G / OCTET, nxs = K / XQ;
+  Vec tot[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) tot[r][v] = Vec(0.f);
+  for (int64_t g = 0; g < ng; ++g) {
+    if (KIND == Codes::Int4K) {
+      if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(t.mins + g * 2 * TILE) + PREFETCH / 4, _MM_HINT_T0);
+    } else if (g % 2 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(t.s + g * t.sstep) + PREFETCH / 4, _MM_HINT_T0);
+      if (t.o != nullptr) _mm_prefetch(reinterpret_cast<const char*>(t.o + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
+    }
+    if (KIND == Codes::Int5)
+      _mm_prefetch(reinterpret_cast<const char*>(t.fifth + g * OCTET_BYTES) + PREFETCH / 4, _MM_HINT_T0);
+    Vec dot[R][NV];  // the group's q . x, scaled by each 32 columns' s
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) dot[r][v] = Vec(0.f);
+    for (int64_t c0 = 0; c0 < octets; c0 += XQ / OCTET) {
+      IVec acc[R][NV];
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = ivec_zero();
+      for (int64_t c = c0; c < c0 + XQ / OCTET; ++c) {
+        const uint8_t* p = t.w + (g * octets + c) * OCTET_BYTES;
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
+        const Pairs<KIND> q(p, KIND == Codes::Int5 ? t.fifth + g * OCTET_BYTES : nullptr, static_cast<int>(c));
+        const int16_t* xc = xq + g * G + c * OCTET;
+        each_column<4>([&](auto pair) {
+          constexpr int P = decltype(pair)::value;
+          for (int v = 0; v < NV; ++v) {
+            const IVec codes = q.template pair<P>(v);
+            for (int r = 0; r < R; ++r) {
+              int32_t xp;
+              std::memcpy(&xp, xc + r * ldx + 2 * P, 4);
+              acc[r][v] = ivec_madd_add(acc[r][v], codes, ivec_set(xp));
+            }
+          }
+        });
+      }
+      const int64_t ci = (g * G + c0 * OCTET) / XQ;
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) dot[r][v] = at::vec::fmadd(ivec_float(acc[r][v]), Vec(xs[r * nxs + ci]), dot[r][v]);
+    }
+    Vec sc[NV], of[NV];
+    scales_offsets<KIND>(t, g, sc, of);
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v)
+        tot[r][v] = at::vec::fmadd(of[v], Vec(xsum[r * ng + g]), at::vec::fmadd(dot[r][v], sc[v], tot[r][v]));
+  }
+  for (int r = 0; r < R; ++r) {
+    if (valid == TILE) {
+      for (int v = 0; v < NV; ++v) tot[r][v].store(y + r * ldy + v * VS);
+    } else {
+      alignas(64) float buf[TILE];
+      for (int v = 0; v < NV; ++v) tot[r][v].store(buf + v * VS);
+      std::memcpy(y + r * ldy, buf, valid * sizeof(float));
+    }
+  }
+}
+#define LOCALLLM_Q16 1
+#endif
+
 // A tile's columns [k0, k0 + kb) as an fp32 panel (kb, 16): w = q * scale + offset, rounded once (q *
 // scale is exact in fp32), the values int4_group_dequant / int5_group_dequant give; int8's q * scale,
 // exact. k0 and kb are whole groups.
@@ -461,8 +631,11 @@ void mm_panels(const float* x, const Weights& w, int64_t M, int64_t N, float* y)
   });
 }
 
+// The register kernels: x (M, K) -> y (M, N). xq and xs: x as int16 (quantize_rows), for the
+// int4, int5 and Int4K codes where the ISA has them; null: the fp32 product.
 template <Codes KIND>
-void mm(const float* x, const float* xsum, const Weights& w, int64_t M, int64_t N, float* y) {
+void mm(const float* x, const float* xsum, const int16_t* xq, const float* xs, const Weights& w, int64_t M,
+        int64_t N, float* y) {
   const int64_t K = w.K, G = w.G;
   const int64_t T = (N + TILE - 1) / TILE, ng = K / G;
   // A row alone: int8 keeps the accumulators of several rows (see the top), int4 and int5 take more.
@@ -474,23 +647,37 @@ void mm(const float* x, const float* xsum, const Weights& w, int64_t M, int64_t 
       const TileWeights wt = w.tile(t);
       const int64_t valid = std::min(TILE, N - t * TILE);
       float* yt = y + t * TILE;
-      // int8 reads no sums of the activations (no offsets): xsum is null.
-      const auto xs = [&](int64_t m) { return xsum == nullptr ? nullptr : xsum + m * ng; };
+      // R rows from row m, A accumulators a row for the fp32 product; int8 reads no sums of the
+      // activations (no offsets): xsum is null.
+      const auto rows = [&](auto r, auto a, int64_t m) {
+        constexpr int R = decltype(r)::value, A = decltype(a)::value;
+        const float* xsm = xsum == nullptr ? nullptr : xsum + m * ng;
+#ifdef LOCALLLM_Q16
+        if constexpr (KIND != Codes::Int8) {
+          if (xq != nullptr) {
+            tile_rows_q16<R, KIND>(xq + m * K, K, xs + m * (K / XQ), xsm, wt, K, G, yt + m * N, N, valid);
+            return;
+          }
+        }
+#endif
+        tile_rows<R, A, KIND>(x + m * K, K, xsm, wt, K, G, yt + m * N, N, valid);
+      };
+      using std::integral_constant;
       if (M == 1) {
-        tile_rows<1, A1, KIND>(x, K, xsum, wt, K, G, yt, N, valid);
+        rows(integral_constant<int, 1>{}, integral_constant<int, A1>{}, 0);
         continue;
       }
       int64_t m = 0;
-      for (; m + MC <= M; m += MC) tile_rows<MC, 2, KIND>(x + m * K, K, xs(m), wt, K, G, yt + m * N, N, valid);
+      for (; m + MC <= M; m += MC) rows(integral_constant<int, MC>{}, integral_constant<int, 2>{}, m);
       // The rest shares its decoded columns too where registers allow (a verify step's 2-3 rows):
       // each row decoded on its own costs nearly a whole one-row product per row.
       const int64_t rest = M - m;
       if (MC > 3 && rest == 3)
-        tile_rows<3, 2, KIND>(x + m * K, K, xs(m), wt, K, G, yt + m * N, N, valid);
+        rows(integral_constant<int, 3>{}, integral_constant<int, 2>{}, m);
       else if (MC > 2 && rest == 2)
-        tile_rows<2, 2, KIND>(x + m * K, K, xs(m), wt, K, G, yt + m * N, N, valid);
+        rows(integral_constant<int, 2>{}, integral_constant<int, 2>{}, m);
       else
-        for (; m < M; ++m) tile_rows<1, A1, KIND>(x + m * K, K, xs(m), wt, K, G, yt + m * N, N, valid);
+        for (; m < M; ++m) rows(integral_constant<int, 1>{}, integral_constant<int, A1>{}, m);
     }
   });
 }
@@ -571,7 +758,7 @@ at::Tensor product(const at::Tensor& x, const Weights& w, int64_t N, bool gemm, 
   if (gemm) {
     mm_panels<KIND>(xp, w, M, N, y.data_ptr<float>());
   } else if constexpr (KIND == Codes::Int8) {
-    mm<KIND>(xp, nullptr, w, M, N, y.data_ptr<float>());
+    mm<KIND>(xp, nullptr, nullptr, nullptr, w, M, N, y.data_ptr<float>());
   } else {
     std::vector<float> xsum(M * ng);  // per activation row and group: for the offsets
     for (int64_t m = 0; m < M; ++m)
@@ -581,7 +768,16 @@ at::Tensor product(const at::Tensor& x, const Weights& w, int64_t N, bool gemm, 
         for (int64_t j = 0; j < G; j += VS) a = a + Vec::loadu(xg + j, std::min<int64_t>(VS, G - j));
         xsum[m * ng + g] = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
       }
-    mm<KIND>(xp, xsum.data(), w, M, N, y.data_ptr<float>());
+#ifdef LOCALLLM_Q16
+    if (G % XQ == 0) {
+      std::vector<int16_t> xq(M * K);
+      std::vector<float> xs(M * (K / XQ));
+      quantize_rows(xp, M, K, xq.data(), xs.data());
+      mm<KIND>(xp, xsum.data(), xq.data(), xs.data(), w, M, N, y.data_ptr<float>());
+      return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+    }
+#endif
+    mm<KIND>(xp, xsum.data(), nullptr, nullptr, w, M, N, y.data_ptr<float>());
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
