@@ -164,6 +164,8 @@ class PagedStep:
         # a span kernel's lens (S,), tiles (T, 4), rows per tile and block tables (S, W), int32 (build)
         span_meta: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None,
         chunk: PagedChunkAttention | None = None,
+        # a decode kernel's split of a step of single queries, made by build from its one upload
+        decode_split: Split | None = None,
     ) -> None:
         self.pool = pool
         self.chunk = chunk
@@ -173,7 +175,7 @@ class PagedStep:
         self.spans = spans
         self.logits_rows = logits_rows
         self.kernel = kernel
-        self._splits: dict[bool, Split] = {}
+        self._splits: dict[bool, Split] = {} if decode_split is None else {True: decode_split}
         own = self.split()
         self.sdpa_spans = own.sdpa_spans
         self.decode_rows, self.decode_tables, self.decode_lens = own.decode_rows, own.decode_tables, own.decode_lens
@@ -311,32 +313,44 @@ class PagedStep:
         for g in range(n_groups):
             flat += [*wblocks[g], *tables[g]]
             sizes += [N, len(tables[g])]
-        tile_rows, width = 0, 0
-        if kernel is not None and takes_spans(kernel):
-            # A span kernel's lens and tiles (the same for every group), then each group's block tables
-            # padded to one width: ride along, so the step makes no table on the device span by span.
-            tile_rows, meta = span_tiles([a[:3] for a in spans_at], kernel.tile_rows)  # type: ignore[union-attr]
+        # The kernel's metadata rides along, so that the step makes no table on the device span by span
+        # for each layer group (once a decode step's largest cost on the host): a span kernel's lens and
+        # tiles (the same for every group), or a decode kernel's lens in a step of single queries (a
+        # decode or a verify step: every span through it), then each group's block tables padded to one
+        # width.
+        spans_kernel = kernel is not None and takes_spans(kernel)
+        single = kernel is not None and not spans_kernel and all(n == 1 for _, n, *_ in spans_at)
+        tile_rows, width, head = 0, 0, []
+        if spans_kernel:
+            tile_rows, head = span_tiles([a[:3] for a in spans_at], kernel.tile_rows)  # type: ignore[union-attr]
+        elif single:
+            head = [context for _, _, context, *_ in spans_at]
+        if spans_kernel or single:
             width = max(used for *_, used in spans_at)
+            flat += head
             for g in range(n_groups):
                 for *_, a, used in spans_at:
-                    meta += [*tables[g][a[g] : a[g] + used], *[0] * (width - used)]
-            flat += meta
+                    flat += [*tables[g][a[g] : a[g] + used], *[0] * (width - used)]
         uploaded = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
         parts = uploaded[: sum(sizes)].split(sizes)
         ids_t, pos, wr, rows = parts[:4]
         metas: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None] = [None] * n_groups
-        if tile_rows:
+        splits: list[Split | None] = [None] * n_groups
+        if spans_kernel or single:
             n_spans = len(spans_at)
             tail = uploaded[sum(sizes) :].to(torch.int32)  # (lens, tiles, tables per group) as the kernel takes them
-            lens_t, tiles_t, *group_tables = tail.split([n_spans, len(meta) - n_spans - n_groups * n_spans * width,
-                                                         *[n_spans * width] * n_groups])
-            metas = [(lens_t, tiles_t.view(-1, 4), tile_rows, t.view(n_spans, width)) for t in group_tables]
+            lens_t, tiles_t, *group_tables = tail.split([n_spans, len(head) - n_spans, *[n_spans * width] * n_groups])
+            group_tables = [t.view(n_spans, width) for t in group_tables]
+            if spans_kernel:
+                metas = [(lens_t, tiles_t.view(-1, 4), tile_rows, t) for t in group_tables]
+            else:
+                splits = [Split(None, t, lens_t, []) for t in group_tables]
         cos, sin = cos_table[pos], sin_table[pos]
         steps = []
         for g in range(n_groups):
             wb, blocks = parts[4 + 2 * g], parts[5 + 2 * g]
             spans = [SeqSpan(row, n, end, blocks[a[g] : a[g] + used]) for row, n, end, a, used in spans_at]
-            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel, metas[g], chunk))
+            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel, metas[g], chunk, splits[g]))
         if n_groups > 1:
             steps[0].groups = tuple(steps)
         return steps[0], ids_t.view(1, N)
