@@ -113,15 +113,9 @@ def integer_grid(type_name: str, blocks: torch.Tensor) -> dict[str, torch.Tensor
         return {"qweight": pack_int4(codes), "scales": (d.float().unsqueeze(-1) * sc).half().view(rows, -1),
                 "offsets": (-(dmin.float().unsqueeze(-1) * m)).half().view(rows, -1)}
     if type_name == "Q6_K":
-        b = blocks.view(rows, -1, 210)
-        ql = b[..., :128].reshape(rows, -1, 2, 64)  # (rows, nb, half, 64)
-        low = torch.cat([ql & 0x0F, ql >> 4], dim=-1)  # (rows, nb, half, 128)
-        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-        top = (qh & 3).flatten(-2)  # (rows, nb, half, 128)
-        codes = (low | top << 4).view(torch.int8) - 32  # -32 .. 31
-        sc = b[..., 192:208].contiguous().view(torch.int8).float()  # (rows, nb, 16)
-        d = b[..., 208:210].contiguous().view(torch.float16).float()  # (rows, nb, 1)
-        return {"qweight": codes.view(rows, -1), "scales": (d * sc).half().view(rows, -1)}
+        d, sc, codes = q6_k_parts(blocks)
+        return {"qweight": (codes.view(torch.int8) - 32).view(rows, -1),  # -32 .. 31
+                "scales": (d.float().unsqueeze(-1) * sc.float()).half().view(rows, -1)}
     raise ValueError(f"GGUF {type_name} blocks have no integer grid here (only {', '.join(INTEGER_GRIDS)})")
 
 
@@ -139,6 +133,22 @@ def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     qs = b[..., 16:].reshape(rows, -1, 4, 1, 32)  # (rows, nb, chunk, 1, 32)
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=3).view(rows, -1)  # sub-block 2c, then 2c + 1
     return d, dmin, sc, m, codes
+
+
+def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, bytes) uint8 Q6_K blocks -> d fp16 (rows, nb); sc int8 (rows, nb, 16), the scale of each
+    sub-block of 16; codes uint8 (rows, nb * 256) in weight order, 0 .. 63. A weight is
+    d * sc * (code - 32)."""
+    rows = blocks.shape[0]
+    b = blocks.view(rows, -1, 210)
+    ql = b[..., :128].reshape(rows, -1, 2, 64)  # (rows, nb, half, 64)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=-1)  # (rows, nb, half, 128)
+    qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    top = (qh & 3).flatten(-2)  # (rows, nb, half, 128)
+    codes = (low | top << 4).view(rows, -1)
+    sc = b[..., 192:208].contiguous().view(torch.int8)  # (rows, nb, 16)
+    d = b[..., 208:210].contiguous().view(torch.float16).view(rows, -1)
+    return d, sc, codes
 
 
 def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from localllm import native
 from localllm.quant.formats import GGUF_BLOCKS, dequantize, quiet_bitsandbytes, unpack_int4
-from localllm.quant.gguf_blocks import INTEGER_GRIDS, integer_grid, q4_k_parts
+from localllm.quant.gguf_blocks import INTEGER_GRIDS, integer_grid, q4_k_parts, q6_k_parts
 from localllm.quant.target import Target
 
 if TYPE_CHECKING:
@@ -354,6 +354,19 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"localllm::{kind}_group_gemm")(_tiles_mm)
         torch.library.register_fake(f"localllm::{kind}_group_dequant")(_tiles_dequant)
 
+    # The Int6K (Q6_K) tiles: three tensors of their own (top, sub_scales, supers).
+    def _tiles3_mm(x: torch.Tensor, packed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                   out_features: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], out_features))
+
+    def _tiles3_dequant(packed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                        out_features: int) -> torch.Tensor:
+        return packed.new_empty((out_features, packed.shape[1] * 8), dtype=torch.float32)
+
+    torch.library.register_fake("localllm::int6k_group_mm")(_tiles3_mm)
+    torch.library.register_fake("localllm::int6k_group_gemm")(_tiles3_mm)
+    torch.library.register_fake("localllm::int6k_group_dequant")(_tiles3_dequant)
+
     @torch.library.register_fake("localllm::gguf_dequant")
     def _gguf_dequant(blocks: torch.Tensor, type: int, in_features: int) -> torch.Tensor:
         return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.float32)
@@ -370,7 +383,8 @@ LIBRARY = native.NativeLibrary(
     ("int8_group_mm", "int8_group_gemm", "int4_group_mm", "int4_group_gemm", "int4_group_dequant",
      "int4_q8_mm", "int4_q8_mm_isa", "int8_q8_mm", "int8_q8_mm_isa", "q8_isa",
      "gguf_mm", "gguf_gemm", "gguf_dequant", "int5_group_mm", "int5_group_gemm", "int5_group_dequant",
-     "int4k_group_mm", "int4k_group_gemm", "int4k_group_dequant"),
+     "int4k_group_mm", "int4k_group_gemm", "int4k_group_dequant",
+     "int6k_group_mm", "int6k_group_gemm", "int6k_group_dequant"),
     _register_fakes, headers=(_CSRC / "panel_gemm.h", _CSRC / "fp32_vec.h", _CSRC / "parallel_rows.h"),
 )
 
@@ -740,6 +754,8 @@ class GGUFBlocksCPU(Kernel):
                 return GGUFBlocksCPU.int5_pack(layer.blocks)
             if layer.scheme.gguf_type == "Q4_K":
                 return GGUFBlocksCPU.q4_k_pack(layer.blocks)
+            if layer.scheme.gguf_type == "Q6_K":
+                return GGUFBlocksCPU.q6_k_pack(layer.blocks)
         return {"blocks": layer.blocks}  # the file's bytes as they are
 
     @staticmethod
@@ -801,8 +817,43 @@ class GGUFBlocksCPU(Kernel):
         return out
 
     @staticmethod
+    def q6_k_pack(blocks: torch.Tensor, rows: int | None = None) -> dict[str, torch.Tensor]:
+        """Q6_K blocks (out, in/256 * 210) -> ``csrc/tile_mm.cpp``'s Int6K layout, the same codes and
+        scales in as many bytes (``packed`` as :class:`Int4GroupCPU`'s, of the codes' low nibbles;
+        ``top`` uint8 (tiles, in/16, 64): dword j of sub-block g holding row 16t + j's top two bits, those
+        of column 8c + i (octet c of the sub-block) at bits 2c, 2c + 1 from where column i's nibble
+        starts; ``sub_scales`` int8 (tiles, in/16, 16): sc; ``supers`` fp16 (tiles, in/256, 16): d). The
+        kernel forms d * sc and -32 d * sc in registers, exact in fp32, where the blocks' layout spreads
+        each sub-block's codes over two arrays with byte shuffles a row at a time."""
+        tile = Int4GroupCPU.TILE
+        rows = rows or Int4GroupCPU.PACK_ROWS
+        rows -= rows % tile
+        i = torch.arange(8)
+        shift = torch.where(i < 4, 8 * i, 8 * (i - 4) + 4)  # (8,): where column i's nibble starts
+        at = shift + 2 * torch.arange(2).view(2, 1)  # (2, 8): where octet c's column i's top bits go
+        parts: dict[str, list[torch.Tensor]] = {"packed": [], "top": [], "sub_scales": [], "supers": []}
+        for a in range(0, blocks.shape[0], rows):
+            d, sc, codes = q6_k_parts(blocks[a : a + rows])  # (r, nb), (r, nb, 16), (r, in)
+            r = codes.shape[0]
+            octets = Int4GroupCPU.octet_bytes(codes & 0x0F).view(torch.int32)  # (r, in/8)
+            top = (codes >> 4).long().view(r, -1, 2, 8)  # (r, in/16, octet, column)
+            words = (top << at).sum((-1, -2))  # (r, in/16), < 2^32
+            words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+            parts["packed"].append(Int4GroupCPU._tiles(octets, tile))
+            parts["top"].append(Int4GroupCPU._tiles(words, tile))
+            parts["sub_scales"].append(Int4GroupCPU._tiles(sc.reshape(r, -1), tile))
+            parts["supers"].append(Int4GroupCPU._tiles(d, tile))
+        out = {k: torch.cat(v) if len(v) > 1 else v[0] for k, v in parts.items()}
+        for k in ("packed", "top"):
+            out[k] = out[k].view(torch.uint8).view(out[k].shape[0], out[k].shape[1], 4 * tile)
+        return out
+
+    @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         ops = torch.ops.localllm
+        if hasattr(layer, "sub_scales"):  # Q6_K, repacked (q6_k_pack)
+            op = ops.int6k_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int6k_group_gemm
+            return op(x, layer.packed, layer.top, layer.sub_scales, layer.supers, layer.out_features)
         if hasattr(layer, "supers"):  # Q4_K, repacked (q4_k_pack)
             op = ops.int4k_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int4k_group_gemm
             return op(x, layer.packed, layer.mins, layer.supers, layer.out_features)

@@ -131,7 +131,8 @@ def test_rows_do_not_depend_on_the_batch(type_name):
 
 
 #: The tiles a GGUF type's blocks are repacked into for the exact CPU kernels (tile_mm.cpp).
-REPACKED = {"Q5_0": {"packed", "fifth", "tile_scales"}, "Q4_K": {"packed", "mins", "supers"}}
+REPACKED = {"Q5_0": {"packed", "fifth", "tile_scales"}, "Q4_K": {"packed", "mins", "supers"},
+            "Q6_K": {"packed", "top", "sub_scales", "supers"}}
 
 
 @needs_native
@@ -155,6 +156,35 @@ def test_q4_k_repacked_holds_the_blocks_codes_and_scales():
     with pytest.raises(RuntimeError, match="supers must be contiguous"):
         torch.ops.localllm.int4k_group_mm(x[:1], whole["packed"], whole["mins"], whole["supers"][:, :1], 90)
     head, _ = gguf_layer("Q4_K", 90, 512, seed=7)
+    head.serves_embedding = True
+    head.prepare(torch.float32)
+    assert {n for n, _ in head.named_buffers()} == {"blocks"}
+
+
+@needs_native
+def test_q6_k_repacked_holds_the_blocks_codes_and_scales():
+    """The Int6K layout a Q6_K layer is repacked into (``GGUFBlocksCPU.q6_k_pack``) decodes to gguf's
+    own values bit for bit (d * sc made in fp32), in the blocks' 210 bytes a 256 weights, the same made
+    a slice of rows at a time, the last tile padded with zeros; its panel rows do not depend on the
+    batch; a tied head keeps its blocks."""
+    layer, w = gguf_layer("Q6_K", 90, 512, seed=9)
+    whole = kernels.GGUFBlocksCPU.q6_k_pack(layer.blocks)
+    assert all(torch.equal(whole[k], v) for k, v in kernels.GGUFBlocksCPU.q6_k_pack(layer.blocks, rows=32).items())
+    assert whole["packed"].shape == (6, 64, 64) and whole["top"].shape == (6, 32, 64)
+    assert whole["sub_scales"].shape == (6, 32, 16) and whole["sub_scales"].dtype == torch.int8
+    assert whole["supers"].shape == (6, 2, 16) and whole["supers"].dtype == torch.float16
+    assert sum(t.numel() * t.element_size() for t in whole.values()) == 96 * 2 * 210  # 96 rows of blocks
+    assert (whole["top"][-1, :, 40:] == 0).all() and (whole["sub_scales"][-1, :, 10:] == 0).all()
+    got = torch.ops.localllm.int6k_group_dequant(whole["packed"], whole["top"], whole["sub_scales"],
+                                                 whole["supers"], 90)
+    assert torch.equal(got, w)
+    x = torch.randn(30, 512, generator=torch.Generator().manual_seed(10))
+    panel_rows_are_batch_invariant(lambda a: torch.ops.localllm.int6k_group_gemm(
+        a, whole["packed"], whole["top"], whole["sub_scales"], whole["supers"], 90), x)
+    with pytest.raises(RuntimeError, match="scales must be contiguous"):
+        torch.ops.localllm.int6k_group_mm(x[:1], whole["packed"], whole["top"], whole["sub_scales"].to(torch.uint8),
+                                          whole["supers"], 90)
+    head, _ = gguf_layer("Q6_K", 90, 512, seed=9)
     head.serves_embedding = True
     head.prepare(torch.float32)
     assert {n for n, _ in head.named_buffers()} == {"blocks"}

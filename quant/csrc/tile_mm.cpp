@@ -24,7 +24,7 @@
 //
 // int5 (a GGUF's Q5_0 blocks exactly: w = (q - 16) * d, q in 0..31, d fp16 per 32 columns) is the same
 // product with a fifth bit a code: packed holds q's low nibbles as above, and
-//   fifth   uint8 (T, K/32, 64): dword j of group g holds row 16t + j's fifth bits, that of column
+//   fifth   uint8 (Weights.top) (T, K/32, 64): dword j of group g holds row 16t + j's fifth bits, that of column
 //           8c + i (octet c of the group) at bit c + (the bit where column i's nibble starts: 8i, or
 //           8(i - 4) + 4 for i >= 4), so that one shift and mask of the dword put an octet's fifth bits
 //           beside its nibbles, as bytes;
@@ -38,6 +38,16 @@
 //   mins    uint8 (T, K/32, 32): row 16t + j's sc of sub-block g at [t, g, j], its m at [t, g, 16 + j];
 //   supers  fp16 (T, K/256, 32): d at [t, s, j], dmin at [t, s, 16 + j].
 // The blocks' own layout takes a row at a time and byte shuffles to spread each sub-block's codes.
+//
+// int6 with a GGUF's Q6_K scales (w = d sc (q - 32): q in 0..63, sc int8 a sub-block of 16 columns, d
+// fp16 a super-block of 256; d sc exact in fp32) is int5's product with two top bits a code and those
+// scales made in registers, in the blocks' 210 bytes a 256 weights:
+//   packed  as int4's, of the codes' low nibbles;
+//   top     uint8 (T, K/16, 64): dword j of sub-block g holds row 16t + j's top two bits, those of
+//           column 8c + i (octet c < 2 of the sub-block) at bits 2c and 2c + 1 from where column i's
+//           nibble starts (as int5's fifth bits, two a column);
+//   mins    int8 (T, K/16, 16): sc (the Int4K buffer's place: Weights.per = 1);
+//   supers  fp16 (T, K/256, 16): d.
 //
 // int8 (w = q * scale: exact in fp32, 8 + 11 significant bits; no offsets) is read in the layout of
 // the int8-activation kernel of q8_mm.cpp (made by Int8GroupCPU.pack), columns in quads of 4:
@@ -97,8 +107,9 @@ constexpr int64_t MC = 4;  // activation rows sharing a decoded column (32 regis
 constexpr int64_t MC = 2;  // (16 registers)
 #endif
 
-// The codes a tile holds; a kernel function is compiled for each. Int4K: int4 with Q4_K's scales.
-enum class Codes { Int4, Int5, Int8, Int4K };
+// The codes a tile holds; a kernel function is compiled for each. Int4K: int4 with Q4_K's scales;
+// Int6K: Q6_K's 6-bit codes and scales.
+enum class Codes { Int4, Int5, Int8, Int4K, Int6K };
 constexpr int64_t SUPER = 256;  // Q4_K's super-block: 8 groups of 32
 
 // Columns a dword holds.
@@ -169,6 +180,20 @@ inline void bytes16(const uint8_t* p, Vec* out) {
 #endif
 }
 
+// 16 int8 values -> fp32 vectors.
+inline void sbytes16(const int8_t* p, Vec* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  out[0] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  out[0] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+  out[1] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))));
+#else
+  alignas(64) float f[TILE];
+  for (int j = 0; j < TILE; ++j) f[j] = static_cast<float>(p[j]);
+  for (int v = 0; v < NV; ++v) out[v] = Vec::loadu(f + v * VS);
+#endif
+}
+
 // 16 fp16 values -> fp32 vectors.
 inline void halves(const c10::Half* p, Vec* out) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -183,55 +208,63 @@ inline void halves(const c10::Half* p, Vec* out) {
 #endif
 }
 
-// An int5 octet: its nibbles (64 bytes) and its group's fifth bits (64 bytes), as two words a row of
-// four 5-bit codes a byte (columns 0-3 and 4-7); col<C>() gives column C's 16 codes (0..31) as fp32.
-struct Octet5 {
+// An octet of 4 + BITS-bit codes: its nibbles (64 bytes) and a plane of their top bits (64 bytes: a
+// dword a row for 32 / BITS columns), as two words a row of four codes a byte (columns 0-3 and 4-7);
+// col<C>() gives column C's 16 codes as fp32. int5 (BITS 1): the fifth bit of octet c's column i
+// (c < 4) at bit c + (where column i's nibble starts: shift_of); int6 (BITS 2): the top two of octet
+// c's (c < 2) at bits 2c and 2c + 1 from there. A shift and a mask put an octet's top bits beside its
+// nibbles, as bytes.
+template <int BITS>
+struct OctetHi {
+  static constexpr int32_t TOP = ((1 << BITS) - 1) * 0x10101010;  // the top bits' place in each byte
+  static constexpr int32_t MASK = (16 << BITS) - 1;               // a code
 #if defined(CPU_CAPABILITY_AVX512)
   __m512i lo, hi;
-  Octet5(const uint8_t* p, const uint8_t* fifth, int c) {
-    const __m512i v = _mm512_loadu_si512(p), f = _mm512_loadu_si512(fifth);
-    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), m5 = _mm512_set1_epi32(0x10101010);
-    lo = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_sll_epi32(f, _mm_cvtsi32_si128(4 - c)), m5));
+  OctetHi(const uint8_t* p, const uint8_t* top, int c) {
+    const __m512i v = _mm512_loadu_si512(p), f = _mm512_loadu_si512(top);
+    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), mt = _mm512_set1_epi32(TOP);
+    lo = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_sll_epi32(f, _mm_cvtsi32_si128(4 - BITS * c)), mt));
     hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v, 4), m4),
-                         _mm512_and_si512(_mm512_srl_epi32(f, _mm_cvtsi32_si128(c)), m5));
+                         _mm512_and_si512(_mm512_srl_epi32(f, _mm_cvtsi32_si128(BITS * c)), mt));
   }
   template <int C>
   void col(Vec* out) const {
     const __m512i w = _mm512_srli_epi32(C < 4 ? lo : hi, 8 * (C % 4));
-    out[0] = Vec(_mm512_cvtepi32_ps(C % 4 == 3 ? w : _mm512_and_si512(w, _mm512_set1_epi32(31))));
+    out[0] = Vec(_mm512_cvtepi32_ps(C % 4 == 3 ? w : _mm512_and_si512(w, _mm512_set1_epi32(MASK))));
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   __m256i lo[2], hi[2];
-  Octet5(const uint8_t* p, const uint8_t* fifth, int c) {
-    const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), m5 = _mm256_set1_epi32(0x10101010);
-    const __m128i up = _mm_cvtsi32_si128(4 - c), down = _mm_cvtsi32_si128(c);
+  OctetHi(const uint8_t* p, const uint8_t* top, int c) {
+    const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), mt = _mm256_set1_epi32(TOP);
+    const __m128i up = _mm_cvtsi32_si128(4 - BITS * c), down = _mm_cvtsi32_si128(BITS * c);
     for (int k = 0; k < 2; ++k) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
-      const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(fifth + 32 * k));
-      lo[k] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_sll_epi32(f, up), m5));
+      const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 32 * k));
+      lo[k] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_sll_epi32(f, up), mt));
       hi[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(v, 4), m4),
-                              _mm256_and_si256(_mm256_srl_epi32(f, down), m5));
+                              _mm256_and_si256(_mm256_srl_epi32(f, down), mt));
     }
   }
   template <int C>
   void col(Vec* out) const {
     for (int k = 0; k < 2; ++k) {
       const __m256i w = _mm256_srli_epi32(C < 4 ? lo[k] : hi[k], 8 * (C % 4));
-      out[k] = Vec(_mm256_cvtepi32_ps(C % 4 == 3 ? w : _mm256_and_si256(w, _mm256_set1_epi32(31))));
+      out[k] = Vec(_mm256_cvtepi32_ps(C % 4 == 3 ? w : _mm256_and_si256(w, _mm256_set1_epi32(MASK))));
     }
   }
 #else
   uint32_t d[TILE], f[TILE];
   int c;
-  Octet5(const uint8_t* p, const uint8_t* fifth, int c) : c(c) {
+  OctetHi(const uint8_t* p, const uint8_t* top, int c) : c(c) {
     std::memcpy(d, p, sizeof(d));
-    std::memcpy(f, fifth, sizeof(f));
+    std::memcpy(f, top, sizeof(f));
   }
   template <int C>
   void col(Vec* out) const {
     alignas(64) float v[TILE];
     for (int j = 0; j < TILE; ++j)
-      v[j] = static_cast<float>(((d[j] >> shift_of<C>()) & 15u) | (((f[j] >> (shift_of<C>() + c)) & 1u) << 4));
+      v[j] = static_cast<float>(((d[j] >> shift_of<C>()) & 15u) |
+                                (((f[j] >> (shift_of<C>() + BITS * c)) & ((1u << BITS) - 1)) << 4));
     for (int k = 0; k < NV; ++k) out[k] = Vec::loadu(v + k * VS);
   }
 #endif
@@ -276,22 +309,22 @@ struct Quad8 {
 #endif
 };
 
-// A tile's weights: int4 (fifth null), int5 (offsets null: -16 * scale), int8 (both null) or Int4K
-// (s and o null: mins and supers).
+// A tile's weights: int4 (top null), int5 (offsets null: -16 * scale), int8 (both null), Int4K (s and
+// o null: mins and supers) or Int6K (top, mins and supers).
 struct TileWeights {
   const uint8_t* w;      // (K/8, 64) nibbles, or (K/4, 64) int8 codes
-  const uint8_t* fifth;  // (K/32, 64) fifth bits, or null
+  const uint8_t* top;    // (K/G, 64) the codes' top bits (int5's fifth: G = 32; Int6K's two: G = 16), or null
   const c10::Half* s;    // (K/G, 16), or (1, 16): one scale a row
   const c10::Half* o;    // (K/G, 16), or null
   int64_t sstep;         // s's step a group: 16, or 0 for one scale a row
-  const uint8_t* mins = nullptr;       // Int4K: (K/32, 32) sc, m
-  const c10::Half* supers = nullptr;   // Int4K: (K/256, 32) d, dmin
+  const uint8_t* mins = nullptr;       // Int4K: (K/32, 32) sc, m; Int6K: (K/16, 16) int8 sc
+  const c10::Half* supers = nullptr;   // Int4K: (K/256, 32) d, dmin; Int6K: (K/256, 16) d
 };
 
 // A layer's weights (all tiles) and tile t's.
 struct Weights {
   const uint8_t* w;
-  const uint8_t* fifth;
+  const uint8_t* top;
   const c10::Half* s;
   const c10::Half* o;
   int64_t K, G;
@@ -299,15 +332,16 @@ struct Weights {
   int64_t ns = 0;        // scales a row: K / G (0: that), or 1
   const uint8_t* mins = nullptr;
   const c10::Half* supers = nullptr;
+  int64_t per = 2;       // values a row of mins a group and of supers a super-block: 2 (Int4K), 1 (Int6K)
   TileWeights tile(int64_t t) const {
     const int64_t ng = K / G, nsc = ns == 0 ? ng : ns;
     return {w + t * (K / cols) * OCTET_BYTES,
-            fifth ? fifth + t * ng * OCTET_BYTES : nullptr,
+            top ? top + t * ng * OCTET_BYTES : nullptr,
             s ? s + t * nsc * TILE : nullptr,
             o ? o + t * ng * TILE : nullptr,
             nsc == 1 ? 0 : TILE,
-            mins ? mins + t * ng * 2 * TILE : nullptr,
-            supers ? supers + t * (K / SUPER) * 2 * TILE : nullptr};
+            mins ? mins + t * ng * per * TILE : nullptr,
+            supers ? supers + t * (K / SUPER) * per * TILE : nullptr};
   }
 };
 
@@ -327,6 +361,16 @@ inline void scales_offsets(const TileWeights& t, int64_t g, Vec* sc, Vec* of) {
     }
     return;
   }
+  if constexpr (KIND == Codes::Int6K) {  // d sc and -32 d sc, exact in fp32 (11 + 7 significant bits)
+    Vec d[NV];
+    halves(t.supers + (g * 16 / SUPER) * TILE, d);  // G = 16
+    sbytes16(reinterpret_cast<const int8_t*>(t.mins) + g * TILE, sc);
+    for (int v = 0; v < NV; ++v) {
+      sc[v] = sc[v] * d[v];
+      of[v] = sc[v] * Vec(-32.f);
+    }
+    return;
+  }
   halves(t.s + g * t.sstep, sc);
   if constexpr (KIND == Codes::Int4) {
     halves(t.o + g * TILE, of);
@@ -335,12 +379,18 @@ inline void scales_offsets(const TileWeights& t, int64_t g, Vec* sc, Vec* of) {
   }
 }
 
-// fn(codes) for octet (int8: quad) c of group g: an Octet, an Octet5 or a Quad8.
+// The top bits a code of a kind has past its nibble.
+template <Codes KIND>
+constexpr int top_bits() {
+  return KIND == Codes::Int5 ? 1 : KIND == Codes::Int6K ? 2 : 0;
+}
+
+// fn(codes) for octet (int8: quad) c of group g: an Octet, an OctetHi or a Quad8.
 template <Codes KIND, class F>
 inline void with_octet(const TileWeights& t, int64_t G, int64_t g, int64_t c, const F& fn) {
   const uint8_t* p = t.w + (g * (G / cols_of<KIND>()) + c) * OCTET_BYTES;
-  if constexpr (KIND == Codes::Int5) {
-    fn(Octet5(p, t.fifth + g * OCTET_BYTES, static_cast<int>(c)));
+  if constexpr (top_bits<KIND>() > 0) {
+    fn(OctetHi<top_bits<KIND>()>(p, t.top + g * OCTET_BYTES, static_cast<int>(c)));
   } else if constexpr (KIND == Codes::Int8) {
     fn(Quad8(p));
   } else {
@@ -348,6 +398,24 @@ inline void with_octet(const TileWeights& t, int64_t G, int64_t g, int64_t c, co
   }
 }
 
+
+// Group g's scales, offsets and top bits a few tiles ahead (a cache line holds two groups' scales).
+template <Codes KIND>
+inline void prefetch_scales(const TileWeights& t, int64_t g) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if (g % 2 == 0) {
+    if (KIND == Codes::Int4K || KIND == Codes::Int6K) {
+      _mm_prefetch(reinterpret_cast<const char*>(t.mins + g * (KIND == Codes::Int4K ? 2 : 1) * TILE) + PREFETCH / 4,
+                   _MM_HINT_T0);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(t.s + g * t.sstep) + PREFETCH / 4, _MM_HINT_T0);
+      if (t.o != nullptr) _mm_prefetch(reinterpret_cast<const char*>(t.o + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
+    }
+  }
+  if (top_bits<KIND>() > 0)
+    _mm_prefetch(reinterpret_cast<const char*>(t.top + g * OCTET_BYTES) + PREFETCH / 4, _MM_HINT_T0);
+#endif
+}
 
 // One tile (16 output rows) for R activation rows; A accumulators a row within a group (A divides the
 // columns of a dword: column k of a group goes to accumulator k % A).
@@ -371,14 +439,7 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights
         for (int v = 0; v < NV; ++v) dot[(r * A + a) * NV + v] = Vec(0.f);
     const float* xg = x + g * G;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    if (KIND == Codes::Int4K) {  // a cache line holds two groups' sc and m
-      if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(t.mins + g * 2 * TILE) + PREFETCH / 4, _MM_HINT_T0);
-    } else if (g % 2 == 0) {  // the scales and offsets a few tiles ahead (a cache line holds two groups')
-      _mm_prefetch(reinterpret_cast<const char*>(t.s + g * t.sstep) + PREFETCH / 4, _MM_HINT_T0);
-      if (t.o != nullptr) _mm_prefetch(reinterpret_cast<const char*>(t.o + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
-    }
-    if (KIND == Codes::Int5)
-      _mm_prefetch(reinterpret_cast<const char*>(t.fifth + g * OCTET_BYTES) + PREFETCH / 4, _MM_HINT_T0);
+    prefetch_scales<KIND>(t, g);
 #endif
     for (int64_t c = 0; c < octets; ++c) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -493,9 +554,9 @@ constexpr int64_t IVS = sizeof(IVec) / 4;  // rows a vector (dwords)
 
 // An octet of 16 rows as four pairs of 16-bit codes a row (pair<P>(v): vector v's rows, columns
 // PAIR_ORDER[2P], PAIR_ORDER[2P + 1]). int4 and Int4K: the nibbles of columns i and i + 2 (bytes i and
-// i + 2) are 16 bits apart, so pair P is the dword shifted by 4P and masked. int5: the low nibble
-// and fifth bit of each column joined first (as Octet5), then the same with bytes.
-template <Codes KIND>
+// i + 2) are 16 bits apart, so pair P is the dword shifted by 4P and masked. int5 and Int6K: the
+// nibble and top bits of each column joined first (as OctetHi), then the same with bytes.
+template <Codes KIND, int BITS = top_bits<KIND>()>
 struct Pairs {
   IVec v[NV];
   Pairs(const uint8_t* p, const uint8_t*, int) {
@@ -507,25 +568,27 @@ struct Pairs {
   }
 };
 
-template <>
-struct Pairs<Codes::Int5> {
-  IVec lo[NV], hi[NV];  // bytes: 5-bit codes of columns 0-3, and of 4-7
-  Pairs(const uint8_t* p, const uint8_t* fifth, int c) {
-    const IVec m4 = ivec_set(0x0F0F0F0F), m5 = ivec_set(0x10101010);
+template <Codes KIND, int BITS>
+  requires(BITS > 0)
+struct Pairs<KIND, BITS> {
+  IVec lo[NV], hi[NV];  // bytes: the codes of columns 0-3, and of 4-7
+  Pairs(const uint8_t* p, const uint8_t* top, int c) {
+    const IVec m4 = ivec_set(0x0F0F0F0F), mt = ivec_set(OctetHi<BITS>::TOP);
     for (int k = 0; k < NV; ++k) {
-      const IVec v = ivec_load(p + k * 4 * IVS), f = ivec_load(fifth + k * 4 * IVS);
-      lo[k] = ivec_or(ivec_and(v, m4), ivec_and(ivec_sll_n(f, 4 - c), m5));
-      hi[k] = ivec_or(ivec_and(ivec_srl<4>(v), m4), ivec_and(ivec_srl_n(f, c), m5));
+      const IVec v = ivec_load(p + k * 4 * IVS), f = ivec_load(top + k * 4 * IVS);
+      lo[k] = ivec_or(ivec_and(v, m4), ivec_and(ivec_sll_n(f, 4 - BITS * c), mt));
+      hi[k] = ivec_or(ivec_and(ivec_srl<4>(v), m4), ivec_and(ivec_srl_n(f, BITS * c), mt));
     }
   }
   template <int P>
   IVec pair(int k) const {  // P: (0, 2), (4, 6), (1, 3), (5, 7)
-    return ivec_and(ivec_srl<P < 2 ? 0 : 8>(P % 2 == 0 ? lo[k] : hi[k]), ivec_set(0x001F001F));
+    return ivec_and(ivec_srl<P < 2 ? 0 : 8>(P % 2 == 0 ? lo[k] : hi[k]), ivec_set(OctetHi<BITS>::MASK * 0x00010001));
   }
 };
 
 // tile_rows with int16 activations: xq (R, K) int16 rows ldx apart (quantize_rows), xs (R, K/32)
-// their scales rows K/32 apart; the rest as tile_rows. G is a multiple of 32.
+// their scales rows K/32 apart; the rest as tile_rows. G is a multiple of 32, or divides it (Int6K's
+// 16: two groups share an activation scale).
 template <int R, Codes KIND>
 void tile_rows_q16(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum, const TileWeights& t,
                    int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
@@ -534,25 +597,19 @@ void tile_rows_q16(const int16_t* xq, int64_t ldx, const float* xs, const float*
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) tot[r][v] = Vec(0.f);
   for (int64_t g = 0; g < ng; ++g) {
-    if (KIND == Codes::Int4K) {
-      if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(t.mins + g * 2 * TILE) + PREFETCH / 4, _MM_HINT_T0);
-    } else if (g % 2 == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(t.s + g * t.sstep) + PREFETCH / 4, _MM_HINT_T0);
-      if (t.o != nullptr) _mm_prefetch(reinterpret_cast<const char*>(t.o + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
-    }
-    if (KIND == Codes::Int5)
-      _mm_prefetch(reinterpret_cast<const char*>(t.fifth + g * OCTET_BYTES) + PREFETCH / 4, _MM_HINT_T0);
+    prefetch_scales<KIND>(t, g);
     Vec dot[R][NV];  // the group's q . x, scaled by each 32 columns' s
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) dot[r][v] = Vec(0.f);
-    for (int64_t c0 = 0; c0 < octets; c0 += XQ / OCTET) {
+    const int64_t step = std::min(G, XQ) / OCTET;  // octets an activation scale and a group share
+    for (int64_t c0 = 0; c0 < octets; c0 += step) {
       IVec acc[R][NV];
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < NV; ++v) acc[r][v] = ivec_zero();
-      for (int64_t c = c0; c < c0 + XQ / OCTET; ++c) {
+      for (int64_t c = c0; c < c0 + step; ++c) {
         const uint8_t* p = t.w + (g * octets + c) * OCTET_BYTES;
         _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
-        const Pairs<KIND> q(p, KIND == Codes::Int5 ? t.fifth + g * OCTET_BYTES : nullptr, static_cast<int>(c));
+        const Pairs<KIND> q(p, top_bits<KIND>() > 0 ? t.top + g * OCTET_BYTES : nullptr, static_cast<int>(c));
         const int16_t* xc = xq + g * G + c * OCTET;
         each_column<4>([&](auto pair) {
           constexpr int P = decltype(pair)::value;
@@ -736,6 +793,22 @@ Weights int4k_weights(const at::Tensor& packed, const at::Tensor& mins, const at
   return w;
 }
 
+constexpr int64_t INT6K_GROUP = 16;  // Q6_K's sub-block
+
+Weights int6k_weights(const at::Tensor& packed, const at::Tensor& top, const at::Tensor& scales,
+                      const at::Tensor& supers, int64_t N, const char* op) {
+  const auto [T, K] = check_packed(packed, INT6K_GROUP, N, op);
+  TORCH_CHECK(K % SUPER == 0, op, ": width ", K, " is not a multiple of Q6_K's 256");
+  check_per_group(top, T, K / INT6K_GROUP, at::kByte, OCTET_BYTES, "top", op);
+  check_per_group(scales, T, K / INT6K_GROUP, at::kChar, TILE, "scales", op);
+  check_per_group(supers, T, K / SUPER, at::kHalf, TILE, "supers", op);
+  Weights w{packed.data_ptr<uint8_t>(), top.data_ptr<uint8_t>(), nullptr, nullptr, K, INT6K_GROUP};
+  w.mins = reinterpret_cast<const uint8_t*>(scales.data_ptr<int8_t>());
+  w.supers = supers.data_ptr<c10::Half>();
+  w.per = 1;
+  return w;
+}
+
 // int8 codes (quads) with scales per group, or one a row (group: the columns a partial sum then).
 Weights int8_weights(const at::Tensor& packed, const at::Tensor& scales, int64_t group, int64_t N, const char* op) {
   const auto [T, K] = check_packed(packed, group, N, op, QUAD);
@@ -769,7 +842,7 @@ at::Tensor product(const at::Tensor& x, const Weights& w, int64_t N, bool gemm, 
         xsum[m * ng + g] = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
       }
 #ifdef LOCALLLM_Q16
-    if (G % XQ == 0) {
+    if ((G % XQ == 0 || XQ % G == 0) && K % XQ == 0) {
       std::vector<int16_t> xq(M * K);
       std::vector<float> xs(M * (K / XQ));
       quantize_rows(xp, M, K, xq.data(), xs.data());
@@ -785,8 +858,9 @@ at::Tensor product(const at::Tensor& x, const Weights& w, int64_t N, bool gemm, 
 // The weights (N, K) in fp32, w = q * scale + offset: q * scale is exact in fp32 (at most 5 + 11
 // significant bits), so each weight is rounded once, as the reference's fp32 dequantization rounds it
 // (and int5's is exact: (q - 16) * d).
+template <Codes KIND>
 at::Tensor dequant(const Weights& w, int64_t N, const at::TensorOptions& options) {
-  const int64_t K = w.K, G = w.G, ng = K / G;
+  const int64_t K = w.K, G = w.G;
   at::Tensor out = at::empty({N, K}, options.dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   at::parallel_for(0, (N + TILE - 1) / TILE, 1, [&](int64_t begin, int64_t end) {
@@ -799,16 +873,21 @@ at::Tensor dequant(const Weights& w, int64_t N, const at::TensorOptions& options
           const int64_t g = k / G, i = k % OCTET, shift = i < 4 ? 8 * i : 8 * (i - 4) + 4;
           const uint8_t b = wt.w[(k / OCTET) * OCTET_BYTES + 4 * j + i % 4];
           uint32_t q = i < 4 ? b & 0x0F : b >> 4;
-          if (wt.fifth != nullptr) {
+          if constexpr (top_bits<KIND>() > 0) {  // octet (k % G) / 8's top bits, BITS apart
+            constexpr uint32_t BITS = top_bits<KIND>();
             uint32_t f;
-            std::memcpy(&f, wt.fifth + g * OCTET_BYTES + 4 * j, 4);
-            q |= ((f >> (shift + (k % G) / OCTET)) & 1u) << 4;
+            std::memcpy(&f, wt.top + g * OCTET_BYTES + 4 * j, 4);
+            q |= ((f >> (shift + BITS * ((k % G) / OCTET))) & ((1u << BITS) - 1)) << 4;
           }
           float sc, of;
-          if (wt.mins != nullptr) {  // Int4K: d sc, -dmin m
+          if constexpr (KIND == Codes::Int4K) {  // d sc, -dmin m
             const c10::Half* sup = wt.supers + (k / SUPER) * 2 * TILE;
             sc = static_cast<float>(sup[j]) * static_cast<float>(wt.mins[g * 2 * TILE + j]);
             of = static_cast<float>(sup[TILE + j]) * static_cast<float>(wt.mins[g * 2 * TILE + TILE + j]) * -1.f;
+          } else if constexpr (KIND == Codes::Int6K) {  // d sc, -32 d sc
+            sc = static_cast<float>(wt.supers[(k / SUPER) * TILE + j]) *
+                 static_cast<float>(static_cast<int8_t>(wt.mins[g * TILE + j]));
+            of = -32.f * sc;
           } else {
             sc = static_cast<float>(wt.s[g * TILE + j]);
             of = wt.o != nullptr ? static_cast<float>(wt.o[g * TILE + j]) : -16.f * sc;
@@ -836,7 +915,7 @@ at::Tensor int4_group_gemm(const at::Tensor& x, const at::Tensor& packed, const 
 
 at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
                               int64_t group, int64_t N) {
-  return dequant(int4_weights(packed, scales, offsets, group, N, "int4_group_dequant"), N, packed.options());
+  return dequant<Codes::Int4>(int4_weights(packed, scales, offsets, group, N, "int4_group_dequant"), N, packed.options());
 }
 
 at::Tensor int5_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& fifth,
@@ -851,7 +930,7 @@ at::Tensor int5_group_gemm(const at::Tensor& x, const at::Tensor& packed, const 
 
 at::Tensor int5_group_dequant(const at::Tensor& packed, const at::Tensor& fifth, const at::Tensor& scales,
                               int64_t N) {
-  return dequant(int5_weights(packed, fifth, scales, N, "int5_group_dequant"), N, packed.options());
+  return dequant<Codes::Int5>(int5_weights(packed, fifth, scales, N, "int5_group_dequant"), N, packed.options());
 }
 
 at::Tensor int4k_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& mins,
@@ -868,7 +947,25 @@ at::Tensor int4k_group_gemm(const at::Tensor& x, const at::Tensor& packed, const
 
 at::Tensor int4k_group_dequant(const at::Tensor& packed, const at::Tensor& mins, const at::Tensor& supers,
                                int64_t N) {
-  return dequant(int4k_weights(packed, mins, supers, N, "int4k_group_dequant"), N, packed.options());
+  return dequant<Codes::Int4K>(int4k_weights(packed, mins, supers, N, "int4k_group_dequant"), N, packed.options());
+}
+
+at::Tensor int6k_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& top,
+                          const at::Tensor& scales, const at::Tensor& supers, int64_t N) {
+  return product<Codes::Int6K>(x, int6k_weights(packed, top, scales, supers, N, "int6k_group_mm"), N, false,
+                               "int6k_group_mm");
+}
+
+at::Tensor int6k_group_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& top,
+                            const at::Tensor& scales, const at::Tensor& supers, int64_t N) {
+  return product<Codes::Int6K>(x, int6k_weights(packed, top, scales, supers, N, "int6k_group_gemm"), N, true,
+                               "int6k_group_gemm");
+}
+
+at::Tensor int6k_group_dequant(const at::Tensor& packed, const at::Tensor& top, const at::Tensor& scales,
+                               const at::Tensor& supers, int64_t N) {
+  return dequant<Codes::Int6K>(int6k_weights(packed, top, scales, supers, N, "int6k_group_dequant"), N,
+                               packed.options());
 }
 
 at::Tensor int8_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t group,
@@ -896,6 +993,9 @@ TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("int4k_group_mm(Tensor x, Tensor packed, Tensor mins, Tensor supers, int out_features) -> Tensor");
   m.def("int4k_group_gemm(Tensor x, Tensor packed, Tensor mins, Tensor supers, int out_features) -> Tensor");
   m.def("int4k_group_dequant(Tensor packed, Tensor mins, Tensor supers, int out_features) -> Tensor");
+  m.def("int6k_group_mm(Tensor x, Tensor packed, Tensor top, Tensor scales, Tensor supers, int out_features) -> Tensor");
+  m.def("int6k_group_gemm(Tensor x, Tensor packed, Tensor top, Tensor scales, Tensor supers, int out_features) -> Tensor");
+  m.def("int6k_group_dequant(Tensor packed, Tensor top, Tensor scales, Tensor supers, int out_features) -> Tensor");
   m.def("int8_group_mm(Tensor x, Tensor packed, Tensor scales, int group, int out_features) -> Tensor");
   m.def("int8_group_gemm(Tensor x, Tensor packed, Tensor scales, int group, int out_features) -> Tensor");
 }
@@ -910,6 +1010,9 @@ TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("int4k_group_mm", &int4k_group_mm);
   m.impl("int4k_group_gemm", &int4k_group_gemm);
   m.impl("int4k_group_dequant", &int4k_group_dequant);
+  m.impl("int6k_group_mm", &int6k_group_mm);
+  m.impl("int6k_group_gemm", &int6k_group_gemm);
+  m.impl("int6k_group_dequant", &int6k_group_dequant);
   m.impl("int8_group_mm", &int8_group_mm);
   m.impl("int8_group_gemm", &int8_group_gemm);
 }
