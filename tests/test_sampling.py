@@ -42,6 +42,19 @@ def test_greedy_with_a_tail_past_the_last_chunk():
     assert greedy(logits).tolist() == logits.argmax(-1).tolist() == [V - 3, 4000, 0]
 
 
+def test_greedy_takes_a_nan_or_an_all_minus_inf_row_as_argmax_does():
+    """The CPU kernel (a vocabulary of 64k tokens or more) picks the first NaN where a row has one (a
+    broken model is not hidden behind a token), and token 0 of a row every token of which a mask
+    refused; parts of rows on any number of threads."""
+    V = 200_003
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
+    logits[0, [150_000, 7]] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, [V - 1, 16384]] = 50.0  # tied in two parts of the row: the first
+    logits[3, 16383] = 50.0  # the last value of a part
+    assert greedy(logits).tolist() == logits.argmax(-1).tolist() == [7, 0, 16384, 16383]
+
+
 def test_top_k():
     assert kept(SamplingParams(temperature=1, top_k=2, top_p=1)) == [0, 1]
 
