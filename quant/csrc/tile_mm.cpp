@@ -78,6 +78,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -166,27 +167,18 @@ inline void each_column(const F& fn) {
   each_column(fn, std::make_integer_sequence<int, N>{});
 }
 
-// 16 uint8 values -> fp32 vectors.
-inline void bytes16(const uint8_t* p, Vec* out) {
+// 16 uint8 (or int8) values -> fp32 vectors.
+template <class T>
+inline void bytes16(const T* p, Vec* out) {
+  static_assert(sizeof(T) == 1, "bytes");
 #if defined(CPU_CAPABILITY_AVX512)
-  out[0] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  out[0] = Vec(_mm512_cvtepi32_ps(std::is_signed_v<T> ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v)));
 #elif defined(CPU_CAPABILITY_AVX2)
-  out[0] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-  out[1] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))));
-#else
-  alignas(64) float f[TILE];
-  for (int j = 0; j < TILE; ++j) f[j] = static_cast<float>(p[j]);
-  for (int v = 0; v < NV; ++v) out[v] = Vec::loadu(f + v * VS);
-#endif
-}
-
-// 16 int8 values -> fp32 vectors.
-inline void sbytes16(const int8_t* p, Vec* out) {
-#if defined(CPU_CAPABILITY_AVX512)
-  out[0] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(CPU_CAPABILITY_AVX2)
-  out[0] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-  out[1] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)))));
+  for (int k = 0; k < 2; ++k) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * k));
+    out[k] = Vec(_mm256_cvtepi32_ps(std::is_signed_v<T> ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v)));
+  }
 #else
   alignas(64) float f[TILE];
   for (int j = 0; j < TILE; ++j) f[j] = static_cast<float>(p[j]);
@@ -364,7 +356,7 @@ inline void scales_offsets(const TileWeights& t, int64_t g, Vec* sc, Vec* of) {
   if constexpr (KIND == Codes::Int6K) {  // d sc and -32 d sc, exact in fp32 (11 + 7 significant bits)
     Vec d[NV];
     halves(t.supers + (g * 16 / SUPER) * TILE, d);  // G = 16
-    sbytes16(reinterpret_cast<const int8_t*>(t.mins) + g * TILE, sc);
+    bytes16(reinterpret_cast<const int8_t*>(t.mins) + g * TILE, sc);
     for (int v = 0; v < NV; ++v) {
       sc[v] = sc[v] * d[v];
       of[v] = sc[v] * Vec(-32.f);
