@@ -374,8 +374,8 @@ def _register_fakes() -> None:
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 #: localllm's quantized CPU matmuls, built by :mod:`localllm.native` as one library: the exact ones
-#: on int4, int5 and int8 codes in tiles of 16 rows, with fp32 activations (int16 in the decode kernels
-#: of 4- and 5-bit codes: ``csrc/tile_mm.cpp``), the
+#: on int4, int5, int6 and int8 codes in tiles of 16 rows, with fp32 activations (int16 in the decode
+#: kernels of 4-, 5- and 6-bit codes: ``csrc/tile_mm.cpp``), the
 #: one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``) and the opt-in ones with int8
 #: activations (``csrc/q8_mm.cpp``).
 LIBRARY = native.NativeLibrary(
@@ -729,9 +729,10 @@ class GGUFBlocksCPU(Kernel):
     steps (a few rows of activations) run localllm's C++ kernel, which decodes each block as it
     multiplies; more rows (a batched step, a prefill) go through fp32 panels of the weights decoded
     by the same decoder (``gguf_gemm``, ``csrc/panel_gemm.h``). No copy of the whole weight is ever
-    made, and the scales stay as exact as the file's (fp32 products, never rounded to 16 bits). Q5_0 and
-    Q4_K are repacked at load into ``csrc/tile_mm.cpp``'s tiles (:meth:`int5_pack`, :meth:`q4_k_pack`),
-    whose decode kernels take int16 activations as :class:`Int4GroupCPU`'s do."""
+    made, and the scales stay as exact as the file's (fp32 products, never rounded to 16 bits). Q5_0,
+    Q4_K and Q6_K are repacked at load into ``csrc/tile_mm.cpp``'s tiles (:meth:`int5_pack`,
+    :meth:`q4_k_pack`, :meth:`q6_k_pack`), whose decode kernels take int16 activations as
+    :class:`Int4GroupCPU`'s do."""
 
     name = "gguf-blocks-cpu"
     scheme = "gguf"

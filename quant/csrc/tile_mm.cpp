@@ -1,12 +1,13 @@
 // The exact tile kernels: y = x W^T with the exact weights and fp32 accumulation, for int4 weights
 // with an fp16 scale and offset per group of input columns (localllm's canonical int4: w = q * scale +
-// offset, q in 0..15), int5 (a GGUF's Q5_0), and int8 with an fp16 scale per group or per row (a GGUF's
-// Q8_0; per-channel int8), each in output tiles of 16 rows.
+// offset, q in 0..15), int5 (a GGUF's Q5_0), int4 and int6 with a GGUF's Q4_K and Q6_K scales, and int8
+// with an fp16 scale per group or per row (a GGUF's Q8_0; per-channel int8), each in output tiles of 16
+// rows.
 //
 // torch's CPU int4 kernel (_weight_int4pack_mm_for_cpu) takes bf16 activations and bf16 scales: the
 // activations' rounding alone moved SmolLM2's predictions by a KL divergence of 1e-3 from the file's
 // own weights in fp32. These kernels multiply the exact weights by fp32 activations (int8 codes, and
-// every panel), or, in the decode kernels of 4- and 5-bit codes where the ISA has vpmaddwd, by the
+// every panel), or, in the decode kernels of 4-, 5- and 6-bit codes where the ISA has vpmaddwd, by the
 // activations rounded to int16 steps of 2^-16 of their 32 columns' largest (see tile_rows_q16), a
 // rounding thousands of times finer than that of the int8 activations of llama.cpp.
 //
