@@ -478,8 +478,8 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// The decode kernels' activations in 16-bit integers (int4, int5 and Int4K codes; where the vector ISA
-// has vpmaddwd): each 32 columns of a row x as s * q, q = round(x / s) in -32767..32767, s = max |x| /
+// The decode kernels' activations in 16-bit integers (int4, int5, Int4K and Int6K codes; where the
+// vector ISA has vpmaddwd): each 32 columns of a row x as s * q, q = round(x / s) in -32767..32767, s = max |x| /
 // 32767, so each activation is within s / 2 = 2^-16 of its 32 columns' largest (256 times finer than
 // the int8 activations of llama.cpp and of --kernel int4-q8-cpu, and finer than fp16's rounding of the
 // largest). The codes times q are exact integers (vpmaddwd: two 16-bit products a 32-bit lane, summed
