@@ -760,6 +760,18 @@ class GGUFBlocksCPU(Kernel):
         return {"blocks": layer.blocks}  # the file's bytes as they are
 
     @staticmethod
+    def top_plane(top: torch.Tensor, bits: int) -> torch.Tensor:
+        """(rows, in) each code's top ``bits`` bits past its nibble -> (rows, in * bits / 32) int32, the
+        plane ``csrc/tile_mm.cpp`` reads beside the nibbles (``OctetHi``): a dword for 32 / bits columns,
+        octet c's column i at bit bits * c + the bit where column i's nibble starts in its dword."""
+        i = torch.arange(8)
+        shift = torch.where(i < 4, 8 * i, 8 * (i - 4) + 4)  # (8,): where column i's nibble starts
+        octets = 4 // bits
+        at = shift + bits * torch.arange(octets).view(octets, 1)  # (octets, 8)
+        words = (top.long().view(top.shape[0], -1, octets, 8) << at).sum((-1, -2))  # < 2^32
+        return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+    @staticmethod
     def int5_pack(blocks: torch.Tensor, rows: int | None = None) -> dict[str, torch.Tensor]:
         """Q5_0 blocks (out, in/32 * 22) -> ``csrc/tile_mm.cpp``'s int5 layout, the same codes and
         scales (``packed`` as :class:`Int4GroupCPU`'s, of the codes' low nibbles; ``fifth`` (tiles, in/32,
@@ -770,11 +782,6 @@ class GGUFBlocksCPU(Kernel):
         tile = Int4GroupCPU.TILE
         rows = rows or Int4GroupCPU.PACK_ROWS
         rows -= rows % tile
-        # spread[c][v]: byte v of qh (the fifth bits of columns 8c .. 8c + 7) at their bits in the dword
-        i = torch.arange(8)
-        shift = torch.where(i < 4, 8 * i, 8 * (i - 4) + 4)  # (8,): where column i's nibble starts
-        bits = (torch.arange(256).view(256, 1) >> i) & 1  # (256, 8)
-        spread = [((bits << (shift + c)).sum(-1)) for c in range(4)]  # 4 x (256,) int64, < 2^32
         parts: dict[str, list[torch.Tensor]] = {"packed": [], "fifth": [], "tile_scales": []}
         for a in range(0, blocks.shape[0], rows):
             b = blocks[a : a + rows].reshape(-1, blocks.shape[1] // 22, 22)  # (r, nb, bytes): d, qh, qs
@@ -782,9 +789,9 @@ class GGUFBlocksCPU(Kernel):
             qs = b[..., 6:22]  # (r, nb, 16): column j's low 4 bits, column 16 + j's in the high nibble
             nibbles = torch.cat([qs & 0x0F, qs >> 4], dim=-1).view(r, -1)  # (r, in): the codes' low 4 bits
             octets = Int4GroupCPU.octet_bytes(nibbles).view(torch.int32)  # (r, in/8)
-            qh = b[..., 2:6].long()  # (r, nb, 4): byte c holds columns 8c .. 8c + 7's fifth bits
-            words = sum(spread[c][qh[..., c]] for c in range(4))  # (r, nb)
-            words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+            qh = b[..., 2:6]  # (r, nb, 4): bit i of byte c is column 8c + i's fifth bit
+            fifth = ((qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(r, -1)  # (r, in)
+            words = GGUFBlocksCPU.top_plane(fifth, 1)  # (r, in/32)
             d = b[..., 0:2].contiguous().view(torch.float16).view(r, -1)  # (r, nb)
             parts["packed"].append(Int4GroupCPU._tiles(octets, tile))  # (r/16, in/8, 16) dwords
             parts["fifth"].append(Int4GroupCPU._tiles(words, tile))  # (r/16, in/32, 16) dwords
@@ -829,17 +836,12 @@ class GGUFBlocksCPU(Kernel):
         tile = Int4GroupCPU.TILE
         rows = rows or Int4GroupCPU.PACK_ROWS
         rows -= rows % tile
-        i = torch.arange(8)
-        shift = torch.where(i < 4, 8 * i, 8 * (i - 4) + 4)  # (8,): where column i's nibble starts
-        at = shift + 2 * torch.arange(2).view(2, 1)  # (2, 8): where octet c's column i's top bits go
         parts: dict[str, list[torch.Tensor]] = {"packed": [], "top": [], "sub_scales": [], "supers": []}
         for a in range(0, blocks.shape[0], rows):
             d, sc, codes = q6_k_parts(blocks[a : a + rows])  # (r, nb), (r, nb, 16), (r, in)
             r = codes.shape[0]
             octets = Int4GroupCPU.octet_bytes(codes & 0x0F).view(torch.int32)  # (r, in/8)
-            top = (codes >> 4).long().view(r, -1, 2, 8)  # (r, in/16, octet, column)
-            words = (top << at).sum((-1, -2))  # (r, in/16), < 2^32
-            words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+            words = GGUFBlocksCPU.top_plane(codes >> 4, 2)  # (r, in/16)
             parts["packed"].append(Int4GroupCPU._tiles(octets, tile))
             parts["top"].append(Int4GroupCPU._tiles(words, tile))
             parts["sub_scales"].append(Int4GroupCPU._tiles(sc.reshape(r, -1), tile))
