@@ -61,7 +61,7 @@ def _released(table: torch.Tensor, lens: list[int], bs: int, window: int | None)
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv,g,hd,bs", [(2, 2, 16, 16), (3, 3, 64, 16), (1, 4, 40, 32), (2, 1, 36, 16),
-                                        (1, 2, 128, 32), (3, 3, 64, 12), (2, 4, 32, 8)])
+                                        (1, 2, 128, 32), (3, 3, 64, 12), (2, 4, 32, 8), (1, 4, 256, 16)])
 @pytest.mark.parametrize("window", [None, 37])
 def test_paged_kernel_matches_the_references(dtype, kv, g, hd, bs, window):
     """Every sequence's query over its own scattered blocks: within SDPA's error of float64 attention
@@ -86,12 +86,14 @@ def test_paged_kernel_matches_the_references(dtype, kv, g, hd, bs, window):
 
 
 @needs_kernel
-@pytest.mark.parametrize("g", [2, 3, 4])
+@pytest.mark.parametrize("g,hd", [(2, 64), (3, 64), (4, 64), (4, 256)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_kv_groups_heads_round_as_each_head_alone(g, dtype):
+def test_a_kv_groups_heads_round_as_each_head_alone(g, hd, dtype):
     """The heads of a kv group share each key and value row as it is read; every head's output has the
-    bits it has when it is the group's only head (the fmadds and sums of each element are unchanged)."""
-    q, k_pool, v_pool, _, table, ctx = random_batch(dtype, 3, g, 64, 16, [83, 5, 40], seed=g)
+    bits it has when it is the group's only head (the fmadds and sums of each element are unchanged).
+    hd 256: rows wider than the registers (AVX2), their scores four keys at a time and their values
+    in slices of the row."""
+    q, k_pool, v_pool, _, table, ctx = random_batch(dtype, 3, g, hd, 16, [83, 5, 40], seed=g)
     together = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, ctx)
     for j in range(g):
         alone = cpu_attention.paged_decode_attention(q[:, :, j : j + 1].contiguous(), k_pool, v_pool, table, ctx)

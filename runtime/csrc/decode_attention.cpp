@@ -120,6 +120,24 @@ inline Vec dot_lanes(const Vec* qv, const T* kl) {
   return a0 + a1;
 }
 
+// dot_lanes of NK key rows ks apart, their chains interleaved (2 * NK FMAs in flight: two chains
+// wait on the FMA's latency, a row at a time); each row's lanes have the bits dot_lanes gives it.
+template <typename T, int NV, int NK>
+inline void dot_lanes_rows(const Vec* qv, const T* kl, int64_t ks, Vec* out) {
+  Vec a0[NK], a1[NK];
+  for (int t = 0; t < NK; ++t) {
+    a0[t] = qv[0] * load_f(kl + t * ks);
+    a1[t] = Vec(0.f);
+  }
+  for (int c = 1; c < NV; ++c) {
+    for (int t = 0; t < NK; ++t) {
+      if (c % 2) a1[t] = at::vec::fmadd(qv[c], load_f(kl + t * ks + c * VS), a1[t]);
+      else a0[t] = at::vec::fmadd(qv[c], load_f(kl + t * ks + c * VS), a0[t]);
+    }
+  }
+  for (int t = 0; t < NK; ++t) out[t] = a0[t] + a1[t];
+}
+
 // s[j * ld + l] = (q_j . k_l) * scale for the G query rows qf (fp32) and the L key rows of kb.
 // NV > 0: hd is NV vectors exactly, and q_j lives in registers; NV == 0: any hd, through `row`.
 // ksc: the rows' scales (stride kss) for int8 rows, nullptr for float ones.
@@ -143,6 +161,16 @@ inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t 
           dot = _mm512_mul_ps(dot, _mm512_load_ps(rsc));
         }
         _mm512_storeu_ps(s + j * ld + l0, _mm512_mul_ps(dot, _mm512_set1_ps(sc)));
+      }
+#else
+      constexpr int NK = 4;  // rows interleaved (AVX-512 takes 16 above)
+      for (; l0 + NK <= L; l0 += NK) {
+        Vec r[NK];
+        dot_lanes_rows<T, NV, NK>(qv, kb + l0 * ks, ks, r);
+        for (int t = 0; t < NK; ++t) {
+          const float dot = hsum(r[t]);
+          s[j * ld + l0 + t] = ksc == nullptr ? dot * sc : dot * ksc[(l0 + t) * kss] * sc;
+        }
       }
 #endif
       for (int64_t l = l0; l < L; ++l) {
@@ -189,9 +217,17 @@ inline void weigh_heads(const float* p, const T* vb, int64_t vs, int64_t L, int6
     for (int c = 0; c < NV; ++c) a[j][c].store(acc + j * hd + c * VS);
 }
 
+// The most vectors of an output row weigh keeps in registers (half of AVX2's 16, AVX-512's 32).
+constexpr int ROW_VECS = VS >= 16 ? 16 : 8;
+
 template <typename T, int NV>
 inline void weigh(const float* p, int64_t G, const T* vb, int64_t vs, int64_t L, int64_t hd, int64_t hv,
                   float* acc, int64_t ld, bool add, const float* vsc = nullptr, int64_t vss = 0) {
+  if constexpr (NV > ROW_VECS && NV % ROW_VECS == 0) {  // a row wider than that (AVX2, hd 256): in slices,
+    for (int c0 = 0; c0 < NV; c0 += ROW_VECS)            // each output element's fmadds as in one sweep
+      weigh<T, ROW_VECS>(p, G, vb + c0 * VS, vs, L, hd, hv, acc + c0 * VS, ld, add, vsc, vss);
+    return;
+  }
   if constexpr (NV > 0 && NV <= 4) {  // hd <= 4 vectors: the heads' accumulators fit AVX-512's registers
     switch (G) {
       case 2: return weigh_heads<T, NV, 2>(p, vb, vs, L, hd, acc, ld, add, vsc, vss);
@@ -344,6 +380,7 @@ inline void weigh_rows_any(int64_t dn, const float* p, int64_t G, const KT* vb, 
       case 4: return weigh_rows<KT, 4>(p, G, vb, vs, L, dn, hv, acc, ld, add, vsc, vss, buf);
       case 8: return weigh_rows<KT, 8>(p, G, vb, vs, L, dn, hv, acc, ld, add, vsc, vss, buf);
       case 16: return weigh_rows<KT, 16>(p, G, vb, vs, L, dn, hv, acc, ld, add, vsc, vss, buf);
+      case 32: return weigh_rows<KT, 32>(p, G, vb, vs, L, dn, hv, acc, ld, add, vsc, vss, buf);
       default: break;
     }
   }
@@ -561,7 +598,7 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
   });
 }
 
-// The usual head sizes (a whole number of vectors up to 256 floats) with rows held in registers.
+// The usual head sizes (a whole number of vectors up to 32: hd 256 on AVX2) with rows held in registers.
 template <typename T, typename KT = T>
 void attend_paged_any(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
                       const at::Tensor& lens, double scale, int64_t window, at::Tensor& y, const RowScales& rs = {}) {
@@ -573,6 +610,7 @@ void attend_paged_any(const at::Tensor& q, const at::Tensor& kp, const at::Tenso
     case 4: return attend_paged<T, KT, 4>(q, kp, vp, tables, lens, scale, window, y, rs);
     case 8: return attend_paged<T, KT, 8>(q, kp, vp, tables, lens, scale, window, y, rs);
     case 16: return attend_paged<T, KT, 16>(q, kp, vp, tables, lens, scale, window, y, rs);
+    case 32: return attend_paged<T, KT, 32>(q, kp, vp, tables, lens, scale, window, y, rs);
     default: return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, window, y, rs);
   }
 }
