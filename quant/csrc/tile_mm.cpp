@@ -496,23 +496,44 @@ constexpr float XQ_MAX = 32767.f;
 // that order.
 constexpr int PAIR_ORDER[OCTET] = {0, 2, 4, 6, 1, 3, 5, 7};
 
-// Rows (M, K) of fp32 activations -> q (M, K) int16, each octet in PAIR_ORDER; s (M, K/32).
+// Rows (M, K) of fp32 activations -> q (M, K) int16, each octet in PAIR_ORDER; s (M, K/32). Each 32
+// columns: their largest magnitude and whether any is inf or NaN (x * 0 is then NaN, else +-0), then
+// round(x * 32767 / max) in vectors (the current rounding mode: to nearest even, as nearbyint); a
+// poisoned or all-zero chunk's codes are 0 (x * 0, its NaNs made 0).
 void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* s) {
+  constexpr int64_t NX = XQ / VS;  // vectors a chunk
+  const auto ordered = [](const Vec& a) {  // a's lanes non-NaN as they are, NaN ones 0
+    return Vec::blendv(Vec(0.f), a, a == a);
+  };
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k0 = 0; k0 < K; k0 += XQ) {
       const float* xc = x + m * K + k0;
-      float amax = 0.f, poison = 0.f;  // poison: NaN where a value is inf or NaN
-      for (int64_t k = 0; k < XQ; ++k) {
-        amax = std::max(amax, std::abs(xc[k]));
-        poison += xc[k] * 0.f;
+      Vec v[NX], amax(0.f), poison(0.f);
+      for (int64_t i = 0; i < NX; ++i) {
+        v[i] = Vec::loadu(xc + i * VS);
+        amax = at::vec::maximum(amax, v[i].abs());
+        poison = poison + v[i] * Vec(0.f);
       }
-      s[m * (K / XQ) + k0 / XQ] = amax / XQ_MAX + poison;
-      const float inv = amax > 0.f && poison == 0.f ? XQ_MAX / amax : 0.f;
-      for (int64_t o = 0; o < XQ; o += OCTET)
-        for (int j = 0; j < OCTET; ++j) {
-          const float v = xc[o + PAIR_ORDER[j]] * inv;
-          q[m * K + k0 + o + j] = std::isfinite(v) ? static_cast<int16_t>(std::nearbyint(v)) : int16_t{0};
-        }
+      const float mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, amax);
+      const float bad = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, poison);
+      s[m * (K / XQ) + k0 / XQ] = mx / XQ_MAX + bad;
+      const Vec inv(mx > 0.f && bad == 0.f ? XQ_MAX / mx : 0.f);
+      int16_t* qc = q + m * K + k0;
+#if defined(CPU_CAPABILITY_AVX512)
+      const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+      for (int64_t i = 0; i < NX; ++i) {
+        const __m512 r = _mm512_permutexvar_ps(order, ordered(v[i] * inv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qc + i * VS), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(r)));
+      }
+#else
+      const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+      for (int64_t i = 0; i < NX; i += 2) {  // two octets: packs interleaves their halves, permute4x64 undoes it
+        const __m256i a = _mm256_cvtps_epi32(_mm256_permutevar8x32_ps(ordered(v[i] * inv), order));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_permutevar8x32_ps(ordered(v[i + 1] * inv), order));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qc + i * VS),
+                            _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+      }
+#endif
     }
 }
 
