@@ -139,7 +139,8 @@ inline void dot_lanes_rows(const Vec* qv, const T* kl, int64_t ks, Vec* out) {
 }
 
 // s[j * ld + l] = (q_j . k_l) * scale for the G query rows qf (fp32) and the L key rows of kb.
-// NV > 0: hd is NV vectors exactly, and q_j lives in registers; NV == 0: any hd, through `row`.
+// NV > 0: hd is NV vectors exactly, q_j held as NV vectors (in registers where they fit: not AVX2's
+// 32 of hd 256, read from L1 then); NV == 0: any hd, through `row`.
 // ksc: the rows' scales (stride kss) for int8 rows, nullptr for float ones.
 template <typename T, int NV>
 inline void scores(const float* qf, int64_t G, const T* kb, int64_t ks, int64_t L, int64_t hd, int64_t hv,
@@ -217,7 +218,7 @@ inline void weigh_heads(const float* p, const T* vb, int64_t vs, int64_t L, int6
     for (int c = 0; c < NV; ++c) a[j][c].store(acc + j * hd + c * VS);
 }
 
-// The most vectors of an output row weigh keeps in registers (half of AVX2's 16, AVX-512's 32).
+// The most vectors of an output row weigh keeps in registers: half the registers (AVX2 16, AVX-512 32).
 constexpr int ROW_VECS = VS >= 16 ? 16 : 8;
 
 template <typename T, int NV>
