@@ -48,7 +48,7 @@ def _q8(shape: tuple[int, ...], gen: torch.Generator, spread: float = 2.0) -> Qu
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv,g,hd,bs", [(3, 3, 64, 16), (1, 4, 40, 32), (2, 1, 36, 16)])
+@pytest.mark.parametrize("kv,g,hd,bs", [(3, 3, 64, 16), (1, 4, 40, 32), (2, 1, 36, 16), (1, 4, 256, 16)])
 @pytest.mark.parametrize("window", [None, 21])
 def test_paged_kernel_matches_sdpa_over_an_int8_pool(dtype, kv, g, hd, bs, window):
     gen = torch.Generator().manual_seed(hd * bs)
