@@ -50,7 +50,8 @@ from localllm.quant.kernels import LIBRARY as INT8
 from localllm.runtime.constrain import LIBRARY as TOKEN_MASK
 from localllm.runtime.cpu_attention import LIBRARY as ATTENTION
 from localllm.runtime.pointwise import LIBRARY as POINTWISE
-sys.exit(not all([native.available(lib) for lib in (ATTENTION, INT8, TOKEN_MASK, POINTWISE)]))" \
+from localllm.runtime.sampling import LIBRARY as SAMPLING
+sys.exit(not all([native.available(lib) for lib in (ATTENTION, INT8, TOKEN_MASK, POINTWISE, SAMPLING)]))" \
   || say "localllm's CPU kernels could not be built; torch's own will run instead"
 # The embedded model's compiled decode step (about a minute, once; one for every context length), so
 # that its first run decodes at full speed. Other models get theirs built by their first run or pull.
