@@ -201,6 +201,38 @@ inline void halves(const c10::Half* p, Vec* out) {
 #endif
 }
 
+// Integer vectors of dwords, a vector of rows (the top-bit codes and the int16 decode kernels).
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+using IVec = __m512i;
+inline IVec ivec_zero() { return _mm512_setzero_si512(); }
+inline IVec ivec_set(int32_t v) { return _mm512_set1_epi32(v); }
+inline IVec ivec_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec ivec_and(IVec a, IVec b) { return _mm512_and_si512(a, b); }
+inline IVec ivec_or(IVec a, IVec b) { return _mm512_or_si512(a, b); }
+template <int S>
+inline IVec ivec_srl(IVec a) { return S == 0 ? a : _mm512_srli_epi32(a, S); }
+inline IVec ivec_sll_n(IVec a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline IVec ivec_srl_n(IVec a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline IVec ivec_madd_add(IVec acc, IVec codes, IVec x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(codes, x)); }
+inline Vec ivec_float(IVec a) { return Vec(_mm512_cvtepi32_ps(a)); }
+#else
+using IVec = __m256i;
+inline IVec ivec_zero() { return _mm256_setzero_si256(); }
+inline IVec ivec_set(int32_t v) { return _mm256_set1_epi32(v); }
+inline IVec ivec_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec ivec_and(IVec a, IVec b) { return _mm256_and_si256(a, b); }
+inline IVec ivec_or(IVec a, IVec b) { return _mm256_or_si256(a, b); }
+template <int S>
+inline IVec ivec_srl(IVec a) { return S == 0 ? a : _mm256_srli_epi32(a, S); }
+inline IVec ivec_sll_n(IVec a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
+inline IVec ivec_srl_n(IVec a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+inline IVec ivec_madd_add(IVec acc, IVec codes, IVec x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(codes, x)); }
+inline Vec ivec_float(IVec a) { return Vec(_mm256_cvtepi32_ps(a)); }
+#endif
+constexpr int64_t IVS = sizeof(IVec) / 4;  // rows a vector (dwords)
+#endif
+
 // An octet of 4 + BITS-bit codes: its nibbles (64 bytes) and a plane of their top bits (64 bytes: a
 // dword a row for 32 / BITS columns), as two words a row of four codes a byte (columns 0-3 and 4-7);
 // col<C>() gives column C's 16 codes as fp32. int5 (BITS 1): the fifth bit of octet c's column i
@@ -211,38 +243,23 @@ template <int BITS>
 struct OctetHi {
   static constexpr int32_t TOP = ((1 << BITS) - 1) * 0x10101010;  // the top bits' place in each byte
   static constexpr int32_t MASK = (16 << BITS) - 1;               // a code
-#if defined(CPU_CAPABILITY_AVX512)
-  __m512i lo, hi;
-  OctetHi(const uint8_t* p, const uint8_t* top, int c) {
-    const __m512i v = _mm512_loadu_si512(p), f = _mm512_loadu_si512(top);
-    const __m512i m4 = _mm512_set1_epi32(0x0F0F0F0F), mt = _mm512_set1_epi32(TOP);
-    lo = _mm512_or_si512(_mm512_and_si512(v, m4), _mm512_and_si512(_mm512_sll_epi32(f, _mm_cvtsi32_si128(4 - BITS * c)), mt));
-    hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(v, 4), m4),
-                         _mm512_and_si512(_mm512_srl_epi32(f, _mm_cvtsi32_si128(BITS * c)), mt));
-  }
-  template <int C>
-  void col(Vec* out) const {
-    const __m512i w = _mm512_srli_epi32(C < 4 ? lo : hi, 8 * (C % 4));
-    out[0] = Vec(_mm512_cvtepi32_ps(C % 4 == 3 ? w : _mm512_and_si512(w, _mm512_set1_epi32(MASK))));
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  __m256i lo[2], hi[2];
-  OctetHi(const uint8_t* p, const uint8_t* top, int c) {
-    const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F), mt = _mm256_set1_epi32(TOP);
-    const __m128i up = _mm_cvtsi32_si128(4 - BITS * c), down = _mm_cvtsi32_si128(BITS * c);
-    for (int k = 0; k < 2; ++k) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k));
-      const __m256i f = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(top + 32 * k));
-      lo[k] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_sll_epi32(f, up), mt));
-      hi[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(v, 4), m4),
-                              _mm256_and_si256(_mm256_srl_epi32(f, down), mt));
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  IVec lo[NV], hi[NV];  // bytes: the codes of columns 0-3, and of 4-7, of vector k's rows
+  OctetHi(const uint8_t* p, const uint8_t* top, int c) { join(p, top, c, lo, hi); }
+  // The octet's nibbles p beside octet c's top bits from the plane, as bytes (Pairs reads them too).
+  static void join(const uint8_t* p, const uint8_t* top, int c, IVec* lo, IVec* hi) {
+    const IVec m4 = ivec_set(0x0F0F0F0F), mt = ivec_set(TOP);
+    for (int k = 0; k < NV; ++k) {
+      const IVec v = ivec_load(p + k * 4 * IVS), f = ivec_load(top + k * 4 * IVS);
+      lo[k] = ivec_or(ivec_and(v, m4), ivec_and(ivec_sll_n(f, 4 - BITS * c), mt));
+      hi[k] = ivec_or(ivec_and(ivec_srl<4>(v), m4), ivec_and(ivec_srl_n(f, BITS * c), mt));
     }
   }
   template <int C>
   void col(Vec* out) const {
-    for (int k = 0; k < 2; ++k) {
-      const __m256i w = _mm256_srli_epi32(C < 4 ? lo[k] : hi[k], 8 * (C % 4));
-      out[k] = Vec(_mm256_cvtepi32_ps(C % 4 == 3 ? w : _mm256_and_si256(w, _mm256_set1_epi32(MASK))));
+    for (int k = 0; k < NV; ++k) {
+      const IVec w = ivec_srl<8 * (C % 4)>(C < 4 ? lo[k] : hi[k]);
+      out[k] = ivec_float(C % 4 == 3 ? w : ivec_and(w, ivec_set(MASK)));
     }
   }
 #else
@@ -537,34 +554,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int16_t* q, float* s) {
     }
 }
 
-#if defined(CPU_CAPABILITY_AVX512)
-using IVec = __m512i;
-inline IVec ivec_zero() { return _mm512_setzero_si512(); }
-inline IVec ivec_set(int32_t v) { return _mm512_set1_epi32(v); }
-inline IVec ivec_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline IVec ivec_and(IVec a, IVec b) { return _mm512_and_si512(a, b); }
-inline IVec ivec_or(IVec a, IVec b) { return _mm512_or_si512(a, b); }
-template <int S>
-inline IVec ivec_srl(IVec a) { return S == 0 ? a : _mm512_srli_epi32(a, S); }
-inline IVec ivec_sll_n(IVec a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
-inline IVec ivec_srl_n(IVec a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
-inline IVec ivec_madd_add(IVec acc, IVec codes, IVec x) { return _mm512_add_epi32(acc, _mm512_madd_epi16(codes, x)); }
-inline Vec ivec_float(IVec a) { return Vec(_mm512_cvtepi32_ps(a)); }
-#else
-using IVec = __m256i;
-inline IVec ivec_zero() { return _mm256_setzero_si256(); }
-inline IVec ivec_set(int32_t v) { return _mm256_set1_epi32(v); }
-inline IVec ivec_load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline IVec ivec_and(IVec a, IVec b) { return _mm256_and_si256(a, b); }
-inline IVec ivec_or(IVec a, IVec b) { return _mm256_or_si256(a, b); }
-template <int S>
-inline IVec ivec_srl(IVec a) { return S == 0 ? a : _mm256_srli_epi32(a, S); }
-inline IVec ivec_sll_n(IVec a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
-inline IVec ivec_srl_n(IVec a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
-inline IVec ivec_madd_add(IVec acc, IVec codes, IVec x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(codes, x)); }
-inline Vec ivec_float(IVec a) { return Vec(_mm256_cvtepi32_ps(a)); }
-#endif
-constexpr int64_t IVS = sizeof(IVec) / 4;  // rows a vector (dwords)
 
 // An octet of 16 rows as four pairs of 16-bit codes a row (pair<P>(v): vector v's rows, columns
 // PAIR_ORDER[2P], PAIR_ORDER[2P + 1]). int4 and Int4K: the nibbles of columns i and i + 2 (bytes i and
@@ -586,14 +575,7 @@ template <Codes KIND, int BITS>
   requires(BITS > 0)
 struct Pairs<KIND, BITS> {
   IVec lo[NV], hi[NV];  // bytes: the codes of columns 0-3, and of 4-7
-  Pairs(const uint8_t* p, const uint8_t* top, int c) {
-    const IVec m4 = ivec_set(0x0F0F0F0F), mt = ivec_set(OctetHi<BITS>::TOP);
-    for (int k = 0; k < NV; ++k) {
-      const IVec v = ivec_load(p + k * 4 * IVS), f = ivec_load(top + k * 4 * IVS);
-      lo[k] = ivec_or(ivec_and(v, m4), ivec_and(ivec_sll_n(f, 4 - BITS * c), mt));
-      hi[k] = ivec_or(ivec_and(ivec_srl<4>(v), m4), ivec_and(ivec_srl_n(f, BITS * c), mt));
-    }
-  }
+  Pairs(const uint8_t* p, const uint8_t* top, int c) { OctetHi<BITS>::join(p, top, c, lo, hi); }
   template <int P>
   IVec pair(int k) const {  // P: (0, 2), (4, 6), (1, 3), (5, 7)
     return ivec_and(ivec_srl<P < 2 ? 0 : 8>(P % 2 == 0 ? lo[k] : hi[k]), ivec_set(OctetHi<BITS>::MASK * 0x00010001));
