@@ -279,11 +279,12 @@ inline void float_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
 // stream of memory, but a decode step reads each layer once from L3 or DRAM, between other layers'
 // reads: the hardware prefetchers alone left each layer waiting on memory. Written as an asm
 // statement: GCC dropped the _mm_prefetch intrinsic from some of the row kernels it inlined (a
-// 640 x 262144 Q8_0 product took 15 ms instead of 10.5 on one row).
+// 640 x 262144 Q8_0 product took 15 ms instead of 10.5 on one row). Non-temporal, as tile_mm.cpp's
+// weight prefetches are: read once a step, the weights would evict what the next step reuses.
 template <int64_t BYTES>
 inline void prefetch_block(const uint8_t* block) {
 #if defined(__SSE2__)
-  for (int64_t o = 0; o < BYTES; o += 64) asm volatile("prefetcht0 %0" : : "m"(*(block + o + PREFETCH)));
+  for (int64_t o = 0; o < BYTES; o += 64) asm volatile("prefetchnta %0" : : "m"(*(block + o + PREFETCH)));
 #endif
 }
 
