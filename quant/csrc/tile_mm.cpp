@@ -103,12 +103,14 @@ static_assert(TILE % VS == 0, "a tile must be whole vectors");
 #ifndef PREFETCH
 #define PREFETCH 2048
 #endif
-// The weights' prefetches are non-temporal: a decode step reads every weight once, and its tens to
-// hundreds of MB (the large-vocabulary head alone: 178 MB on Gemma 3) would otherwise pass through the
-// caches and evict what the next step reuses: the KV pool's rows, the activations, the interpreter's
-// own working set. (On a 2-core Zen 3, steps alternating the hint: Gemma 3's and SmolLM2's decode steps
-// a percent or two faster with it.)
-#define WEIGHT_HINT _MM_HINT_NTA
+// A product of one activation row (ONCE: a decode step of one sequence) prefetches its weights
+// non-temporally: it reads each weight once, and its tens to hundreds of MB (the large-vocabulary head
+// alone: 178 MB on Gemma 3) would otherwise pass through the caches and evict what the next step
+// reuses: the KV pool's rows, the activations, the interpreter's own working set. (On a 2-core Zen 3,
+// steps alternating the hint: Gemma 3's and SmolLM2's decode steps a percent or two faster with it.)
+// Several rows read a tile once per pass of MC rows, and want it kept for the next pass: there the
+// non-temporal hint made batched steps slower, and they keep prefetcht0.
+#define WEIGHT_HINT (ONCE ? _MM_HINT_NTA : _MM_HINT_T0)
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t MC = 4;  // activation rows sharing a decoded column (32 registers)
 #else
@@ -416,7 +418,7 @@ inline void with_octet(const TileWeights& t, int64_t G, int64_t g, int64_t c, co
 
 
 // Group g's scales, offsets and top bits a few tiles ahead (a cache line holds two groups' scales).
-template <Codes KIND>
+template <Codes KIND, bool ONCE>
 inline void prefetch_scales(const TileWeights& t, int64_t g) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if (g % 2 == 0) {
@@ -437,7 +439,7 @@ inline void prefetch_scales(const TileWeights& t, int64_t g) {
 // columns of a dword: column k of a group goes to accumulator k % A).
 //   x (R, K) rows ldx apart; xsum (R, K/G) rows ng apart (int8: unused); y: R rows ldy apart, 16
 //   columns of which ``valid`` are written.
-template <int R, int A, Codes KIND>
+template <int R, int A, Codes KIND, bool ONCE = false>
 void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights& t, int64_t K, int64_t G,
                float* y, int64_t ldy, int64_t valid) {
   constexpr int COLS = cols_of<KIND>();
@@ -455,7 +457,7 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights
         for (int v = 0; v < NV; ++v) dot[(r * A + a) * NV + v] = Vec(0.f);
     const float* xg = x + g * G;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    prefetch_scales<KIND>(t, g);
+    prefetch_scales<KIND, ONCE>(t, g);
 #endif
     for (int64_t c = 0; c < octets; ++c) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -591,7 +593,7 @@ struct Pairs<KIND, BITS> {
 // tile_rows with int16 activations: xq (R, K) int16 rows ldx apart (quantize_rows), xs (R, K/32)
 // their scales rows K/32 apart; the rest as tile_rows. G is a multiple of 32, or divides it (Int6K's
 // 16: two groups share an activation scale).
-template <int R, Codes KIND>
+template <int R, Codes KIND, bool ONCE = false>
 void tile_rows_q16(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum, const TileWeights& t,
                    int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
   const int64_t ng = K / G, octets = G / OCTET, nxs = K / XQ;
@@ -599,7 +601,7 @@ void tile_rows_q16(const int16_t* xq, int64_t ldx, const float* xs, const float*
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) tot[r][v] = Vec(0.f);
   for (int64_t g = 0; g < ng; ++g) {
-    prefetch_scales<KIND>(t, g);
+    prefetch_scales<KIND, ONCE>(t, g);
     Vec dot[R][NV];  // the group's q . x, scaled by each 32 columns' s
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) dot[r][v] = Vec(0.f);
@@ -707,23 +709,25 @@ void mm(const float* x, const float* xsum, const int16_t* xq, const float* xs, c
       const int64_t valid = std::min(TILE, N - t * TILE);
       float* yt = y + t * TILE;
       // R rows from row m, A accumulators a row for the fp32 product; int8 reads no sums of the
-      // activations (no offsets): xsum is null.
-      const auto rows = [&](auto r, auto a, int64_t m) {
+      // activations (no offsets): xsum is null. ONCE: the tile's only pass (one row).
+      const auto rows_once = [&](auto r, auto a, int64_t m, auto once) {
         constexpr int R = decltype(r)::value, A = decltype(a)::value;
+        constexpr bool ONCE = decltype(once)::value;
         const float* xsm = xsum == nullptr ? nullptr : xsum + m * ng;
 #ifdef LOCALLLM_Q16
         if constexpr (KIND != Codes::Int8) {
           if (xq != nullptr) {
-            tile_rows_q16<R, KIND>(xq + m * K, K, xs + m * (K / XQ), xsm, wt, K, G, yt + m * N, N, valid);
+            tile_rows_q16<R, KIND, ONCE>(xq + m * K, K, xs + m * (K / XQ), xsm, wt, K, G, yt + m * N, N, valid);
             return;
           }
         }
 #endif
-        tile_rows<R, A, KIND>(x + m * K, K, xsm, wt, K, G, yt + m * N, N, valid);
+        tile_rows<R, A, KIND, ONCE>(x + m * K, K, xsm, wt, K, G, yt + m * N, N, valid);
       };
+      const auto rows = [&](auto r, auto a, int64_t m) { rows_once(r, a, m, std::false_type{}); };
       using std::integral_constant;
       if (M == 1) {
-        rows(integral_constant<int, 1>{}, integral_constant<int, A1>{}, 0);
+        rows_once(integral_constant<int, 1>{}, integral_constant<int, A1>{}, 0, std::true_type{});
         continue;
       }
       int64_t m = 0;
