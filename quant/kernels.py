@@ -69,6 +69,15 @@ class Kernel:
     #: for a model's int4 layers and its int8 head).
     opt_in = False
     family = ""
+    #: Activation rows up to which :meth:`matmul` runs a row (decode) kernel, and above which another
+    #: path (the panel GEMM); None: one path for any number of rows.
+    GEMV_ROWS: int | None = None
+
+    @classmethod
+    def row_limit(cls, layer: "QuantLinear") -> int | None:
+        """The number of activation rows up to which ``layer``'s product takes the row kernel (an export
+        bakes that choice in: :func:`runtime.compiled_step.batch_ranges` cuts its packages there)."""
+        return cls.GEMV_ROWS
 
     @classmethod
     def supports(cls, layer: "QuantLinear", target: "Target | torch.device", act_dtype: torch.dtype) -> bool:
@@ -851,20 +860,28 @@ class GGUFBlocksCPU(Kernel):
             out[k] = out[k].view(torch.uint8).view(out[k].shape[0], out[k].shape[1], 4 * tile)
         return out
 
+    @classmethod
+    def row_limit(cls, layer):  # type: ignore[no-untyped-def]
+        """Repacked layers (Q5_0, Q4_K, Q6_K) take the tile kernels' rows (:class:`Int4GroupCPU`'s);
+        the file's own blocks, the block-decoding kernel's."""
+        repacked = any(hasattr(layer, name) for name in ("sub_scales", "supers", "fifth"))
+        return Int4GroupCPU.GEMV_ROWS if repacked else cls.GEMV_ROWS
+
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         ops = torch.ops.localllm
+        rows = x.shape[0] <= GGUFBlocksCPU.row_limit(layer)
         if hasattr(layer, "sub_scales"):  # Q6_K, repacked (q6_k_pack)
-            op = ops.int6k_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int6k_group_gemm
+            op = ops.int6k_group_mm if rows else ops.int6k_group_gemm
             return op(x, layer.packed, layer.top, layer.sub_scales, layer.supers, layer.out_features)
         if hasattr(layer, "supers"):  # Q4_K, repacked (q4_k_pack)
-            op = ops.int4k_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int4k_group_gemm
+            op = ops.int4k_group_mm if rows else ops.int4k_group_gemm
             return op(x, layer.packed, layer.mins, layer.supers, layer.out_features)
         if hasattr(layer, "fifth"):  # Q5_0, repacked (int5_pack): the int4 kernel's register rows and panels
-            op = ops.int5_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int5_group_gemm
+            op = ops.int5_group_mm if rows else ops.int5_group_gemm
             return op(x, layer.packed, layer.fifth, layer.tile_scales, layer.out_features)
         kind = GGUF_BLOCKS[layer.scheme.gguf_type][0]
-        op = ops.gguf_mm if x.shape[0] <= GGUFBlocksCPU.GEMV_ROWS else ops.gguf_gemm
+        op = ops.gguf_mm if rows else ops.gguf_gemm
         return op(x, layer.blocks, kind, layer.in_features)
 
 

@@ -206,10 +206,11 @@ class _Step(nn.Module):
 
 def batch_ranges(model: Transformer) -> list[tuple[int, int]]:
     """The batch sizes one package each covers. A quantized linear picks its kernel by the number of
-    rows (``GEMV_ROWS``: row kernels below, the panel GEMM above), a choice export bakes in; and a
-    batch of one is a shape of its own to export. So: 1, then the spans between the thresholds."""
-    cuts = sorted({k.GEMV_ROWS for m in model.modules() if (k := getattr(m, "kernel", None)) is not None
-                   and isinstance(getattr(k, "GEMV_ROWS", None), int) and 1 <= k.GEMV_ROWS < MAX_BATCH})
+    rows (``Kernel.row_limit`` of each layer: row kernels up to it, the panel GEMM above), a choice
+    export bakes in; and a batch of one is a shape of its own to export. So: 1, then the spans
+    between the thresholds."""
+    cuts = sorted({n for m in model.modules() if (k := getattr(m, "kernel", None)) is not None
+                   and isinstance(n := k.row_limit(m), int) and 1 <= n < MAX_BATCH})
     los = [1, 2, *(c + 1 for c in cuts if c >= 2)]
     his = [1, *(c for c in cuts if c >= 2), MAX_BATCH]
     return list(zip(los, his))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from localllm.loaders.load import load_model
+from localllm.quant import kernels
 from localllm.runtime import compiled_step
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.compiled_step import MAX_BATCH, CompiledDecode, PackageMissing, batch_ranges
@@ -101,10 +102,10 @@ def margins(engine: BatchEngine, prompt: list[int], tokens: list[int]) -> float:
 def test_batch_ranges_follow_the_kernels_row_thresholds():
     """Kernels pick their path by row count; export bakes the choice in: one package per span."""
 
-    class Kernel:
+    class Kernel(kernels.Kernel):
         GEMV_ROWS = 4
 
-    class Other:
+    class Other(kernels.Kernel):
         GEMV_ROWS = 16
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
@@ -112,6 +113,13 @@ def test_batch_ranges_follow_the_kernels_row_thresholds():
     assert batch_ranges(model) == [(1, 1), (2, 4), (5, 16), (17, MAX_BATCH)]
     model[0].kernel = model[1].kernel = None
     assert batch_ranges(model) == [(1, 1), (2, MAX_BATCH)]
+    # A GGUF layer repacked into tiles (Gemma 3's Q5_0, Q4_K, Q6_K) takes the tile kernels' rows, not
+    # the block kernel's: cut at the file's blocks' 16 alone, its 5-8 row package failed to export.
+    model[0].kernel = model[1].kernel = kernels.GGUFBlocksCPU
+    assert batch_ranges(model) == [(1, 1), (2, 16), (17, MAX_BATCH)]
+    model[1].fifth = torch.zeros(1)
+    assert batch_ranges(model) == [(1, 1), (2, kernels.Int4GroupCPU.GEMV_ROWS),
+                                   (kernels.Int4GroupCPU.GEMV_ROWS + 1, 16), (17, MAX_BATCH)]
 
 
 @needs_compiler
