@@ -279,15 +279,11 @@ inline void float_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
 // stream of memory, but a decode step reads each layer once from L3 or DRAM, between other layers'
 // reads: the hardware prefetchers alone left each layer waiting on memory. Written as an asm
 // statement: GCC dropped the _mm_prefetch intrinsic from some of the row kernels it inlined (a
-// 640 x 262144 Q8_0 product took 15 ms instead of 10.5 on one row). Non-temporal for one activation
-// row (ONCE), as tile_mm.cpp's are: read once a step, the weights would evict what the next step reuses.
-template <int64_t BYTES, bool ONCE>
+// 640 x 262144 Q8_0 product took 15 ms instead of 10.5 on one row).
+template <int64_t BYTES>
 inline void prefetch_block(const uint8_t* block) {
 #if defined(__SSE2__)
-  for (int64_t o = 0; o < BYTES; o += 64) {
-    if constexpr (ONCE) asm volatile("prefetchnta %0" : : "m"(*(block + o + PREFETCH)));
-    else asm volatile("prefetcht0 %0" : : "m"(*(block + o + PREFETCH)));
-  }
+  for (int64_t o = 0; o < BYTES; o += 64) asm volatile("prefetcht0 %0" : : "m"(*(block + o + PREFETCH)));
 #endif
 }
 
@@ -311,7 +307,7 @@ constexpr int64_t MAX_M = 8;  // activation rows sharing each decoded block
 // row, so consecutive FMAs need not wait on each other), the offsets summed apart, all added at the
 // end; so a row's result does not depend on which rows share the call (a speculative verify step's rows
 // get the bits a one-row decode step gives).
-template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB, int R, bool ONCE = false>
+template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB, int R>
 void row_blocks(const float* x, int64_t K, const float* xsum, int64_t nsub, const uint8_t* wn, int64_t nb,
                 float* out) {
   using namespace localllm::panel;
@@ -327,7 +323,7 @@ void row_blocks(const float* x, int64_t K, const float* xsum, int64_t nsub, cons
   // Block bi; ODD: whether it is an odd block (the chain of a one-sub-block type's sums).
   const auto add_block = [&](int64_t bi, auto odd) __attribute__((always_inline)) {
     const uint8_t* b = wn + bi * BYTES;
-    prefetch_block<BYTES, ONCE>(b);
+    prefetch_block<BYTES>(b);
     const bool has_offset = decode(TYPE, b, q, scale, offset);  // a constant: decode is inlined for TYPE
     codes_in_memory<BLOCK>();
 #pragma GCC unroll 16
@@ -373,7 +369,7 @@ void mm_blocks(const float* x, const float* xsum, const uint8_t* w, int64_t M, i
     for (const auto n : c10::irange(begin, end)) {
       const uint8_t* wn = w + n * row_bytes;
       if (M == 1) {  // a decode step's one row: straight to y
-        row_blocks<TYPE, BLOCK, BYTES, SUB, 1, true>(x, K, xsum, nsub, wn, nb, y + n);
+        row_blocks<TYPE, BLOCK, BYTES, SUB, 1>(x, K, xsum, nsub, wn, nb, y + n);
         continue;
       }
       for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {

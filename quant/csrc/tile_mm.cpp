@@ -103,14 +103,6 @@ static_assert(TILE % VS == 0, "a tile must be whole vectors");
 #ifndef PREFETCH
 #define PREFETCH 2048
 #endif
-// A product of one activation row (ONCE: a decode step of one sequence) prefetches its weights
-// non-temporally: it reads each weight once, and its tens to hundreds of MB (the large-vocabulary head
-// alone: 178 MB on Gemma 3) would otherwise pass through the caches and evict what the next step
-// reuses: the KV pool's rows, the activations, the interpreter's own working set. (On a 2-core Zen 3,
-// steps alternating the hint: Gemma 3's and SmolLM2's decode steps a percent or two faster with it.)
-// Several rows read a tile once per pass of MC rows, and want it kept for the next pass: there the
-// non-temporal hint made batched steps slower, and they keep prefetcht0.
-#define WEIGHT_HINT (ONCE ? _MM_HINT_NTA : _MM_HINT_T0)
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t MC = 4;  // activation rows sharing a decoded column (32 registers)
 #else
@@ -418,20 +410,20 @@ inline void with_octet(const TileWeights& t, int64_t G, int64_t g, int64_t c, co
 
 
 // Group g's scales, offsets and top bits a few tiles ahead (a cache line holds two groups' scales).
-template <Codes KIND, bool ONCE>
+template <Codes KIND>
 inline void prefetch_scales(const TileWeights& t, int64_t g) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if (g % 2 == 0) {
     if (KIND == Codes::Int4K || KIND == Codes::Int6K) {
       _mm_prefetch(reinterpret_cast<const char*>(t.mins + g * (KIND == Codes::Int4K ? 2 : 1) * TILE) + PREFETCH / 4,
-                   WEIGHT_HINT);
+                   _MM_HINT_T0);
     } else {
-      _mm_prefetch(reinterpret_cast<const char*>(t.s + g * t.sstep) + PREFETCH / 4, WEIGHT_HINT);
-      if (t.o != nullptr) _mm_prefetch(reinterpret_cast<const char*>(t.o + g * TILE) + PREFETCH / 4, WEIGHT_HINT);
+      _mm_prefetch(reinterpret_cast<const char*>(t.s + g * t.sstep) + PREFETCH / 4, _MM_HINT_T0);
+      if (t.o != nullptr) _mm_prefetch(reinterpret_cast<const char*>(t.o + g * TILE) + PREFETCH / 4, _MM_HINT_T0);
     }
   }
   if (top_bits<KIND>() > 0)
-    _mm_prefetch(reinterpret_cast<const char*>(t.top + g * OCTET_BYTES) + PREFETCH / 4, WEIGHT_HINT);
+    _mm_prefetch(reinterpret_cast<const char*>(t.top + g * OCTET_BYTES) + PREFETCH / 4, _MM_HINT_T0);
 #endif
 }
 
@@ -439,7 +431,7 @@ inline void prefetch_scales(const TileWeights& t, int64_t g) {
 // columns of a dword: column k of a group goes to accumulator k % A).
 //   x (R, K) rows ldx apart; xsum (R, K/G) rows ng apart (int8: unused); y: R rows ldy apart, 16
 //   columns of which ``valid`` are written.
-template <int R, int A, Codes KIND, bool ONCE = false>
+template <int R, int A, Codes KIND>
 void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights& t, int64_t K, int64_t G,
                float* y, int64_t ldy, int64_t valid) {
   constexpr int COLS = cols_of<KIND>();
@@ -457,11 +449,11 @@ void tile_rows(const float* x, int64_t ldx, const float* xsum, const TileWeights
         for (int v = 0; v < NV; ++v) dot[(r * A + a) * NV + v] = Vec(0.f);
     const float* xg = x + g * G;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    prefetch_scales<KIND, ONCE>(t, g);
+    prefetch_scales<KIND>(t, g);
 #endif
     for (int64_t c = 0; c < octets; ++c) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-      _mm_prefetch(reinterpret_cast<const char*>(t.w + (g * octets + c) * OCTET_BYTES + PREFETCH), WEIGHT_HINT);
+      _mm_prefetch(reinterpret_cast<const char*>(t.w + (g * octets + c) * OCTET_BYTES + PREFETCH), _MM_HINT_T0);
 #endif
       const float* xc = xg + c * COLS;
       with_octet<KIND>(t, G, g, c, [&](const auto& q) {
@@ -593,7 +585,7 @@ struct Pairs<KIND, BITS> {
 // tile_rows with int16 activations: xq (R, K) int16 rows ldx apart (quantize_rows), xs (R, K/32)
 // their scales rows K/32 apart; the rest as tile_rows. G is a multiple of 32, or divides it (Int6K's
 // 16: two groups share an activation scale).
-template <int R, Codes KIND, bool ONCE = false>
+template <int R, Codes KIND>
 void tile_rows_q16(const int16_t* xq, int64_t ldx, const float* xs, const float* xsum, const TileWeights& t,
                    int64_t K, int64_t G, float* y, int64_t ldy, int64_t valid) {
   const int64_t ng = K / G, octets = G / OCTET, nxs = K / XQ;
@@ -601,7 +593,7 @@ void tile_rows_q16(const int16_t* xq, int64_t ldx, const float* xs, const float*
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NV; ++v) tot[r][v] = Vec(0.f);
   for (int64_t g = 0; g < ng; ++g) {
-    prefetch_scales<KIND, ONCE>(t, g);
+    prefetch_scales<KIND>(t, g);
     Vec dot[R][NV];  // the group's q . x, scaled by each 32 columns' s
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) dot[r][v] = Vec(0.f);
@@ -612,7 +604,7 @@ void tile_rows_q16(const int16_t* xq, int64_t ldx, const float* xs, const float*
         for (int v = 0; v < NV; ++v) acc[r][v] = ivec_zero();
       for (int64_t c = c0; c < c0 + step; ++c) {
         const uint8_t* p = t.w + (g * octets + c) * OCTET_BYTES;
-        _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, WEIGHT_HINT);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH, _MM_HINT_T0);
         const Pairs<KIND> q(p, top_bits<KIND>() > 0 ? t.top + g * OCTET_BYTES : nullptr, static_cast<int>(c));
         const int16_t* xc = xq + g * G + c * OCTET;
         each_column<4>([&](auto pair) {
@@ -709,25 +701,23 @@ void mm(const float* x, const float* xsum, const int16_t* xq, const float* xs, c
       const int64_t valid = std::min(TILE, N - t * TILE);
       float* yt = y + t * TILE;
       // R rows from row m, A accumulators a row for the fp32 product; int8 reads no sums of the
-      // activations (no offsets): xsum is null. ONCE: the tile's only pass (one row).
-      const auto rows_once = [&](auto r, auto a, int64_t m, auto once) {
+      // activations (no offsets): xsum is null.
+      const auto rows = [&](auto r, auto a, int64_t m) {
         constexpr int R = decltype(r)::value, A = decltype(a)::value;
-        constexpr bool ONCE = decltype(once)::value;
         const float* xsm = xsum == nullptr ? nullptr : xsum + m * ng;
 #ifdef LOCALLLM_Q16
         if constexpr (KIND != Codes::Int8) {
           if (xq != nullptr) {
-            tile_rows_q16<R, KIND, ONCE>(xq + m * K, K, xs + m * (K / XQ), xsm, wt, K, G, yt + m * N, N, valid);
+            tile_rows_q16<R, KIND>(xq + m * K, K, xs + m * (K / XQ), xsm, wt, K, G, yt + m * N, N, valid);
             return;
           }
         }
 #endif
-        tile_rows<R, A, KIND, ONCE>(x + m * K, K, xsm, wt, K, G, yt + m * N, N, valid);
+        tile_rows<R, A, KIND>(x + m * K, K, xsm, wt, K, G, yt + m * N, N, valid);
       };
-      const auto rows = [&](auto r, auto a, int64_t m) { rows_once(r, a, m, std::false_type{}); };
       using std::integral_constant;
       if (M == 1) {
-        rows_once(integral_constant<int, 1>{}, integral_constant<int, A1>{}, 0, std::true_type{});
+        rows(integral_constant<int, 1>{}, integral_constant<int, A1>{}, 0);
         continue;
       }
       int64_t m = 0;
