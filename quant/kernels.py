@@ -870,18 +870,18 @@ class GGUFBlocksCPU(Kernel):
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
         ops = torch.ops.localllm
-        rows = x.shape[0] <= GGUFBlocksCPU.row_limit(layer)
+        row_kernel = x.shape[0] <= GGUFBlocksCPU.row_limit(layer)
         if hasattr(layer, "sub_scales"):  # Q6_K, repacked (q6_k_pack)
-            op = ops.int6k_group_mm if rows else ops.int6k_group_gemm
+            op = ops.int6k_group_mm if row_kernel else ops.int6k_group_gemm
             return op(x, layer.packed, layer.top, layer.sub_scales, layer.supers, layer.out_features)
         if hasattr(layer, "supers"):  # Q4_K, repacked (q4_k_pack)
-            op = ops.int4k_group_mm if rows else ops.int4k_group_gemm
+            op = ops.int4k_group_mm if row_kernel else ops.int4k_group_gemm
             return op(x, layer.packed, layer.mins, layer.supers, layer.out_features)
         if hasattr(layer, "fifth"):  # Q5_0, repacked (int5_pack): the int4 kernel's register rows and panels
-            op = ops.int5_group_mm if rows else ops.int5_group_gemm
+            op = ops.int5_group_mm if row_kernel else ops.int5_group_gemm
             return op(x, layer.packed, layer.fifth, layer.tile_scales, layer.out_features)
         kind = GGUF_BLOCKS[layer.scheme.gguf_type][0]
-        op = ops.gguf_mm if rows else ops.gguf_gemm
+        op = ops.gguf_mm if row_kernel else ops.gguf_gemm
         return op(x, layer.blocks, kind, layer.in_features)
 
 
