@@ -279,7 +279,7 @@ inline void float_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
 // stream of memory, but a decode step reads each layer once from L3 or DRAM, between other layers'
 // reads: the hardware prefetchers alone left each layer waiting on memory. Written as an asm
 // statement: GCC dropped the _mm_prefetch intrinsic from some of the row kernels it inlined (a
-// 640 x 262144 Q8_0 product took 15 ms instead of 10.5 on one row).
+// 640 x 262144 Q8_0 product took 15 ms instead of 10.5 on one row). prefetcht0, as tile_mm.cpp says why.
 template <int64_t BYTES>
 inline void prefetch_block(const uint8_t* block) {
 #if defined(__SSE2__)
