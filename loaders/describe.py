@@ -11,11 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from localllm.errors import LocalLLMError
 from localllm.loaders.store import Store, StoredModel
 from localllm.paths import DEFAULT_MODEL
+from localllm.runtime.kv_pool import cache_bytes, sequence_bytes
 
-CACHE_VALUE_BYTES = 2  # fp16 / bf16 KV cache
+#: ``show``'s KV cache figures are a 16-bit cache's: bf16 keys and values.
+CACHE_DTYPE = torch.bfloat16
 _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -38,9 +42,9 @@ def describe(config: Any, *, name: str | None, path: Path, scheme: Any, dtype: s
         "quant": scheme.to_dict() if scheme is not None else None,
         "quantized_modules": quantized,
         "weight_bytes": weight_bytes,
-        "kv_cache_bytes_per_token": config.kv_cache_bytes(1, CACHE_VALUE_BYTES),
+        "kv_cache_bytes_per_token": cache_bytes(config, 1, CACHE_DTYPE),
         # One sequence's cache at the full context: sliding layers hold only their window.
-        "kv_cache_bytes_context": config.sequence_cache_bytes(config.max_seq_len, CACHE_VALUE_BYTES),
+        "kv_cache_bytes_context": sequence_bytes(config, config.max_seq_len, CACHE_DTYPE),
         "sliding_window": config.sliding_window,
         "sliding_layers": (sum(config.layer_window(i) is not None for i in range(config.n_layers))
                            if config.sliding_window else 0),

@@ -6,7 +6,7 @@ A plan has five parts (bytes):
   code that loads it (:func:`loaders.load.model_tensors`, per-module schemes, a GGUF's exact blocks,
   fused projections, a tied int8 head serving as the embedding), float tensors in the activation dtype;
 * ``kv_cache``: one sequence's cache of ``ctx`` positions times ``concurrency``, in the KV dtype, sliding
-  layers at their window (:meth:`runtime.config.ModelConfig.sequence_cache_bytes`), and the RoPE tables
+  layers at their window (:func:`runtime.kv_pool.sequence_bytes`), and the RoPE tables
   of ``ctx`` positions beside it;
 * ``activations``: the largest transient of one forward: a prompt of ``prefill_tokens`` (default: the
   whole context, which ``run``'s one-sequence engine prefills as one chunk: :func:`runtime.engine.sequence_engine`) through an attention
@@ -32,6 +32,9 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.format import human_size
+from localllm.runtime.cache import DEFAULT_KV_DTYPE, check_kv_dtype, head_row_bytes
+from localllm.runtime.config import ModelConfig
+from localllm.runtime.kv_pool import sequence_bytes
 
 #: The environment variable that replaces the memory probe (bytes or a size such as ``2GB``).
 AVAILABLE_ENV = "LOCALLLM_AVAILABLE_MEMORY"
@@ -53,10 +56,6 @@ OVERHEAD_BYTES = {"cpu": 64_000_000, "cuda": 64_000_000}
 
 #: The context ``localllm run`` gives a model when ``--ctx`` is not given (at most the model's own).
 RUN_DEFAULT_CTX = 4096
-
-#: Bytes per cached value of each KV dtype; "auto" (runtime.cache's "16bit") is the activation dtype. int8 values carry one fp32
-#: scale per token and head (4 / head_dim bytes per value, added in :func:`kv_bytes_per_value`).
-KV_DTYPE_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "int8": 1}
 
 #: Context lengths ``show`` plans for (those below the model's own, and the model's own).
 SHOW_CONTEXTS = (2048, 8192, 32768)
@@ -80,7 +79,7 @@ class MemoryPlan:
     concurrency: int
     kv_dtype: str
     device: str
-    #: The activation dtype (fp32, bf16...): float weights, the "auto" KV cache and activations are in it.
+    #: The activation dtype (fp32, bf16...): float weights, the "16bit" KV cache and activations are in it.
     dtype: str
     weights: int
     kv_cache: int
@@ -143,22 +142,18 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 # --------------------------------------------------------------------------- the parts
 def kv_bytes_per_value(kv_dtype: str, act_dtype: torch.dtype, head_dim: int) -> float:
-    """Bytes per cached key or value element (an int8 cache: its scales included)."""
-    if kv_dtype in ("auto", "16bit"):  # the cache in the activation dtype (runtime.cache's "16bit")
-        return float(torch.empty(0, dtype=act_dtype).element_size())
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise LocalLLMError(f"unknown KV cache dtype '{kv_dtype}'", "use auto, fp32, fp16, bf16 or int8")
-    size = float(KV_DTYPE_BYTES[kv_dtype])
-    return size + 4 / head_dim if kv_dtype == "int8" else size
+    """Bytes per cached key or value element (an int8 cache: its scales included), from
+    :func:`runtime.cache.head_row_bytes`."""
+    return head_row_bytes(kv_dtype, act_dtype, head_dim) / head_dim
 
 
-def kv_cache_bytes(config: Any, ctx: int, concurrency: int, bytes_per_value: float, act_size: int) -> int:
-    """``concurrency`` sequences' caches of ``ctx`` positions (sliding layers at their window), and the
-    RoPE tables (cos and sin, ``ctx`` x rotary dims, local ones beside global ones when a model has both)."""
-    values = config.sequence_cache_bytes(ctx, 1, concurrency)  # one byte per value: the value count
+def kv_cache_bytes(config: ModelConfig, ctx: int, concurrency: int, kv_dtype: str, act_dtype: torch.dtype) -> int:
+    """``concurrency`` sequences' caches of ``ctx`` positions (sliding layers at their window:
+    :func:`runtime.kv_pool.sequence_bytes`), and the RoPE tables (cos and sin, ``ctx`` x rotary dims,
+    local ones beside global ones when a model has both)."""
     tables = 2 if config.rope_local_theta is not None else 1
-    rope = tables * 2 * ctx * config.rotary_dim * act_size
-    return int(values * bytes_per_value) + rope
+    rope = tables * 2 * ctx * config.rotary_dim * act_dtype.itemsize
+    return sequence_bytes(config, ctx, act_dtype, kv_dtype, concurrency) + rope
 
 
 def activation_bytes(config: Any, tokens: int, concurrency: int, act_size: int) -> int:
@@ -194,11 +189,10 @@ def gpu_kv_budget(config: Any, act_dtype: torch.dtype, kv_dtype: str, parallel: 
     (``chunk_tokens`` prompt tokens beside ``parallel`` decode rows) and :data:`GPU_RESERVE` of it.
     At least one block's worth is asked for: a pool too small for a request refuses it with the fix."""
     act = act_dtype.itemsize
-    per_value = kv_bytes_per_value(kv_dtype, act_dtype, config.head_dim)
     ctx = min(config.max_seq_len, RUN_DEFAULT_CTX)
-    wanted = kv_cache_bytes(config, ctx, parallel, per_value, act)
+    wanted = kv_cache_bytes(config, ctx, parallel, kv_dtype, act_dtype)
     room = int(free * (1 - GPU_RESERVE)) - activation_bytes(config, chunk_tokens + parallel, parallel, act)
-    return max(min(wanted, room), kv_cache_bytes(config, 16, 1, per_value, act))
+    return max(min(wanted, room), kv_cache_bytes(config, 16, 1, kv_dtype, act_dtype))
 
 
 # --------------------------------------------------------------------------- the model's weights
@@ -255,11 +249,11 @@ def footprint(ckpt: Any, quant: str | None = None, *, group_size: int | None = N
     return Footprint(ckpt.config, label, meta_weight_bytes(model, act), act, dev)
 
 
-def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = "auto",
+def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = DEFAULT_KV_DTYPE,
              prefill_tokens: int | None = None, available: tuple[int, str] | None = None) -> MemoryPlan:
     """The plan of a footprint at ``ctx`` (cheap: no model is built)."""
     config, act_size = fp.config, fp.act_dtype.itemsize
-    per_value = kv_bytes_per_value(kv_dtype, fp.act_dtype, config.head_dim)
+    kv_dtype = check_kv_dtype(kv_dtype)
     tokens = min(prefill_tokens if prefill_tokens is not None else ctx, ctx)
     avail, source = available if available is not None else available_memory(fp.device)
     dev = fp.device.type
@@ -267,7 +261,7 @@ def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = "
         scheme=fp.scheme, ctx=ctx, concurrency=concurrency, kv_dtype=kv_dtype, device=str(fp.device),
         dtype=str(fp.act_dtype).removeprefix("torch."),
         weights=fp.weights,
-        kv_cache=kv_cache_bytes(config, ctx, concurrency, per_value, act_size),
+        kv_cache=kv_cache_bytes(config, ctx, concurrency, kv_dtype, fp.act_dtype),
         activations=activation_bytes(config, tokens, concurrency, act_size),
         overhead=OVERHEAD_BYTES.get(dev, OVERHEAD_BYTES["cuda"]),
         runtime=RUNTIME_BYTES.get(dev, 0),
@@ -276,7 +270,7 @@ def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = "
 
 
 def plan_memory(ckpt_or_ref: Any, quant: str | None = None, ctx: int | None = None, *, concurrency: int = 1,
-                kv_dtype: str = "auto", device: str = "auto", dtype: str = "auto", group_size: int | None = None,
+                kv_dtype: str = DEFAULT_KV_DTYPE, device: str = "auto", dtype: str = "auto", group_size: int | None = None,
                 quantize_head: str | bool | None = None, prefill_tokens: int | None = None) -> MemoryPlan:
     """The plan for running ``ckpt_or_ref`` (a reference as ``run`` takes it, or an opened checkpoint) in
     ``quant`` (None: the checkpoint's own) with a context of ``ctx`` (None: ``run``'s default)."""
@@ -336,7 +330,7 @@ def cheapest_fix(ckpt: Any, plan: MemoryPlan, fp: Footprint, *, kv_cache_flag: b
 
 
 def check_memory(ref: str, *, quant: str | None = None, ctx: int | None = None, concurrency: int = 1,
-                 kv_dtype: str = "auto", device: str = "auto", dtype: str = "auto", group_size: int | None = None,
+                 kv_dtype: str = DEFAULT_KV_DTYPE, device: str = "auto", dtype: str = "auto", group_size: int | None = None,
                  quantize_head: str | bool | None = None, kv_cache_flag: bool = False) -> MemoryPlan:
     """The plan for running ``ref``; a :class:`LocalLLMError` with its numbers and the cheapest fix when
     it does not fit."""

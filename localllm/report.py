@@ -6,7 +6,8 @@ import click
 import torch
 
 from localllm.format import human_size
-from localllm.runtime.cache import kv_element, kv_label
+from localllm.runtime.cache import kv_label
+from localllm.runtime.kv_pool import cache_bytes, sequence_bytes
 from localllm.runtime.batch import GenerationStats
 
 
@@ -44,8 +45,7 @@ def describe_model(lm, ctx: int, kv_dtype: str = "16bit") -> None:  # type: igno
     act = str(lm.dtype).removeprefix("torch.")
     kernels = ", ".join(f"{name} x{n}" for name, n in sorted(lm.kernels.items())) or "torch (float)"
     # a generator's cache holds the activations' dtype, float16, or int8 codes and their scales
-    per_value = kv_element(kv_dtype, lm.model.dtype)
-    kv = lm.config.sequence_cache_bytes(ctx, per_value)
+    kv = sequence_bytes(lm.config, ctx, lm.model.dtype, kv_dtype)
     kv_kind = kv_label(kv_dtype, lm.model.dtype)
     click.echo(f"model:   {lm.source}", err=True)
     threads = torch.get_num_threads()
@@ -55,4 +55,4 @@ def describe_model(lm, ctx: int, kv_dtype: str = "16bit") -> None:  # type: igno
     for kind, became in lm.tensor_import.items():  # a GGUF: what each tensor type became
         click.echo(f"tensors: {kind}: {became}", err=True)
     click.echo(f"kv cache: {human_size(kv)} for {ctx} tokens ({kv_kind}, "
-               f"{human_size(lm.config.kv_cache_bytes(1, per_value))} per token)", err=True)
+               f"{human_size(cache_bytes(lm.config, 1, lm.model.dtype, kv_dtype))} per token)", err=True)

@@ -29,12 +29,16 @@ from localllm.errors import LocalLLMError
 #: the extra bf16 roundings of rotated queries and dequantized keys cost more than the int8 grid.
 KV_DTYPES = ("16bit", "fp16", "int8")
 DEFAULT_KV_DTYPE = "16bit"
+#: Other spellings taken for these types: "auto" is the memory plan's name of the activations' cache.
+KV_DTYPE_ALIASES = {"auto": "16bit"}
 #: The largest int8 code of the symmetric grid: codes are -127 .. 127, x ~= code * absmax / 127.
 Q8_MAX = 127.0
 
 
 def check_kv_dtype(kv_dtype: str) -> str:
-    """``kv_dtype`` when it is one of :data:`KV_DTYPES`; else the user-facing error."""
+    """``kv_dtype``'s name in :data:`KV_DTYPES` (an alias of :data:`KV_DTYPE_ALIASES` as the name it
+    stands for); else the user-facing error."""
+    kv_dtype = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype)
     if kv_dtype not in KV_DTYPES:
         raise LocalLLMError(f"unknown KV cache type {kv_dtype!r}", f"use one of: {', '.join(KV_DTYPES)}")
     return kv_dtype
@@ -119,7 +123,7 @@ def quantize_pair(k: torch.Tensor, v: torch.Tensor) -> tuple[QuantKV, QuantKV]:
 def kv_storage(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
     """The element dtype of a float cache of ``kv_dtype`` under ``dtype`` activations. Refuses an fp16
     cache under bf16 activations (attention would round each row to bf16 again: use 16bit)."""
-    if kv_dtype != "fp16":
+    if check_kv_dtype(kv_dtype) != "fp16":
         return dtype
     if dtype == torch.bfloat16:
         raise LocalLLMError("an fp16 KV cache is for float32 (or float16) activations, not bfloat16",
@@ -127,14 +131,20 @@ def kv_storage(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float16
 
 
-def kv_element(kv_dtype: str, dtype: torch.dtype) -> int | str:
-    """What one cached value costs, as :meth:`runtime.config.ModelConfig.kv_cache_bytes` takes it."""
-    return "int8" if kv_dtype == "int8" else kv_storage(kv_dtype, dtype).itemsize
+def head_row_bytes(kv_dtype: str, dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes of one token's keys (or values) in one kv head of a ``kv_dtype`` cache under ``dtype``
+    activations: ``head_dim`` elements of the cache's dtype, or for int8 a byte each and the row's fp32
+    scale. Every KV byte count (:mod:`runtime.kv_pool`'s) is made of these."""
+    if check_kv_dtype(kv_dtype) == "int8":
+        return head_dim + 4
+    return head_dim * kv_storage(kv_dtype, dtype).itemsize
 
 
 def kv_label(kv_dtype: str, dtype: torch.dtype) -> str:
     """The cache's elements in words ("float32", "float16", "int8 + fp32 scales")."""
-    return "int8 + fp32 scales" if kv_dtype == "int8" else str(kv_storage(kv_dtype, dtype)).removeprefix("torch.")
+    if check_kv_dtype(kv_dtype) == "int8":
+        return "int8 + fp32 scales"
+    return str(kv_storage(kv_dtype, dtype)).removeprefix("torch.")
 
 
 def empty_kv(shape: tuple[int, ...], kv_dtype: str, dtype: torch.dtype,

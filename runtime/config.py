@@ -127,24 +127,6 @@ class ModelConfig:
         """Dims of each head that RoPE rotates (even)."""
         return int(self.head_dim * self.partial_rotary) // 2 * 2  # type: ignore[operator]
 
-    def kv_row_bytes(self, kv: int | str) -> int:
-        """Bytes of one token's keys (or values) in one layer. ``kv``: the element size of a float cache
-        in bytes ("16bit": 2), or "int8": a byte per value plus an fp32 scale per kv head."""
-        if kv == "int8":
-            return self.n_kv_heads * (self.head_dim + 4)  # type: ignore[operator]
-        if kv == "16bit":
-            kv = 2
-        if not isinstance(kv, int):
-            raise ValueError(f"a KV cache element is a size in bytes, '16bit' or 'int8', not {kv!r}")
-        return self.kv_dim * kv
-
-    def sequence_cache_bytes(self, tokens: int, bytes_per_value: int | str, batch: int = 1) -> int:
-        """Bytes of one sequence's keys and values at ``tokens`` positions (``bytes_per_value``: as
-        :meth:`kv_row_bytes` takes it): a sliding layer holds at most its window (the paged pool gives
-        its other blocks back, give or take a partial block at each end)."""
-        per_layer = [min(tokens, w) if (w := self.layer_window(i)) else tokens for i in range(self.n_layers)]
-        return 2 * sum(per_layer) * self.kv_row_bytes(bytes_per_value) * batch
-
     @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim  # type: ignore[operator]
@@ -153,11 +135,19 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim  # type: ignore[operator]
 
-    def kv_cache_bytes(self, tokens: int, bytes_per_value: int | str, batch: int = 1) -> int:
-        """Bytes of a KV cache of ``tokens`` positions: ``2 * layers * kv_heads * head_dim * bytes`` for
-        an element size in bytes (or "16bit"); for "int8" a byte per value plus an fp32 scale per token
-        and kv head (:meth:`kv_row_bytes`)."""
-        return 2 * self.n_layers * self.kv_row_bytes(bytes_per_value) * tokens * batch
+    def kv_cache_bytes(self, tokens: int, element: int | str, batch: int = 1) -> int:
+        """:func:`runtime.kv_pool.cache_bytes` (where KV bytes are counted) for a caller that names the
+        cache's element by its size in bytes (4 or 2: a float cache) or by its KV type ("16bit": 2
+        bytes, "int8") rather than by a KV type and the activations' dtype."""
+        import torch
+
+        from localllm.runtime.kv_pool import cache_bytes
+
+        floats = {4: torch.float32, 2: torch.bfloat16, "16bit": torch.bfloat16}
+        if element not in floats and element != "int8":
+            raise ValueError(f"a KV cache element is a size in bytes (4 or 2), '16bit' or 'int8', not {element!r}")
+        kv_dtype = "int8" if element == "int8" else "16bit"
+        return cache_bytes(self, tokens, floats.get(element, torch.float32), kv_dtype, batch)
 
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""

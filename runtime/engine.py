@@ -13,15 +13,15 @@ incrementally (never half a UTF-8 character) and cut at stop strings without pri
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from localllm.runtime.batch import BatchEngine, GenerationStats, TokenLogprob
+from localllm.runtime.cache import DEFAULT_KV_DTYPE
 from localllm.runtime.chat import encode_chat
 from localllm.runtime.constrain import Constraints, Grammar, after_thinking
-from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, layer_groups, plan_pool, window_blocks
+from localllm.runtime.kv_pool import layer_groups, sequence_pool_bytes
 from localllm.runtime.model import Transformer
 from localllm.runtime.sampling import SamplingParams
 from localllm.runtime.scheduler import check_prompt
@@ -29,20 +29,7 @@ from localllm.runtime.textstream import StopStringFilter, prompt_opens_thinking,
 from localllm.runtime.tokenizer import Tokenizer
 
 
-def pool_bytes(model: Transformer, ctx: int, kv_dtype: str = "16bit", chunk_tokens: int | None = None) -> int:
-    """KV pool bytes that hold one sequence of ``ctx`` positions, prefilled ``chunk_tokens`` (default
-    all of them) a step: every full-context layer group's blocks for the whole context, each sliding
-    group's for its window behind a chunk."""
-    config = model.config
-    per_group = plan_pool(config, 1 << 62, model.dtype, DEFAULT_BLOCK_SIZE, kv_dtype).bytes_per_block
-    blocks = math.ceil(ctx / DEFAULT_BLOCK_SIZE)
-    queries = min(ctx, chunk_tokens or ctx)
-    need = sum(blocks if g.window is None else min(blocks, window_blocks(g.window, DEFAULT_BLOCK_SIZE, queries))
-               for g in layer_groups(config))
-    return need * per_group
-
-
-def sequence_engine(model: Transformer, ctx: int, compile: bool | str = False, kv_dtype: str = "16bit",
+def sequence_engine(model: Transformer, ctx: int, compile: bool | str = False, kv_dtype: str = DEFAULT_KV_DTYPE,
                     prefix_cache: bool = True, speculate: bool = True) -> BatchEngine:
     """A :class:`BatchEngine` for one sequence of ``ctx`` positions at a time, its pool sized to hold it.
 
@@ -50,7 +37,8 @@ def sequence_engine(model: Transformer, ctx: int, compile: bool | str = False, k
     then hold the whole prompt: chunks of the window's size keep its blocks to the window."""
     windows = [g.window for g in layer_groups(model.config) if g.window is not None]
     chunk = min([ctx, *windows])
-    return BatchEngine(model, kv_budget_bytes=pool_bytes(model, ctx, kv_dtype, chunk), max_seq_len=ctx,
+    budget = sequence_pool_bytes(model.config, model.dtype, ctx, kv_dtype, chunk)
+    return BatchEngine(model, kv_budget_bytes=budget, max_seq_len=ctx,
                        chunk_tokens=chunk, max_running=1, max_waiting=1, kv_dtype=kv_dtype, compile=compile,
                        prefix_cache=prefix_cache, speculate=speculate)
 
@@ -69,7 +57,7 @@ class Engine:
     """
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, ctx: int, compile: bool | str = False,
-                 kv_dtype: str = "16bit", speculate: bool = True) -> None:
+                 kv_dtype: str = DEFAULT_KV_DTYPE, speculate: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.ctx = ctx

@@ -19,6 +19,11 @@ all share one window (or none) is one group of every layer, a block per token ra
 
 The number of blocks comes from a memory budget in bytes, so the pool's size is known, and said,
 before anything runs: :meth:`KVPool.plan` gives the numbers, :meth:`KVPool.allocate` the tensors.
+
+This module is also where KV cache bytes are counted, for the pool and for anyone sizing one (the
+memory plan, ``show``, the benchmarks): :func:`row_bytes`, :func:`cache_bytes`, :func:`sequence_bytes`,
+:func:`block_bytes`, :func:`sequence_pool_bytes`, all over a KV type of :data:`runtime.cache.KV_DTYPES`
+and the activations' dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.runtime.cache import (DEFAULT_KV_DTYPE, QuantKV, check_kv_dtype, empty_kv, kv_element, kv_label,
+from localllm.runtime.cache import (DEFAULT_KV_DTYPE, QuantKV, check_kv_dtype, empty_kv, head_row_bytes, kv_label,
                                     readable)
 from localllm.runtime.config import ModelConfig
 
@@ -126,21 +131,56 @@ def capacity_tokens(n_blocks: int, block_size: int, windows: tuple[int | None, .
     return lo
 
 
+# KV bytes -----------------------------------------------------------------------------------------
+def row_bytes(config: ModelConfig, dtype: torch.dtype, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
+    """Bytes of one token's keys (or values) in one layer: every kv head's row
+    (:func:`runtime.cache.head_row_bytes`; ``dtype``: the activations')."""
+    return config.n_kv_heads * head_row_bytes(kv_dtype, dtype, config.head_dim)  # type: ignore[operator]
+
+
+def cache_bytes(config: ModelConfig, tokens: int, dtype: torch.dtype, kv_dtype: str = DEFAULT_KV_DTYPE,
+                batch: int = 1) -> int:
+    """Bytes of ``batch`` caches of ``tokens`` positions' keys and values in every layer."""
+    return 2 * config.n_layers * row_bytes(config, dtype, kv_dtype) * tokens * batch
+
+
+def sequence_bytes(config: ModelConfig, tokens: int, dtype: torch.dtype, kv_dtype: str = DEFAULT_KV_DTYPE,
+                   batch: int = 1) -> int:
+    """As :func:`cache_bytes`, a sliding layer holding at most its window (the pool gives its other
+    blocks back, give or take a partial block at each end): what ``batch`` sequences of ``tokens``
+    positions keep."""
+    per_layer = [min(tokens, w) if (w := config.layer_window(i)) else tokens for i in range(config.n_layers)]
+    return 2 * sum(per_layer) * row_bytes(config, dtype, kv_dtype) * batch
+
+
 def block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
     """Bytes of ``block_size`` tokens' keys and values in every layer (a pool budget of ``n`` of these
     holds ``n`` blocks of a model without windows, at least as many tokens with them)."""
-    return config.kv_cache_bytes(block_size, kv_element(kv_dtype, dtype))
+    return cache_bytes(config, block_size, dtype, kv_dtype)
+
+
+def sequence_pool_bytes(config: ModelConfig, dtype: torch.dtype, ctx: int, kv_dtype: str = DEFAULT_KV_DTYPE,
+                        chunk_tokens: int | None = None) -> int:
+    """Pool bytes that hold one sequence of ``ctx`` positions, prefilled ``chunk_tokens`` (default all of
+    them) a step: every full-context layer group's blocks for the whole context, each sliding group's
+    for its window behind a chunk."""
+    per_group = plan_pool(config, 1 << 62, dtype, DEFAULT_BLOCK_SIZE, kv_dtype).bytes_per_block
+    blocks = -(-ctx // DEFAULT_BLOCK_SIZE)
+    queries = min(ctx, chunk_tokens or ctx)
+    need = sum(blocks if g.window is None else min(blocks, window_blocks(g.window, DEFAULT_BLOCK_SIZE, queries))
+               for g in layer_groups(config))
+    return need * per_group
 
 
 def plan_pool(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
               block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str = DEFAULT_KV_DTYPE) -> PoolPlan:
     """As many blocks as ``budget_bytes`` holds. Refuses a budget that holds no block, with the numbers."""
-    check_kv_dtype(kv_dtype)
+    kv_dtype = check_kv_dtype(kv_dtype)
     if block_size < 1:
         raise LocalLLMError(f"a KV block of {block_size} tokens is not possible",
                             f"use one of {', '.join(map(str, BLOCK_SIZES))}")
     groups = layer_groups(config)
-    per_block = 2 * len(groups[0].layers) * config.kv_row_bytes(kv_element(kv_dtype, dtype)) * block_size
+    per_block = 2 * len(groups[0].layers) * row_bytes(config, dtype, kv_dtype) * block_size
     n_blocks = budget_bytes // per_block
     if n_blocks < 1:
         raise LocalLLMError(

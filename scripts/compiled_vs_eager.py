@@ -30,8 +30,8 @@ import torch
 
 from localllm.loaders.load import load_model
 from localllm.runtime.batch import BatchEngine
-from localllm.runtime.engine import pool_bytes, sequence_engine
-from localllm.runtime.kv_pool import layer_groups
+from localllm.runtime.engine import sequence_engine
+from localllm.runtime.kv_pool import layer_groups, sequence_pool_bytes
 from localllm.runtime.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -43,7 +43,8 @@ def engine(model, ctx: int, compile: bool | str = False, attention: str = "auto"
     if attention == "auto":
         return sequence_engine(model, ctx, compile)
     chunk = min([ctx, *(g.window for g in layer_groups(model.config) if g.window is not None)])
-    return BatchEngine(model, kv_budget_bytes=pool_bytes(model, ctx, chunk_tokens=chunk), max_seq_len=ctx,
+    budget = sequence_pool_bytes(model.config, model.dtype, ctx, chunk_tokens=chunk)
+    return BatchEngine(model, kv_budget_bytes=budget, max_seq_len=ctx,
                        chunk_tokens=chunk, max_running=1, max_waiting=1, attention=attention, compile=compile)
 
 

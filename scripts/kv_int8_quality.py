@@ -31,7 +31,7 @@ from localllm.bench.settings import EVAL_TEXT
 from localllm.loaders.load import load_model
 from localllm.paths import default_model_gguf
 from localllm.runtime.batch import BatchEngine
-from localllm.runtime.cache import kv_element
+from localllm.runtime.kv_pool import cache_bytes
 from localllm.runtime.cpu_attention import paged_kernel
 from localllm.runtime.engine import sequence_engine
 from localllm.runtime.model import Transformer
@@ -172,7 +172,7 @@ def main() -> None:
     ids = lm.tokenizer.encode(EVAL_TEXT.read_text())
     result: dict = {"model": lm.source, "scheme": lm.scheme_label, "activations": str(model.dtype),
                     "threads": args.threads, "paged_kernel": paged_kernel() is not None,
-                    "bytes_per_token": {kv: c.kv_cache_bytes(1, kv_element(kv, model.dtype)) for kv in pools(model.dtype)},
+                    "bytes_per_token": {kv: cache_bytes(c, 1, model.dtype, kv) for kv in pools(model.dtype)},
                     "loadavg_before": os.getloadavg()}
     print(json.dumps(result, indent=1), flush=True)
     if not args.skip_quality:

@@ -73,9 +73,9 @@ def decode_read_bytes(model: torch.nn.Module) -> int:
 
 def kv_cache_figures(config: Any, dtype: torch.dtype, ctx: int, kv_dtype: str = "16bit") -> dict[str, Any]:
     """Bytes of the KV cache per token (an int8 cache: codes and their scales) and at ``ctx``."""
-    from localllm.runtime.cache import kv_element
+    from localllm.runtime.kv_pool import cache_bytes
 
-    per_token = config.kv_cache_bytes(1, kv_element(kv_dtype, dtype))
+    per_token = cache_bytes(config, 1, dtype, kv_dtype)
     return {"kv_dtype": kv_dtype, "bytes_per_token": per_token, "ctx": ctx, "ctx_bytes": per_token * ctx,
             "max_seq_len": config.max_seq_len, "max_seq_len_bytes": per_token * config.max_seq_len}
 
