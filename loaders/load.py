@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -19,6 +19,7 @@ from localllm.loaders.artifact import ArtifactCheckpoint
 from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from localllm.loaders.gguf import GGUFCheckpoint
+from localllm.loaders.spec import LoadSpec
 from localllm.loaders.store import MANIFEST, Store, read_entry
 from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme, parse_scheme
 from localllm.quant.convert import Plan
@@ -231,19 +232,16 @@ def release_freed_memory() -> None:
 
 
 def load_model(
-    ref: str,
-    device: str | Target = "auto",
-    dtype: str = "auto",
-    quant: str | None = None,
-    group_size: int | None = None,
-    quantize_head: str | bool | None = None,
-    kernel: str | None = None,
+    spec: LoadSpec | str,
+    *,
     store: Store | None = None,
     fuse: bool = True,
     attention_kernel: bool = True,
     check_kernels: bool = True,
+    **options: Any,
 ) -> LoadedModel:
-    """Load ``ref`` (see :func:`open_checkpoint`) onto ``device``.
+    """Load the model ``spec`` names (see :func:`open_checkpoint`) as it says: a :class:`LoadSpec`, or
+    a reference with LoadSpec's other fields as keywords (``load_model(ref, device="cpu", quant="int4")``).
 
     ``quant`` picks the weight scheme (fp32/fp16/bf16/int8/int4/nf4; default: the checkpoint's own,
     i.e. float for HF folders, int4 for Q4 GGUF files, the stored scheme for store entries); the
@@ -264,10 +262,12 @@ def load_model(
     reference kernel says why (:meth:`quant.linear.QuantLinear.prepare`).
     """
     t0 = time.perf_counter()
-    target = device if isinstance(device, Target) else Target.of(resolve_device(device))
+    spec = LoadSpec.of(spec, **options)
+    quant, dtype, kernel = spec.quant, spec.dtype, spec.kernel
+    target = spec.device if isinstance(spec.device, Target) else Target.of(resolve_device(spec.device))
     dev = target.device
-    ckpt = open_checkpoint(ref, store)
-    scheme = choose_scheme(ckpt, quant, group_size)
+    ckpt = open_checkpoint(spec.ref, store)
+    scheme = choose_scheme(ckpt, quant, spec.group_size)
     own = ckpt.default_scheme()
     # A float model made from quantized weights (a Q4 GGUF or an int4 store entry run --quant fp32):
     # its values are the quantized ones, and every label says so.
@@ -284,7 +284,7 @@ def load_model(
     if isinstance(ckpt, GGUFCheckpoint):
         ckpt.drop_metadata()  # made into the tokenizer and config: not held through the load
     config, source = ckpt.config, ckpt.describe()
-    model, tensors, plan = model_tensors(ckpt, scheme, quantize_head)
+    model, tensors, plan = model_tensors(ckpt, scheme, spec.quantize_head)
     act = resolve_dtype(dtype, dev, quantized=scheme is not None,
                         float_tables=scheme is not None and keeps_float_tables(model))
     # A GGUF's tensor types, and what each became.

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
 from localllm.errors import LocalLLMError
 from localllm.format import human_size
+from localllm.loaders.spec import LoadSpec
+from localllm.quant.target import Target
 from localllm.runtime.cache import DEFAULT_KV_DTYPE, check_kv_dtype, head_row_bytes
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.kv_pool import sequence_bytes
@@ -225,24 +227,24 @@ def meta_weight_bytes(model: torch.nn.Module, act_dtype: torch.dtype) -> int:
     return total
 
 
-def footprint(ckpt: Any, quant: str | None = None, *, group_size: int | None = None,
-              quantize_head: str | bool | None = None, dtype: str = "auto", device: str = "auto") -> Footprint:
-    """The weights of ``ckpt`` (an opened checkpoint) as ``load_model`` would hold them, from its meta model."""
+def footprint(ckpt: Any, spec: LoadSpec) -> Footprint:
+    """The weights of ``ckpt`` (``spec``'s checkpoint, opened) as :func:`loaders.load.load_model` would
+    hold them loaded as ``spec`` says, from its meta model."""
     from localllm.loaders.build import fuse_projections
     from localllm.loaders.load import (choose_scheme, dtype_name, keeps_float_tables, model_tensors, resolve_device,
                                        resolve_dtype)
 
-    dev = resolve_device(device)
-    scheme = choose_scheme(ckpt, quant, group_size)
+    dev = spec.device.device if isinstance(spec.device, Target) else resolve_device(spec.device)
+    scheme = choose_scheme(ckpt, spec.quant, spec.group_size)
     float_dtype = None
     if scheme is not None and scheme.is_float:
-        float_dtype = scheme.name if dtype == "auto" else dtype
+        float_dtype = scheme.name if spec.dtype == "auto" else spec.dtype
         scheme = None
-    model, _, _ = model_tensors(ckpt, scheme, quantize_head)
+    model, _, _ = model_tensors(ckpt, scheme, spec.quantize_head)
     if float_dtype is not None:
         act = resolve_dtype(float_dtype, dev)
     else:  # as load_model decides it: a quantized model keeping a float table stays on 16 bits
-        act = resolve_dtype(dtype, dev, quantized=scheme is not None,
+        act = resolve_dtype(spec.dtype, dev, quantized=scheme is not None,
                             float_tables=scheme is not None and keeps_float_tables(model))
     fuse_projections(model)
     label = scheme.name if scheme is not None else dtype_name(act)
@@ -269,23 +271,21 @@ def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = D
     )
 
 
-def plan_memory(ckpt_or_ref: Any, quant: str | None = None, ctx: int | None = None, *, concurrency: int = 1,
-                kv_dtype: str = DEFAULT_KV_DTYPE, device: str = "auto", dtype: str = "auto", group_size: int | None = None,
-                quantize_head: str | bool | None = None, prefill_tokens: int | None = None) -> MemoryPlan:
-    """The plan for running ``ckpt_or_ref`` (a reference as ``run`` takes it, or an opened checkpoint) in
-    ``quant`` (None: the checkpoint's own) with a context of ``ctx`` (None: ``run``'s default)."""
-    ckpt = _open(ckpt_or_ref)
-    fp = footprint(ckpt, quant, group_size=group_size, quantize_head=quantize_head, dtype=dtype, device=device)
+def plan_memory(spec: LoadSpec | str, quant: str | None = None, ctx: int | None = None, *, concurrency: int = 1,
+                prefill_tokens: int | None = None, **options: Any) -> MemoryPlan:
+    """The plan for running ``spec`` (a :class:`LoadSpec`, or a reference as ``run`` takes it with
+    LoadSpec's other fields as keywords) in ``quant`` (None: as ``spec`` says, else the checkpoint's
+    own) with a context of ``ctx`` (None: ``run``'s default)."""
+    spec = LoadSpec.of(spec, **options, **({"quant": quant} if quant is not None else {}))
+    fp = footprint(_open(spec.ref), spec)
     ctx = ctx if ctx is not None else min(fp.config.max_seq_len, RUN_DEFAULT_CTX)
-    return plan_for(fp, ctx, concurrency=concurrency, kv_dtype=kv_dtype, prefill_tokens=prefill_tokens)
+    return plan_for(fp, ctx, concurrency=concurrency, kv_dtype=spec.kv_dtype, prefill_tokens=prefill_tokens)
 
 
-def _open(ckpt_or_ref: Any) -> Any:
-    if isinstance(ckpt_or_ref, str):
-        from localllm.loaders.load import open_checkpoint
+def _open(ref: str) -> Any:
+    from localllm.loaders.load import open_checkpoint
 
-        return open_checkpoint(ckpt_or_ref)
-    return ckpt_or_ref
+    return open_checkpoint(ref)
 
 
 # --------------------------------------------------------------------------- not enough memory
@@ -303,8 +303,7 @@ def largest_fitting_ctx(fp: Footprint, ctx: int, available: tuple[int, str], **k
     return lo * 256
 
 
-def cheapest_fix(ckpt: Any, plan: MemoryPlan, fp: Footprint, *, kv_cache_flag: bool = False,
-                 **options: Any) -> str:
+def cheapest_fix(ckpt: Any, plan: MemoryPlan, fp: Footprint, spec: LoadSpec, *, kv_cache_flag: bool = False) -> str:
     """The cheapest change that fits: a smaller ``--ctx``, else a smaller ``--quant``, else an int8 KV
     cache (when ``kv_cache_flag``: the flag exists), else the smallest scheme at the smallest context."""
     avail = (plan.available, plan.available_source)
@@ -313,8 +312,8 @@ def cheapest_fix(ckpt: Any, plan: MemoryPlan, fp: Footprint, *, kv_cache_flag: b
     if ctx is not None:
         return f"use --ctx {ctx} (or less), or free memory"
     smaller = [s for s in SMALLER_SCHEMES if s != plan.scheme]
-    others = {**options, "group_size": None}  # another scheme takes its own default group
-    prints = [footprint(ckpt, s, device=plan.device, **others) for s in smaller]
+    # another scheme takes its own default group
+    prints = [footprint(ckpt, replace(spec, quant=s, group_size=None, device=plan.device)) for s in smaller]
     prints = [p for p in prints if p.weights < fp.weights]
     for p in prints:
         if plan_for(p, plan.ctx, available=avail, **kw).fits:
@@ -329,28 +328,26 @@ def cheapest_fix(ckpt: Any, plan: MemoryPlan, fp: Footprint, *, kv_cache_flag: b
     return "free memory, or run a smaller model"
 
 
-def check_memory(ref: str, *, quant: str | None = None, ctx: int | None = None, concurrency: int = 1,
-                 kv_dtype: str = DEFAULT_KV_DTYPE, device: str = "auto", dtype: str = "auto", group_size: int | None = None,
-                 quantize_head: str | bool | None = None, kv_cache_flag: bool = False) -> MemoryPlan:
-    """The plan for running ``ref``; a :class:`LocalLLMError` with its numbers and the cheapest fix when
-    it does not fit."""
-    ckpt = _open(ref)
-    options = dict(group_size=group_size, quantize_head=quantize_head, dtype=dtype)
-    fp = footprint(ckpt, quant, device=device, **options)
+def check_memory(spec: LoadSpec, ctx: int | None = None, *, concurrency: int = 1,
+                 kv_cache_flag: bool = False) -> MemoryPlan:
+    """The plan for running ``spec`` with a context of ``ctx`` (None: ``run``'s default); a
+    :class:`LocalLLMError` with its numbers and the cheapest fix when it does not fit."""
+    ckpt = _open(spec.ref)
+    fp = footprint(ckpt, spec)
     ctx = ctx if ctx is not None else min(fp.config.max_seq_len, RUN_DEFAULT_CTX)
-    plan = plan_for(fp, ctx, concurrency=concurrency, kv_dtype=kv_dtype)
+    plan = plan_for(fp, ctx, concurrency=concurrency, kv_dtype=spec.kv_dtype)
     if plan.fits:
         return plan
     raise LocalLLMError(
-        f"{ref} needs {human_size(plan.total)} ({plan.breakdown()}), {human_size(plan.available)} available"
+        f"{spec.ref} needs {human_size(plan.total)} ({plan.breakdown()}), {human_size(plan.available)} available"
         + (f" ({AVAILABLE_ENV})" if plan.available_source == AVAILABLE_ENV else ""),
-        cheapest_fix(ckpt, plan, fp, kv_cache_flag=kv_cache_flag, **options),
+        cheapest_fix(ckpt, plan, fp, spec, kv_cache_flag=kv_cache_flag),
     )
 
 
 def show_plans(ckpt: Any, quant: str | None = None) -> list[dict[str, Any]]:
     """``show``'s plans: the checkpoint's own scheme on the CPU at a few context lengths and its own."""
-    fp = footprint(ckpt, quant, device="cpu")
+    fp = footprint(ckpt, LoadSpec(ckpt.describe(), device="cpu", quant=quant))
     top = fp.config.max_seq_len
     contexts = [c for c in SHOW_CONTEXTS if c < top] + [top]
     avail = available_memory(fp.device)

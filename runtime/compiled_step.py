@@ -25,8 +25,8 @@ Steps with a prefill chunk, sequences that do not sample, or a model the step do
 its key rotation; the step quantizes the new rows as the eager one does.
 
 Building: ``localllm compile`` builds ahead (:func:`build`); a run that finds no package runs
-eagerly and starts :func:`start_background_build` (a detached ``localllm compile`` at the lowest CPU
-priority, its output in ``<home>/logs/compile.log``); builds take a lock so at most one runs at a time;
+eagerly and then has :func:`start_background_build` call the launcher the command layer hands it (a
+detached ``localllm compile`` at the lowest CPU priority); builds take a lock so at most one runs at a time;
 a build that fails leaves a mark beside its package (:func:`failure_marker`) so that runs stop
 starting it again. ``LOCALLLM_BACKGROUND_BUILD=0`` turns the background builds off (the tests do).
 """
@@ -37,12 +37,11 @@ import functools
 import hashlib
 import os
 import platform
-import subprocess
 import sys
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -496,30 +495,6 @@ def find_step(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention | N
 
 
 # Building ahead, and in the background ------------------------------------------------------------
-@dataclass(frozen=True)
-class LoadArgs:
-    """How a model was loaded: what a background build must load the same way, since the package is
-    keyed by the model's modules, kernels and tensor shapes, and by the thread count."""
-
-    model: str
-    device: str = "auto"
-    dtype: str = "auto"
-    quant: str | None = None
-    group_size: int | None = None
-    quant_head: str | None = None
-    kernel: str | None = None
-    kv_cache: str = "16bit"  # the pool's dtype is part of the step's shapes
-
-    def argv(self) -> list[str]:
-        """The arguments of ``localllm compile`` that load it so."""
-        out = [self.model, "--device", self.device, "--dtype", self.dtype, "--kv-cache", self.kv_cache]
-        for flag, value in (("--quant", self.quant), ("--group-size", self.group_size),
-                            ("--quant-head", self.quant_head), ("--kernel", self.kernel)):
-            if value is not None:
-                out += [flag, str(value)]
-        return out
-
-
 def _lock_path() -> Path:
     folder = aot_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -546,11 +521,17 @@ def background_builds_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") not in ("0", "")
 
 
-def start_background_build(args: LoadArgs, batch: int = 1) -> bool:
-    """Start ``localllm compile`` for ``args`` (and batches of up to ``batch`` sequences) in a detached
-    process at the lowest CPU priority, stopped whenever an engine generates (:mod:`localllm.yielding`;
-    its output in ``<home>/logs/compile.log``), with this process's thread count. False when background builds are off, no compiler is here, or a build is already
-    running. The caller says so on stderr: the build outlives it."""
+#: Starts a build of a model's packages for batches of up to its argument, in a process of its own
+#: that outlives the caller (the command layer's: the runtime knows no command line).
+BuildLauncher = Callable[[int], None]
+
+
+def start_background_build(launch: BuildLauncher, batch: int = 1) -> bool:
+    """Have ``launch`` start a background build of the packages for batches of up to ``batch``
+    sequences, when background builds are on, a compiler is here and no build holds the lock (the
+    command layer's launcher runs ``localllm compile --if-idle``: :func:`build` with ``background``, at
+    the lowest CPU priority, stopped whenever an engine generates). False when it was not started.
+    The caller says so on stderr: the build outlives it."""
     from filelock import FileLock, Timeout
 
     if not background_builds_enabled() or compile_unavailable_reason(torch.device("cpu")):
@@ -560,16 +541,7 @@ def start_background_build(args: LoadArgs, batch: int = 1) -> bool:
             pass
     except Timeout:
         return False
-    logs = home() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    # kept by localllm.yielding: stopped whenever an engine on this machine generates
-    argv = [sys.executable, "-m", "localllm.yielding", sys.executable, "-m", "localllm", "compile", *args.argv(),
-            "--threads", str(torch.get_num_threads()), "--batch", str(batch), "--if-idle"]
-    with open(logs / "compile.log", "ab") as log:
-        log.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv[1:])}\n".encode())
-        log.flush()
-        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True)  # outlives this process; Ctrl-C here does not reach it
+    launch(batch)
     return True
 
 

@@ -13,12 +13,12 @@ import click
 from localllm.commands.common import kv_cache_option, note, quant_head_option, speculate_option, threads_option
 from localllm.commands.compile_step import build_after
 from localllm.errors import LocalLLMError
+from localllm.loaders.spec import LoadSpec
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
 from localllm.report import describe_model, print_stats
 from localllm.runtime.batch import MAX_TOP_LOGPROBS, TokenLogprob
-from localllm.runtime.compiled_step import LoadArgs
 from localllm.runtime.constrain import Grammar, any_json_object, json_schema
 from localllm.runtime.sampling import SamplingParams
 
@@ -262,30 +262,28 @@ def run(
         click.echo(NOT_UTF8, err=True)
 
     model = pull_if_missing(model, quant, group_size, notify=note)  # a Hub repo id not stored yet is pulled first
+    spec = LoadSpec(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache)
     # Before anything is loaded: does it fit? If not, the plan's numbers and the cheapest change that does.
-    check_memory(model, quant=quant, ctx=ctx, device=device, dtype=dtype, group_size=group_size,
-                 quantize_head=quant_head, kv_dtype=kv_cache, kv_cache_flag=True)
-    lm = load_model(model, device=device, dtype=dtype, quant=quant, group_size=group_size,
-                    quantize_head=quant_head, kernel=kernel)
+    check_memory(spec, ctx, kv_cache_flag=True)
+    lm = load_model(spec)
     ctx = ctx if ctx is not None else min(lm.config.max_seq_len, 4096)
     check_ctx(ctx, lm.config.max_seq_len, prompt_overhead(lm.tokenizer, raw, system), raw)
     if compile_:
         click.echo("compiling the decode step if it is not built yet (about a minute once)...", err=True)
-    engine = Engine(lm.model, lm.tokenizer, ctx, compile="auto" if compile_ is None else compile_, kv_dtype=kv_cache,
-                    speculate=speculate == "on")
+    engine = Engine(lm.model, lm.tokenizer, ctx, compile="auto" if compile_ is None else compile_,
+                    kv_dtype=spec.kv_dtype, speculate=speculate == "on")
     load_s = lm.load_s + engine.compile_s  # what came before the prompt, as Ollama counts it
     if compile_ and verbose:
         click.echo(f"compiled in {engine.compile_s:.1f} s ({engine.step_kind})", err=True)
     if verbose:
-        describe_model(lm, ctx, kv_cache)
+        describe_model(lm, ctx, spec.kv_dtype)
         click.echo(f"decode step: {engine.step_kind}", err=True)
     # Once this run is done (its tokens are not slowed by it): build the step the next run will use.
-    build = LoadArgs(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache)
     needs_build = engine.needs_build
 
     if text is None:
         _chat(engine, params, system, max_tokens, stop, verbose, load_s, think, not hide_thinking, grammar, logprobs)
-        build_after(build, needs_build, engine.build_batch)
+        build_after(spec, needs_build, engine.build_batch)
         return
     if raw:
         pieces = engine.complete(text, params, max_tokens, stop, grammar, logprobs)
@@ -298,7 +296,7 @@ def run(
     if logprobs is not None:
         print_logprobs(engine.logprobs, engine.constraints.token_bytes)
     _after(engine, verbose, load_s)
-    build_after(build, needs_build, engine.build_batch)
+    build_after(spec, needs_build, engine.build_batch)
 
 
 def print_logprobs(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> None:

@@ -92,6 +92,7 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
 
     import uvicorn
 
+    from localllm.commands.compile_step import build_in_background
     from localllm.server.app import create_app, run_serving
     from localllm.threads import set_threads
 
@@ -103,7 +104,7 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
                           keep_alive_s=keep, api_key=api_key or None,
                           models_memory=parse_size(models_memory) if models_memory else None,
                           max_body_bytes=parse_size(max_body), quant=quant, device=device, dtype=dtype,
-                          kernel=kernel, speculate=speculate == "on")
+                          kernel=kernel, speculate=speculate == "on", build_in_background=build_in_background)
     set_threads(threads)
     warning = exposure_warning(host, config.api_key)
     if warning:

@@ -47,13 +47,15 @@ def pull(source: str, quant: str, group_size: int | None, quant_head: str | None
 
     SOURCE is a Hub repo (ORG/NAME[@REV]), a local model folder or a local .gguf file.
     """
-    from localllm.runtime.compiled_step import LoadArgs, start_background_build, wanted_batch
+    from localllm.commands.compile_step import build_in_background
+    from localllm.loaders.spec import LoadSpec
+    from localllm.runtime.compiled_step import wanted_batch
 
     options = PullOptions(quant, group_size, quant_head, name, prune, force)
     result = pull_model(parse_source(source, revision, gguf_file), options, notify=note)
     print_pull(result)
     # the packages `run` uses: one sequence's steps, and its verify steps (speculation is on by default)
-    if not result.kept and start_background_build(LoadArgs(result.entry.ref), wanted_batch(1, speculate=True)):
+    if not result.kept and build_in_background(LoadSpec(result.entry.ref), wanted_batch(1, speculate=True)):
         note("compiling its decode step in the background (a few minutes on idle CPU time, once), so that runs "
              "decode at full speed")
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from localllm.errors import LocalLLMError
+from localllm.loaders.spec import LoadSpec
+from localllm.runtime.cache import DEFAULT_KV_DTYPE
 
 DEFAULT_PORT = 11435
 #: Request bodies larger than this are refused (413): a chat of a few hundred thousand words.
@@ -59,7 +62,7 @@ class ServerConfig:
     #: KV cache pool of each loaded model, in bytes (None: the engine's default).
     kv_memory: int | None = None
     #: KV pool storage: "16bit" (the activations' dtype), "fp16" or "int8" (see runtime.cache.KV_DTYPES).
-    kv_dtype: str = "16bit"
+    kv_dtype: str = DEFAULT_KV_DTYPE
     #: Requests that may wait for a slot per model; beyond it, 503 with Retry-After.
     queue: int = 32
     #: Default keep-alive of a loaded model (None: forever).
@@ -73,18 +76,25 @@ class ServerConfig:
     chunk_tokens: int = 256
     #: Speculative decoding: verify tokens proposed from each sequence's own text where it pays.
     speculate: bool = True
-    #: How every model is loaded (``run``'s --quant, --device, --dtype, --kernel).
+    #: How every model is loaded (``run``'s --quant, --device, --dtype, --kernel): :meth:`load_spec`.
     quant: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     kernel: str | None = None
     #: Seconds that in-flight requests get to finish at shutdown before they are cancelled.
     graceful_s: float = 10.0
+    #: Starts a background build of a loaded model's compiled decode step, for batches of up to its
+    #: second argument (True: started); the command layer's. None: no background builds.
+    build_in_background: Callable[[LoadSpec, int], bool] | None = None
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    def load_spec(self, ref: str) -> LoadSpec:
+        """How the server loads ``ref``."""
+        return LoadSpec(ref, self.device, self.dtype, self.quant, kernel=self.kernel, kv_dtype=self.kv_dtype)
 
 
 def is_loopback(host: str) -> bool:

@@ -337,22 +337,22 @@ class ModelManager:
                 Store().resolve(name)
             except LocalLLMError as e:
                 raise ModelNotFound(e.message, e.hint) from None
-        lm = load_model(ref, device=cfg.device, dtype=cfg.dtype, quant=cfg.quant, kernel=cfg.kernel)
+        spec = cfg.load_spec(ref)
+        lm = load_model(spec)
         budget = cfg.kv_memory or DEFAULT_KV_BUDGET
         if cfg.kv_memory is None and lm.device.type == "cuda":  # the card's free memory, not a CPU-sized default
             from localllm.loaders.memory_plan import available_memory, gpu_kv_budget
 
-            budget = gpu_kv_budget(lm.config, lm.dtype, cfg.kv_dtype, cfg.parallel, cfg.chunk_tokens,
+            budget = gpu_kv_budget(lm.config, lm.dtype, spec.kv_dtype, cfg.parallel, cfg.chunk_tokens,
                                    available_memory(lm.device)[0])
         engine = BatchEngine(lm.model, kv_budget_bytes=budget,
                              max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens,
-                             kv_dtype=cfg.kv_dtype, compile="auto", speculate=cfg.speculate)
-        if engine.needs_build:  # the compiled decode step, for the next time this model is loaded
+                             kv_dtype=spec.kv_dtype, compile="auto", speculate=cfg.speculate)
+        # the compiled decode step, for the next time this model is loaded
+        if engine.needs_build and cfg.build_in_background is not None:
             from localllm.paths import home
-            from localllm.runtime.compiled_step import LoadArgs, start_background_build
 
-            if start_background_build(LoadArgs(ref, cfg.device, cfg.dtype, cfg.quant, kernel=cfg.kernel,
-                                               kv_cache=cfg.kv_dtype), batch=engine.build_batch):
+            if cfg.build_in_background(spec, engine.build_batch):
                 log.info("building a compiled decode step for %s in the background, only on idle CPU time; it goes "
                          "on after the server stops (output in %s); the next load of %s uses it",
                          name, home() / "logs" / "compile.log", name)
