@@ -232,6 +232,7 @@ def bench_checkpoint(
     """
     from localllm.bench.memprobe import probe_memory
     from localllm.loaders.load import load_model, load_tokenizer, open_checkpoint, resolve_device
+    from localllm.loaders.spec import LoadSpec
     from localllm.quant.formats import QUANT_SCHEMES
 
     dev = resolve_device(device)  # fails at once on --device cuda without a GPU
@@ -252,7 +253,7 @@ def bench_checkpoint(
 
     def load(name: str) -> Any:
         head = quant_head if name in QUANT_SCHEMES else None
-        return load_model(ref, device=str(dev), quant=name, quantize_head=head)
+        return load_model(LoadSpec(ref, str(dev), quant=name, quantize_head=head, kv_dtype=kv_dtype))
 
     probe = None
     if dev.type == "cpu":  # each scheme's memory in a fresh process: figures that do not depend on the order

@@ -96,6 +96,7 @@ def measure(ref: str, scheme: str, prompt_tokens: int, gen_tokens: int, ctx: int
     from localllm.bench.runs import kv_cache_figures, memory_figures
     from localllm.bench.settings import read_text
     from localllm.loaders.load import load_model, load_tokenizer, open_checkpoint
+    from localllm.loaders.spec import LoadSpec
     from localllm.quant.formats import QUANT_SCHEMES
     from localllm.runtime.engine import sequence_engine
     from localllm.runtime.sampling import SamplingParams
@@ -108,7 +109,8 @@ def measure(ref: str, scheme: str, prompt_tokens: int, gen_tokens: int, ctx: int
     release_memory(torch.device(device))
     meter = RSSMeter()
     meter.start()
-    lm = load_model(ref, device=device, quant=scheme, quantize_head=quant_head if scheme in QUANT_SCHEMES else None)
+    head = quant_head if scheme in QUANT_SCHEMES else None
+    lm = load_model(LoadSpec(ref, device, quant=scheme, quantize_head=head, kv_dtype=kv_dtype))
     after_load = meter.now()
     engine = sequence_engine(lm.model, ctx, kv_dtype=kv_dtype)
     n = len(engine.submit(prompt, SamplingParams(temperature=0), max_tokens=gen_tokens).result())

@@ -25,188 +25,43 @@ token budget):
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from functools import partial
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
+from localllm.bench import speculation
 from localllm.bench.settings import Log, log_stderr, read_text
+from localllm.bench.workloads import (
+    AGENT_HISTORY,
+    AGENT_REPLY,
+    AGENT_TOOL,
+    AGENT_TURNS,
+    MIXED_LONG,
+    MIXED_REQUESTS,
+    MIXED_SHORT,
+    Request,
+    ServingSettings,
+    TextSlicer,
+    agent_requests,
+    drive,
+    greedy,
+    kv_bytes,
+    make_engine,
+    percentiles,
+)
 from localllm.errors import LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.runtime.model import Transformer
+    from localllm.runtime.tokenizer import Tokenizer
+
+__all__ = ["AGENT_REPLY", "AGENT_TURNS", "MIXED_LONG", "MIXED_REQUESTS", "MIXED_SHORT", "SCHEMA", "ServingSettings",
+           "bench_serving", "check_serving", "ideal_batching", "parse_levels", "percentiles", "run_serving"]
 
 SCHEMA = "localllm.bench.serving/1"
 WORKLOADS = ("uniform", "mixed", "agent", "edit", "summarize", "open")
 DEFAULT_LEVELS = {"uniform": (1, 2, 4, 8, 16), "mixed": (8,), "agent": (4,), "edit": (1, 8), "summarize": (1, 8),
                   "open": (1, 8)}
-MIXED_REQUESTS = 32
-MIXED_SHORT, MIXED_LONG = 8, 256
-AGENT_TURNS = 6
-AGENT_HISTORY = 1000
-AGENT_TOOL = 200
-AGENT_REPLY = 16
-
-
-def percentiles(values: Sequence[float]) -> dict[str, float | None]:
-    """p50 and p99 (nearest rank on the sorted values); None for no values."""
-    if not values:
-        return {"p50": None, "p99": None}
-    v = sorted(values)
-    rank = lambda q: v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]  # noqa: E731
-    return {"p50": statistics.median(v), "p99": rank(0.99)}
-
-
-@dataclass
-class Request:
-    """One request of a workload: its prompt, its token budget, and when it may be submitted."""
-
-    prompt: list[int]
-    max_tokens: int
-    #: Submitted only once this returns True (None: at once). Agents' later turns wait for earlier ones.
-    ready: Callable[[], bool] | None = None
-    #: Called with the reply's tokens when it finishes (the agent builds its next turn from it).
-    done: Callable[[list[int]], None] | None = None
-    handle: Any = None
-    tokens: list[int] = field(default_factory=list)
-
-
-class TextSlicer:
-    """Prompt ids cut from the evaluation text's ids, cyclically, at offsets of its own."""
-
-    def __init__(self, ids: Sequence[int]) -> None:
-        if len(ids) < 64:
-            raise LocalLLMError(f"the text is {len(ids)} tokens long", "give a text of at least 64 tokens")
-        self.ids = list(ids)
-        self.offset = 0
-
-    def take(self, n: int) -> list[int]:
-        L = len(self.ids)
-        out = [self.ids[(self.offset + i) % L] for i in range(n)]
-        self.offset = (self.offset + n + 7) % L  # the next slice starts elsewhere (+7: never block-aligned)
-        return out
-
-
-def drive(engine: Any, requests: list[Request], max_in_flight: int | None = None,
-          static: bool = False, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Run ``requests`` on ``engine`` until every one is done; the level's figures.
-
-    ``max_in_flight``: requests submitted at once at most (None: all that are ready). ``static``: a new
-    batch of ``max_in_flight`` starts only when the previous one has finished entirely.
-    ``on_step(step_index)``: called after each step (to inject a request mid-run).
-    """
-    pending = list(requests)
-    active: list[Request] = []
-    finished: list[Request] = []
-    peak_blocks = 0
-    steps: list[StepTime] = []
-    t0 = time.perf_counter()
-    step = 0
-    while pending or active:
-        room = (max_in_flight or len(requests)) - len(active)
-        if static and active:
-            room = 0
-        for r in [r for r in pending if r.ready is None or r.ready()][: max(0, room)]:
-            r.handle = engine.submit(r.prompt, _greedy(), max_tokens=r.max_tokens, stop_ids=())
-            pending.remove(r)
-            active.append(r)
-        if not active:
-            raise RuntimeError("no request can start: a workload's turns wait on each other")
-        if engine.step():
-            steps.append(StepTime(engine.last_step_s, engine.last_step_prefill_tokens))
-        step += 1
-        peak_blocks = max(peak_blocks, engine.usage()["blocks_used"])
-        for r in list(active):
-            r.tokens += r.handle.take()
-            if r.handle.stats.finish_reason is not None:
-                r.tokens += r.handle.take()
-                active.remove(r)
-                finished.append(r)
-                if r.done is not None:
-                    r.done(r.tokens)
-        if on_step is not None:
-            on_step(step)
-    wall = time.perf_counter() - t0
-    return summarize(finished, wall, peak_blocks, engine, steps)
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """One engine step: its forward and sampling time, and the prompt tokens it computed (0: decode only)."""
-
-    seconds: float
-    prefill_tokens: int
-
-
-def step_figures(steps: Sequence[StepTime]) -> dict[str, Any]:
-    """Where a level's step time went: steps that carried prompt tokens against decode-only ones.
-
-    The decode-only steps' median is the batched step's cost at that level, free of prefill; the
-    uniform workload's comparison uses it to say what batching alone would give (see ``uniform``)."""
-    decode = [s.seconds for s in steps if s.prefill_tokens == 0]
-    return {
-        "steps": len(steps),
-        "decode_steps": len(decode),
-        "decode_step_ms": {k: (v * 1e3 if v is not None else None) for k, v in percentiles(decode).items()},
-        "decode_steps_s": sum(decode),
-        "prefill_steps_s": sum(s.seconds for s in steps if s.prefill_tokens > 0),
-    }
-
-
-def summarize(finished: list[Request], wall_s: float, peak_blocks: int, engine: Any,
-              steps: Sequence[StepTime] = ()) -> dict[str, Any]:
-    stats = [r.handle.stats for r in finished]
-    for st in stats:
-        if st.finish_reason not in ("length", "stop"):
-            raise RuntimeError(f"a request ended with '{st.finish_reason}'")
-    generated = sum(st.generated_tokens for st in stats)
-    gaps = [b - a for st in stats for a, b in zip(st.token_times, st.token_times[1:])]
-    prompt = sum(st.prompt_tokens for st in stats)
-    cached = sum(st.cached_tokens for st in stats)
-    ttfts = [st.ttft_s for st in stats if st.ttft_s is not None]
-    return {
-        "requests": len(stats),
-        "wall_s": wall_s,
-        "generated_tokens": generated,
-        "throughput_tok_s": generated / wall_s if wall_s > 0 else None,
-        "ttft_ms": {k: (v * 1e3 if v is not None else None) for k, v in percentiles(ttfts).items()},
-        "ttft_mean_ms": statistics.fmean(ttfts) * 1e3 if ttfts else None,
-        "itl_ms": {k: (v * 1e3 if v is not None else None) for k, v in percentiles(gaps).items()},
-        "prompt_tokens": prompt,
-        "cached_prompt_tokens": cached,
-        "prefill_tokens": prompt - cached,
-        "preemptions": sum(st.preemptions for st in stats),
-        "kv_blocks_peak": peak_blocks,
-        "kv_blocks": engine.usage()["blocks"],
-        # each stream's tokens after its first over the time they took (prefill left out), median of streams
-        "stream_decode_tok_s": statistics.median(st.decode_tps for st in stats) if stats else None,
-        "drafted_tokens": sum(st.drafted_tokens for st in stats),
-        "accepted_tokens": sum(st.accepted_tokens for st in stats),
-        "draft_steps": sum(st.draft_steps for st in stats),
-        # decode-only steps (no prompt chunk) by their query rows, as the engine measured them
-        "step_ms_by_rows": {str(r): t * 1e3 for r, t in engine.costs.table().items()},
-        **step_figures(steps),
-    }
-
-
-def _greedy() -> Any:
-    from localllm.runtime.sampling import SamplingParams
-
-    return SamplingParams(temperature=0)
-
-
-@dataclass
-class ServingSettings:
-    workload: str
-    levels: list[int]
-    prompt_tokens: int = 128
-    gen_tokens: int = 128
-    long_prompt_tokens: int = 2000
-    kv_budget_bytes: int | None = None
-    chunk_tokens: int = 256
-    kv_dtype: str = "16bit"  # the engine's KV pool: "16bit" (the activations' dtype) or "int8"
-    #: "on", "off", or "compare" (each level with speculation off and on, side by side; the edit,
-    #: summarize and open workloads always compare).
-    speculate: str | bool = "on"
 
 
 def check_serving(s: ServingSettings) -> None:
@@ -231,23 +86,13 @@ def parse_levels(text: str | None, workload: str) -> list[int]:
     return list(dict.fromkeys(levels))
 
 
-def make_engine(model: Any, s: ServingSettings, slots: int, prefix_cache: bool = True) -> Any:
-    """A fresh engine per measurement: nothing cached from the previous one."""
-    from localllm.runtime.batch import DEFAULT_KV_BUDGET, BatchEngine
-
-    return BatchEngine(model, kv_budget_bytes=s.kv_budget_bytes or DEFAULT_KV_BUDGET, max_running=slots,
-                       max_waiting=max(64, 2 * MIXED_REQUESTS), chunk_tokens=s.chunk_tokens,
-                       prefix_cache=prefix_cache, kv_dtype=s.kv_dtype, compile="auto",
-                       speculate=s.speculate is True or s.speculate == "on")
-
-
-def warm_up(model: Any, s: ServingSettings, text: TextSlicer) -> None:
+def warm_up(model: Transformer, s: ServingSettings, text: TextSlicer) -> None:
     """One short batched run, so that no level pays for first-call set-up (kernels, allocator)."""
     engine = make_engine(model, s, 2)
     drive(engine, [Request(text.take(min(32, s.prompt_tokens)), 4) for _ in range(2)])
 
 
-def uniform(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
+def uniform(model: Transformer, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
     rows = []
     for level in s.levels:
         engine = make_engine(model, s, level)
@@ -264,7 +109,7 @@ def uniform(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[
 
     def inject(step: int) -> None:
         if not arrived and all(len(r.tokens) >= 4 for r in streams):
-            long.handle = engine.submit(long.prompt, _greedy(), max_tokens=long.max_tokens, stop_ids=())
+            long.handle = engine.submit(long.prompt, greedy(), max_tokens=long.max_tokens, stop_ids=())
             arrived.append(True)
 
     figures = drive(engine, streams, on_step=inject)
@@ -307,7 +152,7 @@ def ideal_batching(row: dict[str, Any], base: dict[str, Any]) -> float | None:
     return (row["generated_tokens"] / ideal_s) / (base["generated_tokens"] / base_s)
 
 
-def mixed(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
+def mixed(model: Transformer, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
     rows = []
     for level in s.levels:
         prompts = [text.take(s.prompt_tokens) for _ in range(MIXED_REQUESTS)]
@@ -330,40 +175,7 @@ def mixed(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[st
             {str(r["level"]): r["continuous_over_static_if_steps_cost_static"] for r in rows}}}
 
 
-def agent_requests(text: TextSlicer, agents: int) -> list[Request]:
-    """``agents`` conversations of AGENT_TURNS turns; a turn is submitted once the previous one has
-    replied, with the previous prompt, the reply and a new tool result as its prompt."""
-    requests: list[Request] = []
-    for _ in range(agents):
-        history = text.take(AGENT_HISTORY)
-        tools = [text.take(AGENT_TOOL) for _ in range(AGENT_TURNS)]
-        turns = [Request([], AGENT_REPLY) for _ in range(AGENT_TURNS)]
-        turns[0].prompt = history + tools[0]
-        for t, turn in enumerate(turns):
-            turn.ready = partial(_has_prompt, turn)
-            if t + 1 < AGENT_TURNS:
-                turn.done = partial(_next_turn, turn, turns[t + 1], tools[t + 1])
-        requests += turns
-    return requests
-
-
-def _has_prompt(r: Request) -> bool:
-    return bool(r.prompt)
-
-
-def _next_turn(turn: Request, following: Request, tool: list[int], reply: list[int]) -> None:
-    following.prompt = turn.prompt + reply + tool
-
-
-def kv_bytes(model: Any, tokens: int, kv_dtype: str) -> int:
-    """Bytes of a pool holding ``tokens`` tokens of ``model``'s keys and values (whole blocks)."""
-    from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, block_bytes
-
-    blocks = -(-tokens // DEFAULT_BLOCK_SIZE)
-    return blocks * block_bytes(model.config, DEFAULT_BLOCK_SIZE, model.dtype, kv_dtype)
-
-
-def agent(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
+def agent(model: Transformer, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
     longest = AGENT_HISTORY + AGENT_TURNS * AGENT_TOOL + AGENT_TURNS * AGENT_REPLY
     if longest > model.config.max_seq_len:
         raise LocalLLMError(f"the agent workload's last turn is {longest} tokens, beyond the model's context of "
@@ -395,10 +207,10 @@ def agent(model: Any, s: ServingSettings, text: TextSlicer, log: Log) -> dict[st
 RUNNERS = {"uniform": uniform, "mixed": mixed, "agent": agent}
 
 
-def run_serving(model: Any, tokenizer: Any, ids: Sequence[int], s: ServingSettings, log: Log) -> dict[str, Any]:
-    """The workload's figures (the JSON's ``concurrency`` list and ``comparison``)."""
-    from localllm.bench import speculation
-
+def run_serving(model: Transformer, tokenizer: Tokenizer | None, ids: Sequence[int], s: ServingSettings,
+                log: Log) -> dict[str, Any]:
+    """The workload's figures (the JSON's ``concurrency`` list and ``comparison``). ``tokenizer``: the
+    edit and summarize workloads' (None: the other workloads, which send token ids only)."""
     check_serving(s)
     text = TextSlicer(ids)
     warm_up(model, s, text)
@@ -418,6 +230,7 @@ def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device
     """``localllm bench MODEL --concurrency ... --workload ...``: the JSON-ready result."""
     from localllm.bench.machine import busy_warning, describe_machine, machine_info
     from localllm.loaders.load import load_model, resolve_device
+    from localllm.loaders.spec import LoadSpec
     from localllm.threads import set_threads
 
     check_serving(s)
@@ -429,7 +242,7 @@ def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device
     if busy:
         log(f"warning: {busy}")
     source, body = read_text(text)
-    lm = load_model(ref, device=str(dev), quant=quant, kernel=kernel)
+    lm = load_model(LoadSpec(ref, str(dev), quant=quant, kernel=kernel))
     ids = lm.tokenizer.encode(body)
     log(f"{lm.source}: {lm.scheme_label} ({', '.join(sorted(lm.kernels))}); workload {s.workload}, concurrency {','.join(map(str, s.levels))}")
     figures = run_serving(lm.model, lm.tokenizer, ids, s, log)
@@ -459,8 +272,6 @@ def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device
 
 
 def _workload_note(s: ServingSettings) -> str:
-    from localllm.bench import speculation
-
     if s.workload in speculation.SPEC_WORKLOADS or s.speculate == "compare":
         return f"{speculation.NOTES[s.workload]}; speculation off and on, {speculation.ROUNDS} interleaved rounds"
     return WORKLOAD_NOTES[s.workload]

@@ -27,10 +27,27 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from localllm.bench.settings import Log
+from localllm.bench.workloads import (
+    AGENT_HISTORY,
+    AGENT_REPLY,
+    AGENT_TOOL,
+    AGENT_TURNS,
+    Request,
+    ServingSettings,
+    TextSlicer,
+    agent_requests,
+    drive,
+    kv_bytes,
+    make_engine,
+)
 from localllm.runtime.speculate import MAX_DRAFT, MIN_NGRAM
+
+if TYPE_CHECKING:
+    from localllm.runtime.model import Transformer
+    from localllm.runtime.tokenizer import Tokenizer
 
 ROUNDS = 3
 EDIT_TOKENS = 1000
@@ -47,7 +64,7 @@ NOTES = {
 }
 
 
-def _clip(tokenizer: Any, text: str, tokens: int) -> str:
+def _clip(tokenizer: Tokenizer, text: str, tokens: int) -> str:
     """``text`` cut at a line end to about ``tokens`` tokens."""
     ids = tokenizer.encode(text)
     if len(ids) <= tokens:
@@ -56,7 +73,7 @@ def _clip(tokenizer: Any, text: str, tokens: int) -> str:
     return cut[: cut.rfind("\n") + 1] or cut
 
 
-def edit_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+def edit_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
     from localllm.runtime.chat import encode_chat
 
     out = []
@@ -70,7 +87,7 @@ def edit_prompts(tokenizer: Any, n: int) -> list[list[int]]:
     return out
 
 
-def summary_prompts(tokenizer: Any, text: Any, n: int) -> list[list[int]]:
+def summary_prompts(tokenizer: Tokenizer, text: TextSlicer, n: int) -> list[list[int]]:
     from localllm.runtime.chat import encode_chat
 
     out = []
@@ -82,13 +99,12 @@ def summary_prompts(tokenizer: Any, text: Any, n: int) -> list[list[int]]:
     return out
 
 
-def _requests(workload: str, tokenizer: Any, text: Any, level: int, gen_tokens: int, prompt_tokens: int) -> list[Any]:
-    from localllm.bench.serving import Request
-
-    if workload == "edit":
-        prompts = edit_prompts(tokenizer, level)
-    elif workload == "summarize":
-        prompts = summary_prompts(tokenizer, text, level)
+def _requests(workload: str, tokenizer: Tokenizer | None, text: TextSlicer, level: int, gen_tokens: int,
+              prompt_tokens: int) -> list[Request]:
+    """``level`` requests of ``workload`` (``tokenizer``: the edit and summarize workloads encode text)."""
+    if workload in ("edit", "summarize"):
+        assert tokenizer is not None, f"the {workload} workload encodes text: it needs the model's tokenizer"
+        prompts = edit_prompts(tokenizer, level) if workload == "edit" else summary_prompts(tokenizer, text, level)
     else:
         prompts = [text.take(prompt_tokens) for _ in range(level)]
     return [Request(p, gen_tokens) for p in prompts]
@@ -122,7 +138,7 @@ def lookup_steps(prompt: Sequence[int], reply: Sequence[int], max_draft: int = M
     return fewest[1] if len(reply) > 1 else 0
 
 
-def lookup_figures(requests: Sequence[Any], figures: dict[str, Any]) -> dict[str, Any]:
+def lookup_figures(requests: Sequence[Request], figures: dict[str, Any]) -> dict[str, Any]:
     """What bounds speculation's gain on a run made without it (``drive``'s figures of ``requests``):
     its replies' decode tokens per step under :func:`lookup_steps` (a stream's decode rate could rise
     at most that much), and the throughput ratio were every decode step that much fewer and a verify
@@ -187,10 +203,9 @@ def compare(levels: Sequence[int], run_level: Callable[[int, bool], dict[str, An
     return rows
 
 
-def speculative(model: Any, tokenizer: Any, s: Any, text: Any, log: Log) -> dict[str, Any]:
+def speculative(model: Transformer, tokenizer: Tokenizer | None, s: ServingSettings, text: TextSlicer,
+                log: Log) -> dict[str, Any]:
     """``--workload edit|summarize|open``: every level with speculation off and on."""
-    from localllm.bench.serving import drive, make_engine
-
     def run_level(level: int, speculate: bool) -> dict[str, Any]:
         start = text.offset
         requests = _requests(s.workload, tokenizer, text, level, s.gen_tokens, s.prompt_tokens)
@@ -202,12 +217,9 @@ def speculative(model: Any, tokenizer: Any, s: Any, text: Any, log: Log) -> dict
     return _result(compare(s.levels, run_level, log, s.workload))
 
 
-def agent_compare(model: Any, s: Any, text: Any, log: Log) -> dict[str, Any]:
+def agent_compare(model: Transformer, s: ServingSettings, text: TextSlicer, log: Log) -> dict[str, Any]:
     """``--workload agent --speculate compare``: the agents' turns with speculation off and on (prefix
     cache on, the pool sized as the agent workload sizes it)."""
-    from localllm.bench.serving import AGENT_HISTORY, AGENT_REPLY, AGENT_TOOL, AGENT_TURNS, agent_requests, drive, \
-        kv_bytes, make_engine
-
     longest = AGENT_HISTORY + AGENT_TURNS * (AGENT_TOOL + AGENT_REPLY)
 
     def run_level(level: int, speculate: bool) -> dict[str, Any]:
