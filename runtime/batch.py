@@ -8,13 +8,17 @@
     engine.start()           # a background thread runs the steps; submit() from any thread
     a.stats.finish_reason    # "stop", "length", "cancelled" (or "error")
 
-Each :meth:`BatchEngine.step` asks the :class:`runtime.scheduler.Scheduler` for the step's work
-(decode tokens, prefill chunks, admissions, preemptions), runs every scheduled token of every
-sequence in **one** forward (:class:`runtime.paged.PagedStep`), samples each sequence that reached its
-last token with its own :class:`SamplingParams` and seeded generator, and retires finished or cancelled
-sequences at once (their blocks freed; full blocks stay in the prefix cache). With ``compile``, a step
-in which every sequence decodes one token runs through an AOTInductor package of the model's paged
-decode step (:mod:`runtime.compiled_step`) where one is built; every other step runs eagerly.
+A request is one :class:`runtime.sequence.Sequence`. Each :meth:`BatchEngine.step` reads:
+
+    schedule -> forward -> pick -> advance -> deliver
+
+the :class:`runtime.scheduler.Scheduler` plans the step (decode tokens, prefill chunks, admissions,
+preemptions; with speculation, drafts to verify); the :class:`runtime.runner.ModelRunner` runs every
+scheduled token of every sequence in **one** forward, through the compiled decode step, CUDA graphs or
+the eager model, whichever takes the step first; the :class:`runtime.sampler.Sampler` picks each
+sampling sequence's tokens (masks, penalties, seeded draws, log-probabilities, draft acceptance); the
+pool records what was computed; and each token is delivered or ends its sequence, whose blocks are
+freed at once (full blocks stay in the prefix cache).
 
 It knows nothing of HTTP, text or chat templates: token ids in, token ids out.
 """
@@ -22,27 +26,30 @@ It knows nothing of HTTP, text or chat templates: token ids in, token ids out.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from localllm.errors import LocalLLMError
 from localllm.yielding import Generating
 from localllm.runtime.block_manager import BlockManager
-from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_pool
-from localllm.runtime.model import Transformer, cache_rope_tables
+from localllm.runtime.compiled_step import CompiledDecode, wanted_batch
+from localllm.runtime.constrain import Constraint
 from localllm.runtime.cuda_graphs import GraphedDecode
-from localllm.runtime.paged import PagedChunkAttention, PagedDecodeAttention, PagedSpanAttention, PagedStep, SeqChunk
-from localllm.runtime.compiled_step import CompiledDecode, find_step, wanted_batch
-from localllm.runtime.constrain import Constraint, apply_masks
-from localllm.runtime.sampling import SamplingParams, greedy, sample, top_k, unit_random
-from localllm.runtime.scheduler import Chunk, Scheduler, Sequence as Seq, Status
-from localllm.runtime.speculate import MAX_DRAFT, Acceptance, NgramIndex, Proposal, StepCosts, plan_drafts
+from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, KVPool, PoolPlan, plan_pool
+from localllm.runtime.model import Transformer
+from localllm.runtime.paged import PagedDecodeAttention, PagedSpanAttention
+from localllm.runtime.runner import ModelRunner
+from localllm.runtime.sampler import Picked, Sampler
+from localllm.runtime.sampling import SamplingParams
+from localllm.runtime.scheduler import Scheduled, Scheduler
+from localllm.runtime.sequence import GenerationStats, Sequence as Seq, TokenLogprob
+from localllm.runtime.speculate import Acceptance, StepCosts, propose_drafts
+
+__all__ = ["BatchEngine", "RequestHandle", "GenerationStats", "TokenLogprob", "MAX_TOP_LOGPROBS"]
 
 log = logging.getLogger("localllm.engine")
 
@@ -53,93 +60,6 @@ MAX_TOP_LOGPROBS = 20
 DEFAULT_KV_BUDGET = 256 << 20
 
 
-@dataclass
-class GenerationStats:
-    """Figures of one generation (times from ``time.perf_counter()``; durations in seconds, as Ollama
-    reports them): every request the engine runs has one, and ``run``, the server and the bench read it."""
-
-    prompt_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache
-    generated_tokens: int = 0
-    max_tokens: int | None = None
-    submitted_at: float = 0.0
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    #: "stop", "length", "cancelled", "error", or "constraint" (the grammar refused every token the
-    #: model could give; :attr:`constraint_error` says why)
-    finish_reason: str | None = None
-    constraint_error: str | None = None
-    stop_string: bool = False  # the reader cut the text at a stop string (and cancelled the rest)
-    preemptions: int = 0
-    #: Speculative decoding: proposed tokens verified, and those of them kept.
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    draft_steps: int = 0  # steps that verified a draft of this request
-
-    @property
-    def mean_accepted(self) -> float:
-        """Draft tokens kept per verify step (each such step adds one token more of its own)."""
-        return self.accepted_tokens / self.draft_steps if self.draft_steps else 0.0
-    #: When each generated token was sampled (its step's end): inter-token latencies are the gaps.
-    token_times: list[float] = field(default_factory=list)
-
-    @property
-    def prefilled_tokens(self) -> int:
-        """Prompt tokens actually run (those the prefix cache served are left out)."""
-        return self.prompt_tokens - self.cached_tokens
-
-    @property
-    def ttft_s(self) -> float | None:
-        """Time to first token, from submission (queueing included)."""
-        return None if self.first_token_at is None else self.first_token_at - self.submitted_at
-
-    @property
-    def prompt_s(self) -> float:
-        """Submission to the first token (to the end, when none came): the prompt's evaluation."""
-        end = self.first_token_at if self.first_token_at is not None else self.finished_at
-        return 0.0 if end is None else end - self.submitted_at
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prefilled_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
-
-    @property
-    def decode_s(self) -> float:
-        """From the first generated token to the last."""
-        return self.token_times[-1] - self.token_times[0] if len(self.token_times) > 1 else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        """Generated tokens per second after the first."""
-        return (len(self.token_times) - 1) / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def token_latencies_s(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-    @property
-    def stop_reason(self) -> str:
-        """Why it ended, in ``run``'s words: "eos", "max_tokens", "context", "stop_string",
-        "cancelled", "error" ("" while it runs)."""
-        if self.stop_string:
-            return "stop_string"
-        if self.finish_reason == "length":
-            limited = self.max_tokens is not None and self.generated_tokens >= self.max_tokens
-            return "max_tokens" if limited else "context"
-        return {"stop": "eos", None: ""}.get(self.finish_reason, self.finish_reason or "")
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability under the model's own distribution (log-softmax of its
-    logits: before temperature, top-k/top-p, penalties and grammar masks), and the ``top`` most likely
-    tokens there, as (id, log-probability), most likely first."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
 class RequestHandle:
     """A submitted request: iterate it for its token ids as they come; :meth:`cancel` to stop it.
 
@@ -147,33 +67,32 @@ class RequestHandle:
     itself (each :meth:`BatchEngine.step` advances every request, not only this one).
     """
 
-    def __init__(self, engine: "BatchEngine", request: "_Request") -> None:
+    def __init__(self, engine: "BatchEngine", seq: Seq) -> None:
         self._engine = engine
-        self._request = request
-        self.id = request.seq.id
-        self.stats = request.stats
+        self._seq = seq
+        self.id = seq.id
+        self.stats: GenerationStats = seq.stats
 
     def __iter__(self) -> Iterator[int]:
         return self
 
     def __next__(self) -> int:
-        return self._engine._next_token(self._request)
+        return self._engine._next_token(self._seq)
 
     @property
     def done(self) -> bool:
         """Finished, and every token taken."""
-        r = self._request
-        return r.finished and not r.out
+        return self._seq.finished and not self._seq.out
 
     def take(self) -> list[int]:
         """The tokens produced so far and not yet taken, without waiting or stepping (for a caller
         that drives :meth:`BatchEngine.step` itself and polls many requests)."""
-        return self._engine._take(self._request)
+        return self._engine._take(self._seq)
 
     def cancel(self) -> None:
         """Stop generating; the request ends with ``finish_reason == "cancelled"`` at the next step
         (tokens already produced can still be read). Safe from any thread."""
-        self._engine._cancel(self._request)
+        self._engine._cancel(self._seq)
 
     def result(self) -> list[int]:
         """Every remaining token id, waiting for the end."""
@@ -183,44 +102,7 @@ class RequestHandle:
     def logprobs(self) -> list[TokenLogprob]:
         """With ``logprobs`` asked at :meth:`BatchEngine.submit`: one entry per generated token so far,
         in order (entry i is token i's, there before token i can be taken)."""
-        return self._request.token_logprobs
-
-
-class _Request:
-    """A sequence plus what the engine needs to sample and deliver its tokens."""
-
-    def __init__(self, seq: Seq, params: SamplingParams, max_tokens: int | None, stop_ids: Sequence[int],
-                 forced: Sequence[int] | None = None, constraint: Constraint | None = None,
-                 logprobs: int | None = None) -> None:
-        self.seq = seq
-        #: Log-probabilities: None (not asked), or how many alternatives each token lists (0 to 20).
-        self.top_logprobs = logprobs
-        self.token_logprobs: list[TokenLogprob] = []
-        self.step_logprobs: list[TokenLogprob] = []  # the current step's rows, for _deliver
-        self.constraint = constraint  # the grammar its tokens must follow (None: free)
-        self.params = params
-        self.max_tokens = max_tokens
-        self.stop = frozenset(stop_ids)
-        #: Fixes the draw of the token at each position (:func:`runtime.sampling.unit_random`).
-        self.seed = params.seed if params.seed is not None else secrets.randbits(63)
-        n = params.repeat_last_n
-        prompt = seq.token_ids
-        self.recent: deque[int] | None = (
-            deque(prompt[-n:], maxlen=n) if params.repeat_penalty != 1.0 and n > 0 else None)
-        self.stats = GenerationStats(prompt_tokens=seq.prompt_len, max_tokens=max_tokens,
-                                     submitted_at=time.perf_counter())
-        self.out: deque[int] = deque()  # produced, not yet taken by the handle
-        #: Teacher forcing (:meth:`BatchEngine.forced_logits`): the tokens fed in place of the sampled
-        #: ones, and the fp32 logits row of every step that sampled.
-        self.forced: deque[int] | None = None if forced is None else deque(forced)
-        self.logits: list[torch.Tensor] = []
-        #: Speculative decoding: the sequence's n-gram index (made at its first proposal), its record of
-        #: accepted drafts, and the match length of the draft in flight.
-        self.index: NgramIndex | None = None
-        self.acceptance = Acceptance()  # the engine's at submission (BatchEngine.submit)
-        self.ngram = 0
-        self.finished = False
-        self.error: BaseException | None = None
+        return self._seq.token_logprobs
 
 
 class BatchEngine:
@@ -265,8 +147,6 @@ class BatchEngine:
         speculate: bool = True,
         cuda_graphs: bool = True,
     ) -> None:
-        if attention not in ("auto", "sdpa"):
-            raise ValueError(f"attention must be 'auto' or 'sdpa', not {attention!r}")
         if compile not in (True, False, "auto"):
             raise ValueError(f"compile must be True, False or 'auto', not {compile!r}")
         self.model = model
@@ -277,38 +157,16 @@ class BatchEngine:
         self.blocks = BlockManager(self.plan.n_blocks, block_size, prefix_cache, self.plan.windows)
         self.scheduler = Scheduler(self.blocks, max_waiting, max_running, chunk_tokens)
         self.max_seq_len = min(max_seq_len or config.max_seq_len, self.scheduler.capacity_tokens)
-        cos, sin = cache_rope_tables(config, self.max_seq_len, self.device)
-        self._cos, self._sin = cos.to(model.dtype), sin.to(model.dtype)  # (max_seq_len, rot), 2 * rot with local ones
-        self.kernel: PagedDecodeAttention | PagedSpanAttention | None = None
-        self.chunk: PagedChunkAttention | None = None  # prefill chunks' attention beside a decode kernel
-        if attention == "auto" and self.device.type == "cpu":
-            from localllm.runtime import cpu_attention
-
-            self.kernel = cpu_attention.paged_kernel()
-            self.chunk = cpu_attention.chunk_kernel(config.head_dim)
-        elif attention == "auto" and self.device.type == "cuda":
-            from localllm.runtime import cuda_attention
-
-            self.kernel = cuda_attention.span_kernel()
-        self._compiled: CompiledDecode | None = None
-        #: Decode-only steps replayed from CUDA graphs (on a real GPU with the paged kernel).
-        self.graphs: GraphedDecode | None = None
-        if (cuda_graphs and self.kernel is not None and self.device.type == "cuda" and torch.cuda.is_available()
-                and all(layer.attn.softcap is None for layer in model.layers)):
-            self.graphs = GraphedDecode(model, self.pool, self.kernel, self._cos, self._sin, max_running)
-        #: "auto" found no compiled step built for this model and pool shape (``localllm compile``),
-        #: and no build of it failed before.
-        self.needs_build = False
+        self.runner = ModelRunner(model, self.pool, self.max_seq_len, attention=attention,
+                                  cuda_graphs=cuda_graphs, max_running=max_running)
+        self.sampler = Sampler(self.device)
+        self.speculate = speculate
         #: The batch size (query rows) a build for this engine covers (:func:`wanted_batch`): what to
         #: hand ``localllm compile --batch`` when :attr:`needs_build`.
         self.build_batch = wanted_batch(max_running, speculate)
-        self.compile_s = 0.0  # building (True) or loading the compiled step's packages
-        #: Why steps run eagerly although compiling was asked for (None: they do not, or it was not).
-        self.compile_note: str | None = None
-        self.speculate = speculate
         if compile:
-            self._compile(compile is True, max_running)
-        self._requests: dict[int, _Request] = {}  # live (not finished) requests by sequence id
+            self.runner.load_compiled(compile is True, max_running, speculate)
+        self._live: dict[int, Seq] = {}  # unfinished sequences by id
         self._next_id = 0
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -329,18 +187,36 @@ class BatchEngine:
         self.last_step_s = 0.0  # the last step's forward and sampling
         self.last_step_prefill_tokens = 0  # prompt (or recomputed) tokens in it; 0: a decode-only step
 
-    def _compile(self, build: bool, max_running: int) -> None:
-        # Verify steps have more rows than sequences: packages built for such batches serve them too.
-        rows = max_running * (1 + MAX_DRAFT) if self.speculate else max_running
-        found = find_step(self.model, self.pool, self.kernel, max_running, build, load_batch=rows,
-                          want_batch=self.build_batch)
-        self._compiled, self.compile_s = found.step, found.seconds
-        self.needs_build, self.compile_note = found.needs_build, found.note
+    # The runner's, as callers read them ------------------------------------------------------------
+    @property
+    def kernel(self) -> PagedDecodeAttention | PagedSpanAttention | None:
+        """The paged attention kernel single queries run through (None: SDPA over gathered blocks)."""
+        return self.runner.kernel
+
+    @property
+    def graphs(self) -> GraphedDecode | None:
+        return self.runner.graphs
 
     @property
     def compiled(self) -> bool:
         """Whether decode-only steps run through the compiled step."""
-        return self._compiled is not None
+        return self.runner.compiled is not None
+
+    @property
+    def needs_build(self) -> bool:
+        """"auto" found no compiled step built for this model and pool shape (``localllm compile``),
+        and no build of it failed before."""
+        return self.runner.needs_build
+
+    @property
+    def compile_s(self) -> float:
+        """Building (``compile=True``) or loading the compiled step's packages."""
+        return self.runner.compile_s
+
+    @property
+    def compile_note(self) -> str | None:
+        """Why steps run eagerly although compiling was asked for (None: they do not, or it was not)."""
+        return self.runner.compile_note
 
     # Submission ----------------------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None = None,
@@ -357,18 +233,18 @@ class BatchEngine:
         if max_tokens is not None and max_tokens < 1:
             raise LocalLLMError(f"max tokens {max_tokens} is not positive", "ask for at least 1 token")
         with self._cond:
-            seq = Seq(self._next_id, len(prompt_ids), list(prompt_ids), self.max_seq_len)
-            request = _Request(seq, params, max_tokens, stop_ids, forced, constraint, logprobs)
-            request.acceptance = self.acceptance.start()
+            seq = Seq(self._next_id, len(prompt_ids), list(prompt_ids), self.max_seq_len, params, max_tokens,
+                      frozenset(stop_ids), constraint, logprobs, None if forced is None else deque(forced),
+                      acceptance=self.acceptance.start())
             self.scheduler.add(seq)  # raises before anything is recorded
             self._next_id += 1
-            self._requests[seq.id] = request
+            self._live[seq.id] = seq
             self._cond.notify_all()
-        return RequestHandle(self, request)
+        return RequestHandle(self, seq)
 
-    def _cancel(self, request: _Request) -> None:
+    def _cancel(self, seq: Seq) -> None:
         with self._cond:
-            request.seq.cancelled = True
+            seq.cancelled = True
             self._cond.notify_all()
 
     @property
@@ -378,262 +254,103 @@ class BatchEngine:
 
     # Stepping ------------------------------------------------------------------------------------
     def step(self) -> int:
-        """Run one scheduling step; the number of tokens it computed (0: nothing to do)."""
+        """Run one step: schedule -> forward -> pick -> advance -> deliver. Returns the number of
+        tokens it computed (0: nothing to do)."""
         with self._step_lock:
-            with self._cond:
-                for r in list(self._requests.values()):
-                    if r.seq.cancelled:
-                        self._finish(r, "cancelled")
-                if self.speculate:
-                    self._propose()
-                plan = self.scheduler.schedule()
-                for seq in plan.admitted:
-                    self._requests[seq.id].stats.cached_tokens = seq.cached_tokens  # the first admission's
-                for seq in plan.preempted:
-                    self._requests[seq.id].stats.preemptions = seq.preemptions
-                sampling = [self._requests[c.seq.id] for c in plan.chunks if c.samples]
-                prefill_tokens = plan.prefill_tokens  # now: a chunk stops sampling once its token is in
-                self._cond.notify_all()
+            plan, sampling = self._schedule()
             if not plan.chunks:
                 self._generating.release()
                 return 0
             self._generating.hold()  # a background build stops while this engine has work
             t0 = time.perf_counter()
             try:
-                tokens = self._run(plan.chunks, sampling)  # per sampling request: its accepted drafts, then its token
+                masks = self.sampler.masks_before(sampling)
+                logits = self.runner.forward(plan.chunks)  # (rows of the sampling sequences, vocab)
+                picked = self.sampler(logits, sampling, masks)
             except BaseException as e:
-                with self._cond:
-                    for c in plan.chunks:
-                        r = self._requests.get(c.seq.id)
-                        if r is not None:
-                            r.error = e
-                            self._finish(r, "error")
-                    self._cond.notify_all()
+                self._fail(plan, e)
                 raise
-            with self._cond:
-                now = time.perf_counter()
-                drafts = {r.seq.id: toks[:-1] for r, toks in zip(sampling, tokens) if r.seq.draft}
-                self.scheduler.computed(plan.chunks, drafts)
-                if not prefill_tokens:
-                    self.costs.record(plan.num_tokens, now - t0)
-                if drafts:
-                    self.verify_steps += 1
-                for r, toks in zip(sampling, tokens):
-                    if r.seq.draft:
-                        self._record_draft(r, len(toks) - 1)
-                    for j, tok in enumerate(toks):
-                        if r.finished:
-                            break
-                        self._deliver(r, tok, now, r.step_logprobs[j] if r.step_logprobs else None)
-                self.steps += 1
-                self.tokens_computed += plan.num_tokens
-                self.last_step_s = now - t0
-                self.last_step_prefill_tokens = prefill_tokens
-                if not self.scheduler.has_work:
-                    self._generating.release()  # idle: a stopped build may go on
-                self._cond.notify_all()
+            self._advance(plan, sampling, picked, t0)
             return plan.num_tokens
 
-    def _propose(self) -> None:
-        """Set the drafts of this step's decoding sequences (called with the lock held): in a step
-        where every running sequence decodes and none waits, each one's n-gram proposal, as far as
-        :func:`runtime.speculate.plan_drafts` finds it pays."""
-        sched = self.scheduler
-        running = sched.running
-        if sched.waiting or not running or any(s.pending != 1 for s in running):
-            for s in running:
-                s.draft = []
-            return
-        proposals: list[Proposal | None] = []
-        for seq in running:
-            r = self._requests[seq.id]
-            room = min(MAX_DRAFT, seq.max_len - len(seq.token_ids))
-            if r.max_tokens is not None:
-                room = min(room, r.max_tokens - r.stats.generated_tokens - 1)  # the step adds a token of its own
-            if r.forced is not None or room < 1 or seq.cancelled:
-                proposals.append(None)
-                continue
-            if r.index is None:
-                r.index = NgramIndex()
-            tokens, n = r.index.propose(seq.token_ids, room)
-            if r.constraint is not None:  # only what the grammar takes: a refused draft could not be kept
-                tokens = tokens[: r.constraint.valid_prefix(tokens)]
-            proposals.append(Proposal(tokens, n, r.acceptance.rate(n)) if tokens else None)
-        for seq, p, k in zip(running, proposals, plan_drafts(proposals, self.costs)):
-            seq.draft = p.tokens[:k] if p is not None and k else []
-            if seq.draft:
-                self._requests[seq.id].ngram = p.ngram  # type: ignore[union-attr]
+    def _schedule(self) -> tuple[Scheduled, list[Seq]]:
+        """Retire cancelled sequences, propose drafts, plan the step; and the sequences that sample in it."""
+        with self._cond:
+            for seq in [s for s in self._live.values() if s.cancelled]:
+                self._finish(seq, "cancelled")
+            running = self.scheduler.running
+            if self.speculate and not self.scheduler.waiting and all(s.pending == 1 for s in running):
+                propose_drafts(running, self.costs)  # a step where every sequence decodes
+            else:
+                for s in running:
+                    s.draft = []
+            plan = self.scheduler.schedule()
+            self._cond.notify_all()
+            return plan, [c.seq for c in plan.chunks if c.samples]
 
-    def _record_draft(self, r: _Request, kept: int) -> None:
-        drafted = len(r.seq.draft)
-        r.acceptance.record(r.ngram, drafted, kept)
-        self.acceptance.record(r.ngram, drafted, kept)
-        r.stats.drafted_tokens += drafted
-        r.stats.accepted_tokens += kept
-        r.stats.draft_steps += 1
+    def _advance(self, plan: Scheduled, sampling: list[Seq], picked: list[Picked], t0: float) -> None:
+        """Record what the step computed and deliver each sampling sequence's tokens."""
+        prefill_tokens = plan.prefill_tokens  # before the tokens go in: a chunk samples until then
+        with self._cond:
+            now = time.perf_counter()
+            drafts = {s.id: tokens[:-1] for s, (tokens, _) in zip(sampling, picked) if s.draft}
+            self.scheduler.computed(plan.chunks, drafts)
+            if not prefill_tokens:
+                self.costs.record(plan.num_tokens, now - t0)
+            if drafts:
+                self.verify_steps += 1
+            for seq, (tokens, entries) in zip(sampling, picked):
+                if seq.draft:
+                    self._record_draft(seq, len(tokens) - 1)
+                for j, tok in enumerate(tokens):
+                    if seq.finished:
+                        break
+                    self._deliver(seq, tok, now, entries[j] if entries else None)
+            self.steps += 1
+            self.tokens_computed += plan.num_tokens
+            self.last_step_s = now - t0
+            self.last_step_prefill_tokens = prefill_tokens
+            if not self.scheduler.has_work:
+                self._generating.release()  # idle: a stopped build may go on
+            self._cond.notify_all()
+
+    def _fail(self, plan: Scheduled, error: BaseException) -> None:
+        """A step that raised: its sequences end with ``error`` (the others carry on)."""
+        with self._cond:
+            for c in plan.chunks:
+                if not c.seq.finished:
+                    c.seq.error = error
+                    self._finish(c.seq, "error")
+            self._cond.notify_all()
+
+    def _record_draft(self, seq: Seq, kept: int) -> None:
+        drafted = len(seq.draft)
+        seq.acceptance.record(seq.ngram, drafted, kept)
+        self.acceptance.record(seq.ngram, drafted, kept)
+        seq.stats.drafted_tokens += drafted
+        seq.stats.accepted_tokens += kept
+        seq.stats.draft_steps += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += kept
-        r.seq.draft = []
+        seq.draft = []
 
-    @torch.inference_mode()
-    def _run(self, chunks: list[Chunk], requests: list[_Request]) -> list[list[int]]:
-        """One forward over ``chunks``; for each chunk that samples (``requests``, in order) the tokens
-        it adds: a verify chunk's accepted drafts, then one token of its own; otherwise one token."""
-        specs = [SeqChunk([*c.seq.token_ids[c.start : c.start + c.length - c.draft], *c.seq.draft[: c.draft]],
-                          c.start, c.seq.table.groups[0], c.samples, tuple(c.seq.table.groups[1:]), c.draft > 0)
-                 for c in chunks]
-        step, ids = PagedStep.build(self.pool, specs, self._cos, self._sin, self.kernel, self.chunk)
-        # Each request's logits rows: one, or a verify chunk's 1 + len(draft).
-        spans, row = [], 0
-        for r in requests:
-            spans.append((row, 1 + len(r.seq.draft)))
-            row += spans[-1][1]
-        constrained = [i for i, r in enumerate(requests) if r.constraint is not None]
-        # The grammars' masks: on the CPU before the forward, while the caches still hold the grammar's
-        # state rather than the weights; on a GPU after it is queued, while the device runs it.
-        early = constrained and self.device.type == "cpu"
-        bits = self._grammar_bits(spans, requests, constrained) if early else None
-        if self._compiled is not None and self._compiled.takes(step):
-            logits = self._compiled(ids, step)  # (S_out, vocab)
-        elif self.graphs is not None and self.graphs.takes(step):
-            logits = self.graphs(ids, step)  # (S_out, vocab)
-        else:
-            logits = self.model(ids, step)[0]
-        if constrained and bits is None:
-            bits = self._grammar_bits(spans, requests, constrained)
-        for (at, _), r in zip(spans, requests):
-            if r.forced is not None:
-                r.logits.append(logits[at].float().clone())
-        rows_of = {i: logits[at : at + n] for i, (at, n) in enumerate(spans)}
-        # The model's own distribution, before any mask below changes these rows in place.
-        scored = {i: torch.log_softmax(rows_of[i].float(), -1) for i, r in enumerate(requests)
-                  if r.top_logprobs is not None}  # (n, V)
-        if bits is not None:  # each constrained request's rows, refused tokens at -inf (in place: its own rows)
-            row = 0
-            for i in constrained:
-                n = spans[i][1]
-                apply_masks(rows_of[i], bits[row : row + n])
-                row += n
-        picks: list[torch.Tensor | None] = [None] * len(requests)
-        plain = [i for i, r in enumerate(requests)
-                 if r.params.greedy and r.recent is None and r.constraint is None]
-        if plain:  # greedy rows in one argmax, of every row: indexing by a list of rows would upload
-            best = greedy(logits)  # it with a blocking copy (a host sync on CUDA)
-            for i in plain:
-                at, n = spans[i]
-                picks[i] = best[at : at + n]
-        # What sampling needs from the host (each row's draw, the penalty's recent ids), uploaded in one
-        # non-blocking copy for the whole step: a blocking upload waits for the GPU, one per request adds up.
-        host: list[float] = []
-        inputs: dict[int, tuple[tuple[int, int] | None, list[tuple[int, int]] | None]] = {}
-        for i, r in enumerate(requests):
-            if picks[i] is not None:
-                continue
-            n, draft, length = spans[i][1], r.seq.draft, len(r.seq.token_ids)
-            draws = None
-            if not r.params.greedy:  # the draw of each row's position
-                draws = (len(host), n)
-                host += [unit_random(r.seed, length + j) for j in range(n)]
-            rows = None
-            if r.recent is not None:  # the penalty's window of each row: the drafts before it too
-                rows, window = [], r.params.repeat_last_n
-                for j in range(n):
-                    ids = [*r.recent, *draft[:j]][-window:]
-                    rows.append((len(host), len(ids)))
-                    host += ids  # token ids are exact in float64
-            inputs[i] = (draws, rows)
-        up = torch.tensor(host, dtype=torch.float64).to(logits.device, non_blocking=True) if host else None
-        for i, (draws, rows) in inputs.items():
-            u = None if draws is None or up is None else up[draws[0] : draws[0] + draws[1]]
-            recent = None if rows is None or up is None else [up[a : a + w].long() for a, w in rows]
-            picks[i] = sample(rows_of[i], requests[i].params, u, recent)  # (n,)
-        if not picks:
-            return []
-        chosen = torch.cat(picks).tolist()  # type: ignore[arg-type]  # the one transfer to the host per step
-        out = []
-        for (at, n), r in zip(spans, requests):
-            rows, draft = chosen[at : at + n], r.seq.draft
-            kept = 0  # a draft token stays while it is the token its row picks (the same draw: exact)
-            while kept < len(draft) and rows[kept] == draft[kept]:
-                kept += 1
-            out.append([*draft[:kept], rows[kept]])
-        for i, lp in scored.items():
-            r, (at, n) = requests[i], spans[i]
-            r.step_logprobs = self._logprobs(lp[: len(out[i])], out[i], r.top_logprobs or 0)
-        return out
-
-    @staticmethod
-    def _logprobs(lp: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
-        """Each row's entry: ``lp`` (rows, V) log-probabilities, ``tokens`` the token of each row."""
-        picked = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
-        if top:
-            values, ids = top_k(lp, top)
-            alts = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-        else:
-            alts = [()] * len(tokens)
-        return [TokenLogprob(t, p, a) for t, p, a in zip(tokens, picked, alts)]
-
-    @staticmethod
-    def _grammar_bits(spans: list[tuple[int, int]], requests: list[_Request], which: list[int]) -> torch.Tensor:
-        """The allowed-token bitmask of every row of each constrained request in ``which``, stacked
-        (rows, words) int32: a verify chunk's row j is the mask after its first j draft tokens."""
-        n_rows = sum(spans[i][1] for i in which)
-        words = requests[which[0]].constraint.words  # type: ignore[union-attr]  # one vocabulary per model
-        bits = torch.empty(n_rows, words, dtype=torch.int32)
-        row = 0
-        for i in which:
-            n = spans[i][1]
-            requests[i].constraint.fill(bits[row : row + n], requests[i].seq.draft)  # type: ignore[union-attr]
-            row += n
-        return bits
-
-    def _deliver(self, r: _Request, tok: int, now: float, logprob: TokenLogprob | None = None) -> None:
-        """A sampled token: end on a stop id (not delivered), else hand it over and end at the limits."""
-        seq, stats = r.seq, r.stats
-        if seq.cancelled:
-            self._finish(r, "cancelled")
-            return
-        if r.forced is not None:  # teacher forcing: the given token, whatever was sampled
-            if not r.forced:
-                self._finish(r, "length")
-                return
-            tok = r.forced.popleft()
-        if tok in r.stop:
-            self._finish(r, "stop")
-            return
-        if r.constraint is not None and not r.constraint.take(tok):
-            # No token was allowed (the grammar hit a limit, or broke): end here, and say why.
-            stats.constraint_error = r.constraint.error or f"token {tok} refused"
+    def _deliver(self, seq: Seq, tok: int, now: float, logprob: TokenLogprob | None = None) -> None:
+        """A picked token: delivered, or the end of its sequence (a stop id is not delivered)."""
+        reason = "cancelled" if seq.cancelled else seq.append(tok, now, logprob)
+        if reason == "constraint":  # no token was allowed (the grammar hit a limit, or broke): say why
             log.warning("request %d: the grammar allows no further token (%s); it ends here",
-                        seq.id, stats.constraint_error)
-            self._finish(r, "constraint")
-            return
-        if stats.first_token_at is None:
-            stats.first_token_at = now
-        stats.token_times.append(now)
-        seq.token_ids.append(tok)
-        stats.generated_tokens += 1
-        if logprob is not None:
-            r.token_logprobs.append(logprob)  # before the token can be taken
-        r.out.append(tok)
-        if r.recent is not None:
-            r.recent.append(tok)
-        if r.constraint is not None and r.constraint.done:  # the grammar is complete: nothing may follow
-            self._finish(r, "stop")
-        elif r.max_tokens is not None and stats.generated_tokens >= r.max_tokens:
-            self._finish(r, "length")
-        elif len(seq.token_ids) > seq.max_len:  # the newest token has no position left to run at
-            self._finish(r, "length")
+                        seq.id, seq.stats.constraint_error)
+        if reason is not None:
+            self._finish(seq, reason)
 
-    def _finish(self, r: _Request, reason: str) -> None:
-        """Retire ``r`` now (its blocks freed). Called with the lock held."""
-        if r.finished:
+    def _finish(self, seq: Seq, reason: str) -> None:
+        """Retire ``seq`` now (its blocks freed). Called with the lock held."""
+        if seq.finished:
             return
-        self.scheduler.finish(r.seq)
-        r.finished = True
-        r.stats.finish_reason = reason
-        r.stats.finished_at = time.perf_counter()
-        self._requests.pop(r.seq.id, None)
+        self.scheduler.finish(seq)
+        seq.stats.finish_reason = reason
+        seq.stats.finished_at = time.perf_counter()
+        self._live.pop(seq.id, None)
 
     def forced_logits(self, prompt_ids: Sequence[int], fed: Sequence[int]) -> torch.Tensor:
         """Teacher forcing: the fp32 logits (len(fed) + 1, vocab) after ``prompt_ids`` and after each of
@@ -641,8 +358,7 @@ class BatchEngine:
         pool, prefix cache and compiled step: what generation computes, not a second forward)."""
         handle = self.submit(prompt_ids, SamplingParams(temperature=0), forced=fed)
         handle.result()
-        request = handle._request
-        return torch.stack(request.logits[: len(fed) + 1])
+        return torch.stack(handle._seq.logits[: len(fed) + 1])
 
     def embed(self, inputs: Sequence[Sequence[int]], pooling: str = "last") -> torch.Tensor:
         """Pooled, normalized final hidden states (len(inputs), dim) (:func:`runtime.embed.embed`), a
@@ -663,29 +379,29 @@ class BatchEngine:
             pass
 
     # Delivery ------------------------------------------------------------------------------------
-    def _take(self, r: _Request) -> list[int]:
+    def _take(self, seq: Seq) -> list[int]:
         with self._cond:
-            out = list(r.out)
-            r.out.clear()
-            if not out and r.finished and r.error is not None:
-                raise r.error
+            out = list(seq.out)
+            seq.out.clear()
+            if not out and seq.finished and seq.error is not None:
+                raise seq.error
             return out
 
-    def _next_token(self, r: _Request) -> int:
+    def _next_token(self, seq: Seq) -> int:
         while True:
             with self._cond:
-                if r.out:
-                    return r.out.popleft()
-                if r.finished:
-                    if r.error is not None:
-                        raise r.error
+                if seq.out:
+                    return seq.out.popleft()
+                if seq.finished:
+                    if seq.error is not None:
+                        raise seq.error
                     raise StopIteration
                 if self._thread is not None:
                     self._cond.wait()
                     continue
-            if not self.step() and not r.finished and not r.out:
+            if not self.step() and not seq.finished and not seq.out:
                 with self._cond:  # nothing ran: wait for whoever is stepping
-                    if self._thread is None and not r.out and not r.finished:
+                    if self._thread is None and not seq.out and not seq.finished:
                         self._cond.wait(0.01)
 
     # Background loop -----------------------------------------------------------------------------

@@ -29,14 +29,14 @@ This module knows token ids and blocks, not tensors, sampling or the model.
 from __future__ import annotations
 
 import bisect
-import enum
 from collections import deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from localllm.errors import LocalLLMError
-from localllm.runtime.block_manager import BlockManager, BlockTable
+from localllm.runtime.block_manager import BlockManager
 from localllm.runtime.kv_pool import capacity_tokens
+from localllm.runtime.sequence import Sequence, Status
 
 
 def check_prompt(prompt_len: int, ctx: int, pool: str = "") -> None:
@@ -61,43 +61,6 @@ class EngineBusy(LocalLLMError):
         self.retry_after_s = retry_after_s
         super().__init__(f"the server is busy: {waiting} requests are already waiting" + (f" {what}" if what else ""),
                          f"retry after {retry_after_s:g} s")
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request's tokens and its place in the pool."""
-
-    id: int  # arrival order: lower is older
-    prompt_len: int
-    token_ids: list[int]  # the prompt, then every token generated so far
-    max_len: int  # positions the sequence may hold (the context): generation ends when it is full
-    status: Status = Status.WAITING
-    #: Tokens whose keys/values are in the pool (0 after a preemption).
-    computed: int = 0
-    table: BlockTable = field(default_factory=BlockTable)
-    #: Prompt tokens served by the prefix cache at the first admission (-1: not admitted yet).
-    cached_tokens: int = -1
-    preemptions: int = 0
-    #: Set from any thread; the engine retires the sequence at the start of its next step.
-    cancelled: bool = False
-    #: Proposed tokens to verify after the last one in the next step (speculative decoding): kept
-    #: apart from ``token_ids`` until accepted; the step's plan drops them when the pool is short.
-    draft: list[int] = field(default_factory=list)
-
-    @property
-    def pending(self) -> int:
-        """Tokens to compute before the next one can be sampled."""
-        return len(self.token_ids) - self.computed
-
-    @property
-    def generated(self) -> int:
-        return len(self.token_ids) - self.prompt_len
 
 
 @dataclass(frozen=True)
@@ -201,7 +164,7 @@ class Scheduler:
         seq.computed = 0
         seq.draft = []
         seq.status = Status.WAITING
-        seq.preemptions += 1
+        seq.stats.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)  # it is older than anything queued
 
@@ -244,8 +207,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.computed = cached
-            if seq.cached_tokens < 0:
-                seq.cached_tokens = cached
+            if not seq.stats.preemptions:  # the first admission (later ones recompute after a preemption)
+                seq.stats.cached_tokens = cached
             seq.status = Status.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.id)
             admitted.append(seq)

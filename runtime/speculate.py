@@ -5,11 +5,11 @@ proposed tokens of a sequence (its *drafts*, as extra query rows of its chunk) c
 the step is bound by reading weights. What agents, editors and summaries write largely copies spans
 of their own context, so the drafts come from the sequence itself: the tokens that followed the
 latest earlier occurrence of its last ``n`` tokens (:class:`NgramIndex`). The engine verifies them in
-its batched step (:func:`runtime.sampling.verify`) and keeps the longest accepted prefix plus one
+its batched step (:class:`runtime.sampler.Sampler`) and keeps the longest accepted prefix plus one
 token of its own, so the output is exactly what decoding one token at a time gives (greedy: the same
 tokens; sampling: the same distribution).
 
-Whether a draft pays is decided per step (:class:`Planner`): each sequence's acceptance so far (per
+Whether a draft pays is decided per step (:func:`plan_drafts`): each sequence's acceptance so far (per
 match length: a long match is a safer bet than a short one) gives the expected number of tokens a
 draft of ``k`` adds, and the engine's measured step times (:class:`StepCosts`, by the number of query
 rows in a decode step) give what the extra rows cost. Drafts go where the expected tokens per second
@@ -23,6 +23,10 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from localllm.runtime.sequence import Sequence as SequenceState
 
 #: Longest draft per sequence and step.
 MAX_DRAFT = 8
@@ -183,3 +187,27 @@ def plan_drafts(proposals: Sequence[Proposal | None], costs: StepCosts) -> list[
             return best
         if expected / t > best_rate:
             best, best_rate = list(k), expected / t
+
+
+def propose_drafts(running: Sequence["SequenceState"], costs: StepCosts) -> None:
+    """Set the draft of each of ``running`` (a step in which every sequence decodes one token): its
+    n-gram proposal, as far as :func:`plan_drafts` finds it pays, within the tokens it may still add
+    (the step adds one of its own) and only what its grammar takes (a refused draft could not be kept)."""
+    proposals: list[Proposal | None] = []
+    for seq in running:
+        room = min(MAX_DRAFT, seq.max_len - len(seq.token_ids))
+        if seq.max_tokens is not None:
+            room = min(room, seq.max_tokens - seq.generated - 1)
+        if seq.forced is not None or room < 1 or seq.cancelled:
+            proposals.append(None)
+            continue
+        if seq.index is None:
+            seq.index = NgramIndex()
+        tokens, n = seq.index.propose(seq.token_ids, room)
+        if seq.constraint is not None:
+            tokens = tokens[: seq.constraint.valid_prefix(tokens)]
+        proposals.append(Proposal(tokens, n, seq.acceptance.rate(n)) if tokens else None)
+    for seq, p, k in zip(running, proposals, plan_drafts(proposals, costs)):
+        seq.draft = p.tokens[:k] if p is not None and k else []
+        if p is not None and seq.draft:
+            seq.ngram = p.ngram

@@ -116,7 +116,7 @@ def test_preempted_full_blocks_come_back_from_the_cache():
     s.finish(s.running[0])  # seq 0 leaves: its full blocks are cached, the partial one freed
     step(s)
     victim = s.running[0]
-    assert victim.id == 1 and victim.computed == 13 and victim.cached_tokens == 0
+    assert victim.id == 1 and victim.computed == 13 and victim.stats.cached_tokens == 0
     assert s.blocks.hit_tokens == 12  # its 3 full blocks were found again: only the last token recomputed
 
 

@@ -1,0 +1,96 @@
+"""The model's side of a step: the scheduler's chunks to logits.
+
+A :class:`ModelRunner` holds what every forward of an engine shares (the model, the paged KV pool,
+RoPE tables, the attention kernels of the device) and runs each step through the first path that
+takes it:
+
+1. the compiled decode step (:mod:`runtime.compiled_step`), for steps in which every sequence runs
+   single queries, where its packages are built;
+2. CUDA graphs captured per batch-size bucket (:mod:`runtime.cuda_graphs`), the same steps on a GPU;
+3. the eager forward, which takes every step (prefill chunks too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from localllm.runtime.compiled_step import CompiledDecode, find_step, wanted_batch
+from localllm.runtime.cuda_graphs import GraphedDecode
+from localllm.runtime.kv_pool import KVPool
+from localllm.runtime.model import Transformer, cache_rope_tables
+from localllm.runtime.paged import PagedChunkAttention, PagedDecodeAttention, PagedSpanAttention, PagedStep, SeqChunk
+from localllm.runtime.scheduler import Chunk
+from localllm.runtime.speculate import MAX_DRAFT
+
+
+class ModelRunner:
+    """Runs steps of ``model`` over ``pool`` for sequences of up to ``max_seq_len`` positions.
+
+    ``attention``: "auto" runs single queries with localllm's paged CPU kernel on the CPU (and prefill
+    chunks with its chunk kernel), and every span with the Triton paged kernel on CUDA; "sdpa" gathers
+    blocks and runs SDPA (the reference). ``cuda_graphs``: on a GPU with the paged kernel, replay
+    decode-only steps from graphs captured for up to ``max_running`` sequences.
+    """
+
+    def __init__(self, model: Transformer, pool: KVPool, max_seq_len: int, *, attention: str = "auto",
+                 cuda_graphs: bool = True, max_running: int = 32) -> None:
+        if attention not in ("auto", "sdpa"):
+            raise ValueError(f"attention must be 'auto' or 'sdpa', not {attention!r}")
+        self.model = model
+        self.pool = pool
+        device = model.device
+        cos, sin = cache_rope_tables(model.config, max_seq_len, device)
+        self.cos, self.sin = cos.to(model.dtype), sin.to(model.dtype)  # (max_seq_len, rot), 2 * rot with local ones
+        self.kernel: PagedDecodeAttention | PagedSpanAttention | None = None
+        self.chunk: PagedChunkAttention | None = None  # prefill chunks' attention beside a decode kernel
+        if attention == "auto" and device.type == "cpu":
+            from localllm.runtime import cpu_attention
+
+            self.kernel = cpu_attention.paged_kernel()
+            self.chunk = cpu_attention.chunk_kernel(model.config.head_dim)
+        elif attention == "auto" and device.type == "cuda":
+            from localllm.runtime import cuda_attention
+
+            self.kernel = cuda_attention.span_kernel()
+        self.compiled: CompiledDecode | None = None
+        #: Decode-only steps replayed from CUDA graphs (on a real GPU with the paged kernel).
+        self.graphs: GraphedDecode | None = None
+        if (cuda_graphs and self.kernel is not None and device.type == "cuda" and torch.cuda.is_available()
+                and all(layer.attn.softcap is None for layer in model.layers)):
+            self.graphs = GraphedDecode(model, pool, self.kernel, self.cos, self.sin, max_running)
+        #: The last :meth:`load_compiled` found no package built for this model and pool shape
+        #: (``localllm compile``), and no build of it failed before.
+        self.needs_build = False
+        self.compile_s = 0.0  # building or loading the compiled step's packages
+        #: Why steps run eagerly although compiling was asked for (None: they do not, or it was not).
+        self.compile_note: str | None = None
+
+    def load_compiled(self, build: bool, max_running: int, speculate: bool) -> None:
+        """Find the compiled decode step's packages (build the missing ones with ``build``): those of
+        :func:`runtime.compiled_step.wanted_batch` rows; packages built for more rows serve too, up
+        to a verify step's with speculation."""
+        rows = max_running * (1 + MAX_DRAFT) if speculate else max_running
+        found = find_step(self.model, self.pool, self.kernel, max_running, build, load_batch=rows,  # type: ignore[arg-type]
+                          want_batch=wanted_batch(max_running, speculate))
+        self.compiled, self.compile_s = found.step, found.seconds
+        self.needs_build, self.compile_note = found.needs_build, found.note
+
+    def build(self, chunks: Sequence[Chunk]) -> tuple[PagedStep, torch.Tensor]:
+        """The step of ``chunks`` and its input ids (1, N): a sequence's tokens from ``start`` on, then
+        its draft in a verify chunk."""
+        specs = [SeqChunk([*c.seq.token_ids[c.start : c.start + c.length - c.draft], *c.seq.draft[: c.draft]],
+                          c.start, c.seq.table.groups[0], c.samples, tuple(c.seq.table.groups[1:]), c.draft > 0)
+                 for c in chunks]
+        return PagedStep.build(self.pool, specs, self.cos, self.sin, self.kernel, self.chunk)
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """One forward over ``chunks`` -> the logits (S_out, vocab) of each sampling chunk's rows, in order."""
+        step, ids = self.build(chunks)
+        if self.compiled is not None and self.compiled.takes(step):
+            return self.compiled(ids, step)
+        if self.graphs is not None and self.graphs.takes(step):
+            return self.graphs(ids, step)
+        return self.model(ids, step)[0]
