@@ -1,7 +1,7 @@
 """What the KV cache stores, and how: its element types, int8 codes with their scales and key rotation.
 
 The cache itself is the batch engine's paged pool (:mod:`runtime.kv_pool`), whose tensors these
-helpers make and whose rows the model writes (:func:`runtime.model.paged_attention`).
+helpers make and whose rows the model writes (:func:`runtime.attention.attend`).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ A verify chunk (a decode token and its draft, speculative decoding) is a span pe
 keys up to its own position, which the step has written before attention runs, so the whole chunk
 goes to the decode kernel as that many single queries, and every row has logits.
 
-Attention per sequence (``runtime.model.paged_attention``) takes one of two kinds of kernel:
+Attention per sequence (:func:`runtime.attention.attend`) takes one of two kinds of kernel:
 
 * a *decode* kernel (:data:`PagedDecodeAttention`, the CPU's :mod:`runtime.cpu_attention`) runs the
   sequences with one query this step, all of them in one call, each layer passing its own window (the

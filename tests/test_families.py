@@ -169,7 +169,7 @@ def test_attention_softcapping_matches_gemma2s_attention():
 
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-    from localllm.runtime.model import attend
+    from localllm.runtime.attention import reference as attend
 
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, h, 10, 16, generator=g) * 2 for h in (4, 2, 2))

@@ -1,0 +1,169 @@
+"""Attention, behind one interface: :func:`attend`.
+
+The model hands each layer's queries, new keys and values to :func:`attend` with its view of the step
+(:class:`runtime.paged.PagedLayer`), and knows no kernel. Its implementations:
+
+* :func:`reference`: softmax attention through SDPA (written out for soft-capped scores), over one
+  whole sequence (a forward without a step) or keys/values gathered out of the paged pool: the tested
+  reference, and what soft-capped scores always take;
+* the step's paged kernels, reading the pool's blocks in place: on the CPU the decode kernel for single
+  queries and the chunk kernel for prefill chunks (:mod:`runtime.cpu_attention`); on CUDA the span
+  kernel for every row (:mod:`runtime.cuda_attention`). :class:`runtime.paged.PagedStep` says which
+  spans each one takes (:meth:`runtime.paged.PagedStep.split`).
+
+New keys and values are written to their slots of the pool (quantized for an int8 pool) before any
+query attends.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from localllm.runtime.cache import QuantKV, quantize_pair, rotate_qk
+from localllm.runtime.kv_pool import gather
+from localllm.runtime.paged import PagedLayer, PagedStep
+
+
+def attend(
+    q: torch.Tensor,  # (B, H, T, hd)
+    k: torch.Tensor,  # (B, KV, T, hd): the new keys
+    v: torch.Tensor,  # (B, KV, T, hd)
+    kv: PagedLayer | None,  # this layer's view of the step's paged pool; None: a whole sequence alone (B any)
+    window: int | None,  # the layer's attention window (None: the whole context)
+    q_prescale: float = 1.0,  # what q is multiplied by before a kernel that scales by hd ** -0.5
+    scale: float | None = None,  # None: hd ** -0.5
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of a layer -> (B, T, H * hd): over the step's paged pool (:func:`paged`), or, without a
+    step, over the sequence's own keys from position 0 (:func:`reference`)."""
+    if kv is not None:
+        return paged(q, k, v, kv, q_prescale, scale, softcap)
+    B, H, T, hd = q.shape
+    y = reference(q, k, v, window_mask(T, window, q.device), scale, softcap)  # (B, H, T, hd)
+    return y.transpose(1, 2).reshape(B, T, H * hd)
+
+
+def reference(
+    q: torch.Tensor,  # (B, H, T, hd)
+    k: torch.Tensor,  # (B, KV, L, hd)
+    v: torch.Tensor,  # (B, KV, L, hd)
+    mask: torch.Tensor | None,  # (T, L) bool, True = attend; None: causal from 0 (T > 1) / all (T == 1)
+    scale: float | None,  # None: hd ** -0.5
+    softcap: float | None,
+) -> torch.Tensor:
+    """Softmax attention -> (B, H, T, hd): SDPA, or written out when the scores are soft-capped."""
+    H, KV, T = q.shape[1], k.shape[1], q.shape[2]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                              scale=scale, enable_gqa=H != KV)
+    if H != KV:
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap  # (B, H, T, L)
+    if mask is None and T > 1:
+        mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1).to(v.dtype) @ v
+
+
+def window_mask(T: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Mask of a whole sequence's T queries over its own keys (positions 0 .. T - 1): None for plain
+    causal attention (SDPA's own), else (T, T) bool, True = attend; a key is seen when
+    ``q - window < k <= q``."""
+    if window is None or T <= window:
+        return None
+    pos = torch.arange(T, device=device)
+    return (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+
+
+def paged(
+    q: torch.Tensor,  # (1, H, N, hd): the step's queries, every sequence's rows in turn
+    k: torch.Tensor,  # (1, KV, N, hd): their new keys
+    v: torch.Tensor,  # (1, KV, N, hd)
+    layer: PagedLayer,
+    q_prescale: float = 1.0,
+    scale: float | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of a flattened batch over the paged pool -> (1, N, H * hd).
+
+    The new keys/values are written to their slots first; then each sequence's queries attend over
+    its own context: single queries through the step's paged kernel (one call for all of them) when it
+    has one, each prefill chunk through the step's chunk kernel (fp32 queries over a float pool) when it
+    has one, the rest through SDPA over keys/values gathered from their blocks. In a sliding-window
+    layer a sequence whose context the window cuts reads only the blocks that hold its window (the pool
+    has given back the blocks before them: :mod:`runtime.kv_pool`); SDPA takes a mask there.
+    Soft-capped scores (Gemma 2 style) never take a kernel.
+    """
+    if isinstance(layer.k, QuantKV):  # an int8 pool holds keys rotated (runtime.cache.key_rotation)
+        out_dtype = q.dtype
+        q, k = rotate_qk(q, k, layer.step.rotation)  # fp32: attention over an int8 pool runs in fp32
+        return _paged(q, k, v, layer, q_prescale, scale, softcap).to(out_dtype)
+    return _paged(q, k, v, layer, q_prescale, scale, softcap)
+
+
+def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, q_prescale: float,
+                     scale: float | None, softcap: float | None) -> torch.Tensor:
+    """The paged attention once q and k are as the pool's keys want them -> (1, N, H * hd) in q's dtype."""
+    step = layer.step
+    split = step.split(softcap is None)
+    _, H, N, hd = q.shape
+    KV = k.shape[1]
+    kp, vp = layer.k, layer.v  # (n_blocks, KV, block, hd), or int8 codes + (n_blocks, KV, block) scales
+    _write_slots(kp, vp, step, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, KV, hd) into the slots
+    qt = q[0].transpose(0, 1)  # (N, H, hd)
+    if split.tiles is not None:  # a span kernel: every row of the step in one call
+        assert step.kernel is not None and split.decode_tables is not None and split.decode_lens is not None
+        qs = qt * q_prescale if q_prescale != 1.0 else qt
+        out = step.kernel(qs.reshape(N, KV, H // KV, hd), kp, vp, split.decode_tables, split.decode_lens,
+                          layer.window, split.tiles, split.tile_rows)  # type: ignore[call-arg]
+        return out.reshape(1, N, H * hd)
+    decode = None
+    if split.decode_tables is not None:
+        assert step.kernel is not None and split.decode_lens is not None
+        qd = qt if split.decode_rows is None else qt.index_select(0, split.decode_rows)  # (S_d, H, hd)
+        if q_prescale != 1.0:
+            qd = qd * q_prescale
+        decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, split.decode_tables, split.decode_lens,
+                             layer.window)
+        if split.decode_rows is None:
+            return decode.reshape(1, N, H * hd)  # (S_d, KV, G, hd), S_d == N: every row in order
+    y = q.new_empty(N, H, hd)
+    if decode is not None:
+        y.index_copy_(0, split.decode_rows, decode.reshape(-1, H, hd))
+    # the step's chunk kernel reads float pools in place for fp32 queries (SDPA rounds 16-bit ones its own way)
+    chunk = step.chunk if softcap is None and isinstance(kp, torch.Tensor) and q.dtype == torch.float32 else None
+    for span in split.sdpa_spans:
+        first = step.first_block(span, layer.window)  # blocks before it hold no key the queries see
+        if chunk is not None:
+            rows = qt[span.row : span.row + span.length].reshape(span.length, KV, H // KV, hd)
+            y[span.row : span.row + span.length] = chunk(
+                rows, kp, vp, span.blocks[first:], first, span.context - span.length, layer.window,
+                scale if scale is not None else hd ** -0.5).view(span.length, H, hd)
+            continue
+        ks, vs = gather(kp, vp, span.blocks[first:], span.context - first * step.pool.block_size, q.dtype)
+        qs = q[:, :, span.row : span.row + span.length]  # (1, H, n, hd)
+        mask = step.mask(span, layer.window, first)
+        if span.length == 1 and mask is None and softcap is None:
+            # one query: fold each kv group's heads into the query axis (no expanded keys)
+            ys = F.scaled_dot_product_attention(qs.reshape(1, KV, H // KV, hd), ks, vs, scale=scale)  # (1, KV, G, hd)
+            y[span.row] = ys.reshape(H, hd)
+        else:
+            ys = reference(qs, ks, vs, mask, scale, softcap)  # (1, H, n, hd)
+            y[span.row : span.row + span.length] = ys[0].transpose(0, 1)
+    return y.view(1, N, H * hd)
+
+
+def _write_slots(kp: torch.Tensor | QuantKV, vp: torch.Tensor | QuantKV, step: PagedStep, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    """New keys and values (N, KV, hd) into their slots of the pools, quantized for an int8 pool."""
+    if isinstance(kp, QuantKV) and isinstance(vp, QuantKV):
+        for pool, q in zip((kp, vp), quantize_pair(k, v)):  # codes (N, KV, hd), scales (N, KV)
+            pool.codes[step.write_blocks, :, step.write_rows] = q.codes
+            pool.scales[step.write_blocks, :, step.write_rows] = q.scales
+    else:
+        assert isinstance(kp, torch.Tensor) and isinstance(vp, torch.Tensor)
+        kp[step.write_blocks, :, step.write_rows] = k.to(kp.dtype)  # an fp16 pool rounds them here
+        vp[step.write_blocks, :, step.write_rows] = v.to(vp.dtype)
