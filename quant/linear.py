@@ -10,6 +10,7 @@ from torch import nn
 
 from localllm.quant import kernels
 from localllm.quant.formats import QuantScheme, canonical_shapes, dequantize
+from localllm.quant.kernel_base import Layout
 from localllm.quant.target import Target
 
 
@@ -18,7 +19,8 @@ class QuantLinear(nn.Module):
 
     Built with the scheme's canonical buffers (see :mod:`quant.formats`), usually on ``meta`` so a
     checkpoint can assign them without allocation. :meth:`prepare` then picks the kernel for the
-    device and activation dtype and replaces the canonical buffers by the kernel's layout.
+    device and activation dtype and replaces the canonical buffers by the kernel's layout, which it
+    records in :attr:`layout` where the kernel has several.
     """
 
     def __init__(self, in_features: int, out_features: int, scheme: QuantScheme, bias: bool = False) -> None:
@@ -28,6 +30,12 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, torch.empty(shape, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.kernel: type[kernels.Kernel] | None = None
+        #: The layout :meth:`prepare` laid the tensors out in, for a kernel with several (a GGUF layer's
+        #: blocks, or the tiles they are repacked into): what the kernel's products are picked by.
+        self.layout: Layout | None = None
+        #: A tied model's embedding reads this head's rows (:class:`TiedHeadEmbedding`): its kernel
+        #: keeps them readable.
+        self.serves_embedding = False
         self.act_dtype = torch.bfloat16
 
     def canonical(self) -> dict[str, torch.Tensor]:
@@ -80,6 +88,9 @@ class QuantLinear(nn.Module):
         verdicts = {} if verdicts is None else verdicts
         disagreeing = []
         for k in choices:
+            caveat = k.caveat(self)
+            if caveat is not None:
+                kernels.warn_once(caveat)
             tensors = k.prepare(self)
             if k is kernels.Reference:
                 break
@@ -111,6 +122,7 @@ class QuantLinear(nn.Module):
             else:
                 self.register_buffer(name, t)
         self.kernel = k
+        self.layout = k.layout_for(self)
         return k.name
 
     @property
@@ -240,16 +252,15 @@ class TiedHeadEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         head = self._head[0]
-        rows_of = getattr(head.kernel, "rows_of", None)
+        rows_of = head.kernel.rows_of if head.kernel is not None else None
         if rows_of is not None:  # a kernel that keeps the codes in a layout of its own
             rows = rows_of(head, tokens.reshape(-1))  # (B*T, D) fp32
             return rows.view(*tokens.shape, head.in_features).to(head.act_dtype)
         if head.scheme.name == "gguf":
             rows = self._block_rows(head, tokens.reshape(-1))  # (B*T, D) fp32
             return rows.view(*tokens.shape, head.in_features).to(head.act_dtype)
-        scales = head.kscales if hasattr(head, "kscales") else head.scales  # (V,) or (V, D / group)
-        rows = head.qweight[tokens].float()  # (B, T, D)
-        s = scales[tokens].float()  # (B, T) or (B, T, D / group)
+        rows = head.qweight[tokens].float()  # (B, T, D): the canonical int8 codes
+        s = head.scales[tokens].float()  # (B, T) or (B, T, D / group)
         if s.dim() == rows.dim():  # per group: each scale covers `group` consecutive columns
             out = (rows.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
         else:
