@@ -127,21 +127,34 @@ def kernels_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
-    """Factory: arch -> (transformers model, folder holding it in HF format). Cached per arch."""
+    """Factory: (arch, config overrides) -> (transformers model, folder holding it in HF format): the
+    tiny model of :data:`TINY` with :func:`make_hf_model`'s seeded weights, made once per session for
+    each arch and overrides. A test whose expectations depend on a config of its own (a sliding window,
+    a longer context, a tied head) names it here as overrides rather than building its own copy."""
     made: dict[str, tuple] = {}
 
-    def get(arch: str = "llama"):
-        if arch not in made:
-            model = make_hf_model(arch)
+    def get(arch: str = "llama", **overrides):
+        key = json.dumps([arch, overrides], sort_keys=True)
+        if key not in made:
+            model = make_hf_model(arch, **overrides)
             folder = save_hf_folder(model, tmp_path_factory.mktemp(f"tiny-{arch}"))
-            made[arch] = (model, folder)
-        return made[arch]
+            made[key] = (model, folder)
+        return made[key]
 
     return get
 
 
+@pytest.fixture(scope="module")
+def tiny_fp32(tiny_folder):
+    """The tiny Llama loaded in fp32 as the runtime loads it: the model most tests run. One per module,
+    so that what a module sets on it (a chat template, a compiled step) reaches no other module."""
+    from localllm.loaders.load import load_model
+
+    return load_model(str(tiny_folder("llama")[1]), quant="fp32")
+
+
 @pytest.fixture(scope="session")
-def span_models(tmp_path_factory):
+def span_models(tiny_folder):
     """Tiny fp32 Llama, and Gemma 3 with a window layer beside a global one (a paged pool of two layer
     groups; head_dim 256), loaded as the runtime loads them: the CUDA kernels' model-level checks."""
     from localllm.loaders.load import load_model
@@ -149,8 +162,7 @@ def span_models(tmp_path_factory):
     made = {}
     for arch, extra in (("llama", {}),
                         ("gemma3", {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})):
-        folder = save_hf_folder(make_hf_model(arch, **extra), tmp_path_factory.mktemp(f"span-{arch}"))
-        made[arch] = load_model(str(folder), quant="fp32").model
+        made[arch] = load_model(str(tiny_folder(arch, **extra)[1]), quant="fp32").model
     return made
 
 

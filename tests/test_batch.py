@@ -42,12 +42,6 @@ MAX_TOKENS = [20, 7, 30, 12, 25]
 
 
 @pytest.fixture(scope="module")
-def fp32(tiny_folder):
-    _, folder = tiny_folder("llama")
-    return load_model(str(folder), quant="fp32")
-
-
-@pytest.fixture(scope="module")
 def int4_fp32(tiny_folder):
     _, folder = tiny_folder("llama")
     with warnings.catch_warnings():  # int4 with fp32 activations runs on the reference kernel, and says so
@@ -114,10 +108,10 @@ def run_mixed(lm, **engine_args) -> tuple[BatchEngine, list]:
 
 @pytest.mark.parametrize("attention", ["auto", "sdpa"])
 @pytest.mark.parametrize("chunk", [256, 8])
-def test_batched_tokens_are_the_tokens_alone(fp32, attention, chunk):
-    eng, handles = run_mixed(fp32, attention=attention, chunk_tokens=chunk)
+def test_batched_tokens_are_the_tokens_alone(tiny_fp32, attention, chunk):
+    eng, handles = run_mixed(tiny_fp32, attention=attention, chunk_tokens=chunk)
     for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
-        assert_same(fp32, p, h.result(), alone(fp32, p, n))
+        assert_same(tiny_fp32, p, h.result(), alone(tiny_fp32, p, n))
         s = h.stats
         assert s.finish_reason == "length" and s.generated_tokens == n and s.prompt_tokens == len(p)
         assert s.ttft_s is not None and s.ttft_s > 0 and s.preemptions == 0
@@ -127,14 +121,14 @@ def test_batched_tokens_are_the_tokens_alone(fp32, attention, chunk):
         assert eng.kernel is not None or eng.device.type != "cpu"
 
 
-def test_an_fp16_pool_batches_exactly_and_holds_twice_the_tokens(fp32):
+def test_an_fp16_pool_batches_exactly_and_holds_twice_the_tokens(tiny_fp32):
     """fp32 activations over float16 keys and values: the batch's tokens are each sequence's tokens
     alone over an fp16 cache, and the same budget holds twice the blocks of an fp32 pool."""
-    eng, handles = run_mixed(fp32, kv_dtype="fp16", chunk_tokens=8)
+    eng, handles = run_mixed(tiny_fp32, kv_dtype="fp16", chunk_tokens=8)
     assert eng.pool.k[0].dtype == torch.float16 and "(float16)" in eng.pool.plan.describe()
     for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
-        assert_same(fp32, p, h.result(), alone(fp32, p, n, kv_dtype="fp16"))
-    wide = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+        assert_same(tiny_fp32, p, h.result(), alone(tiny_fp32, p, n, kv_dtype="fp16"))
+    wide = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG)
     assert eng.pool.n_blocks == 2 * wide.pool.n_blocks
 
 
@@ -143,8 +137,8 @@ def test_an_fp16_cache_is_refused_under_bf16_activations(int4):
         BatchEngine(int4.model, kv_budget_bytes=BIG, kv_dtype="fp16")
 
 
-def test_chunked_prefill_bounds_each_step(fp32):
-    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, chunk_tokens=8, speculate=False)  # sizes without drafts
+def test_chunked_prefill_bounds_each_step(tiny_fp32):
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, chunk_tokens=8, speculate=False)  # sizes without drafts
     handles = [eng.submit(p, GREEDY, 5) for p in PROMPTS]
     sizes = []
     while eng.has_work:
@@ -152,7 +146,7 @@ def test_chunked_prefill_bounds_each_step(fp32):
     assert max(sizes) <= 8 + len(PROMPTS)  # the prompt budget plus one decode token per sequence
     assert sum(sizes) == sum(len(p) + 4 for p in PROMPTS)  # every prompt token once, and 4 decode tokens each
     for p, h in zip(PROMPTS, handles):
-        assert_same(fp32, p, h.result(), alone(fp32, p, 5))
+        assert_same(tiny_fp32, p, h.result(), alone(tiny_fp32, p, 5))
 
 
 def test_int4_weights_with_fp32_activations_batch_exactly(int4_fp32):
@@ -168,36 +162,36 @@ def test_int4_bf16_batches_within_the_tie_rule(int4):
         assert_same_or_tie(int4, p, h.result(), alone(int4, p, n))
 
 
-def test_preemption_keeps_the_tokens(fp32):
+def test_preemption_keeps_the_tokens(tiny_fp32):
     """A pool of 8 blocks (128 tokens) for five requests needing ~260: the youngest are preempted and
     recomputed from their prompt and the tokens they had, and still give their tokens alone."""
-    budget = 8 * block_bytes(fp32.config, 16, torch.float32)
-    eng = BatchEngine(fp32.model, kv_budget_bytes=budget, chunk_tokens=32)
+    budget = 8 * block_bytes(tiny_fp32.config, 16, torch.float32)
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=budget, chunk_tokens=32)
     assert eng.plan.n_blocks == 8 and eng.max_seq_len == 128
     handles = [eng.submit(p, GREEDY, n + 20) for p, n in zip(PROMPTS, MAX_TOKENS)]
     eng.run_until_done()
     assert eng.scheduler.preemptions > 0 and sum(h.stats.preemptions for h in handles) > 0
     for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
-        assert_same(fp32, p, h.result(), alone(fp32, p, n + 20))
+        assert_same(tiny_fp32, p, h.result(), alone(tiny_fp32, p, n + 20))
     eng.blocks.check()
     assert eng.usage()["blocks_used"] == 0
 
 
-def test_prefix_hits_report_cached_tokens_and_keep_the_tokens(fp32):
-    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+def test_prefix_hits_report_cached_tokens_and_keep_the_tokens(tiny_fp32):
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG)
     a = PROMPTS[3]  # 64 tokens
     first = eng.submit(a, GREEDY, 10)
-    assert first.result() == alone(fp32, a, 10) and first.stats.cached_tokens == 0
+    assert first.result() == alone(tiny_fp32, a, 10) and first.stats.cached_tokens == 0
 
     # a shared 50-token prefix: its 3 full blocks come from the cache, the rest is computed
     b = a[:50] + prompt(9, 6)
     h = eng.submit(b, GREEDY, 12)
-    assert_same(fp32, b, h.result(), alone(fp32, b, 12))
+    assert_same(tiny_fp32, b, h.result(), alone(tiny_fp32, b, 12))
     assert h.stats.cached_tokens == 48
 
     # the same prompt again: all but the last block (its last token must run to give logits)
     h = eng.submit(a, GREEDY, 10)
-    assert_same(fp32, a, h.result(), alone(fp32, a, 10))
+    assert_same(tiny_fp32, a, h.result(), alone(tiny_fp32, a, 10))
     assert h.stats.cached_tokens == 48
 
     # the same tokens after a different first token share nothing
@@ -207,17 +201,17 @@ def test_prefix_hits_report_cached_tokens_and_keep_the_tokens(fp32):
     assert h.stats.cached_tokens == 0
 
     # a follow-up turn: blocks filled while decoding were keyed too
-    out = alone(fp32, a, 10)
+    out = alone(tiny_fp32, a, 10)
     follow = a + out + [5, 6, 7]
     h = eng.submit(follow, GREEDY, 8)
-    assert_same(fp32, follow, h.result(), alone(fp32, follow, 8))
+    assert_same(tiny_fp32, follow, h.result(), alone(tiny_fp32, follow, 8))
     computed = len(a) + len(out) - 1  # the last reply token never ran
     assert h.stats.cached_tokens == computed // 16 * 16 == 64
 
 
-def test_concurrent_requests_share_a_prefix(fp32):
+def test_concurrent_requests_share_a_prefix(tiny_fp32):
     """The second request arrives while the first decodes: it reuses the first one's full blocks."""
-    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG)
     a = PROMPTS[2]  # 40 tokens: 2 full blocks
     h1 = eng.submit(a, GREEDY, 20)
     eng.step()
@@ -227,28 +221,28 @@ def test_concurrent_requests_share_a_prefix(fp32):
     assert h2.stats.cached_tokens == 32
     assert eng.usage()["blocks_used"] == 3 + 1  # two shared blocks, a partial one each
     eng.run_until_done()
-    assert_same(fp32, a, h1.result(), alone(fp32, a, 20))
-    assert_same(fp32, a[:35] + [3, 4], h2.result(), alone(fp32, a[:35] + [3, 4], 20))
+    assert_same(tiny_fp32, a, h1.result(), alone(tiny_fp32, a, 20))
+    assert_same(tiny_fp32, a[:35] + [3, 4], h2.result(), alone(tiny_fp32, a[:35] + [3, 4], 20))
 
 
-def test_a_request_that_can_never_fit_is_refused_with_numbers(fp32):
-    budget = 4 * block_bytes(fp32.config, 16, torch.float32)
-    eng = BatchEngine(fp32.model, kv_budget_bytes=budget)
+def test_a_request_that_can_never_fit_is_refused_with_numbers(tiny_fp32):
+    budget = 4 * block_bytes(tiny_fp32.config, 16, torch.float32)
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=budget)
     assert eng.max_seq_len == 64  # the pool, not the model's 256, bounds a sequence
     with pytest.raises(LocalLLMError, match=r"the prompt is 64 tokens and the context holds 64 \(prompt and reply "
                                             r"together; the KV pool has 4 blocks x 16 tokens = 64\)"):
         eng.submit(PROMPTS[3], GREEDY, 1)
     assert eng.submit(PROMPTS[3][:63], GREEDY, 5).result()  # one position left: it runs
     with pytest.raises(LocalLLMError, match="holds no block"):
-        BatchEngine(fp32.model, kv_budget_bytes=100)
+        BatchEngine(tiny_fp32.model, kv_budget_bytes=100)
     with pytest.raises(LocalLLMError, match="max tokens 0"):
         eng.submit([5], GREEDY, 0)
 
 
-def test_a_full_queue_says_busy(fp32):
+def test_a_full_queue_says_busy(tiny_fp32):
     """A burst on an idle engine: its free slots and the queue take max_running + max_waiting requests
     before any step ran; one more is refused until a slot frees."""
-    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=2, max_waiting=2)
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=2, max_waiting=2)
     handles = [eng.submit([5, 6 + i], GREEDY, 2) for i in range(4)]
     with pytest.raises(EngineBusy, match="busy.*retry after"):
         eng.submit([5, 9], GREEDY, 2)
@@ -258,8 +252,8 @@ def test_a_full_queue_says_busy(fp32):
     eng.run_until_done()
 
 
-def test_cancel_frees_the_blocks(fp32):
-    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=2)
+def test_cancel_frees_the_blocks(tiny_fp32):
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=2)
     keep = eng.submit(PROMPTS[2], GREEDY, 30)
     gone = eng.submit(PROMPTS[3], GREEDY, 30)
     queued = eng.submit(PROMPTS[4], GREEDY, 30)  # waits: max_running
@@ -272,7 +266,7 @@ def test_cancel_frees_the_blocks(fp32):
     assert gone.stats.finish_reason == "cancelled" and queued.stats.finish_reason == "cancelled"
     produced = got + gone.result()  # what came before the cancel can still be read
     assert len(produced) == gone.stats.generated_tokens < 30
-    assert_same(fp32, PROMPTS[3], produced, alone(fp32, PROMPTS[3], 30)[: len(produced)])
+    assert_same(tiny_fp32, PROMPTS[3], produced, alone(tiny_fp32, PROMPTS[3], 30)[: len(produced)])
     assert queued.result() == [] and queued.stats.ttft_s is None
     assert eng.usage()["running"] == 1 and eng.usage()["waiting"] == 0
     keep.cancel()
@@ -282,35 +276,35 @@ def test_cancel_frees_the_blocks(fp32):
     eng.blocks.check()
 
 
-def test_stop_ids_end_a_request_without_the_stop_token(fp32):
+def test_stop_ids_end_a_request_without_the_stop_token(tiny_fp32):
     p = PROMPTS[2]
-    full = alone(fp32, p, 30)
+    full = alone(tiny_fp32, p, 30)
     stop = full[6]
-    want = alone(fp32, p, 30, stop_ids=[stop])
+    want = alone(tiny_fp32, p, 30, stop_ids=[stop])
     assert want == full[: full.index(stop)]
-    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG)
     h = eng.submit(p, GREEDY, 30, stop_ids=[stop])
     other = eng.submit(PROMPTS[1], GREEDY, 30)
     eng.run_until_done()
-    assert_same(fp32, p, h.result(), want)
+    assert_same(tiny_fp32, p, h.result(), want)
     assert h.stats.finish_reason == "stop" and other.stats.finish_reason == "length"
 
 
-def test_a_full_context_ends_with_length(fp32):
-    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_seq_len=48)
+def test_a_full_context_ends_with_length(tiny_fp32):
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_seq_len=48)
     p = PROMPTS[2]  # 40 tokens
     h = eng.submit(p, GREEDY)
-    want = alone(fp32, p, None, ctx=48)  # the context's limit: 48 - 40 + 1 tokens
+    want = alone(tiny_fp32, p, None, ctx=48)  # the context's limit: 48 - 40 + 1 tokens
     assert len(want) == 9
-    assert_same(fp32, p, h.result(), want)
+    assert_same(tiny_fp32, p, h.result(), want)
     assert h.stats.finish_reason == "length"
 
 
-def test_seeded_sampling_is_per_request(fp32):
+def test_seeded_sampling_is_per_request(tiny_fp32):
     params = [SamplingParams(temperature=0.9, seed=s, repeat_penalty=1.1) for s in (1, 2, 1)]
 
     def run() -> list[list[int]]:
-        eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+        eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG)
         hs = [eng.submit(PROMPTS[2], sp, 25) for sp in params]
         eng.run_until_done()
         return [h.result() for h in hs]
@@ -320,25 +314,25 @@ def test_seeded_sampling_is_per_request(fp32):
     assert first[0] == first[2] and first[0] != first[1]  # each request its own generator
 
 
-def test_the_repeat_penalty_window_slides_per_request(fp32):
+def test_the_repeat_penalty_window_slides_per_request(tiny_fp32):
     """The engine keeps each request's window of the last repeat_last_n ids: its tokens are the
     reference loop's, which keeps that window on the host, and the window's length matters."""
     params = SamplingParams(temperature=0, repeat_penalty=3.0, repeat_last_n=4)
     p, n = PROMPTS[4], 16
-    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG)
     h = eng.submit(p, params, n)
     other = eng.submit(PROMPTS[1], GREEDY, n)  # beside a request without a penalty
     eng.run_until_done()
-    want = alone(fp32, p, n, params=params)
-    assert h.result() == want and other.result() == alone(fp32, PROMPTS[1], n)
-    assert want != alone(fp32, p, n, params=SamplingParams(temperature=0, repeat_penalty=3.0, repeat_last_n=64))
+    want = alone(tiny_fp32, p, n, params=params)
+    assert h.result() == want and other.result() == alone(tiny_fp32, PROMPTS[1], n)
+    assert want != alone(tiny_fp32, p, n, params=SamplingParams(temperature=0, repeat_penalty=3.0, repeat_last_n=64))
 
 
-def test_background_thread_serves_many_threads(fp32):
-    want = [alone(fp32, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+def test_background_thread_serves_many_threads(tiny_fp32):
+    want = [alone(tiny_fp32, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     got: dict[int, list[int]] = {}
     errors: list[BaseException] = []
-    with BatchEngine(fp32.model, kv_budget_bytes=BIG, chunk_tokens=16) as eng:
+    with BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, chunk_tokens=16) as eng:
 
         def client(i: int) -> None:
             try:
@@ -353,25 +347,22 @@ def test_background_thread_serves_many_threads(fp32):
             t.join(60)
     assert not errors and eng._thread is None
     for i, p in enumerate(PROMPTS):
-        assert_same(fp32, p, got[i], want[i])
+        assert_same(tiny_fp32, p, got[i], want[i])
 
 
-def test_iterating_one_handle_advances_all(fp32):
-    eng = BatchEngine(fp32.model, kv_budget_bytes=BIG)
+def test_iterating_one_handle_advances_all(tiny_fp32):
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG)
     a = eng.submit(PROMPTS[0], GREEDY, 5)
     b = eng.submit(PROMPTS[1], GREEDY, 20)
     assert len(list(a)) == 5 and a.done
     assert b.stats.generated_tokens == 5  # b ran beside a, its tokens waiting in its handle
-    assert list(b) == alone(fp32, PROMPTS[1], 20) and b.done
+    assert list(b) == alone(tiny_fp32, PROMPTS[1], 20) and b.done
 
 
 @pytest.fixture(scope="module")
-def windowed(tmp_path_factory):
+def windowed(tiny_folder):
     """A tiny Mistral whose sliding window (8) is shorter than the prompts."""
-    from tests.conftest import make_hf_model, save_hf_folder
-
-    folder = save_hf_folder(make_hf_model("mistral", sliding_window=8), tmp_path_factory.mktemp("tiny-window"))
-    lm = load_model(str(folder), quant="fp32")
+    lm = load_model(str(tiny_folder("mistral", sliding_window=8)[1]), quant="fp32")
     assert lm.config.sliding_window == 8
     return lm
 

@@ -48,11 +48,9 @@ def assert_row(row: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def llama(tiny_folder):
     """A tiny Llama whose context holds the agent workload's longest turn (and the long prompt)."""
-    from tests.conftest import make_hf_model, save_hf_folder
-
-    return save_hf_folder(make_hf_model("llama", max_position_embeddings=4096), tmp_path_factory.mktemp("tiny-4k"))
+    return tiny_folder("llama", max_position_embeddings=4096)[1]
 
 
 def test_percentiles_are_nearest_rank():

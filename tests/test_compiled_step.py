@@ -46,20 +46,13 @@ def home(tmp_path_factory, monkeypatch_module):
 
 
 @pytest.fixture(scope="module")
-def fp32(tiny_folder):
-    _, folder = tiny_folder("llama")
-    return load_model(str(folder), quant="fp32")
-
-
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
+def gemma(tiny_folder):
     """A tiny Gemma 3: sliding layers with a window of 8 beside a full-context one (four layer groups in
     the paged pool), local and global RoPE bases, Gemma's norms and embedding scale."""
-    from tests.conftest import make_hf_model, save_hf_folder
-
-    ref = make_hf_model("gemma3", sliding_window=8, num_hidden_layers=4, head_dim=16, pad_token_id=0,
-                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"])
-    return load_model(str(save_hf_folder(ref, tmp_path_factory.mktemp("tiny-gemma3"))), quant="fp32")
+    _, folder = tiny_folder("gemma3", sliding_window=8, num_hidden_layers=4, head_dim=16, pad_token_id=0,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                         "sliding_attention"])
+    return load_model(str(folder), quant="fp32")
 
 
 def counted(engine: BatchEngine) -> list[int]:
@@ -123,83 +116,84 @@ def test_batch_ranges_follow_the_kernels_row_thresholds():
 
 
 @needs_compiler
-def test_auto_without_packages_runs_eagerly_and_says_a_build_is_needed(fp32, home):
-    engine = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto")
+def test_auto_without_packages_runs_eagerly_and_says_a_build_is_needed(tiny_fp32, home):
+    engine = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto")
     assert not engine.compiled and engine.needs_build and engine.compile_note is None
     with pytest.raises(PackageMissing, match="no decode step is built"):
-        CompiledDecode(fp32.model, engine.pool, engine.kernel, 4)
+        CompiledDecode(tiny_fp32.model, engine.pool, engine.kernel, 4)
 
 
 @needs_compiler
-def test_compiled_steps_give_the_eager_engines_tokens(fp32, home):
+def test_compiled_steps_give_the_eager_engines_tokens(tiny_fp32, home):
     """Built now (compile=True), then found by "auto" in a new engine; one sequence alone and five
     joining and leaving, every greedy token equal to the eager engine's (fp32: decided margins). The
     build changed no process-wide setting and left code only (no weights) in a package."""
     import torch._inductor.config as inductor_config
 
     casts = inductor_config.emulate_precision_casts
-    built = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, compile=True)
+    built = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=4, compile=True)
     assert built.compiled and built.compile_note is None
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and inductor_config.emulate_precision_casts == casts
     packages = list((home / "inductor" / "aot").glob("paged-decode-*.pt2"))
     assert len(packages) == 2 and all(p.stat().st_size < 20e6 for p in packages)  # batch 1, and 2 on
     # one token per step here (the packages' batch sizes are what is checked); speculation below
-    engine = BatchEngine(fp32.model, kv_budget_bytes=2 * BIG, max_running=4, compile="auto", speculate=False)
+    engine = BatchEngine(tiny_fp32.model, kv_budget_bytes=2 * BIG, max_running=4, compile="auto", speculate=False)
     assert engine.compiled and not engine.needs_build  # another pool size
     sizes = counted(engine)
-    eager = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, speculate=False)
+    eager = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=4, speculate=False)
     got, want = run_mixed(engine), run_mixed(eager)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert_same(fp32, PROMPTS[i], g, w)
+        assert_same(tiny_fp32, PROMPTS[i], g, w)
     assert 1 in sizes and max(sizes) >= 2  # both packages ran: a lone sequence and a batch
     # Verify steps (a decode token and its draft per sequence: more rows than sequences) run through
     # the batch package too, and keep the tokens.
     from tests.test_speculate import Flat
 
-    spec = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto")
+    spec = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto")
     spec.costs = Flat()
     verify_sizes = counted(spec)
     for i, g in enumerate(run_mixed(spec)):
-        assert_same(fp32, PROMPTS[i], g, want[i])
+        assert_same(tiny_fp32, PROMPTS[i], g, want[i])
     assert spec.verify_steps > 0 and spec.accepted_tokens > 0 and max(verify_sizes) > 4
     alone = engine.submit(PROMPTS[2], GREEDY, 12)
     engine.run_until_done()
-    assert_same(fp32, PROMPTS[2], alone.result(), want[2][:12])
+    assert_same(tiny_fp32, PROMPTS[2], alone.result(), want[2][:12])
     # With the batch package not built (yet), the lone-sequence one still serves: a server whose
     # --parallel build is running decodes a single stream compiled, and says a build would serve.
     batch_package = max(packages, key=lambda p: p.name)  # ...-b2-1024.pt2
     aside = batch_package.rename(batch_package.with_suffix(".aside"))
     try:
-        partial = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto", speculate=False)
+        partial = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto", speculate=False)
         assert partial.compiled and partial.needs_build
         sizes = counted(partial)
         run_mixed(partial)
         assert set(sizes) == {1}
         # A lone stream wants that package too when it speculates (its verify steps' rows would run
         # eagerly), and a background build for it covers them; without speculation it wants none.
-        lone = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=1, compile="auto")
+        lone = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=1, compile="auto")
         assert lone.compiled and lone.needs_build and lone.build_batch == 1 + MAX_DRAFT
-        plain = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=1, compile="auto", speculate=False)
+        plain = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=1, compile="auto", speculate=False)
         assert plain.compiled and not plain.needs_build and plain.build_batch == 1
     finally:
         aside.rename(batch_package)
 
 
 @needs_compiler
-def test_an_int8_pool_compiles_and_gives_the_eager_int8_engines_tokens(fp32, home):
+def test_an_int8_pool_compiles_and_gives_the_eager_int8_engines_tokens(tiny_fp32, home):
     """The step takes an int8 pool's codes and scales, writes new rows quantized as the eager step does,
     and reads them through the int8 paged kernel: the eager int8 engine's tokens, with a package of its
     own (the fp32 pool's does not take int8 tensors)."""
     # speculate=False in engines whose step shapes are asserted: whether a step drafts follows the
     # step times this machine measures
-    engine = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, compile=True, kv_dtype="int8", speculate=False)
+    engine = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=4, compile=True, kv_dtype="int8",
+                         speculate=False)
     assert engine.compiled and engine.compile_note is None
-    fp32_pool = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto")
+    fp32_pool = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto")
     assert fp32_pool.compiled and set(engine._compiled.paths).isdisjoint(fp32_pool._compiled.paths)
     sizes = counted(engine)
-    eager = BatchEngine(fp32.model, kv_budget_bytes=BIG, max_running=4, kv_dtype="int8")
+    eager = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=4, kv_dtype="int8")
     got, want = run_mixed(engine), run_mixed(eager)
-    judge = BatchEngine(fp32.model, kv_budget_bytes=BIG, kv_dtype="int8")
+    judge = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, kv_dtype="int8")
     for i, w in enumerate(want):  # every expected token decided under int8 keys and values, not a near-tie
         assert margins(judge, PROMPTS[i], w) >= DECIDED, "a near-tie in the expectation"
     assert got == want
@@ -260,15 +254,15 @@ def test_compiled_int4_decode_picks_the_eager_tokens_on_smollm2(smollm2_path, ho
     assert ties <= 3
 
 
-def test_what_the_step_does_not_cover_runs_eagerly_and_says_why(fp32, monkeypatch, tmp_path):
+def test_what_the_step_does_not_cover_runs_eagerly_and_says_why(tiny_fp32, monkeypatch, tmp_path):
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))  # nothing built: compile=True would have to build
-    sdpa = BatchEngine(fp32.model, kv_budget_bytes=BIG, compile="auto", attention="sdpa")
+    sdpa = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, compile="auto", attention="sdpa")
     assert not sdpa.compiled and "paged attention kernel" in sdpa.compile_note and not sdpa.needs_build
     monkeypatch.setattr(compiled_step.native, "compiler", lambda: None)
     assert "C++ compiler" in compiled_step.compile_unavailable_reason(torch.device("cpu"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said in the note, not warned
-        none = BatchEngine(fp32.model, kv_budget_bytes=BIG, compile=True)
+        none = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, compile=True)
     assert not none.compiled and "C++ compiler" in none.compile_note
 
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.loaders.load import load_model
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.constrain import Constraints, any_json_object, apply_masks, json_schema
 from localllm.runtime.sampling import SamplingParams
@@ -40,14 +39,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def lm(tiny_folder):
-    _, folder = tiny_folder("llama")
-    return load_model(str(folder), quant="fp32")
-
-
-@pytest.fixture(scope="module")
-def constraints(lm):
-    return Constraints(lm.tokenizer, lm.tokenizer.eos_ids)
+def constraints(tiny_fp32):
+    return Constraints(tiny_fp32.tokenizer, tiny_fp32.tokenizer.eos_ids)
 
 
 def replies(eng: BatchEngine, lm, handles) -> list[str]:
@@ -55,19 +48,19 @@ def replies(eng: BatchEngine, lm, handles) -> list[str]:
     return [lm.tokenizer.decode(h.result()) for h in handles]
 
 
-def test_every_reply_validates_batched_with_free_requests(lm, constraints):
+def test_every_reply_validates_batched_with_free_requests(tiny_fp32, constraints):
     """Twelve seeded schema requests and two free ones in the same steps: each constrained reply is
     complete ("stop") and valid; the free ones are their tokens without any constraint beside them;
     every block is back."""
     grammar = json_schema(PERSON)
-    eng = BatchEngine(lm.model, kv_budget_bytes=BIG, max_running=16, speculate=False)
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=16, speculate=False)
     free = [prompt(7, 9), prompt(8, 20)]
-    want_free = [BatchEngine(lm.model, kv_budget_bytes=BIG, speculate=False).submit(p, GREEDY, 30).result()
+    want_free = [BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, speculate=False).submit(p, GREEDY, 30).result()
                  for p in free]
     handles = [eng.submit(prompt(s, 5 + s), SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=s), 400,
-                          lm.tokenizer.eos_ids, constraint=constraints.start(grammar)) for s in range(12)]
+                          tiny_fp32.tokenizer.eos_ids, constraint=constraints.start(grammar)) for s in range(12)]
     free_handles = [eng.submit(p, GREEDY, 30) for p in free]
-    texts = replies(eng, lm, handles)
+    texts = replies(eng, tiny_fp32, handles)
     for h, text in zip(handles, texts):
         assert h.stats.finish_reason == "stop", (text, h.stats.finish_reason)
         jsonschema.validate(json.loads(text), PERSON)
@@ -80,16 +73,16 @@ def test_every_reply_validates_batched_with_free_requests(lm, constraints):
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.3, top_k=0, top_p=1.0, seed=5)],
                          ids=["greedy", "seeded"])
-def test_drafts_are_verified_under_the_mask(lm, constraints, params):
+def test_drafts_are_verified_under_the_mask(tiny_fp32, constraints, params):
     """Speculation on, drafting wherever the reply's own n-grams propose: verify rows are masked after
     each draft token, so the tokens are the tokens without speculation, and drafts were kept."""
     grammar = json_schema({"type": "object", "properties": {"xs": {"type": "array", "items": {"enum": [12, 34]},
                                                                      "minItems": 4, "maxItems": 12}},
                            "required": ["xs"], "additionalProperties": False})
     prompts = [prompt(s, 6) for s in range(4)]
-    plain = BatchEngine(lm.model, kv_budget_bytes=BIG, speculate=False)
+    plain = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, speculate=False)
     want = [plain.submit(p, params, 200, constraint=constraints.start(grammar)).result() for p in prompts]
-    eng = BatchEngine(lm.model, kv_budget_bytes=BIG)
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG)
     eng.costs = Flat()
     handles = [eng.submit(p, params, 200, constraint=constraints.start(grammar)) for p in prompts]
     eng.run_until_done()
@@ -97,18 +90,19 @@ def test_drafts_are_verified_under_the_mask(lm, constraints, params):
     assert eng.accepted_tokens > 0
     for h, tokens in zip(handles, want):
         assert h.stats.finish_reason == "stop"
-        assert len(json.loads(lm.tokenizer.decode(tokens))["xs"]) >= 4
+        assert len(json.loads(tiny_fp32.tokenizer.decode(tokens))["xs"]) >= 4
 
 
-def test_max_tokens_cuts_a_reply_with_length(lm, constraints):
-    h = BatchEngine(lm.model, kv_budget_bytes=BIG).submit(
+def test_max_tokens_cuts_a_reply_with_length(tiny_fp32, constraints):
+    h = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG).submit(
         prompt(3, 5), GREEDY, 4, constraint=constraints.start(json_schema(PERSON)))  # 4 bytes: '{"na' at most
     tokens = h.result()
     assert h.stats.finish_reason == "length" and len(tokens) == 4
-    assert lm.tokenizer.decode(tokens).startswith("{")
+    assert tiny_fp32.tokenizer.decode(tokens).startswith("{")
     free = any_json_object()
-    h = BatchEngine(lm.model, kv_budget_bytes=BIG).submit(prompt(3, 5), GREEDY, 100, constraint=constraints.start(free))
-    assert h.stats.finish_reason is None and isinstance(json.loads(lm.tokenizer.decode(h.result())), dict)
+    h = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG).submit(prompt(3, 5), GREEDY, 100,
+                                                                 constraint=constraints.start(free))
+    assert h.stats.finish_reason is None and isinstance(json.loads(tiny_fp32.tokenizer.decode(h.result())), dict)
     assert h.stats.finish_reason == "stop"
 
 

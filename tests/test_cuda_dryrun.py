@@ -86,7 +86,6 @@ from localllm.runtime.kv_pool import KVPool, plan_pool
 from localllm.runtime.model import cache_rope_tables
 from localllm.runtime.paged import PagedStep, SeqChunk
 from localllm.runtime.sampling import SamplingParams
-from tests.conftest import make_hf_model, save_hf_folder
 
 pytestmark = pytest.mark.cuda_dryrun
 
@@ -549,14 +548,9 @@ def check_audit(run: dict, n_layers: int) -> None:
 
 # --------------------------------------------------------------------------- tiny models of each family
 @pytest.fixture(scope="module")
-def wide_folders(tmp_path_factory):
-    made = {}
-
+def wide_folders(tiny_folder):
     def get(family: str) -> Path:
-        if family not in made:
-            made[family] = save_hf_folder(make_hf_model(family, **WIDE, **FAMILIES[family]),
-                                          tmp_path_factory.mktemp(f"wide-{family}"))
-        return made[family]
+        return tiny_folder(family, **WIDE, **FAMILIES[family])[1]
 
     return get
 

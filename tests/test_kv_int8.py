@@ -89,16 +89,8 @@ def test_kernel_refuses_mismatched_scales():
         op(q, k.codes.float(), k.scales, k.codes, k.scales, tables, lens, 0.25, 0)
 
 
-@pytest.fixture(scope="module")
-def lm(tiny_folder):
-    from localllm.loaders.load import load_model
-
-    _, folder = tiny_folder("llama")
-    return load_model(str(folder), quant="fp32")
-
-
-def test_sizes_are_what_config_says(lm):
-    model, c = lm.model, lm.config
+def test_sizes_are_what_config_says(tiny_fp32):
+    model, c = tiny_fp32.model, tiny_fp32.config
     assert c.kv_cache_bytes(1, "int8") == 2 * c.n_layers * c.n_kv_heads * (c.head_dim + 4)
     plan = plan_pool(c, 1 << 20, model.dtype, 16, "int8")
     pool = KVPool.allocate(c, plan, model.device)
@@ -121,10 +113,10 @@ def _kernel_and_sdpa(model, ids: list[int], n: int) -> tuple[torch.Tensor, torch
 
 
 @needs_kernel
-def test_int8_kernel_decode_equals_sdpa_over_the_dequantized_rows(lm):
+def test_int8_kernel_decode_equals_sdpa_over_the_dequantized_rows(tiny_fp32):
     """Decode steps read the codes with the kernel, prefill reads dequantized rows with SDPA: the same
     values; and int8 is close to the 16-bit pool, not equal."""
-    model = lm.model
+    model = tiny_fp32.model
     ids = torch.randint(3, 380, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     got, want = _kernel_and_sdpa(model, ids, 13)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -148,20 +140,20 @@ def test_int8_pool_of_sliding_layers(tmp_path):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_batch_under_int8_equals_the_request_alone(lm):
+def test_batch_under_int8_equals_the_request_alone(tiny_fp32):
     """The batch engine over an int8 pool: each request's greedy tokens are its tokens alone over an
     int8 pool (margins checked by teacher forcing, as tests/test_batch.py does)."""
     from tests.test_batch import DECIDED, prompt
 
     greedy = SamplingParams(temperature=0)
     prompts, n = [prompt(1, 3), prompt(3, 40), prompt(4, 64)], 12
-    eng = BatchEngine(lm.model, kv_budget_bytes=1 << 20, chunk_tokens=24, kv_dtype="int8")
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=1 << 20, chunk_tokens=24, kv_dtype="int8")
     assert eng.plan.kv_dtype == "int8" and isinstance(eng.pool.k[0], QuantKV)
     handles = [eng.submit(p, greedy, max_tokens=n) for p in prompts]
     eng.run_until_done()
-    judge = BatchEngine(lm.model, kv_budget_bytes=1 << 20, kv_dtype="int8")
+    judge = BatchEngine(tiny_fp32.model, kv_budget_bytes=1 << 20, kv_dtype="int8")
     for p, h in zip(prompts, handles):
-        want = engines.alone(lm.model, p, greedy, n, kv_dtype="int8")
+        want = engines.alone(tiny_fp32.model, p, greedy, n, kv_dtype="int8")
         top2 = judge.forced_logits(p, want[:-1]).topk(2).values  # the alone run's margins, int8 pool
         assert (top2[:, 0] - top2[:, 1]).min() >= DECIDED, "a near-tie: pick another prompt"
         assert h.result() == want

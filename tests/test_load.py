@@ -20,7 +20,6 @@ from localllm.quant import kernels
 from localllm.quant.formats import dequantize, parse_scheme
 from localllm.quant.linear import QuantLinear, TiedHeadEmbedding
 
-from tests.conftest import make_hf_model, save_hf_folder
 
 IDS = torch.tensor([[1, 200, 17, 300, 5, 99, 42, 7]])
 
@@ -31,10 +30,9 @@ def fresh_warnings(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tied_folder(tmp_path_factory):
+def tied_folder(tiny_folder):
     """A tiny llama whose head is tied to its embedding."""
-    model = make_hf_model("llama", tie_word_embeddings=True)
-    return save_hf_folder(model, tmp_path_factory.mktemp("tiny-tied"))
+    return tiny_folder("llama", tie_word_embeddings=True)[1]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

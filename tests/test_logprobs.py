@@ -9,18 +9,11 @@ import pytest
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.loaders.load import load_model
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.constrain import Constraints, json_schema
 from localllm.runtime.sampling import SamplingParams
 from tests.test_batch import BIG, GREEDY, prompt
 from tests.test_speculate import PROMPTS, Flat
-
-
-@pytest.fixture(scope="module")
-def lm(tiny_folder):
-    _, folder = tiny_folder("llama")
-    return load_model(str(folder), quant="fp32")
 
 
 def check(lm, prompt_ids: list[int], tokens: list[int], entries, top: int) -> None:
@@ -37,10 +30,10 @@ def check(lm, prompt_ids: list[int], tokens: list[int], entries, top: int) -> No
 
 
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculated"])
-def test_each_token_gets_the_models_own_log_probability(lm, speculate):
+def test_each_token_gets_the_models_own_log_probability(tiny_fp32, speculate):
     """Greedy and sampled (temperature 1.5, top-k 5: the entries ignore both) requests batched; with
     speculation the entries of accepted drafts come from their verify rows."""
-    eng = BatchEngine(lm.model, kv_budget_bytes=BIG, speculate=speculate)
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, speculate=speculate)
     if speculate:
         eng.costs = Flat()
     hot = SamplingParams(temperature=1.5, top_k=5, seed=2)
@@ -50,26 +43,26 @@ def test_each_token_gets_the_models_own_log_probability(lm, speculate):
     for (p, _, top), h in zip(asks, handles):
         tokens = h.result()
         assert len(h.logprobs) == len(tokens) == 24
-        check(lm, p, tokens, h.logprobs, top)
+        check(tiny_fp32, p, tokens, h.logprobs, top)
     if speculate:
         assert eng.accepted_tokens > 0
 
 
-def test_a_grammar_masks_sampling_not_the_log_probabilities(lm):
+def test_a_grammar_masks_sampling_not_the_log_probabilities(tiny_fp32):
     """A constrained reply's entries are the unmasked distribution: its tokens' log-probabilities as
     the model gives them, alternatives the grammar refused included."""
-    constraints = Constraints(lm.tokenizer, lm.tokenizer.eos_ids)
+    constraints = Constraints(tiny_fp32.tokenizer, tiny_fp32.tokenizer.eos_ids)
     schema = json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
     p = prompt(9, 7)
-    h = BatchEngine(lm.model, kv_budget_bytes=BIG).submit(p, GREEDY, 12, logprobs=5,
+    h = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG).submit(p, GREEDY, 12, logprobs=5,
                                                           constraint=constraints.start(schema))
     tokens = h.result()
-    check(lm, p, tokens, h.logprobs, 5)
+    check(tiny_fp32, p, tokens, h.logprobs, 5)
     first = h.logprobs[0]
-    assert first.token == lm.tokenizer.encode("{", add_special=False)[0]
+    assert first.token == tiny_fp32.tokenizer.encode("{", add_special=False)[0]
     assert first.logprob < first.top[0][1]  # '{' was not the model's own first choice: the grammar's
 
 
-def test_top_logprobs_out_of_range_is_refused(lm):
+def test_top_logprobs_out_of_range_is_refused(tiny_fp32):
     with pytest.raises(LocalLLMError, match="top logprobs 21 is out of range"):
-        BatchEngine(lm.model, kv_budget_bytes=BIG).submit([5, 6], GREEDY, 2, logprobs=21)
+        BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG).submit([5, 6], GREEDY, 2, logprobs=21)

@@ -60,16 +60,10 @@ def test_chunked_prefill_from_an_offset_matches(tiny_folder):
     torch.testing.assert_close(got[0], full[0, -1], atol=1e-5, rtol=1e-5)
 
 
-def test_sliding_window_matches_transformers():
+def test_sliding_window_matches_transformers(tiny_folder):
     """Mistral's local attention: with a window shorter than the sequence, masks must agree."""
-    from tests.conftest import make_hf_model, save_hf_folder
-    import tempfile
-    from pathlib import Path
-
-    ref = make_hf_model("mistral", sliding_window=8)
-    with tempfile.TemporaryDirectory() as d:
-        folder = save_hf_folder(ref, Path(d))
-        model = ours_from(folder)
+    ref, folder = tiny_folder("mistral", sliding_window=8)
+    model = ours_from(folder)
     assert model.config.sliding_window == 8
     ids = tokens(20, seed=4)
     with torch.no_grad():
@@ -79,13 +73,11 @@ def test_sliding_window_matches_transformers():
     torch.testing.assert_close(got, expected[0, 14:], atol=1e-4, rtol=1e-4)
 
 
-def test_llama3_rope_scaling_matches_transformers(tmp_path):
-    from tests.conftest import make_hf_model, save_hf_folder
-
+def test_llama3_rope_scaling_matches_transformers(tiny_folder):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
-    ref = make_hf_model("llama", rope_scaling=scaling, rope_theta=500000.0)
-    model = ours_from(save_hf_folder(ref, tmp_path))
+    ref, folder = tiny_folder("llama", rope_scaling=scaling, rope_theta=500000.0)
+    model = ours_from(folder)
     assert model.config.rope_scaling["rope_type"] == "llama3"
     ids = tokens(40, seed=5)
     with torch.no_grad():

@@ -315,14 +315,6 @@ def test_chunk_kernel_refuses_what_it_cannot_read():
         cpu_attention.paged_chunk_attention(q[..., :8], k_pool[..., :8], v_pool[..., :8], blocks, 0, 20, None, 0.2)
 
 
-@pytest.fixture(scope="module")
-def lm(tiny_folder):
-    from localllm.loaders.load import load_model
-
-    _, folder = tiny_folder("llama")
-    return load_model(str(folder), quant="fp32")
-
-
 #: Two prompts and their block tables: P1 spans three blocks, its last one part full.
 P1, P2 = [(7 * i) % 300 + 3 for i in range(40)], [200, 11, 64, 9, 31, 5, 77]
 T1, T2 = [3, 1, 7], [4]
@@ -348,16 +340,16 @@ def three_paged_steps(model, kv_dtype: str, kernel, chunk=None) -> tuple[KVPool,
 
 
 @pytest.mark.parametrize("attention", ["kernels", "kernel", "sdpa"])
-def test_paged_forward_gives_the_full_forwards_logits(lm, attention):
+def test_paged_forward_gives_the_full_forwards_logits(tiny_fp32, attention):
     """Two sequences through three paged steps (a first chunk beside a whole prompt; the rest of the
     prompt beside a decode token; two decode tokens), blocks scattered: each row's logits are those of
     a whole cache-less forward of that sequence, and the pool holds the keys where the tables say;
     with the decode and chunk kernels (the engine's CPU steps), the decode kernel alone, or SDPA."""
     kernel = cpu_attention.paged_kernel() if attention != "sdpa" else None
-    chunk = cpu_attention.chunk_kernel(lm.config.head_dim) if attention == "kernels" else None
+    chunk = cpu_attention.chunk_kernel(tiny_fp32.config.head_dim) if attention == "kernels" else None
     if attention != "sdpa" and kernel is None:
         pytest.skip("no C++ kernel here")
-    model = lm.model
+    model = tiny_fp32.model
     pool, (s1, s2, s3) = three_paged_steps(model, "16bit", kernel, chunk)
     with torch.inference_mode():
         full1 = model(torch.tensor([P1 + [11]]))[0]  # (41, vocab)

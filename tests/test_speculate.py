@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from localllm.loaders.load import load_model
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.block_manager import BlockManager
 from localllm.runtime.engine import Engine
@@ -38,12 +37,6 @@ def copying(seed: int, n: int, repeat: int) -> list[int]:
 
 PROMPTS = [prompt(1, 3), prompt(2, 17), copying(3, 40, 12), prompt(4, 64), copying(5, 30, 30)]
 MAX_TOKENS = [40, 25, 40, 30, 35]
-
-
-@pytest.fixture(scope="module")
-def fp32(tiny_folder):
-    _, folder = tiny_folder("llama")
-    return load_model(str(folder), quant="fp32")
 
 
 def drafting(model, **kwargs) -> BatchEngine:
@@ -75,15 +68,15 @@ def test_drafts_go_where_they_pay():
     assert plan_drafts([likely], StepCosts()) == [0]  # no decode step measured yet: measure one first
 
 
-def test_greedy_tokens_are_the_tokens_without_speculation(fp32):
+def test_greedy_tokens_are_the_tokens_without_speculation(tiny_fp32):
     """Five requests batched, drafting wherever a proposal exists: each one's tokens are its tokens
     alone one per step (every step decided), drafts were verified and some accepted, and every block
     is back."""
-    eng = drafting(fp32.model)
+    eng = drafting(tiny_fp32.model)
     handles = [eng.submit(p, GREEDY, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     eng.run_until_done()
     for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
-        assert_same(fp32, p, h.result(), engines.reference(fp32.model, p, GREEDY, n))
+        assert_same(tiny_fp32, p, h.result(), engines.reference(tiny_fp32.model, p, GREEDY, n))
     assert eng.drafted_tokens > 20 and 0 < eng.accepted_tokens < eng.drafted_tokens  # both branches ran
     assert eng.steps < sum(MAX_TOKENS)  # some steps added several tokens
     assert sum(h.stats.accepted_tokens for h in handles) == eng.accepted_tokens
@@ -96,38 +89,38 @@ def test_greedy_tokens_are_the_tokens_without_speculation(fp32):
                                     SamplingParams(temperature=0.15, top_k=20, top_p=0.9, repeat_penalty=1.05, seed=11),
                                     SamplingParams(temperature=0, repeat_penalty=1.1)],
                          ids=["plain", "filtered-penalised", "greedy-penalised"])
-def test_seeded_tokens_are_the_tokens_without_speculation(fp32, params):
+def test_seeded_tokens_are_the_tokens_without_speculation(tiny_fp32, params):
     """A draw is fixed by the seed and the position (runtime.sampling.unit_random), so a verified draft
     keeps a token exactly when sampling it alone would have picked it: the same tokens, not only the
     same distribution, with the repeat penalty's window moving over accepted drafts."""
-    eng = drafting(fp32.model)
+    eng = drafting(tiny_fp32.model)
     handles = [eng.submit(p, params, 30) for p in PROMPTS]
     eng.run_until_done()
     for p, h in zip(PROMPTS, handles):
-        assert h.result() == engines.reference(fp32.model, p, params, 30)
+        assert h.result() == engines.reference(tiny_fp32.model, p, params, 30)
     assert eng.drafted_tokens > 0 and eng.accepted_tokens > 0
 
 
-def test_a_stop_id_inside_accepted_drafts_ends_there(fp32):
+def test_a_stop_id_inside_accepted_drafts_ends_there(tiny_fp32):
     p = PROMPTS[4]
-    want = engines.reference(fp32.model, p, GREEDY, 35)
+    want = engines.reference(tiny_fp32.model, p, GREEDY, 35)
     stop = next(t for t in want[8:] if want.count(t) > 1)  # a token the model repeats: it is drafted
-    eng = drafting(fp32.model)
+    eng = drafting(tiny_fp32.model)
     h = eng.submit(p, GREEDY, 35, stop_ids=[stop])
     assert h.result() == want[: want.index(stop)] and h.stats.finish_reason == "stop"
     assert eng.usage()["blocks_used"] == 0
 
 
-def test_a_stop_string_inside_accepted_drafts_cuts_the_text(fp32):
+def test_a_stop_string_inside_accepted_drafts_cuts_the_text(tiny_fp32):
     """Several tokens in one step still stream one piece each: the text stops where the stop string
     starts, as without speculation, and the sequence's blocks are freed."""
-    tok = fp32.tokenizer
+    tok = tiny_fp32.tokenizer
     p = prompt(3, 20)  # its greedy reply runs into "(((((": drafts accepted across the stop string
-    plain = Engine(fp32.model, tok, ctx=256, speculate=False)
+    plain = Engine(tiny_fp32.model, tok, ctx=256, speculate=False)
     text = "".join(plain.stream_ids(p, GREEDY, 35))
     stop = "((("
     assert stop in text
-    fast = Engine(fp32.model, tok, ctx=256)
+    fast = Engine(tiny_fp32.model, tok, ctx=256)
     fast.batch.costs = Flat()
     got = "".join(fast.stream_ids(p, GREEDY, 35, stop=[stop]))
     assert got == text[: text.index(stop)] and fast.stats.stop_string
@@ -135,22 +128,22 @@ def test_a_stop_string_inside_accepted_drafts_cuts_the_text(fp32):
     assert fast.batch.usage()["blocks_used"] == 0
 
 
-def test_preempted_sequences_with_drafts_keep_their_tokens(fp32):
+def test_preempted_sequences_with_drafts_keep_their_tokens(tiny_fp32):
     """A pool of 8 blocks for requests needing far more: drafts never take a block another sequence
     needs (they are dropped instead), preempted sequences lose theirs, and every request's tokens are
     its tokens alone."""
-    budget = 8 * block_bytes(fp32.config, 16, torch.float32)
-    eng = drafting(fp32.model, kv_budget_bytes=budget, chunk_tokens=32)
+    budget = 8 * block_bytes(tiny_fp32.config, 16, torch.float32)
+    eng = drafting(tiny_fp32.model, kv_budget_bytes=budget, chunk_tokens=32)
     handles = [eng.submit(p, GREEDY, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     eng.run_until_done()
     assert eng.scheduler.preemptions > 0 and eng.drafted_tokens > 0
     for p, n, h in zip(PROMPTS, MAX_TOKENS, handles):
-        assert_same(fp32, p, h.result(), engines.reference(fp32.model, p, GREEDY, n))
+        assert_same(tiny_fp32, p, h.result(), engines.reference(tiny_fp32.model, p, GREEDY, n))
     eng.blocks.check()
     assert eng.usage()["blocks_used"] == 0
 
 
-def test_rejected_drafts_are_never_keyed_into_the_prefix_cache(fp32, monkeypatch):
+def test_rejected_drafts_are_never_keyed_into_the_prefix_cache(tiny_fp32, monkeypatch):
     """Every token run a block was keyed with is a token the sequence kept; and a prompt served from
     those cached blocks gets the logits a fresh engine computes."""
     keyed: list[tuple[int, list[int]]] = []  # (sequence's table, tokens it was keyed with)
@@ -161,7 +154,7 @@ def test_rejected_drafts_are_never_keyed_into_the_prefix_cache(fp32, monkeypatch
         return commit(self, table, token_ids, computed)
 
     monkeypatch.setattr(BlockManager, "commit", spy)
-    eng = drafting(fp32.model)
+    eng = drafting(tiny_fp32.model)
     handles = [eng.submit(p, GREEDY, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     eng.run_until_done()
     assert eng.drafted_tokens > eng.accepted_tokens  # some drafts were rejected
@@ -170,5 +163,5 @@ def test_rejected_drafts_are_never_keyed_into_the_prefix_cache(fp32, monkeypatch
         assert final[table][: len(tokens)] == tokens
     whole = PROMPTS[2] + handles[2].result()
     cached = eng.forced_logits(whole[:-4], whole[-4:])
-    fresh = engines.forced(fp32.model, whole[:-4], whole[-4:])
+    fresh = engines.forced(tiny_fp32.model, whole[:-4], whole[-4:])
     torch.testing.assert_close(cached, fresh, rtol=0, atol=1e-5)

@@ -11,7 +11,6 @@ import jsonschema
 import pytest
 
 from localllm.errors import LocalLLMError
-from localllm.loaders.load import load_model
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.constrain import Constraints
 from localllm.runtime.sampling import SamplingParams
@@ -70,23 +69,17 @@ def test_a_streamed_reply_is_text_or_calls_as_soon_as_it_can_tell():
     assert rest == "" and [c.name for c in calls] == ["get_time"]
 
 
-@pytest.fixture(scope="module")
-def lm(tiny_folder):
-    _, folder = tiny_folder("llama")
-    return load_model(str(folder), quant="fp32")
-
-
 @pytest.mark.parametrize("choice,parallel", [("required", False), ("get_weather", False), ("required", True)])
-def test_forced_replies_are_calls_whose_arguments_validate(lm, choice, parallel):
+def test_forced_replies_are_calls_whose_arguments_validate(tiny_fp32, choice, parallel):
     """Sixteen sampled replies of a random model held to the generic form's call grammar (the tiny
     model's template takes no tools): each one parses into calls of the allowed tools with valid arguments."""
-    tk = lm.tokenizer
+    tk = tiny_fp32.tokenizer
     syntax = call_syntax(tk.chat_template, tk.token_to_id)
     tools = [WEATHER, CLOCK]
     grammar = call_grammar(syntax, tools, choice, parallel)
     constraints = Constraints(tk, tk.eos_ids)
     ids = tk.encode("weather?")  # (the generic form's prompt is past this model's 256 positions: bytes)
-    eng = BatchEngine(lm.model, kv_budget_bytes=BIG, max_running=16)
+    eng = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=16)
     handles = [eng.submit(ids, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=s), 240, tk.eos_ids,
                           constraint=constraints.start(grammar)) for s in range(16)]
     eng.run_until_done()
@@ -117,8 +110,8 @@ def test_tool_schemas_and_choices_that_cannot_work_are_refused():
         call_grammar(syntax, [bad], "auto")
 
 
-def test_the_template_receives_the_tools_and_the_history_of_calls(lm):
-    tk = lm.tokenizer
+def test_the_template_receives_the_tools_and_the_history_of_calls(tiny_fp32):
+    tk = tiny_fp32.tokenizer
     history = [{"role": "user", "content": "weather in Oslo?"},
                {"role": "assistant", "content": "", "tool_calls": [
                    {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
