@@ -23,14 +23,14 @@ ORDER = (("AVX512", "avx512"), ("AVX2", "avx2"), ("DEFAULT", "default"))
 
 #: Every test of a CPU kernel against its reference, at each kernel's shapes and paths.
 KERNEL_TESTS = (
-    "tests/test_gguf_types.py",
-    "tests/test_paged_attention.py",
-    "tests/test_int4_q8.py",
-    "tests/test_gguf_q8.py::test_the_product_is_the_quantized_activations_by_the_grid",
-    "tests/test_exact_int4.py",
-    "tests/test_quant.py::test_cpu_kernels_match_the_reference",
-    "tests/test_quant.py::test_grouped_int8_kernel_computes_with_the_exact_weights",
-    "tests/test_quant.py::test_gguf_blocks_import_exactly",
+    "tests/test_gguf_cpu.py",
+    "tests/test_cpu_attention.py",
+    "tests/test_q8_kernels.py",
+    "tests/test_q8_kernels_gguf.py::test_the_product_is_the_quantized_activations_by_the_grid",
+    "tests/test_tile_kernels.py",
+    "tests/test_kernels.py::test_cpu_kernels_match_the_reference",
+    "tests/test_kernels.py::test_grouped_int8_kernel_computes_with_the_exact_weights",
+    "tests/test_kernels.py::test_gguf_blocks_import_exactly",
     "tests/test_kv_int8.py::test_paged_kernel_matches_sdpa_over_an_int8_pool",
     "tests/test_constrain.py::test_the_mask_kernel_numpy_and_torch_paths_agree",
     "tests/test_pointwise.py::test_rms_norm_is_the_fp32_formula",
@@ -64,8 +64,8 @@ print(" ".join(f for f in native._isa_flags() if f.startswith("-m")) or "portabl
 """
 
 #: Whole-model checks, slow on the portable code (which few CPUs run): under ``avx2`` only.
-WHOLE_MODEL = ("tests/test_exact_int4.py::test_smollm2_default_path_is_the_files_weights_in_fp32",
-               "tests/test_int4_q8.py::test_smollm2_with_int8_activations_stays_close_to_the_files_weights")
+WHOLE_MODEL = ("tests/test_tile_kernels.py::test_smollm2_default_path_is_the_files_weights_in_fp32",
+               "tests/test_q8_kernels.py::test_smollm2_with_int8_activations_stays_close_to_the_files_weights")
 
 
 @pytest.mark.parametrize("capability", narrower_capabilities() or [pytest.param("none", marks=pytest.mark.skip(

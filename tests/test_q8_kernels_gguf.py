@@ -1,12 +1,11 @@
-"""A GGUF's Q5_0, Q4_K and Q6_K blocks in the opt-in int8-activation family (``gguf-q8-cpu``, which
-``--kernel int4-q8-cpu`` takes for them, issue 31).
+"""The ``gguf-q8-cpu`` kernel (quant/q8_kernels.py): a GGUF's Q5_0, Q4_K and Q6_K blocks in the opt-in
+int8-activation family, which ``--kernel int4-q8-cpu`` takes for them.
 
 The blocks become the integer grid that holds their codes (``quant.gguf_blocks.integer_grid``): Q5_0's
 values exactly, the K-quants' within the rounding of their sub-block scale (and offset) products to
-fp16. The
-layer's product is then the int8-quantized activations by that grid's weights, as
-``tests/test_int4_q8.py`` holds the int4 and int8 members to; the blocks are gone once the layer is
-prepared; other GGUF types stay on the exact block kernel; a model loads with it and stays close to
+fp16. The layer's product is then the int8-quantized activations by that grid's weights, as
+``tests/test_q8_kernels.py`` holds the int4 and int8 members to; the blocks are gone once the
+layer is prepared; other GGUF types stay on the exact block kernel; a model loads with it and stays close to
 the file's weights.
 """
 
@@ -22,9 +21,9 @@ from localllm import native
 from localllm.quant import kernels
 from localllm.quant.formats import dequantize, parse_scheme
 from localllm.quant.gguf_blocks import INTEGER_GRIDS, integer_grid
-from tests.test_exact_int4 import FP32_BOUND
-from tests.test_gguf_types import gguf_layer, random_blocks
-from tests.test_int4_q8 import quantized_activations
+from tests.test_tile_kernels import FP32_BOUND
+from tests.test_gguf_cpu import gguf_layer, random_blocks
+from tests.test_q8_kernels import quantized_activations
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
 
@@ -122,7 +121,7 @@ def test_a_k_quant_file_runs_its_q5_0_and_q4_k_layers_on_it(tmp_path, monkeypatc
     large in the logits (real Q4_K blocks are centred by their minimums; ``localllm bench`` reports a
     real file's KL divergence)."""
     from localllm.loaders.load import load_model
-    from tests.test_gguf_types import K_TYPES, write_k_quant_gguf
+    from tests.test_gguf_cpu import K_TYPES, write_k_quant_gguf
 
     (tmp_path / "k").mkdir()
     lm = load_model(str(write_k_quant_gguf(tmp_path / "k", monkeypatch)), dtype="fp32", kernel="int4-q8-cpu")

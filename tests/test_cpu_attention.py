@@ -1,9 +1,10 @@
-"""Attention over the paged KV pool: the C++ paged decode kernel against float64 attention (as accurate
-as SDPA) and SDPA over gathered blocks (fp32 tight, bf16 loose), with scattered blocks, non-full last
-blocks, different lengths and sliding windows (blocks before a window never read); a kv group's heads
-round as each alone; threads change no bit; bad tables refused; the chunk kernel (a prefill chunk's
-rows) against float64 attention over float, fp16 and bf16 pools, its rows' bits the same in any
-chunking; and the model's paged steps giving the full forward's logits, with and without the kernels."""
+"""The CPU's attention over the paged KV pool (runtime/cpu_attention.py): the C++ paged decode kernel
+against float64 attention (as accurate as SDPA) and SDPA over gathered blocks (fp32 tight, bf16
+loose), with scattered blocks, non-full last blocks, different lengths and sliding windows (blocks
+before a window never read); a kv group's heads round as each alone; threads change no bit; bad tables
+refused; the chunk kernel (a prefill chunk's rows) against float64 attention over float, fp16 and bf16
+pools, its rows' bits the same in any chunking; and the model's paged steps giving the full forward's
+logits, with and without the kernels."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from localllm.quant import kernels
 from localllm.quant.formats import GGUF_BLOCKS, QuantScheme, dequantize, gguf_scheme
 from localllm.quant.gguf_blocks import exact_import, exact_scheme, to_canonical
 from localllm.quant.linear import QuantLinear
-from tests.test_exact_int4 import int16_bound, panel_rows_are_batch_invariant
+from tests.test_tile_kernels import int16_bound, panel_rows_are_batch_invariant
 
 needs_native = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
 

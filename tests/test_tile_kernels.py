@@ -1,4 +1,5 @@
-"""Exact int4 on the CPU (issue 16, section 2): int4 and int8 weights multiplied by fp32 activations.
+"""The ``int4-group-cpu`` and ``int8-group-cpu`` kernels (quant/tile_kernels.py, csrc/tile_mm.cpp):
+exact int4 and int8 on the CPU, the weights multiplied by fp32 activations.
 
 The kernels are checked against ``x @ W^T`` in float64 with W the reference's dequantized weights,
 within an fp32 summation bound (|x| @ |W|^T times a few fp32 epsilons), which holds on any x86-64

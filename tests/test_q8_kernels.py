@@ -1,5 +1,5 @@
-"""int4 and int8 weights by int8-quantized activations (``--kernel int4-q8-cpu``, issue 13's batched
-steps).
+"""The ``int4-q8-cpu`` and ``int8-q8-cpu`` kernels (quant/q8_kernels.py, csrc/q8_mm.cpp): int4 and
+int8 weights by int8-quantized activations (``--kernel int4-q8-cpu``).
 
 The kernels are held to a float64 model of their own arithmetic (the activations quantized per block of
 32 as the header of ``quant/csrc/q8_mm.cpp`` says, times the exact weights) within an fp32
@@ -21,14 +21,14 @@ from localllm import native
 from localllm.quant import kernels
 from localllm.quant.formats import dequantize
 from localllm.quant.linear import QuantLinear
-from tests.test_exact_int4 import FP32_BOUND, panel_rows_are_batch_invariant
-from tests.test_exact_int4 import layer_of as exact_layer_of
+from tests.test_tile_kernels import FP32_BOUND, panel_rows_are_batch_invariant
+from tests.test_tile_kernels import layer_of as exact_layer_of
 
 pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
 
 
 def layer_of(group: int | None, out: int, inp: int, scheme_name: str = "int4") -> tuple[QuantLinear, torch.Tensor]:
-    """test_exact_int4's random layer (weights * 0.05, seed 0) and its dequantized weights (float64)."""
+    """test_tile_kernels's random layer (weights * 0.05, seed 0) and its dequantized weights (float64)."""
     return exact_layer_of(scheme_name, group, out, inp)
 
 
@@ -181,7 +181,7 @@ def test_smollm2_with_int8_activations_stays_close_to_the_files_weights(smollm2_
     which is why the kernel is opt-in; the top-1 token stays the same at 60 of the 64 positions."""
     from localllm.bench.settings import read_text
     from localllm.loaders.load import load_model
-    from tests.test_exact_int4 import kld_top1
+    from tests.test_tile_kernels import kld_top1
 
     ref = load_model(str(smollm2_path), device="cpu", quant="fp32")
     ids = torch.tensor([ref.tokenizer.encode(read_text(None)[1])[:64]])

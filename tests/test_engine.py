@@ -1,7 +1,8 @@
-"""A KV cache belongs to the sequence being generated, not to the model: engines that share one model,
-run interleaved, each produce what a fresh run alone produces, and each keeps its own prefix cache; a
-perplexity run on the same model meanwhile changes nothing. fp32 tiny model: greedy is exact on one machine, and every
-expectation is a fresh run on this machine, not hard-coded tokens."""
+"""The generation API (runtime/engine.py's :class:`Engine`): a KV cache belongs to the sequence being
+generated, not to the model: engines that share one model, run interleaved, each produce what a fresh
+run alone produces, and each keeps its own prefix cache; a perplexity run on the same model meanwhile
+changes nothing. fp32 tiny model: greedy is exact on one machine, and every expectation is a fresh run
+on this machine, not hard-coded tokens."""
 
 from __future__ import annotations
 
