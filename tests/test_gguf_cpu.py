@@ -1,7 +1,8 @@
-"""Every common GGUF tensor type imported exactly: the dequantized weight of each is
-``gguf.quants.dequantize`` of the same bytes, bit for bit; its matmul is ``x @ W^T`` to fp32 rounding;
-K-quants' product scales are never rounded to 16 bits; a mixed K-quant file loads each tensor in its
-own type, in the file's bytes."""
+"""A GGUF tensor's blocks on the CPU (quant/gguf_cpu.py): for every common type the kernel's decoder
+gives ``gguf.quants.dequantize`` of the same bytes, bit for bit; its matmul is ``x @ W^T`` to fp32
+rounding; the repacked tiles hold the blocks' codes and scales; K-quants' product scales are never
+rounded to 16 bits; a mixed K-quant file loads each tensor in its own type, in the file's bytes.
+How each type is imported is tests/test_gguf_blocks.py's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from localllm import native
 from localllm.quant import kernels
 from localllm.quant.formats import GGUF_BLOCKS, QuantScheme, dequantize, gguf_scheme
-from localllm.quant.gguf_blocks import exact_import, exact_scheme, to_canonical
+from localllm.quant.gguf_blocks import exact_scheme, to_canonical
 from localllm.quant.linear import QuantLinear
 from tests.test_tile_kernels import int16_bound, panel_rows_are_batch_invariant
 
@@ -55,18 +56,6 @@ def type_bytes(type_name: str, out: int, inp: int, seed: int = 0) -> np.ndarray:
 
 def gguf_values(type_name: str, raw: np.ndarray) -> np.ndarray:
     return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
-
-
-@pytest.mark.parametrize("type_name", BLOCK_TYPES + FLOAT_TYPES)
-def test_every_type_imports_to_the_values_gguf_gives(type_name):
-    raw = type_bytes(type_name, 16, 512)
-    want = gguf_values(type_name, raw)
-    scheme = exact_scheme(type_name)
-    assert scheme is not None and exact_import(type_name, scheme)
-    canonical = to_canonical(type_name, raw)
-    np.testing.assert_array_equal(dequantize(canonical, scheme).numpy(), want)
-    if scheme.name == "gguf":  # the file's bytes as they are: 1.0x its memory
-        assert canonical["blocks"].numel() == raw.nbytes
 
 
 @needs_native
@@ -237,27 +226,6 @@ def test_k_quant_product_scales_are_not_rounded_to_16_bits():
     codes = raw[0, 16:48] & 0x0F  # the first sub-block's codes
     np.testing.assert_array_equal(want[0, :32], codes.astype(np.float32) * (d * np.float32(61))
                                   - np.float32(np.float16(raw[0, 2:4].view(np.float16)[0])) * np.float32(61))
-
-
-def test_real_tensors_of_smollm2_import_exactly(smollm2_path):
-    """Rows of SmolLM2's real Q4_1 and Q8_0 tensors: as int4 / int8 (their canonical grids) and in
-    their own blocks, both gguf's values bit for bit."""
-    reader = gguf.GGUFReader(str(smollm2_path))
-    seen = set()
-    for t in reader.tensors:
-        kind = t.tensor_type.name
-        if kind not in ("Q4_1", "Q8_0") or kind in seen or len(t.shape) != 2:
-            continue
-        seen.add(kind)
-        raw = np.array(t.data[:64])  # 64 rows
-        want = gguf_values(kind, raw)
-        np.testing.assert_array_equal(dequantize(to_canonical(kind, raw), exact_scheme(kind)).numpy(), want)
-        blocks = to_canonical(kind, raw, gguf_scheme(kind))
-        np.testing.assert_array_equal(dequantize(blocks, gguf_scheme(kind)).numpy(), want)
-        if native.compiler() is not None:
-            got = kernels.gguf_dequantize(blocks["blocks"], kind, want.shape[1]).numpy()
-            np.testing.assert_array_equal(got, want)
-    assert seen == {"Q4_1", "Q8_0"}
 
 
 def test_the_scheme_survives_a_manifest_round_trip():

@@ -30,7 +30,7 @@ KERNEL_TESTS = (
     "tests/test_tile_kernels.py",
     "tests/test_kernels.py::test_cpu_kernels_match_the_reference",
     "tests/test_kernels.py::test_grouped_int8_kernel_computes_with_the_exact_weights",
-    "tests/test_kernels.py::test_gguf_blocks_import_exactly",
+    "tests/test_gguf_blocks.py",
     "tests/test_kv_int8.py::test_paged_kernel_matches_sdpa_over_an_int8_pool",
     "tests/test_constrain.py::test_the_mask_kernel_numpy_and_torch_paths_agree",
     "tests/test_pointwise.py::test_rms_norm_is_the_fp32_formula",

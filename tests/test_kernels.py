@@ -1,88 +1,25 @@
-"""Weight formats, kernels against the reference, exact GGUF import, and bad input."""
+"""The kernel choice (quant/kernels.py): each CPU kernel against the reference, the automatic and the
+forced choice per device and activation dtype, a kernel that disagrees with the reference dropped, the
+one-line warnings and reasons when the slow reference runs, and the CUDA kernels on a GPU."""
 
 from __future__ import annotations
 
 import importlib.util
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
-from localllm.errors import LocalLLMError
 from localllm import native
 from localllm.quant import kernels
-from localllm.quant.formats import dequantize, pack_int4, parse_scheme, quantize, quiet_bitsandbytes, unpack_int4
-from localllm.quant.gguf_blocks import exact_import, to_canonical
+from localllm.quant.formats import dequantize, quantize
 from localllm.quant.linear import QuantLinear, prepare_model
+from tests.test_formats import rand_weight, scheme_of
+
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
     """Fallback warnings are given once a process: each test starts with none given."""
     monkeypatch.setattr(kernels, "WARNED", set())
-
-
-SCHEMES = [("int8", None), ("int8", 64), ("int4", 32), ("int4", 64), ("int4", 128), ("nf4", 64)]
-
-
-def scheme_of(name, group, symmetric=False):
-    return parse_scheme(name, group, symmetric)
-
-
-def rand_weight(out=96, inp=576, seed=0):
-    return torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)) * 0.05
-
-
-def test_int4_pack_unpack_is_exact():
-    q = torch.randint(0, 16, (7, 64), dtype=torch.uint8)
-    packed = pack_int4(q)
-    assert packed.shape == (7, 32) and packed.dtype == torch.uint8
-    assert packed[0, 0] == q[0, 0] | (q[0, 1] << 4)  # low nibble first
-    assert torch.equal(unpack_int4(packed), q)
-
-
-@pytest.mark.parametrize("name,group", SCHEMES + [("int4-sym", 32)])
-def test_round_trip_within_the_scheme_bound(name, group):
-    sym = name == "int4-sym"
-    scheme = scheme_of("int4" if sym else name, group, sym)
-    w = rand_weight(inp=1024)
-    t = quantize(w, scheme)
-    err = (dequantize(t, scheme) - w).abs()
-    if scheme.name == "int8":
-        step = t["scales"].float()
-        step = step[:, None] if step.dim() == 1 else step.repeat_interleave(group, 1)
-        assert (err <= step * 0.5 + 1e-6).all()  # round to nearest: half a step at most
-    elif scheme.name == "int4":
-        step = t["scales"].float().repeat_interleave(group, 1)
-        assert (err <= step * (1.0 if sym else 0.5) + 1e-4).all()
-    else:  # nf4: the widest gap of the code book is ~0.2 of absmax
-        absmax = t["absmax"].float().repeat_interleave(group, 1)
-        assert (err <= absmax * 0.16).all()
-    assert err.mean() < w.abs().mean() * (0.01 if scheme.name == "int8" else 0.15)
-
-
-def test_nf4_reference_matches_bitsandbytes():
-    import bitsandbytes.functional as bnbf
-
-    w = rand_weight()
-    scheme = scheme_of("nf4", 64)
-    t = quantize(w, scheme)
-    packed, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4")
-    torch.testing.assert_close(dequantize(t, scheme), bnbf.dequantize_4bit(packed, state).float())
-
-
-@pytest.mark.parametrize("bad", [("int3", None), ("int4", 48), ("nf4", 100), ("int8", 7)])
-def test_bad_scheme_or_group_is_refused(bad):
-    with pytest.raises(LocalLLMError):
-        parse_scheme(*bad)
-
-
-def test_group_that_divides_nothing_names_the_fit():
-    scheme = scheme_of("int4", 128)
-    with pytest.raises(LocalLLMError, match="does not divide the input width 576.*--group-size 64"):
-        scheme.check_layer("layers.0.attn.q", 576)
-    with pytest.raises(LocalLLMError, match="does not divide the input width 100"):
-        quantize(torch.randn(4, 100), scheme_of("int4", 32))
 
 
 def make_layer(name, group, out=192, inp=576, bias=False, device="cpu"):
@@ -296,19 +233,6 @@ def test_reference_by_slices_of_rows_equals_the_whole_weight(name, group):
     torch.testing.assert_close(kernels.reference_linear(layer.canonical(), layer.scheme, x, rows=64), whole)
 
 
-def test_quieting_bitsandbytes_restores_its_logger():
-    import logging
-
-    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    logger.setLevel(logging.INFO)
-    try:
-        with quiet_bitsandbytes():
-            assert logger.level == logging.ERROR
-        assert logger.level == logging.INFO
-    finally:
-        logger.setLevel(logging.NOTSET)
-
-
 NO_BNB = importlib.util.find_spec("bitsandbytes") is None
 
 
@@ -331,21 +255,3 @@ def test_cuda_kernels_match_the_reference(kernel, name, group, inp):
     got = layer(x.to(torch.bfloat16)).float().cpu()
     assert (got - want).norm() / want.norm() < 1e-2
 
-
-# ------------------------------------------------------------------------ GGUF blocks
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_import_exactly(qtype):
-    w = rand_weight(64, 256, seed=4).numpy()
-    t = gguf.GGMLQuantizationType[qtype]
-    raw = gguf.quants.quantize(w, t)  # (out, bytes)
-    want = gguf.quants.dequantize(raw, t)
-    scheme = scheme_of("int8", 32) if qtype == "Q8_0" else scheme_of("int4", 32, qtype == "Q4_0")
-    assert exact_import(qtype, scheme)
-    got = dequantize(to_canonical(qtype, raw), scheme).numpy()
-    np.testing.assert_array_equal(got, want)
-
-
-def test_q4_1_does_not_fit_the_symmetric_grid():
-    assert not exact_import("Q4_1", scheme_of("int4", 32, True))
-    assert exact_import("Q4_0", scheme_of("int4", 32, False))
-    assert not exact_import("Q4_1", scheme_of("int4", 64))
