@@ -58,7 +58,7 @@ def gemma(tiny_folder):
 def counted(engine: BatchEngine) -> list[int]:
     """The batch sizes of the steps that ran through the compiled step, appended as they run."""
     sizes: list[int] = []
-    compiled = engine._compiled
+    compiled = engine.runner.compiled
     assert compiled is not None
 
     class Counting:
@@ -69,7 +69,7 @@ def counted(engine: BatchEngine) -> list[int]:
         def takes(self, step):  # type: ignore[no-untyped-def]
             return compiled.takes(step)
 
-    engine._compiled = Counting()  # type: ignore[assignment]
+    engine.runner.compiled = Counting()  # type: ignore[assignment]
     return sizes
 
 
@@ -189,7 +189,7 @@ def test_an_int8_pool_compiles_and_gives_the_eager_int8_engines_tokens(tiny_fp32
                          speculate=False)
     assert engine.compiled and engine.compile_note is None
     fp32_pool = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=4, compile="auto")
-    assert fp32_pool.compiled and set(engine._compiled.paths).isdisjoint(fp32_pool._compiled.paths)
+    assert fp32_pool.compiled and set(engine.runner.compiled.paths).isdisjoint(fp32_pool.runner.compiled.paths)
     sizes = counted(engine)
     eager = BatchEngine(tiny_fp32.model, kv_budget_bytes=BIG, max_running=4, kv_dtype="int8")
     got, want = run_mixed(engine), run_mixed(eager)

@@ -445,7 +445,7 @@ def run_runtime(model, tokenizer=None) -> dict:
     # Decode-only steps through the CUDA graphs' static buffers, as a GPU replays them; capturing needs
     # a real GPU, so here the function a graph would capture runs at each replay (set in place of the
     # engine's own, which a machine with a GPU makes, before any step could capture).
-    engine.graphs = graphed(engine)
+    engine.runner.graphs = graphed(engine)
     handles = [engine.submit(PROMPTS[0], greedy, max_tokens=2), engine.submit(PROMPTS[1], sampled, max_tokens=2)]
     steps = []
     while True:
@@ -461,7 +461,7 @@ def run_runtime(model, tokenizer=None) -> dict:
 
     # one sequence through Engine (what `run` does): its one-sequence BatchEngine's steps, each audited
     one = Engine(model, tokenizer, 64)
-    one.batch.graphs = graphed(one.batch)
+    one.batch.runner.graphs = graphed(one.batch)
     driven = one.batch.step
     count = itertools.count()
 
@@ -478,7 +478,7 @@ def run_runtime(model, tokenizer=None) -> dict:
 
 def graphed(engine: BatchEngine) -> GraphedDecode:
     """``engine``'s decode-only steps through CUDA graphs' static buffers, rerun at each replay."""
-    return GraphedDecode(engine.model, engine.pool, engine.kernel, engine._cos, engine._sin,
+    return GraphedDecode(engine.model, engine.pool, engine.kernel, engine.runner.cos, engine.runner.sin,
                          engine.scheduler.max_running, capture=eager_capture)
 
 

@@ -53,13 +53,13 @@ def slowed(server: ServerThread, name: str) -> None:
     engine = slot.engine
     if getattr(engine, "_test_slowed", False):
         return
-    run = engine._run
+    run = engine.runner.forward
 
     def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
         time.sleep(STEP_S)
         return run(*args, **kwargs)
 
-    engine._run = slow  # type: ignore[method-assign]
+    engine.runner.forward = slow  # type: ignore[method-assign]
     engine._test_slowed = True  # type: ignore[attr-defined]
 
 

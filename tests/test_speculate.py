@@ -158,7 +158,7 @@ def test_rejected_drafts_are_never_keyed_into_the_prefix_cache(tiny_fp32, monkey
     handles = [eng.submit(p, GREEDY, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     eng.run_until_done()
     assert eng.drafted_tokens > eng.accepted_tokens  # some drafts were rejected
-    final = {id(h._request.seq.table): h._request.seq.token_ids for h in handles}
+    final = {id(h._seq.table): h._seq.token_ids for h in handles}
     for table, tokens in keyed:
         assert final[table][: len(tokens)] == tokens
     whole = PROMPTS[2] + handles[2].result()
