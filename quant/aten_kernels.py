@@ -97,7 +97,6 @@ class Int4TinygemmCUDA(Kernel):
         return torch.ops.aten._weight_int4pack_mm(x, layer.packed, layer.scheme.group_size, layer.scales_zeros)
 
 
-
 class Int8WeightOnly(Kernel):
     name = "int8-weight-only"
     scheme = "int8"

@@ -66,7 +66,6 @@ class Int8TritonCUDA(_IntTritonCUDA):
     scheme = "int8"
 
 
-
 class GGUFBlocksCUDA(Kernel):
     """A GGUF tensor's blocks on CUDA (the ``gguf`` scheme): a Triton kernel decodes each block in
     registers as it multiplies (:mod:`quant.gguf_triton`); the bytes stay as the file has them."""
