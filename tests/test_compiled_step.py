@@ -109,8 +109,9 @@ def test_batch_ranges_follow_the_kernels_row_thresholds():
     # A GGUF layer repacked into tiles (Gemma 3's Q5_0, Q4_K, Q6_K) takes the tile kernels' rows, not
     # the block kernel's: cut at the file's blocks' 16 alone, its 2-8 row package failed to export.
     model[0].kernel = model[1].kernel = kernels.GGUFBlocksCPU
+    model[0].layout = model[1].layout = kernels.BLOCKS_LAYOUT
     assert batch_ranges(model) == [(1, 1), (2, 16), (17, MAX_BATCH)]
-    model[1].fifth = torch.zeros(1)
+    model[1].layout = kernels.INT5_TILES
     assert batch_ranges(model) == [(1, 1), (2, kernels.Int4GroupCPU.GEMV_ROWS),
                                    (kernels.Int4GroupCPU.GEMV_ROWS + 1, 16), (17, MAX_BATCH)]
 
