@@ -9,7 +9,7 @@ The model hands each layer's queries, new keys and values to :func:`attend` with
 * the step's paged kernels, reading the pool's blocks in place: on the CPU the decode kernel for single
   queries and the chunk kernel for prefill chunks (:mod:`runtime.cpu_attention`); on CUDA the span
   kernel for every row (:mod:`runtime.cuda_attention`). :class:`runtime.paged.PagedStep` says which
-  spans each one takes (:meth:`runtime.paged.PagedStep.split`).
+  spans each one takes (its kernel share and :attr:`runtime.paged.PagedStep.sdpa_spans`).
 
 New keys and values are written to their slots of the pool (quantized for an int8 pool) before any
 query attends.
@@ -108,34 +108,35 @@ def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer,
                      scale: float | None, softcap: float | None) -> torch.Tensor:
     """The paged attention once q and k are as the pool's keys want them -> (1, N, H * hd) in q's dtype."""
     step = layer.step
-    split = step.split(softcap is None)
+    use_kernel = softcap is None and step.tables is not None  # soft-capped scores never take a kernel
+    if softcap is not None and not step.spans:
+        raise ValueError("soft-capped attention needs the step's spans: a decode-only step has none")
     _, H, N, hd = q.shape
     KV = k.shape[1]
     kp, vp = layer.k, layer.v  # (n_blocks, KV, block, hd), or int8 codes + (n_blocks, KV, block) scales
     _write_slots(kp, vp, step, k[0].transpose(0, 1), v[0].transpose(0, 1))  # (N, KV, hd) into the slots
     qt = q[0].transpose(0, 1)  # (N, H, hd)
-    if split.tiles is not None:  # a span kernel: every row of the step in one call
-        assert step.kernel is not None and split.decode_tables is not None and split.decode_lens is not None
+    if use_kernel and step.tiles is not None:  # a span kernel: every row of the step in one call
+        assert step.kernel is not None and step.lens is not None
         qs = qt * q_prescale if q_prescale != 1.0 else qt
-        out = step.kernel(qs.reshape(N, KV, H // KV, hd), kp, vp, split.decode_tables, split.decode_lens,
-                          layer.window, split.tiles, split.tile_rows)  # type: ignore[call-arg]
+        out = step.kernel(qs.reshape(N, KV, H // KV, hd), kp, vp, step.tables, step.lens,
+                          layer.window, step.tiles, step.tile_rows)  # type: ignore[call-arg]
         return out.reshape(1, N, H * hd)
     decode = None
-    if split.decode_tables is not None:
-        assert step.kernel is not None and split.decode_lens is not None
-        qd = qt if split.decode_rows is None else qt.index_select(0, split.decode_rows)  # (S_d, H, hd)
+    if use_kernel:  # a decode kernel: the single queries in one call
+        assert step.kernel is not None and step.tables is not None and step.lens is not None
+        qd = qt if step.kernel_rows is None else qt.index_select(0, step.kernel_rows)  # (S_d, H, hd)
         if q_prescale != 1.0:
             qd = qd * q_prescale
-        decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, split.decode_tables, split.decode_lens,
-                             layer.window)
-        if split.decode_rows is None:
+        decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, step.tables, step.lens, layer.window)
+        if step.kernel_rows is None:
             return decode.reshape(1, N, H * hd)  # (S_d, KV, G, hd), S_d == N: every row in order
     y = q.new_empty(N, H, hd)
     if decode is not None:
-        y.index_copy_(0, split.decode_rows, decode.reshape(-1, H, hd))
+        y.index_copy_(0, step.kernel_rows, decode.reshape(-1, H, hd))
     # the step's chunk kernel reads float pools in place for fp32 queries (SDPA rounds 16-bit ones its own way)
     chunk = step.chunk if softcap is None and isinstance(kp, torch.Tensor) and q.dtype == torch.float32 else None
-    for span in split.sdpa_spans:
+    for span in (step.sdpa_spans if use_kernel else step.spans):
         first = step.first_block(span, layer.window)  # blocks before it hold no key the queries see
         if chunk is not None:
             rows = qt[span.row : span.row + span.length].reshape(span.length, KV, H // KV, hd)

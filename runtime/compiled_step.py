@@ -55,7 +55,7 @@ from localllm.paths import home
 from localllm.runtime.cache import QuantKV, key_rotation
 from localllm.runtime.kv_pool import KVPool
 from localllm.runtime.model import Transformer, cache_rope_tables
-from localllm.runtime.paged import PagedDecodeAttention, PagedSpanAttention, PagedStep, Split
+from localllm.runtime.paged import PagedDecodeAttention, PagedSpanAttention, PagedStep
 from localllm.runtime.speculate import MAX_DRAFT
 
 #: Bumped when the exported step's calling convention changes, so old packages are not picked up.
@@ -137,33 +137,6 @@ class _PoolView:
         self.k, self.v, self.block_size, self.group_of = k, v, block_size, group_of
 
 
-class DecodeOnlyStep(PagedStep):
-    """A :class:`PagedStep` of one layer group in which row i is sequence i's one query, every row
-    through the paged kernel and every row sampled: made from tensors alone, as the exported step
-    needs (no per-sequence spans, nothing decided from values)."""
-
-    def __init__(self, pool: _PoolView | KVPool, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 write_blocks: torch.Tensor, write_rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 kernel: PagedDecodeAttention | PagedSpanAttention, rotation: torch.Tensor | None = None,
-                 tiles: torch.Tensor | None = None) -> None:
-        # tiles: a span kernel's (B, 4), row i as tile i (runtime.cuda_graphs); None for a decode kernel
-        self.pool = pool  # type: ignore[assignment]
-        self.rotation = rotation
-        self.positions, self.cos, self.sin = positions, cos, sin
-        self.write_blocks, self.write_rows = write_blocks, write_rows
-        self.spans = []
-        self.logits_rows = slice(None)  # type: ignore[assignment]  # every row, in order
-        self.kernel = kernel
-        self._splits = {True: Split(None, tables, lens, [], tiles, 1)}
-        self.sdpa_spans = []
-        self.decode_rows, self.decode_tables, self.decode_lens = None, tables, lens
-
-    def split(self, use_kernel: bool = True) -> Split:
-        if not use_kernel:
-            raise ValueError("a decode-only step always takes the kernel")
-        return self._splits[True]
-
-
 class _Step(nn.Module):
     """The decode-only step as a function of its tensors: what gets exported (the model is held in a
     list, so that export lifts none of its weights into the package)."""
@@ -195,8 +168,8 @@ class _Step(nn.Module):
             kv = [QuantKV(c, sc) for c, sc in zip(kv[0::2], kv[1::2])]
         ks, vs = kv[0::2], kv[1::2]
         pool = _PoolView([ks[j] for j in self._slots], [vs[j] for j in self._slots], self._block_size, self._group_of)
-        steps = [DecodeOnlyStep(pool, positions, cos, sin, groups[2 * g], write_rows, groups[2 * g + 1], lens,
-                                self._kernel, rotation) for g in range(self._n_groups)]
+        steps = [PagedStep.decode_only(pool, positions, cos, sin, groups[2 * g], write_rows,  # type: ignore[arg-type]
+                                       groups[2 * g + 1], lens, self._kernel, rotation) for g in range(self._n_groups)]
         if self._n_groups > 1:
             steps[0].groups = tuple(steps)
         logits = torch.func.functional_call(self._model[0], params, (ids, steps[0]), strict=False, tie_weights=True)
@@ -445,9 +418,9 @@ class CompiledDecode:
         """Logits (B, vocab) of a step :meth:`takes`."""
         runner = self._runner(step.num_tokens)
         args = self._args
-        args[:6] = [ids, step.positions, step.cos, step.sin, step.write_rows, step.decode_lens]
+        args[:6] = [ids, step.positions, step.cos, step.sin, step.write_rows, step.lens]
         for g, s in enumerate(step.group_steps):
-            args[6 + 2 * g], args[7 + 2 * g] = s.write_blocks, s.decode_tables
+            args[6 + 2 * g], args[7 + 2 * g] = s.write_blocks, s.tables
         return runner.run(args)[0]
 
 

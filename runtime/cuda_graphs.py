@@ -20,7 +20,7 @@ and nano-vllm:
   cuBLAS's workspace happen outside the capture); all graphs share one memory pool.
 
 The function captured is the same step the CPU's compiled step exports
-(:class:`runtime.compiled_step.DecodeOnlyStep`: a paged step made from tensors alone). ``capture``
+(:meth:`runtime.paged.PagedStep.decode_only`: a paged step made from tensors alone). ``capture``
 is injectable: tests run it eagerly on the CPU (the static buffers' and the padding's numerics
 against eager steps) and under the fake-CUDA dry run (what a bucket's step launches).
 """
@@ -128,21 +128,19 @@ class GraphedDecode:
         width = self.tables.shape[2]
         return (step.all_decode and step.logits_rows.shape[0] == step.num_tokens
                 and self.bucket(step.num_tokens) is not None
-                and all(s.decode_tables.shape[1] <= width for s in step.group_steps))  # type: ignore[union-attr]
+                and all(s.tables.shape[1] <= width for s in step.group_steps))  # type: ignore[union-attr]
 
     def forward(self, b: int) -> torch.Tensor:
         """The step of bucket ``b`` over the static buffers' first ``b`` rows -> logits (b, vocab): what
         a graph captures."""
-        from localllm.runtime.compiled_step import DecodeOnlyStep
-
         positions, write_rows, lens = self.positions[:b], self.write_rows[:b], self.lens[:b]
         cos, sin = self.cos_table[positions], self.sin_table[positions]
         tiles = None
         if takes_spans(self.kernel):  # row i is tile i: (sequence i, row i, one row, its position)
             rows = torch.arange(b, dtype=torch.int32, device=lens.device)
             tiles = torch.stack([rows, rows, torch.ones_like(rows), lens - 1], 1)  # (b, 4)
-        steps = [DecodeOnlyStep(self.pool, positions, cos, sin, self.write_blocks[g, :b], write_rows,
-                                self.tables[g, :b], lens, self.kernel, self.rotation, tiles)
+        steps = [PagedStep.decode_only(self.pool, positions, cos, sin, self.write_blocks[g, :b], write_rows,
+                                       self.tables[g, :b], lens, self.kernel, self.rotation, tiles)
                  for g in range(self.n_groups)]
         if self.n_groups > 1:
             steps[0].groups = tuple(steps)
@@ -158,10 +156,10 @@ class GraphedDecode:
         self.ids[:, :S].copy_(ids)
         self.positions[:S].copy_(step.positions)
         self.write_rows[:S].copy_(step.write_rows)
-        self.lens[:S].copy_(step.decode_lens)  # type: ignore[arg-type]
+        self.lens[:S].copy_(step.lens)  # type: ignore[arg-type]
         for g, s in enumerate(groups):
             self.write_blocks[g, :S].copy_(s.write_blocks)
-            self.tables[g, :S, : s.decode_tables.shape[1]].copy_(s.decode_tables)  # type: ignore[union-attr]
+            self.tables[g, :S, : s.tables.shape[1]].copy_(s.tables)  # type: ignore[union-attr]
         if b > S:  # padding: row 0 again (its key and value rewritten with themselves)
             for t in (self.ids[0], self.positions, self.write_rows, self.lens, *self.write_blocks, *self.tables):
                 t[S:b].copy_(t[:1].expand_as(t[S:b]))

@@ -34,11 +34,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from localllm.runtime.cache import QuantKV
 from localllm.runtime.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from localllm.runtime.scheduler import Chunk
 
 #: Attention of one query per sequence over its blocks: ``fn(q (S, KV, G, hd), k_pool, v_pool
 #: (n_blocks, KV, block, hd) (tensors, or an int8 pool's QuantKV), block_tables (S, max_blocks) int32,
@@ -87,22 +91,6 @@ def span_tiles(spans: Sequence[tuple[int, int, int]], tile_rows: int) -> tuple[i
 
 
 @dataclass(frozen=True)
-class SeqChunk:
-    """One sequence's part of a step, as the engine schedules it."""
-
-    tokens: Sequence[int]  # the ids run this step
-    start: int  # position of tokens[0]: the keys/values of positions < start are in the blocks
-    blocks: Sequence[int]  # the sequence's block table, covering at least start + len(tokens) positions
-    logits: bool  # whether the step returns logits for its last token
-    #: The block tables of the pool's other layer groups (:func:`runtime.kv_pool.layer_groups`), in
-    #: order; a sliding-window group's table holds -1 for blocks its window has left.
-    more: tuple[Sequence[int], ...] = ()
-    #: A verify chunk (speculative decoding: a decode token and its draft): every token is a query of
-    #: its own, seeing the keys up to its position (the paged decode kernel's rows), with logits.
-    verify: bool = False
-
-
-@dataclass(frozen=True)
 class SeqSpan:
     """One sequence in a built step: its queries are rows ``row .. row + length - 1``."""
 
@@ -123,32 +111,22 @@ class PagedLayer:
         self.step, self.k, self.v, self.window = step, k, v, window
 
 
-@dataclass(frozen=True)
-class Split:
-    """Which spans of a step run through the paged kernel, and which through SDPA."""
-
-    decode_rows: torch.Tensor | None  # (S_d,) long, None when every row is decode
-    decode_tables: torch.Tensor | None  # (S_d, max_blocks) int32, None: no span takes the kernel
-    decode_lens: torch.Tensor | None  # (S_d,) int32
-    sdpa_spans: list[SeqSpan]  # spans run through SDPA over their gathered blocks
-    #: A span kernel's tiles (T, 4) int32 over every span (the tables and lens are every span's), and
-    #: their rows per tile; None: a decode kernel's split, or no kernel.
-    tiles: torch.Tensor | None = None
-    tile_rows: int = 1
-
-
 class PagedStep:
-    """Per-step metadata of a batch over the paged pool (see the module's docstring). In a pool of
-    several layer groups, each group's blocks are a step of their own (:attr:`groups`; this step is
-    the first), sharing positions, RoPE rows and logits rows; :meth:`layer` picks a layer's."""
+    """Per-step metadata of a batch over the paged pool (see the module's docstring), made by
+    :meth:`build` from the scheduler's chunks, or by :meth:`decode_only` from tensors alone. In a pool
+    of several layer groups, each group's blocks are a step of their own (:attr:`groups`; this step is
+    the first), sharing positions, RoPE rows and logits rows; :meth:`layer` picks a layer's.
+
+    The kernel's share of the step: the block tables (S_k, W) int32 and context lengths (S_k,) int32
+    of the spans it runs (None: no span takes a kernel), their rows (S_k,) long (None: every row, in
+    order), and a span kernel's tiles (T, 4) int32 with their rows per tile. The other spans
+    (:attr:`sdpa_spans`) go through the chunk kernel or SDPA."""
 
     #: This step per layer group, when the pool has more than one (:meth:`build` sets it).
     groups: tuple["PagedStep", ...] = ()
     #: An int8 pool's key rotation (:func:`runtime.cache.key_rotation`), when the step is handed it
     #: as a tensor (the compiled step: a traced step may not make it); None: looked up.
     rotation: torch.Tensor | None = None
-    #: What the prefill chunks of a decode kernel's step attend through (None: SDPA over gathered blocks).
-    chunk: PagedChunkAttention | None = None
 
     def __init__(
         self,
@@ -158,64 +136,42 @@ class PagedStep:
         sin: torch.Tensor,  # (N, hd)
         write_blocks: torch.Tensor,  # (N,) long: block of each token's new key/value
         write_rows: torch.Tensor,  # (N,) long: row within that block
-        spans: list[SeqSpan],
-        logits_rows: torch.Tensor,  # (S_out,) long
+        logits_rows: torch.Tensor | slice,  # (S_out,) long, or every row
+        *,
+        spans: Sequence[SeqSpan] = (),
         kernel: PagedDecodeAttention | PagedSpanAttention | None = None,
-        # a span kernel's lens (S,), tiles (T, 4), rows per tile and block tables (S, W), int32 (build)
-        span_meta: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None,
-        chunk: PagedChunkAttention | None = None,
-        # a decode kernel's split of a step of single queries, made by build from its one upload
-        decode_split: Split | None = None,
+        chunk: PagedChunkAttention | None = None,  # what a decode kernel's step runs prefill chunks through
+        tables: torch.Tensor | None = None,
+        lens: torch.Tensor | None = None,
+        kernel_rows: torch.Tensor | None = None,
+        tiles: torch.Tensor | None = None,
+        tile_rows: int = 1,
     ) -> None:
         self.pool = pool
-        self.chunk = chunk
-        self._span_meta = span_meta
         self.positions, self.cos, self.sin = positions, cos, sin
         self.write_blocks, self.write_rows = write_blocks, write_rows
-        self.spans = spans
         self.logits_rows = logits_rows
-        self.kernel = kernel
-        self._splits: dict[bool, Split] = {} if decode_split is None else {True: decode_split}
-        own = self.split()
-        self.sdpa_spans = own.sdpa_spans
-        self.decode_rows, self.decode_tables, self.decode_lens = own.decode_rows, own.decode_tables, own.decode_lens
+        self.spans = list(spans)
+        self.kernel, self.chunk = kernel, chunk
+        self.tables, self.lens, self.kernel_rows = tables, lens, kernel_rows
+        self.tiles, self.tile_rows = tiles, tile_rows
+        #: The spans no kernel takes: all without one, prefill chunks beside a decode kernel.
+        self.sdpa_spans = (self.spans if tables is None else [] if tiles is not None
+                           else [s for s in self.spans if s.length > 1])
 
-    def split(self, use_kernel: bool = True) -> Split:
-        """The spans the kernel runs (a decode kernel: those of one query; a span kernel: all; either
-        takes any window) and those SDPA runs (made once per step; ``use_kernel=False``: SDPA for all,
-        as soft-capped scores need)."""
-        if use_kernel in self._splits:
-            return self._splits[use_kernel]
-        spans = self.spans
-        if use_kernel and self.kernel is not None and takes_spans(self.kernel):
-            split = self._span_split()
-            self._splits[use_kernel] = split
-            return split
-        fits = [s.length == 1 and self.kernel is not None and use_kernel for s in spans]
-        decode = [s for s, f in zip(spans, fits) if f]
-        rows = tables = lens = None
-        if decode:
-            device = self.positions.device
-            width = max(len(s.blocks) for s in decode)
-            tables = torch.zeros(len(decode), width, dtype=torch.int32, device=device)
-            for i, s in enumerate(decode):
-                tables[i, : len(s.blocks)] = s.blocks
-            host_lens = torch.tensor([s.context for s in decode], dtype=torch.int32)
-            lens = host_lens.to(device, non_blocking=True)  # non-blocking uploads: see build
-            if len(decode) != self.positions.shape[0]:
-                host_rows = torch.tensor([s.row for s in decode], dtype=torch.long)
-                rows = host_rows.to(device, non_blocking=True)
-        split = Split(rows, tables, lens, [s for s, f in zip(spans, fits) if not f])
-        self._splits[use_kernel] = split
-        return split
-
-    def _span_split(self) -> Split:
-        """A span kernel's split: every span, with the lens, tiles and tables :meth:`build` uploaded
-        with the step's indices."""
-        if self._span_meta is None:
-            raise ValueError("a span kernel's step is made by PagedStep.build (its tiles ride with the indices)")
-        lens, tiles, rows, tables = self._span_meta
-        return Split(None, tables, lens, [], tiles, rows)
+    @classmethod
+    def decode_only(cls, pool: KVPool, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    write_blocks: torch.Tensor, write_rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                    kernel: PagedDecodeAttention | PagedSpanAttention, rotation: torch.Tensor | None = None,
+                    tiles: torch.Tensor | None = None) -> "PagedStep":
+        """A step of one layer group in which row i is sequence i's one query, every row through
+        ``kernel`` and every row sampled, made from tensors alone, as the compiled step and CUDA graphs
+        need (no per-sequence spans, nothing decided from values). ``tiles``: a span kernel's (B, 4),
+        row i as tile i."""
+        step = cls(pool, positions, cos, sin, write_blocks, write_rows, slice(None), kernel=kernel,
+                   tables=tables, lens=lens, tiles=tiles)
+        step.rotation = rotation
+        return step
 
     @property
     def group_steps(self) -> tuple["PagedStep", ...]:
@@ -229,7 +185,7 @@ class PagedStep:
     @property
     def all_decode(self) -> bool:
         """Every row is one sequence's single query, all run by the kernel."""
-        return self.decode_tables is not None and self.decode_rows is None and all(s.length == 1 for s in self.spans)
+        return self.tables is not None and self.kernel_rows is None and all(s.length == 1 for s in self.spans)
 
     def layer(self, index: int, window: int | None) -> PagedLayer:
         """Layer ``index``'s view of the step (its group's blocks), attending with ``window``."""
@@ -263,94 +219,103 @@ class PagedStep:
     def build(
         cls,
         pool: KVPool,
-        chunks: Sequence[SeqChunk],
+        chunks: Sequence[Chunk],
         cos_table: torch.Tensor,  # (max_seq, hd)
         sin_table: torch.Tensor,  # (max_seq, hd)
         kernel: PagedDecodeAttention | PagedSpanAttention | None = None,
         chunk: PagedChunkAttention | None = None,
     ) -> tuple["PagedStep", torch.Tensor]:
-        """The step for ``chunks`` (rows in their order) and its input ids (1, N)."""
-        device = cos_table.device
-        bs = pool.block_size
-        n_groups = 1 + max(pool.group_of, default=0)  # every chunk brings a table for each
-        ids: list[int] = []
-        positions: list[int] = []
-        wrows: list[int] = []
-        wblocks: list[list[int]] = [[] for _ in range(n_groups)]  # per group
-        tables: list[list[int]] = [[] for _ in range(n_groups)]  # per group, every sequence's block ids in turn
-        spans_at: list[tuple[int, int, int, list[int], int]] = []  # row, length, context, first in `tables`, blocks
-        logits_rows: list[int] = []
+        """The step for the scheduler's ``chunks`` (rows in their order) and its input ids (1, N).
+
+        Every index of the step goes to the device in one non-blocking copy: a blocking copy per tensor
+        makes the host wait for the GPU at each (found by the CUDA dry run, tests/test_cuda_dryrun.py).
+        The kernel's share rides along, so that no layer makes a table on the device span by span."""
+        rows = _Rows.of(chunks, pool.block_size, 1 + max(pool.group_of, default=0))
+        spans_kernel = kernel is not None and takes_spans(kernel)
+        taken = [i for i, (_, n, _) in enumerate(rows.spans) if kernel is not None and (spans_kernel or n == 1)]
+        N, S, G = len(rows.ids), len(rows.logits), len(rows.tables)
+        # long: ids, positions, write rows, logits rows, the kernel's rows; per group its write blocks and
+        # every span's blocks in turn
+        kernel_rows = [] if spans_kernel or len(taken) == len(rows.spans) else [rows.spans[i][0] for i in taken]
+        flat = [*rows.ids, *rows.positions, *rows.write_rows, *rows.logits, *kernel_rows]
+        sizes = [N, N, N, S, len(kernel_rows)]
+        for g in range(G):
+            blocks = [b for t in rows.tables[g] for b in t]
+            flat += [*rows.write_blocks[g], *blocks]
+            sizes += [N, len(blocks)]
+        # int32, as the kernels take them: lens (and a span kernel's tiles), each group's padded tables
+        tile_rows, head, width = 1, [], 0
+        if taken:
+            if spans_kernel:
+                tile_rows, head = span_tiles(rows.spans, kernel.tile_rows)  # type: ignore[union-attr]
+            else:
+                head = [rows.spans[i][2] for i in taken]
+            width = max(len(rows.tables[0][i]) for i in taken)
+            flat += head
+            for g in range(G):
+                for i in taken:
+                    t = rows.tables[g][i]
+                    flat += [*t, *[0] * (width - len(t))]
+        uploaded = torch.tensor(flat, dtype=torch.long).to(cos_table.device, non_blocking=True)
+        parts = uploaded[: sum(sizes)].split(sizes)
+        ids, pos, wr, logits, krows = parts[:5]
+        lens = tiles = None
+        tables: list[torch.Tensor | None] = [None] * G
+        if taken:
+            n = len(taken)
+            lens, tiles, *group_tables = uploaded[sum(sizes) :].to(torch.int32).split([n, len(head) - n, *[n * width] * G])
+            tables = [t.view(n, width) for t in group_tables]
+            tiles = tiles.view(-1, 4) if spans_kernel else None
+        cos, sin = cos_table[pos], sin_table[pos]
+        steps = []
+        for g in range(G):
+            blocks, at, spans = parts[6 + 2 * g], 0, []
+            for (row, n, context), t in zip(rows.spans, rows.tables[g]):
+                spans.append(SeqSpan(row, n, context, blocks[at : at + len(t)]))
+                at += len(t)
+            steps.append(cls(pool, pos, cos, sin, parts[5 + 2 * g], wr, logits, spans=spans, kernel=kernel,
+                             chunk=chunk, tables=tables[g], lens=lens, kernel_rows=krows if kernel_rows else None,
+                             tiles=tiles, tile_rows=tile_rows))
+        if G > 1:
+            steps[0].groups = tuple(steps)
+        return steps[0], ids.view(1, N)
+
+
+@dataclass
+class _Rows:
+    """A step's rows on the host, as :meth:`PagedStep.build` uploads them."""
+
+    ids: list[int]
+    positions: list[int]
+    write_rows: list[int]  # each token's row within its block
+    write_blocks: list[list[int]]  # per layer group, each token's block
+    logits: list[int]  # the rows whose logits the step returns
+    spans: list[tuple[int, int, int]]  # per span: first row, rows, context after the step
+    tables: list[list[list[int]]]  # per layer group, per span: the blocks its context covers
+
+    @classmethod
+    def of(cls, chunks: Sequence[Chunk], bs: int, n_groups: int) -> "_Rows":
+        r = cls([], [], [], [[] for _ in range(n_groups)], [], [], [[] for _ in range(n_groups)])
         for c in chunks:
-            n = len(c.tokens)
-            end = c.start + n
-            own = [c.blocks, *c.more]
+            tokens, own = c.tokens, c.tables
+            n, end = len(tokens), c.start + len(tokens)
             if n < 1 or len(own) != n_groups or any(len(t) * bs < end for t in own):
                 raise ValueError(f"a chunk of {n} tokens at {c.start} does not fit its tables of "
                                  f"{[len(t) for t in own]} blocks ({n_groups} layer groups, {bs}-token blocks)")
-            row = len(ids)
-            ids.extend(c.tokens)
-            used = -(-end // bs)
-            at = [len(t) for t in tables]
-            if c.verify:  # a span per token: row i's context ends at its own position
-                spans_at.extend((row + i, 1, c.start + i + 1, at, -(-(c.start + i + 1) // bs)) for i in range(n))
-                logits_rows.extend(range(row, row + n - 1))  # the last row's is added below
-            else:
-                spans_at.append((row, n, end, at, used))
-            for p in range(c.start, end):
-                positions.append(p)
-                wrows.append(p % bs)
+            row = len(r.ids)
+            r.ids.extend(tokens)
+            # a verify chunk is a span per token: row i's context ends at its own position
+            ends = [c.start + i + 1 for i in range(n)] if c.verify else [end]
+            for e in ends:
+                r.spans.append((row + e - c.start - (1 if c.verify else n), 1 if c.verify else n, e))
+                for g, t in enumerate(own):
+                    r.tables[g].append(list(t[: -(-e // bs)]))
+            if c.verify:
+                r.logits.extend(range(row, row + n))
+            elif c.samples:
+                r.logits.append(row + n - 1)
+            r.positions.extend(range(c.start, end))
+            r.write_rows.extend(p % bs for p in range(c.start, end))
             for g, t in enumerate(own):
-                wblocks[g].extend(t[p // bs] for p in range(c.start, end))
-                tables[g].extend(t[:used])
-            if c.logits or c.verify:
-                logits_rows.append(row + n - 1)
-        # Every index of the step goes to the device in one non-blocking copy. A blocking copy per
-        # tensor (torch.tensor(..., device="cuda")) makes the host wait for the GPU at each: 6 and one
-        # per sequence every step (found by the CUDA dry run, tests/test_cuda_dryrun.py).
-        N, S = len(ids), len(logits_rows)
-        flat = [*ids, *positions, *wrows, *logits_rows]
-        sizes = [N, N, N, S]
-        for g in range(n_groups):
-            flat += [*wblocks[g], *tables[g]]
-            sizes += [N, len(tables[g])]
-        # The kernel's metadata rides along, so that the step makes no table on the device span by span
-        # for each layer group (once a decode step's largest cost on the host): a span kernel's lens and
-        # tiles (the same for every group), or a decode kernel's lens in a step of single queries (a
-        # decode or a verify step: every span through it), then each group's block tables padded to one
-        # width.
-        spans_kernel = kernel is not None and takes_spans(kernel)
-        single = kernel is not None and not spans_kernel and all(n == 1 for _, n, *_ in spans_at)
-        tile_rows, width, head = 0, 0, []
-        if spans_kernel:
-            tile_rows, head = span_tiles([a[:3] for a in spans_at], kernel.tile_rows)  # type: ignore[union-attr]
-        elif single:
-            head = [context for _, _, context, *_ in spans_at]
-        if spans_kernel or single:
-            width = max(used for *_, used in spans_at)
-            flat += head
-            for g in range(n_groups):
-                for *_, a, used in spans_at:
-                    flat += [*tables[g][a[g] : a[g] + used], *[0] * (width - used)]
-        uploaded = torch.tensor(flat, dtype=torch.long).to(device, non_blocking=True)
-        parts = uploaded[: sum(sizes)].split(sizes)
-        ids_t, pos, wr, rows = parts[:4]
-        metas: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None] = [None] * n_groups
-        splits: list[Split | None] = [None] * n_groups
-        if spans_kernel or single:
-            n_spans = len(spans_at)
-            tail = uploaded[sum(sizes) :].to(torch.int32)  # (lens, tiles, tables per group) as the kernel takes them
-            lens_t, tiles_t, *group_tables = tail.split([n_spans, len(head) - n_spans, *[n_spans * width] * n_groups])
-            group_tables = [t.view(n_spans, width) for t in group_tables]
-            if spans_kernel:
-                metas = [(lens_t, tiles_t.view(-1, 4), tile_rows, t) for t in group_tables]
-            else:
-                splits = [Split(None, t, lens_t, []) for t in group_tables]
-        cos, sin = cos_table[pos], sin_table[pos]
-        steps = []
-        for g in range(n_groups):
-            wb, blocks = parts[4 + 2 * g], parts[5 + 2 * g]
-            spans = [SeqSpan(row, n, end, blocks[a[g] : a[g] + used]) for row, n, end, a, used in spans_at]
-            steps.append(cls(pool, pos, cos, sin, wb, wr, spans, rows, kernel, metas[g], chunk, splits[g]))
-        if n_groups > 1:
-            steps[0].groups = tuple(steps)
-        return steps[0], ids_t.view(1, N)
+                r.write_blocks[g].extend(t[p // bs] for p in range(c.start, end))
+        return r

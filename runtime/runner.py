@@ -20,7 +20,7 @@ from localllm.runtime.compiled_step import CompiledDecode, find_step, wanted_bat
 from localllm.runtime.cuda_graphs import GraphedDecode
 from localllm.runtime.kv_pool import KVPool
 from localllm.runtime.model import Transformer, cache_rope_tables
-from localllm.runtime.paged import PagedChunkAttention, PagedDecodeAttention, PagedSpanAttention, PagedStep, SeqChunk
+from localllm.runtime.paged import PagedChunkAttention, PagedDecodeAttention, PagedSpanAttention, PagedStep
 from localllm.runtime.scheduler import Chunk
 from localllm.runtime.speculate import MAX_DRAFT
 
@@ -77,18 +77,10 @@ class ModelRunner:
         self.compiled, self.compile_s = found.step, found.seconds
         self.needs_build, self.compile_note = found.needs_build, found.note
 
-    def build(self, chunks: Sequence[Chunk]) -> tuple[PagedStep, torch.Tensor]:
-        """The step of ``chunks`` and its input ids (1, N): a sequence's tokens from ``start`` on, then
-        its draft in a verify chunk."""
-        specs = [SeqChunk([*c.seq.token_ids[c.start : c.start + c.length - c.draft], *c.seq.draft[: c.draft]],
-                          c.start, c.seq.table.groups[0], c.samples, tuple(c.seq.table.groups[1:]), c.draft > 0)
-                 for c in chunks]
-        return PagedStep.build(self.pool, specs, self.cos, self.sin, self.kernel, self.chunk)
-
     @torch.inference_mode()
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """One forward over ``chunks`` -> the logits (S_out, vocab) of each sampling chunk's rows, in order."""
-        step, ids = self.build(chunks)
+        step, ids = PagedStep.build(self.pool, chunks, self.cos, self.sin, self.kernel, self.chunk)
         if self.compiled is not None and self.compiled.takes(step):
             return self.compiled(ids, step)
         if self.graphs is not None and self.graphs.takes(step):

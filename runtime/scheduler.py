@@ -74,6 +74,23 @@ class Chunk:
     draft: int = 0
 
     @property
+    def tokens(self) -> list[int]:
+        """The ids the step runs: the sequence's tokens from ``start``, then a verify chunk's draft."""
+        s = self.seq
+        return [*s.token_ids[self.start : self.start + self.length - self.draft], *s.draft[: self.draft]]
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """The sequence's block table of each layer group (covering at least ``start + length``)."""
+        return self.seq.table.groups
+
+    @property
+    def verify(self) -> bool:
+        """A decode token and its draft (speculative decoding): every token is a query of its own,
+        seeing the keys up to its position, with logits."""
+        return self.draft > 0
+
+    @property
     def samples(self) -> bool:
         """Whether the chunk reaches the sequence's last token, so that a new token is sampled."""
         return self.start + self.length - self.draft == len(self.seq.token_ids)

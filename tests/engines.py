@@ -11,8 +11,25 @@ from localllm.runtime.batch import BatchEngine
 from localllm.runtime.engine import sequence_engine
 from localllm.runtime.model import Transformer
 from localllm.runtime.sampling import SamplingParams
+from localllm.runtime.scheduler import Chunk
+from localllm.runtime.sequence import Sequence as Seq
 
 GREEDY = SamplingParams(temperature=0)
+
+
+def step_chunk(tokens: Sequence[int], start: int, blocks: Sequence[int], logits: bool = True,
+               more: Sequence[Sequence[int]] = (), verify: bool = False) -> Chunk:
+    """The scheduler's chunk that runs ``tokens`` at positions ``start ..`` with ``blocks`` (and
+    ``more``: the other layer groups' tables), as :meth:`runtime.paged.PagedStep.build` takes it: a
+    sequence whose tokens before ``start`` are computed, and that samples after the chunk when
+    ``logits`` (else more tokens follow); ``verify``: the first token then a draft of the rest."""
+    tokens = list(tokens)
+    draft = len(tokens) - 1 if verify else 0
+    ids = [0] * start + tokens[: len(tokens) - draft] + ([] if logits or verify else [0])
+    seq = Seq(0, len(ids), ids, max_len=len(ids) + len(tokens) + 1)
+    seq.table.groups = [list(blocks), *map(list, more)]
+    seq.draft = tokens[len(tokens) - draft :]
+    return Chunk(seq, start, len(tokens), draft)
 
 
 def alone(model: Transformer, prompt: Sequence[int], params: SamplingParams = GREEDY, n: int = 16,

@@ -19,7 +19,8 @@ from localllm.runtime import cpu_attention
 from localllm.runtime.cache import quantize_kv
 from localllm.runtime.kv_pool import KVPool, gather, plan_pool
 from localllm.runtime.model import cache_rope_tables
-from localllm.runtime.paged import PagedStep, SeqChunk
+from localllm.runtime.paged import PagedStep
+from tests.engines import step_chunk
 
 needs_kernel = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the kernel")
 
@@ -335,9 +336,9 @@ def three_paged_steps(model, kv_dtype: str, kernel, chunk=None) -> tuple[KVPool,
         with torch.inference_mode():
             return model(ids, step)[0]
 
-    return pool, [run([SeqChunk(P1[:20], 0, T1, False), SeqChunk(P2, 0, T2, True)]),
-                  run([SeqChunk(P1[20:], 20, T1, True), SeqChunk([9], 7, T2, True)]),
-                  run([SeqChunk([11], 40, T1, True), SeqChunk([12], 8, T2, True)])]
+    return pool, [run([step_chunk(P1[:20], 0, T1, False), step_chunk(P2, 0, T2, True)]),
+                  run([step_chunk(P1[20:], 20, T1, True), step_chunk([9], 7, T2, True)]),
+                  run([step_chunk([11], 40, T1, True), step_chunk([12], 8, T2, True)])]
 
 
 @pytest.mark.parametrize("attention", ["kernels", "kernel", "sdpa"])

@@ -166,7 +166,8 @@ def test_the_models_steps_through_the_kernel_give_sdpas_logits(span_models, arch
     pools, one layer group and two (Gemma 3's window of 8 past the blocks it has left)."""
     from localllm.runtime.kv_pool import KVPool, plan_pool
     from localllm.runtime.model import cache_rope_tables
-    from localllm.runtime.paged import PagedStep, SeqChunk
+    from localllm.runtime.paged import PagedStep
+    from tests.engines import step_chunk
 
     model = span_models[arch]
     config = model.config
@@ -181,7 +182,7 @@ def test_the_models_steps_through_the_kernel_give_sdpas_logits(span_models, arch
 
         def chunk(tokens, start, table, logits, verify=False, window_from=0):
             more = tuple([-1] * window_from + table[window_from:] for _ in range(n_groups - 1))
-            return SeqChunk(tokens, start, table, logits, more, verify)
+            return step_chunk(tokens, start, table, logits, more, verify)
 
         steps = [[chunk(p1[:20], 0, t1, False), chunk(p2, 0, t2, True)],
                  [chunk(p1[20:], 20, t1, True), chunk([9], 7, t2, True)],

@@ -84,7 +84,9 @@ from localllm.runtime.config import ModelConfig
 from localllm.runtime.engine import Engine, sequence_engine
 from localllm.runtime.kv_pool import KVPool, plan_pool
 from localllm.runtime.model import cache_rope_tables
-from localllm.runtime.paged import PagedStep, SeqChunk
+from localllm.runtime.paged import PagedStep
+from localllm.runtime.scheduler import Chunk
+from tests.engines import step_chunk
 from localllm.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.cuda_dryrun
@@ -387,15 +389,15 @@ PAGED = FORWARDS[1:]
 SPAN_OP = "localllm.paged_span_attention.default"
 
 
-def paged_steps(n_groups: int) -> dict[str, list[SeqChunk]]:
+def paged_steps(n_groups: int) -> dict[str, list[Chunk]]:
     """Three batch steps of two sequences, each holding one block per layer group (sequence ``s``'s
     block in group ``g`` is ``2 g + s``): the 12-token prompt that samples and the first 2 tokens of the
     3-token one that does not; then one query each, twice (the second prompt's last token beside the
     first one's first decode token; then a decode token each), past Mistral's window: its windowed
     masks run."""
-    def chunk(s: int, tokens: list[int], start: int, logits: bool = True) -> SeqChunk:
+    def chunk(s: int, tokens: list[int], start: int, logits: bool = True) -> Chunk:
         tables = [[2 * g + s] for g in range(n_groups)]
-        return SeqChunk(tokens, start, tables[0], logits, tuple(tables[1:]))
+        return step_chunk(tokens, start, tables[0], logits, tuple(tables[1:]))
 
     a, b = PROMPTS
     return {"prefill": [chunk(0, a, 0), chunk(1, b[:2], 0, False)],

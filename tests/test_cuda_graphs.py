@@ -15,7 +15,9 @@ from localllm.runtime import cuda_attention
 from localllm.runtime.cuda_graphs import GraphedDecode, buckets_for, eager_capture
 from localllm.runtime.kv_pool import KVPool, plan_pool
 from localllm.runtime.model import cache_rope_tables
-from localllm.runtime.paged import PagedStep, SeqChunk
+from localllm.runtime.paged import PagedStep
+from localllm.runtime.scheduler import Chunk
+from tests.engines import step_chunk
 
 #: The kernel on CPU tensors runs in Triton's interpreter: tests/conftest.py turns it on where there is no GPU.
 needs_triton = pytest.mark.skipif(not triton_kernels.available() or not triton_kernels.interpreting(),
@@ -46,8 +48,8 @@ def decode_steps(model, kv_dtype: str, graphed: bool, device: str = "cpu"):
     tables = [[9, 2, 14], [5, 11, 0], [7, 3, 12]]  # scattered blocks; the rest stay zero
     used = {b for t in tables for b in t}
 
-    def chunk(s: int, tokens: list[int], start: int) -> SeqChunk:
-        return SeqChunk(tokens, start, tables[s], True, tuple(tables[s] for _ in range(n_groups - 1)))
+    def chunk(s: int, tokens: list[int], start: int) -> Chunk:
+        return step_chunk(tokens, start, tables[s], True, tuple(tables[s] for _ in range(n_groups - 1)))
 
     with torch.inference_mode():
         step, ids = PagedStep.build(pool, [chunk(s, p, 0) for s, p in enumerate(prompts)], cos, sin, kernel)

@@ -9,7 +9,8 @@ import torch
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.kv_pool import KVPool, plan_pool
 from localllm.runtime.model import cache_rope_tables
-from localllm.runtime.paged import PagedStep, SeqChunk
+from localllm.runtime.paged import PagedStep
+from tests.engines import step_chunk
 
 
 def test_a_step_over_layer_groups_needs_a_table_for_each():
@@ -21,7 +22,7 @@ def test_a_step_over_layer_groups_needs_a_table_for_each():
     assert pool.group_of == [1, 0]
     cos, sin = cache_rope_tables(config, 64, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"tables of \[1\] blocks \(2 layer groups"):
-        PagedStep.build(pool, [SeqChunk([1, 2, 3], 0, [0], True)], cos, sin)
-    step, _ = PagedStep.build(pool, [SeqChunk([1, 2, 3], 0, [0], True, ([5],))], cos, sin)
+        PagedStep.build(pool, [step_chunk([1, 2, 3], 0, [0], True)], cos, sin)
+    step, _ = PagedStep.build(pool, [step_chunk([1, 2, 3], 0, [0], True, ([5],))], cos, sin)
     assert step.layer(0, 8).step is step.groups[1] and step.layer(1, None).step is step
     assert step.groups[1].write_blocks.tolist() == [5, 5, 5] and step.write_blocks.tolist() == [0, 0, 0]
