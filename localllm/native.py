@@ -4,7 +4,7 @@ A leaf of the base layer: it knows nothing of the layers. Each layer describes i
 :class:`NativeLibrary`: its C++ sources and the ops they register) next to the code that uses it:
 
 * ``localllm::decode_attention`` (:mod:`localllm.runtime.cpu_attention`, ``runtime/csrc``);
-* ``localllm::int8_group_mm`` (:mod:`localllm.quant.kernels`, ``quant/csrc``);
+* ``localllm::int8_group_mm`` (:mod:`localllm.quant.native_ops`, ``quant/csrc``);
 * ``localllm::apply_token_bitmask_`` (:mod:`localllm.runtime.constrain`, ``runtime/csrc``);
 * ``localllm::rms_norm``, ``localllm::glu`` (:mod:`localllm.runtime.pointwise`, ``runtime/csrc``).
 

@@ -3,7 +3,7 @@ machine (of this user) is generating, stopped (SIGSTOP, its whole process group:
 processes too) the moment one starts and continued when none is left.
 
 Why not just the lowest CPU priority: even under Linux's SCHED_IDLE a build slows a run that shares
-the machine with it several times over (measured with ``scripts/run_beside_build.py``): the compiler
+the machine with it several times over (a run timed alone and beside a build, in turns): the compiler
 takes the cores whenever the run's threads wait between layers, and brings its own working set into
 the caches and the memory bus every time. A stopped build takes nothing.
 

@@ -51,7 +51,7 @@ class _IntTritonCUDA(Kernel):
 
 class Int4TritonCUDA(_IntTritonCUDA):
     """Taken before tinygemm, whose prefill the first GPU run measured at eleven times fp16's (the
-    README's H200 table); ``--kernel int4-tinygemm-cuda`` still picks that one, and
+    GPU table of docs/benchmarks.md); ``--kernel int4-tinygemm-cuda`` still picks that one, and
     ``scripts/linear_gpu.py`` times both."""
 
     name = "int4-triton-cuda"

@@ -50,7 +50,7 @@
 #include <immintrin.h>
 #define LOCALLLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 // One body for AVX2 and AVX-VNNI (a template flag picks vpdpbusd or vpmaddubsw): the AVX2 instance
-// holds no VNNI instruction (tests/test_int4_q8.py runs both on a CPU that has both). Compilers before
+// holds no VNNI instruction (tests/test_q8_kernels.py runs both on a CPU that has both). Compilers before
 // GCC 11 / clang 12 know no AVX-VNNI: they build the AVX2 path alone.
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define LOCALLLM_HAS_AVX_VNNI 1
