@@ -455,14 +455,15 @@ def tiny_repo(hub: HubServer, tiny_folder) -> str:  # type: ignore[no-untyped-de
 
 
 def test_pull_again_force_name_and_conflicts(tiny_repo: str, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import localllm.runtime.compiled_step as compile_step
+    import localllm.commands.compile_step as compile_step
+    from localllm.loaders.spec import LoadSpec
 
     builds: list[object] = []  # what pull asks to build in the background (tests/test_compiled_step.py runs one)
-    monkeypatch.setattr(compile_step, "start_background_build", lambda args, batch=1: builds.append((args, batch)) or True)
+    monkeypatch.setattr(compile_step, "build_in_background", lambda spec, batch=1: builds.append((spec, batch)) or True)
     first = in_process("pull", tiny_repo)
     assert first.exit_code == 0 and "quantizing" in first.stderr and first.stdout == ""
     # the stored model, loaded as run loads it, with the rows of run's verify steps (speculation is on by default)
-    assert builds == [(compile_step.LoadArgs("tiny-llama:int4"), 1 + MAX_DRAFT)]
+    assert builds == [(LoadSpec("tiny-llama:int4"), 1 + MAX_DRAFT)]
     assert "compiling its decode step in the background" in first.stderr
     again = in_process("pull", tiny_repo)
     assert again.exit_code == 0 and "'tiny-llama:int4' is already stored" in again.stderr
