@@ -135,20 +135,6 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim  # type: ignore[operator]
 
-    def kv_cache_bytes(self, tokens: int, element: int | str, batch: int = 1) -> int:
-        """:func:`runtime.kv_pool.cache_bytes` (where KV bytes are counted) for a caller that names the
-        cache's element by its size in bytes (4 or 2: a float cache) or by its KV type ("16bit": 2
-        bytes, "int8") rather than by a KV type and the activations' dtype."""
-        import torch
-
-        from localllm.runtime.kv_pool import cache_bytes
-
-        floats = {4: torch.float32, 2: torch.bfloat16, "16bit": torch.bfloat16}
-        if element not in floats and element != "int8":
-            raise ValueError(f"a KV cache element is a size in bytes (4 or 2), '16bit' or 'int8', not {element!r}")
-        kv_dtype = "int8" if element == "int8" else "16bit"
-        return cache_bytes(self, tokens, floats.get(element, torch.float32), kv_dtype, batch)
-
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""
         per_layer = (

@@ -25,6 +25,7 @@ from localllm import bench
 from localllm.errors import LocalLLMError
 from localllm.loaders.load import resolve_device
 from localllm.runtime.config import ModelConfig
+from localllm.runtime.kv_pool import cache_bytes
 
 SHAPES = {
     # Llama-2-7B: 4096 hidden, 32 layers, 32 heads (no GQA), 11008 MLP, 32000 vocab, untied head.
@@ -113,7 +114,8 @@ def serving(config: ModelConfig, device: torch.device, args: argparse.Namespace,
     levels = sv.parse_levels(args.serving, "uniform")
     lm = bench.random_model(config, args.serving_quant, device, name)
     # every stream's 256 positions and the long prompt at once, with a block's slack each
-    budget = config.kv_cache_bytes(256 + 32, "16bit", max(levels) + 1) + config.kv_cache_bytes(2048 + 32, "16bit")
+    budget = (cache_bytes(config, 256 + 32, lm.model.dtype, batch=max(levels) + 1)
+              + cache_bytes(config, 2048 + 32, lm.model.dtype))
     s = sv.ServingSettings("uniform", levels, prompt_tokens=128, gen_tokens=128, long_prompt_tokens=2000,
                            kv_budget_bytes=budget, speculate="off")
     t0 = time.perf_counter()

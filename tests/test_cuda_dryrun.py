@@ -82,7 +82,7 @@ from localllm.runtime.cuda_graphs import GraphedDecode, eager_capture
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.engine import Engine, sequence_engine
-from localllm.runtime.kv_pool import KVPool, plan_pool
+from localllm.runtime.kv_pool import KVPool, cache_bytes, plan_pool
 from localllm.runtime.model import cache_rope_tables
 from localllm.runtime.paged import PagedStep
 from localllm.runtime.scheduler import Chunk
@@ -425,7 +425,7 @@ def run_runtime(model, tokenizer=None) -> dict:
     out["whole"] = (tuple(logits.shape), logits.dtype)
 
     # a batch step's paged forward over the engine's pool (a layer group's table per chunk: Gemma 3)
-    engine = BatchEngine(model, kv_budget_bytes=model.config.kv_cache_bytes(128, 2), max_running=4)
+    engine = BatchEngine(model, kv_budget_bytes=cache_bytes(model.config, 128, torch.bfloat16), max_running=4)
     if fake:  # the Triton span kernel, never the CPU's (the dev extra installs Triton, as torch's CUDA builds do)
         assert engine.kernel is cuda_attention.paged_span_attention, engine.kernel
     cos, sin = (t.to(model.dtype) for t in cache_rope_tables(model.config, 64, device))
@@ -442,7 +442,7 @@ def run_runtime(model, tokenizer=None) -> dict:
     # the token loops, sampling included: the reads are the sampled ids
     loop = looped.during
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=20, repeat_penalty=1.1)
-    budget = model.config.kv_cache_bytes(128, 2)
+    budget = cache_bytes(model.config, 128, torch.bfloat16)
     engine = BatchEngine(model, kv_budget_bytes=budget, max_running=4, chunk_tokens=8)  # 12 tokens: 2 chunks
     # Decode-only steps through the CUDA graphs' static buffers, as a GPU replays them; capturing needs
     # a real GPU, so here the function a graph would capture runs at each replay (set in place of the
@@ -651,7 +651,7 @@ def test_a_7b_llama_takes_the_bytes_the_arithmetic_says(fake):
     """Llama-2-7B on the fake GPU in fp16 and int4 (group 32): the weights' bytes, counted from the
     fake tensors, against the parameter count; the KV pool of one 4096-token sequence (what ``run``
     allocates: :func:`runtime.engine.sequence_engine`) and a batch engine's pool of a 1 GiB budget
-    against ModelConfig.kv_cache_bytes. No real memory: meta, then fake tensors."""
+    against runtime.kv_pool.cache_bytes. No real memory: meta, then fake tensors."""
     config = ModelConfig.from_hf(LLAMA2_7B)
     assert config.num_parameters() == 6_738_415_616
     block = config.n_layers * (config.dim * (config.q_dim + 2 * config.kv_dim) + config.q_dim * config.dim
@@ -678,7 +678,7 @@ def test_a_7b_llama_takes_the_bytes_the_arithmetic_says(fake):
                       available=(int(7.5 * 2**30), "an 8 GB card"))
     print(f"7B int4, ctx 4096: {plan7b.total / 1e9:.2f} GB planned (weights {plan7b.weights / 1e9:.2f}, "
           f"KV {plan7b.kv_cache / 1e9:.2f}, activations {plan7b.activations / 1e9:.2f})")
-    assert plan7b.fits and plan7b.kv_cache >= config.kv_cache_bytes(4096, 2)  # (and the RoPE tables)
+    assert plan7b.fits and plan7b.kv_cache >= cache_bytes(config, 4096, torch.bfloat16)  # (and the RoPE tables)
 
     def pool_tensors(pool: KVPool) -> list[torch.Tensor]:
         return list({id(t): t for t in pool.k + pool.v}.values())  # layers sharing a slot's tensor: once
@@ -688,9 +688,9 @@ def test_a_7b_llama_takes_the_bytes_the_arithmetic_says(fake):
         plan = plan_pool(config, 1 << 30, model.dtype)
         engine = BatchEngine(model, kv_budget_bytes=1 << 30)
     kv = sum(t.numel() * t.element_size() for t in pool_tensors(one.pool))  # k and v of every layer
-    assert one.plan.n_blocks * one.plan.block_size == 4096 and kv == config.kv_cache_bytes(4096, 2) == 2 << 30
+    assert one.plan.n_blocks * one.plan.block_size == 4096 and kv == cache_bytes(config, 4096, torch.bfloat16) == 2 << 30
     pool = sum(t.numel() * t.element_size() for t in pool_tensors(engine.pool))
-    assert pool == plan.bytes == plan.n_blocks * config.kv_cache_bytes(plan.block_size, 2) <= 1 << 30
+    assert pool == plan.bytes == plan.n_blocks * cache_bytes(config, plan.block_size, torch.bfloat16) <= 1 << 30
     assert all(t.device.type == "cuda" for t in pool_tensors(one.pool) + pool_tensors(engine.pool))
 
 

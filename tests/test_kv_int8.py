@@ -22,7 +22,7 @@ from localllm.errors import LocalLLMError
 from localllm.runtime import cpu_attention
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.cache import QuantKV, quantize_kv
-from localllm.runtime.kv_pool import KVPool, gather, plan_pool
+from localllm.runtime.kv_pool import KVPool, cache_bytes, gather, plan_pool
 from localllm.runtime.sampling import SamplingParams
 from tests import engines
 
@@ -91,11 +91,11 @@ def test_kernel_refuses_mismatched_scales():
 
 def test_sizes_are_what_config_says(tiny_fp32):
     model, c = tiny_fp32.model, tiny_fp32.config
-    assert c.kv_cache_bytes(1, "int8") == 2 * c.n_layers * c.n_kv_heads * (c.head_dim + 4)
+    assert cache_bytes(c, 1, torch.float32, "int8") == 2 * c.n_layers * c.n_kv_heads * (c.head_dim + 4)
     plan = plan_pool(c, 1 << 20, model.dtype, 16, "int8")
     pool = KVPool.allocate(c, plan, model.device)
     assert sum(x.nbytes for x in pool.k + pool.v) == plan.bytes <= 1 << 20
-    assert plan.bytes_per_block == c.kv_cache_bytes(16, "int8")
+    assert plan.bytes_per_block == cache_bytes(c, 16, torch.float32, "int8")
     assert plan.n_blocks > plan_pool(c, 1 << 20, torch.bfloat16, 16).n_blocks  # int8 beats 16-bit
     assert "int8" in plan.describe()
     with pytest.raises(LocalLLMError, match="unknown KV cache type"):

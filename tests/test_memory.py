@@ -28,6 +28,7 @@ import json, sys
 import torch
 from localllm.loaders.load import load_model
 from localllm.runtime.engine import Engine
+from localllm.runtime.kv_pool import cache_bytes
 from localllm.runtime.sampling import SamplingParams
 
 
@@ -47,7 +48,7 @@ base = status("VmRSS")
 lm = load_model(sys.argv[1], device="cpu", quant=sys.argv[2])
 engine = Engine(lm.model, lm.tokenizer, ctx=int(sys.argv[3]))
 "".join(engine.complete("The capital of France is", SamplingParams(temperature=0), max_tokens=4))
-kv = lm.config.kv_cache_bytes(int(sys.argv[3]), lm.dtype.itemsize)
+kv = cache_bytes(lm.config, int(sys.argv[3]), lm.dtype)
 print(json.dumps({"peak": status("VmHWM") - base, "weights": lm.weight_bytes, "kv": kv}))
 """
 

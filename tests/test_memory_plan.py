@@ -21,6 +21,7 @@ from localllm.loaders.memory_plan import (
     plan_memory,
 )
 from localllm.runtime.config import FULL, SLIDING, ModelConfig
+from localllm.runtime.kv_pool import cache_bytes
 from tests.test_cli import assert_one_line_error, run_cli
 
 CPU = torch.device("cpu")
@@ -88,7 +89,7 @@ def test_plan_takes_the_activation_dtype_load_model_takes(tiny_folder, model: st
     plan = plan_memory(ref, quant, 64, device="cpu", quantize_head=head)
     lm = load_model(ref, device="cpu", quant=quant, quantize_head=head)
     assert lm.model.dtype == want and plan.dtype == str(want).removeprefix("torch.")
-    kv = lm.config.kv_cache_bytes(64, want.itemsize)  # 64 positions of every layer's keys and values
+    kv = cache_bytes(lm.config, 64, want)  # 64 positions of every layer's keys and values
     assert plan.kv_cache == kv + 2 * 64 * lm.config.head_dim * want.itemsize  # + RoPE
 
 
