@@ -1,4 +1,4 @@
-"""The int8 and fp16 KV pools against the 16-bit one (issue 16, section 3): quality and decode speed.
+"""The int8 and fp16 KV pools against the 16-bit one: quality and decode speed.
 
 Quality: perplexity, KL divergence and top-1 agreement of the same model over an int8 and an fp16
 pool against the 16-bit one (the activations' dtype), teacher forced through the batch engine's own
@@ -134,7 +134,7 @@ def kernel_speed(c, context: int, dtype: torch.dtype, reps: int, rounds: int) ->
     shape = (n_blocks, c.n_kv_heads, bs, c.head_dim)
     k, v = torch.randn(shape), torch.randn(shape)
     q = torch.randn(1, c.n_kv_heads, g, c.head_dim)
-    # attention over an int8 pool runs in fp32 (runtime.model.paged_attention), an fp16 pool's in dtype
+    # attention over an int8 pool runs in fp32 (runtime.attention.paged), an fp16 pool's in dtype
     qs = {"16bit": q.to(dtype), "fp16": q.to(dtype), "int8": q}
     caches = {"16bit": (k.to(dtype), v.to(dtype)), "fp16": (k.half(), v.half()), "int8": (quantize_kv(k), quantize_kv(v))}
     tables = torch.arange(n_blocks, dtype=torch.int32)[None]

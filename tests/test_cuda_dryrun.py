@@ -1,4 +1,4 @@
-"""The CUDA path, checked on any machine (issue 17): a dry run on a fake CUDA device.
+"""The CUDA path, checked on any machine: a dry run on a fake CUDA device.
 
 No GPU is needed. Under ``FakeTensorMode`` tensors can live on a fake ``cuda`` device and every op
 runs its meta kernel: shapes, dtypes and devices are checked, nothing is computed. The dry run loads

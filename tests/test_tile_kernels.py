@@ -127,7 +127,7 @@ def panel_rows_are_batch_invariant(op, x: torch.Tensor) -> None:
 
 
 def test_panel_gemm_rows_do_not_depend_on_the_batch():
-    """What makes a sequence's logits the same in any batch that takes the panel path (issue 13); the
+    """What makes a sequence's logits the same in any batch that takes the panel path; the
     int8 register kernel's rows too (a head's logits: rows sharing each decoded column two at a time,
     the last of an odd count alone, with the same chains of FMAs)."""
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(3))

@@ -16,7 +16,7 @@ from localllm.quant.formats import ALL_SCHEMES
 #: Highest precision first: the first of these in a run is the quality reference and the baseline column.
 PRECISION_ORDER = ALL_SCHEMES  # quant.formats lists them in this order: fp32, fp16, bf16, int8, int4, nf4
 DEFAULT_SCHEMES = {"cpu": ("fp32", "bf16", "int8", "int4", "nf4"), "cuda": ("fp16", "bf16", "int8", "int4", "nf4")}
-KV_REPORT_STEPS = (1, 10, 20, 50, 100)  # as scripts/kv_cache_experiment.py reports them
+KV_REPORT_STEPS = (1, 10, 20, 50, 100)
 KV_PROMPT_TOKENS = 16  # short, so that 100 uncached steps show the growth with length (and stay quick)
 QUALITY_WINDOW = 512
 #: The memory target: peak growth at most MEMORY_BOUND_FACTOR x (weights + KV cache) + MEMORY_BOUND_SLACK bytes.

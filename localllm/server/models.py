@@ -172,8 +172,7 @@ async def in_own_thread(fn: Callable[[str], T], arg: str) -> T:
     OpenMP workers for as long as it lives, and while the process holds more such workers than the
     machine has cores, libgomp stops them spinning between parallel regions. Every small op of the
     engine thread's decode step then waits for its workers to wake: a server stream decoded at a
-    fraction of ``run``'s speed while the thread that loaded its model lived on as an idle worker
-    (``scripts/stream_vs_run.py``)."""
+    fraction of ``run``'s speed while the thread that loaded its model lived on as an idle worker."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
