@@ -34,7 +34,7 @@ from localllm.errors import LocalLLMError
 from localllm.format import human_size
 from localllm.loaders.spec import LoadSpec
 from localllm.quant.target import Target
-from localllm.runtime.cache import DEFAULT_KV_DTYPE, check_kv_dtype, head_row_bytes
+from localllm.runtime.cache import DEFAULT_KV_DTYPE, check_kv_dtype
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.kv_pool import sequence_bytes
 
@@ -143,12 +143,6 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 
 # --------------------------------------------------------------------------- the parts
-def kv_bytes_per_value(kv_dtype: str, act_dtype: torch.dtype, head_dim: int) -> float:
-    """Bytes per cached key or value element (an int8 cache: its scales included), from
-    :func:`runtime.cache.head_row_bytes`."""
-    return head_row_bytes(kv_dtype, act_dtype, head_dim) / head_dim
-
-
 def kv_cache_bytes(config: ModelConfig, ctx: int, concurrency: int, kv_dtype: str, act_dtype: torch.dtype) -> int:
     """``concurrency`` sequences' caches of ``ctx`` positions (sliding layers at their window:
     :func:`runtime.kv_pool.sequence_bytes`), and the RoPE tables (cos and sin, ``ctx`` x rotary dims,

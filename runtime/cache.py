@@ -29,16 +29,12 @@ from localllm.errors import LocalLLMError
 #: the extra bf16 roundings of rotated queries and dequantized keys cost more than the int8 grid.
 KV_DTYPES = ("16bit", "fp16", "int8")
 DEFAULT_KV_DTYPE = "16bit"
-#: Other spellings taken for these types: "auto" is the memory plan's name of the activations' cache.
-KV_DTYPE_ALIASES = {"auto": "16bit"}
 #: The largest int8 code of the symmetric grid: codes are -127 .. 127, x ~= code * absmax / 127.
 Q8_MAX = 127.0
 
 
 def check_kv_dtype(kv_dtype: str) -> str:
-    """``kv_dtype``'s name in :data:`KV_DTYPES` (an alias of :data:`KV_DTYPE_ALIASES` as the name it
-    stands for); else the user-facing error."""
-    kv_dtype = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype)
+    """``kv_dtype``, one of :data:`KV_DTYPES`; else the user-facing error."""
     if kv_dtype not in KV_DTYPES:
         raise LocalLLMError(f"unknown KV cache type {kv_dtype!r}", f"use one of: {', '.join(KV_DTYPES)}")
     return kv_dtype

@@ -15,12 +15,12 @@ from localllm.loaders.memory_plan import (
     activation_bytes,
     available_memory,
     gpu_kv_budget,
-    kv_bytes_per_value,
     parse_size,
     plan_for,
     plan_memory,
 )
 from localllm.runtime.config import FULL, SLIDING, ModelConfig
+from localllm.runtime.cache import head_row_bytes
 from localllm.runtime.kv_pool import cache_bytes
 from tests.test_cli import assert_one_line_error, run_cli
 
@@ -51,7 +51,7 @@ def test_kv_cache_counts_sliding_layers_by_their_window_and_the_kv_dtype() -> No
     assert b.kv_cache - rope == 2 * (5 * 512 + 8192) * full.kv_dim * 2
     int8 = plan_for(_footprint(full), 8192, kv_dtype="int8", available=avail)
     assert int8.kv_cache - rope == 2 * 6 * 8192 * full.n_kv_heads * (full.head_dim + 4)  # codes + fp32 scales
-    assert kv_bytes_per_value("auto", torch.float32, 64) == 4 and kv_bytes_per_value("16bit", torch.bfloat16, 64) == 2
+    assert head_row_bytes("16bit", torch.float32, 64) == 4 * 64 and head_row_bytes("16bit", torch.bfloat16, 64) == 2 * 64
     # Two sequences: twice the cache; a prompt of the whole context: the largest activations.
     assert plan_for(_footprint(full), 8192, concurrency=2, available=avail).kv_cache == 2 * a.kv_cache - rope
     assert a.activations == activation_bytes(full, 8192, 1, 2) > activation_bytes(full, 64, 1, 2)
