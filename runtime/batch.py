@@ -116,8 +116,8 @@ class BatchEngine:
     every span (prefill chunks too) with the Triton paged kernel on CUDA (where Triton is installed, as
     torch's CUDA builds install it); "sdpa" always gathers blocks and runs SDPA (the reference).
     ``prefix_cache=False``: no prompt reuses another's blocks (the baseline the prefix cache is
-    measured against). ``kv_dtype``: "16bit" (the activations' dtype) or "int8" (int8 codes and
-    per-token, per-head scales: half the bytes).
+    measured against). ``kv_dtype``: one of :data:`runtime.cache.KV_DTYPES`: "16bit" (the
+    activations' dtype), "fp16", or "int8" (int8 codes and per-token, per-head scales).
     ``compile``: False runs every step eagerly; "auto" runs decode-only steps through the compiled
     step's packages when they are built (:attr:`needs_build` says when they are not); True builds
     missing ones now (a minute or so a package on two cores), all but those of a lone sequence's verify
@@ -233,9 +233,9 @@ class BatchEngine:
         if max_tokens is not None and max_tokens < 1:
             raise LocalLLMError(f"max tokens {max_tokens} is not positive", "ask for at least 1 token")
         with self._cond:
-            seq = Seq(self._next_id, len(prompt_ids), list(prompt_ids), self.max_seq_len, params, max_tokens,
-                      frozenset(stop_ids), constraint, logprobs, None if forced is None else deque(forced),
-                      acceptance=self.acceptance.start())
+            seq = Seq(self._next_id, len(prompt_ids), list(prompt_ids), self.max_seq_len, params=params,
+                      max_tokens=max_tokens, stop=frozenset(stop_ids), constraint=constraint, top_logprobs=logprobs,
+                      forced=None if forced is None else deque(forced), acceptance=self.acceptance.start())
             self.scheduler.add(seq)  # raises before anything is recorded
             self._next_id += 1
             self._live[seq.id] = seq
