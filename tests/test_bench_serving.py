@@ -16,6 +16,7 @@ from localllm.bench.serving import (
     MIXED_REQUESTS,
     MIXED_SHORT,
     SCHEMA,
+    compare_levels,
     ideal_batching,
     percentiles,
 )
@@ -86,6 +87,18 @@ def test_ideal_batching_prices_the_decode_steps_at_the_base_levels_step():
     # at the base's 100 ms a step: 0.8 + 0.9 s for 80 tokens, against 10 tokens a second
     assert ideal_batching(row, base) == pytest.approx(80 / 1.7 / 10)
     assert ideal_batching(row, {**base, "decode_step_ms": {"p50": None}}) is None
+
+
+def test_a_lone_streams_zero_itl_gives_no_ratio_rather_than_a_crash():
+    """With speculation a lone stream that copies gets most tokens several to a step: its ITL p50 is 0
+    (the bench died dividing by it). Ratios over it are None; the others stand."""
+    base = {"level": 1, "throughput_tok_s": 100.0, "itl_ms": {"p50": 0.0, "p99": 9.0}, "decode_step_ms": {"p50": 5.0},
+            "generated_tokens": 10, "prefill_steps_s": 0.1, "decode_steps_s": 0.9, "decode_steps": 9}
+    at8 = {**base, "level": 8, "throughput_tok_s": 300.0, "itl_ms": {"p50": 20.0, "p99": 40.0},
+           "decode_step_ms": {"p50": 15.0}, "generated_tokens": 80}
+    c = compare_levels([base, at8], {"itl_ms": {"p50": 20.0, "p99": 60.0}})
+    assert c["itl_p99_c8_over_p50_c1"] is None and c["itl_p99_with_long_prompt_over_p50_c1"] is None
+    assert c["throughput_c8_over_c1"] == 3.0 and c["decode_step_c8_over_c1"] == 3.0
 
 
 def test_mixed_runs_continuous_and_static_batching_on_the_same_requests(llama, tmp_path):

@@ -118,23 +118,33 @@ def uniform(model: Transformer, s: ServingSettings, text: TextSlicer, log: Log) 
     with_long = {"level": level, "long_prompt_tokens": len(long.prompt),
                  "long_prompt_ttft_ms": long.handle.stats.ttft_s * 1e3 if long.handle else None,
                  "itl_ms": figures["itl_ms"], "throughput_tok_s": figures["throughput_tok_s"]}
+    return {"concurrency": rows, "comparison": compare_levels(rows, with_long)}
+
+
+def compare_levels(rows: list[dict[str, Any]], with_long: dict[str, Any]) -> dict[str, Any]:
+    """The uniform workload's ratios: 8 streams against 1, and 8 streams beside a long prompt's prefill
+    against 1 alone."""
     base = next((r for r in rows if r["level"] == 1), None)
     at8 = next((r for r in rows if r["level"] == 8), None)
-    comparison = {
-        "throughput_c8_over_c1": at8["throughput_tok_s"] / base["throughput_tok_s"] if at8 and base else None,
+    return {
+        # A lone stream's ITL p50 is 0 where most of its tokens come in verify steps (several a step):
+        # a ratio over a zero or missing figure is None.
+        "throughput_c8_over_c1": _over(at8 and at8["throughput_tok_s"], base and base["throughput_tok_s"]),
         "decode_step_c8_over_c1": _ratio(at8, base, lambda r: r["decode_step_ms"]["p50"]) if at8 and base else None,
         "throughput_c8_over_c1_if_c8_steps_cost_c1": ideal_batching(at8, base) if at8 and base else None,
-        "itl_p99_c8_over_p50_c1": at8["itl_ms"]["p99"] / base["itl_ms"]["p50"] if at8 and base else None,
-        "itl_p99_with_long_prompt_over_p50_c1":
-            with_long["itl_ms"]["p99"] / base["itl_ms"]["p50"] if base else None,
+        "itl_p99_c8_over_p50_c1": _over(at8 and at8["itl_ms"]["p99"], base and base["itl_ms"]["p50"]),
+        "itl_p99_with_long_prompt_over_p50_c1": _over(with_long["itl_ms"]["p99"], base and base["itl_ms"]["p50"]),
         "with_long_prompt": with_long,
     }
-    return {"concurrency": rows, "comparison": comparison}
+
+
+def _over(x: float | None, y: float | None) -> float | None:
+    """``x / y``; None where either is missing or ``y`` is 0."""
+    return x / y if x is not None and y else None
 
 
 def _ratio(a: dict[str, Any], b: dict[str, Any], get: Callable[[dict[str, Any]], float | None]) -> float | None:
-    x, y = get(a), get(b)
-    return x / y if x is not None and y else None
+    return _over(get(a), get(b))
 
 
 def ideal_batching(row: dict[str, Any], base: dict[str, Any]) -> float | None:
