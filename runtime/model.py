@@ -327,7 +327,7 @@ class Transformer(nn.Module):
 
     def forward_paged(self, tokens: torch.Tensor, step: PagedStep) -> torch.Tensor:
         """Logits (1, S_out, vocab) of ``step.logits_rows`` for the flattened batch ``tokens`` (1, N):
-        every linear layer runs once over all N rows, attention per sequence (:func:`paged_attention`).
+        every linear layer runs once over all N rows, attention per sequence (:func:`runtime.attention.attend`).
         Each layer attends with its own window and RoPE rows (the step carries rows of
         :func:`cache_rope_tables`: the local layers' beside the global ones)."""
         x = self._embed(tokens)  # (1, N, D)
