@@ -48,6 +48,11 @@ def _server_class(uvicorn):  # type: ignore[no-untyped-def]
     return Server
 
 
+def split_list(value: str) -> tuple[str, ...]:
+    """A comma-separated option's items, blanks dropped."""
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
 def exposure_warning(host: str, api_key: str | None) -> str | None:
     """The warning for a server reachable from other machines with no key, or None."""
     if is_loopback(host) or api_key:
@@ -79,10 +84,17 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
               help="Force a matmul kernel, as for run (int4-q8-cpu: int8 activations, faster batches, lossy).")
 @threads_option
 @speculate_option
+@click.option("--allowed-hosts", default="", metavar="NAMES",
+              help="Comma-separated host names the server also answers to (besides IP addresses, localhost and "
+                   "--host); requests addressed to other names are refused (DNS rebinding). '*': any.")
+@click.option("--allowed-origins", envvar="LOCALLLM_ORIGINS", default="", metavar="ORIGINS",
+              help="Comma-separated browser origins (https://app.example) that may use the server besides "
+                   "loopback pages, with CORS answers (or LOCALLLM_ORIGINS). '*': any.")
 @click.option("--preload", multiple=True, metavar="MODEL", help="Load MODEL before serving (repeatable).")
 def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, queue: int, keep_alive: str, api_key: str | None,
           models_memory: str | None, max_body: str, quant: str | None, device: str, dtype: str, kernel: str | None,
-          threads: int | None, speculate: str, preload: tuple[str, ...]) -> None:
+          threads: int | None, speculate: str, allowed_hosts: str, allowed_origins: str,
+          preload: tuple[str, ...]) -> None:
     """Serve models over HTTP: OpenAI's API under /v1, Ollama's under /api, Prometheus /metrics.
 
     Models are named as `localllm run` takes them, loaded on first use and kept alive while used.
@@ -104,7 +116,8 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
                           keep_alive_s=keep, api_key=api_key or None,
                           models_memory=parse_size(models_memory) if models_memory else None,
                           max_body_bytes=parse_size(max_body), quant=quant, device=device, dtype=dtype,
-                          kernel=kernel, speculate=speculate == "on", build_in_background=build_in_background)
+                          kernel=kernel, speculate=speculate == "on", build_in_background=build_in_background,
+                          allowed_hosts=split_list(allowed_hosts), allowed_origins=split_list(allowed_origins))
     set_threads(threads)
     warning = exposure_warning(host, config.api_key)
     if warning:

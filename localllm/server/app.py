@@ -1,5 +1,5 @@
 """The Starlette app: the two route sets, ``/metrics``, bearer-key authentication on every
-endpoint, errors in each API's shape for unknown routes and methods, and the models' lifecycle
+endpoint, the Host and Origin checks (:mod:`localllm.server.origins`), errors in each API's shape for unknown routes and methods, and the models' lifecycle
 (started with the app, everything cancelled and unloaded when it stops)."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from localllm.server.config import ServerConfig
 from localllm.server.errors import ApiError, api_of_path, error_response
 from localllm.server.metrics import CONTENT_TYPE, Metrics
 from localllm.server.models import ModelManager
+from localllm.server.origins import add_origin_checks
 
 
 T = TypeVar("T")
@@ -118,4 +119,5 @@ def create_app(config: ServerConfig) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     if config.api_key:
         app.add_middleware(BearerAuth, key=config.api_key)
+    add_origin_checks(app, config.host, config.allowed_hosts, config.allowed_origins)
     return app

@@ -81,6 +81,10 @@ class ServerConfig:
     device: str = "auto"
     dtype: str = "auto"
     kernel: str | None = None
+    #: Host names (besides addresses, localhost and the bound name) and browser origins (besides
+    #: loopback ones) the server answers: :mod:`localllm.server.origins`; "*" for any.
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     #: Seconds that in-flight requests get to finish at shutdown before they are cancelled.
     graceful_s: float = 10.0
     #: Starts a background build of a loaded model's compiled decode step, for batches of up to its
