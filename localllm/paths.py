@@ -18,6 +18,11 @@ def home() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "localllm"
 
 
+def build_log() -> Path:
+    """Where background builds of compiled decode steps write their output."""
+    return home() / "logs" / "compile.log"
+
+
 def kernels_dir() -> Path:
     """Where compiled CPU kernels are kept: ``$LOCALLLM_KERNELS``, else ``<home>/kernels``."""
     env = os.environ.get("LOCALLLM_KERNELS")

@@ -25,7 +25,7 @@ import torch
 
 from localllm.commands.common import kv_cache_option, note, quant_head_option, threads_option
 from localllm.loaders.spec import LoadSpec
-from localllm.paths import DEFAULT_MODEL, home
+from localllm.paths import DEFAULT_MODEL, build_log
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
 from localllm.runtime.compiled_step import start_background_build, wanted_batch
@@ -96,11 +96,6 @@ def compile_argv(spec: LoadSpec, batch: int) -> list[str]:
         if value is not None:
             out += [flag, str(value)]
     return out + ["--threads", str(torch.get_num_threads()), "--batch", str(batch), "--if-idle"]
-
-
-def build_log() -> Path:
-    """Where background builds write their output: ``<home>/logs/compile.log``."""
-    return home() / "logs" / "compile.log"
 
 
 def launch_build(spec: LoadSpec, batch: int) -> None:

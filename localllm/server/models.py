@@ -349,12 +349,12 @@ class ModelManager:
                              kv_dtype=spec.kv_dtype, compile="auto", speculate=cfg.speculate)
         # the compiled decode step, for the next time this model is loaded
         if engine.needs_build and cfg.build_in_background is not None:
-            from localllm.paths import home
+            from localllm.paths import build_log
 
             if cfg.build_in_background(spec, engine.build_batch):
                 log.info("building a compiled decode step for %s in the background, only on idle CPU time; it goes "
                          "on after the server stops (output in %s); the next load of %s uses it",
-                         name, home() / "logs" / "compile.log", name)
+                         name, build_log(), name)
         engine.start()
         stop_ids = list(dict.fromkeys([*lm.tokenizer.eos_ids, *lm.config.eos_token_ids]))
         return ModelSlot(name, lm, engine, stop_ids, lm.weight_bytes + engine.plan.bytes,
