@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import click
 
@@ -90,11 +91,16 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 @click.option("--allowed-origins", envvar="LOCALLLM_ORIGINS", default="", metavar="ORIGINS",
               help="Comma-separated browser origins (https://app.example) that may use the server besides "
                    "loopback pages, with CORS answers (or LOCALLLM_ORIGINS). '*': any.")
+@click.option("--allow-local-paths", is_flag=True,
+              help="Let requests name models by a path on this machine's disk (by default they name only "
+                   "stored models, the default model and Hub repos).")
+@click.option("--models-dir", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="A folder whose GGUF files and model folders requests may name by their path inside it.")
 @click.option("--preload", multiple=True, metavar="MODEL", help="Load MODEL before serving (repeatable).")
 def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, queue: int, keep_alive: str, api_key: str | None,
           models_memory: str | None, max_body: str, quant: str | None, device: str, dtype: str, kernel: str | None,
           threads: int | None, speculate: str, allowed_hosts: str, allowed_origins: str,
-          preload: tuple[str, ...]) -> None:
+          allow_local_paths: bool, models_dir: Path | None, preload: tuple[str, ...]) -> None:
     """Serve models over HTTP: OpenAI's API under /v1, Ollama's under /api, Prometheus /metrics.
 
     Models are named as `localllm run` takes them, loaded on first use and kept alive while used.
@@ -117,7 +123,8 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
                           models_memory=parse_size(models_memory) if models_memory else None,
                           max_body_bytes=parse_size(max_body), quant=quant, device=device, dtype=dtype,
                           kernel=kernel, speculate=speculate == "on", build_in_background=build_in_background,
-                          allowed_hosts=split_list(allowed_hosts), allowed_origins=split_list(allowed_origins))
+                          allowed_hosts=split_list(allowed_hosts), allowed_origins=split_list(allowed_origins),
+                          allow_local_paths=allow_local_paths, models_dir=models_dir)
     set_threads(threads)
     warning = exposure_warning(host, config.api_key)
     if warning:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from localllm.errors import LocalLLMError
 from localllm.loaders.spec import LoadSpec
@@ -13,6 +14,12 @@ from localllm.runtime.cache import DEFAULT_KV_DTYPE
 DEFAULT_PORT = 11435
 #: Request bodies larger than this are refused (413): a chat of a few hundred thousand words.
 DEFAULT_MAX_BODY = 8 << 20
+#: Request line and headers together (Go's net/http, which Ollama uses, allows 1 MiB).
+DEFAULT_MAX_HEADER_BYTES = 64 << 10
+#: An idle keep-alive connection is closed after this long.
+DEFAULT_IDLE_TIMEOUT_S = 60.0
+#: A client that has not sent a whole request head after this long is disconnected (slowloris).
+DEFAULT_HEADER_TIMEOUT_S = 30.0
 #: How long an idle model stays loaded (Ollama's default).
 DEFAULT_KEEP_ALIVE_S = 300.0
 
@@ -85,6 +92,18 @@ class ServerConfig:
     #: loopback ones) the server answers: :mod:`localllm.server.origins`; "*" for any.
     allowed_hosts: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
+    #: Whether a request may name a model by a path on the server's disk (``--allow-local-paths``);
+    #: otherwise names resolve only to store entries, the embedded default and Hub repo ids.
+    allow_local_paths: bool = False
+    #: A folder whose model files and folders requests may name by their path relative to it
+    #: (``--models-dir``), even without ``allow_local_paths``.
+    models_dir: Path | None = None
+    #: Connection limits (:mod:`localllm.commands.serve` hands them to uvicorn): the most bytes of
+    #: request line and headers, seconds an idle keep-alive connection is held, and seconds a client
+    #: has to send a request's headers.
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     #: Seconds that in-flight requests get to finish at shutdown before they are cancelled.
     graceful_s: float = 10.0
     #: Starts a background build of a loaded model's compiled decode step, for batches of up to its
