@@ -140,6 +140,13 @@ def after_thinking(grammar: Grammar, opened: bool) -> Grammar:
     return Grammar(json.dumps(wrapped), grammar.summary)
 
 
+def _reason(error: str | None) -> str:
+    """llguidance's error, its first line only: the rest dumps the parser's state and the whole grammar
+    (the client's schema), which neither a client nor the server's log should get back."""
+    line = (error or "").strip().split("\n", 1)[0].split("<state>", 1)[0].strip()
+    return line or "the grammar cannot continue"
+
+
 class Constraint:
     """One sequence's grammar state (an llguidance matcher): its masks, and the tokens it has taken."""
 
@@ -158,7 +165,7 @@ class Constraint:
     @property
     def error(self) -> str | None:
         """Why the grammar can go no further (a token it refused, a limit hit); None while it can."""
-        return self._m.get_error() or None if self._m.is_error() else None
+        return _reason(self._m.get_error()) if self._m.is_error() else None
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar would take next, in order (drafts are cut there)."""
@@ -230,9 +237,11 @@ class Constraints:
                 matcher = template.deep_copy()
         if template is None:
             template = llguidance.LLMatcher(vocab, grammar.text, log_level=0)
+            if not template.is_error():  # a schema that admits no value ({"$ref": "#"}) fails its first mask
+                template.compute_bitmask()
             if template.is_error():
-                raise LocalLLMError(f"{grammar.summary} does not compile: {template.get_error()}",
-                                    "simplify the schema or grammar")
+                raise LocalLLMError(f"{grammar.summary} admits no reply (llguidance: {_reason(template.get_error())})",
+                                    "check the schema's $ref cycles and that some value satisfies it")
             matcher = template.deep_copy()
             with self._lock:
                 self.compiled_grammars += 1

@@ -348,6 +348,10 @@ BAD = [
                                       "reasoning_effort": "max"}, 400, "'reasoning_effort' is 'max'"),
     ("POST", "/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "think": "yes"}, 400,
      "'think' must be true, false"),
+    ("POST", "/v1/chat/completions", b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+                                     b'"temperature": NaN}' % MODEL.encode(), 400, "'temperature' must be a number, not NaN"),
+    ("POST", "/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "format": {"$ref": "#"}},
+     400, "a JSON schema admits no reply"),
 ]
 
 

@@ -52,6 +52,8 @@ def _kind(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "a boolean"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "infinite"  # JSON has neither; Python's json reads both
     if isinstance(value, (int, float)):
         return "a number"
     if isinstance(value, str):
