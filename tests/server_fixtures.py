@@ -15,6 +15,7 @@ import uvicorn
 
 from localllm.server.app import create_app, run_serving
 from localllm.server.config import ServerConfig
+from localllm.server.limits import uvicorn_config
 from localllm.server.models import ModelManager
 
 
@@ -31,8 +32,8 @@ class ServerThread:
         config.host, config.port = "127.0.0.1", sock.getsockname()[1]
         self.config = config
         self.app = create_app(config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=2, access_log=False))
+        config.graceful_s = min(config.graceful_s, 2.0)  # tests stop fast; a test may ask for less
+        self.server = uvicorn.Server(uvicorn_config(self.app, config))  # the limits `localllm serve` runs with
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread = threading.Thread(target=self._run, name="test-server", daemon=True)
 

@@ -112,6 +112,7 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
 
     from localllm.commands.compile_step import build_in_background
     from localllm.server.app import create_app, run_serving
+    from localllm.server.limits import uvicorn_config
     from localllm.threads import set_threads
 
     try:
@@ -132,8 +133,7 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
     sock = bind(host, port)
     config.port = sock.getsockname()[1]
     app = create_app(config)
-    server = _server_class(uvicorn)(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=config.graceful_s,
-                                           lifespan="on", access_log=False))
+    server = _server_class(uvicorn)(uvicorn_config(app, config))
 
     failed: list[BaseException] = []
 
