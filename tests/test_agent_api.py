@@ -53,7 +53,8 @@ def thinker(tiny_folder, tmp_path_factory) -> Path:
 def server(thinker: Path, tmp_path_factory) -> Iterator[ServerThread]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("thinker-home")))
-        with running_server(ServerConfig(parallel=2, kv_memory=16 << 20, quant="fp32", device="cpu")) as srv:
+        with running_server(ServerConfig(parallel=2, kv_memory=16 << 20, quant="fp32", device="cpu",
+                                         allow_local_paths=True)) as srv:
             yield srv
 
 

@@ -41,7 +41,8 @@ RETIRED_S = 2.0
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("serve-home")))
-        config = ServerConfig(parallel=PARALLEL, queue=QUEUE, kv_memory=2 << 20, device="cpu", keep_alive_s=300)
+        config = ServerConfig(parallel=PARALLEL, queue=QUEUE, kv_memory=2 << 20, device="cpu", keep_alive_s=300,
+                              allow_local_paths=True)
         with running_server(config) as srv:
             yield srv
 

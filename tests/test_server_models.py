@@ -32,7 +32,8 @@ REPO = "tests/tiny-llama"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("serve-home")))
-        config = ServerConfig(parallel=2, queue=4, kv_memory=2 << 20, device="cpu", keep_alive_s=60)
+        config = ServerConfig(parallel=2, queue=4, kv_memory=2 << 20, device="cpu", keep_alive_s=60,
+                              allow_local_paths=True)
         with running_server(config) as srv:
             yield srv
 

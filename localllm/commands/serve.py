@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
+import threading
+import time
 from pathlib import Path
 
 import click
@@ -144,8 +148,7 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
         try:
             for name in preload:
                 note(f"loading {name}...")
-                slot, _ = await manager.acquire(name)
-                manager.release(slot)
+                await manager.preload(name)
         except Exception as e:  # noqa: BLE001 - reported once the server has stopped
             failed.append(e)
             server.should_exit = True
@@ -162,4 +165,20 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
     run_serving(main())
     if failed:
         raise failed[0]
+    left = stuck_threads(wait_s=1.0)
+    if left:
+        note(f"server stopped; {left} request(s) still running in worker threads were left behind")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # Python would wait for those threads before exiting, for as long as they run
     note("server stopped")
+
+
+def stuck_threads(wait_s: float) -> int:
+    """How many threads that would keep the process from exiting (not daemons: a request's work in
+    a pooled worker thread, a template render or a tokenizer's) are still running after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    for thread in others:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sum(thread.is_alive() for thread in others)

@@ -9,11 +9,15 @@ A request holds its model through a :class:`Lease`, closed exactly once however 
 its KV blocks and its slot in the batch, and releases its hold, which starts the keep-alive. Work
 that can take long (loading, unloading and collecting the freed memory, sizing a model from its
 files) runs on worker threads, never on the event loop.
+
+A request's model name is checked before anything else, and resolved to what it loads only as
+:mod:`localllm.server.names` allows; the names the operator preloaded resolve as ``run`` resolves them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import threading
@@ -33,9 +37,10 @@ from localllm.runtime.constrain import Constraint, Constraints, Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.runtime.scheduler import EngineBusy
 from localllm.server.config import ServerConfig
-from localllm.server.errors import ModelNotFound
 from localllm.server.generation import Generation
 from localllm.server.metrics import Metrics
+from localllm.server.names import (AS_RUN, REPO, Target, check_name, operator_target, pull_repo, resolve,
+                                   stored_from_repo)
 
 log = logging.getLogger("localllm.server")
 
@@ -150,18 +155,29 @@ class Lease:
         self.manager.release(self.slot, self.gen)
 
 
-def estimate_bytes(ref: str) -> int:
-    """What loading ``ref`` will take, roughly, before loading it: its files' size (0 if unknown)."""
-    path = Path(ref).expanduser()
+def estimate_bytes(target: Target) -> int:
+    """What loading ``target`` will take, roughly, before loading it: its files' size (0 if unknown).
+    A folder's files are counted at its top level only, where a model folder keeps its weights: a
+    folder that is no model is never walked."""
     try:
+        if target.entry is not None:
+            return target.entry.size_bytes
+        if target.kind == REPO:
+            from localllm.loaders.store import Store
+
+            entry = stored_from_repo(Store(), target.ref)
+            return entry.size_bytes if entry is not None else 0
+        path = Path(target.ref).expanduser() if target.kind == AS_RUN else Path(target.ref)  # the operator's own
         if path.is_file():
             return path.stat().st_size
         if path.is_dir():
-            return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        from localllm.loaders.store import Store
+            return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        if target.kind == AS_RUN:
+            from localllm.loaders.store import Store
 
-        return Store().resolve(ref).size_bytes
-    except (OSError, LocalLLMError):
+            return Store().resolve(target.ref).size_bytes
+        return 0
+    except (OSError, ValueError, RuntimeError, LocalLLMError):  # RuntimeError: an operator's ~user of no user
         return 0
 
 
@@ -216,6 +232,9 @@ class ModelManager:
         #: engine's own queue would count them.
         self._load_waiters: dict[str, int] = {}
         self._reaper: asyncio.Task[None] | None = None
+        #: Names the operator preloaded (``serve --preload``): requests may name them, resolved as
+        #: ``run`` resolves them, paths included.
+        self._operator_names: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -239,8 +258,7 @@ class ModelManager:
     async def acquire(self, name: str, keep_alive: object = DEFAULT) -> tuple[ModelSlot, float]:
         """The loaded model ``name`` (loading it if needed), marked in use; and the seconds this call
         spent loading it (0 when it was loaded already). Pair with :meth:`release`."""
-        if not isinstance(name, str) or not name.strip():
-            raise LocalLLMError("no model named", "give 'model'")
+        self._check(name)
         waited = 0.0
         while True:
             slot = self.slots.get(name)
@@ -268,6 +286,18 @@ class ModelManager:
                     self._load_waiters[name] = left
             waited += time.perf_counter() - t0
 
+    async def preload(self, name: str) -> None:
+        """Load ``name``, which the operator gave (``serve --preload``): any name ``run`` takes, a path
+        included; requests may name it from then on."""
+        self._operator_names.add(name)
+        slot, _ = await self.acquire(name)
+        self.release(slot)
+
+    def _check(self, name: object) -> None:
+        """A request's name is one this server serves (:func:`names.check_name`), before anything is read."""
+        if not (isinstance(name, str) and name in self._operator_names):
+            check_name(name, self.config)
+
     async def lease(self, name: str, keep_alive: object = DEFAULT) -> Lease:
         """:meth:`acquire` for one request: the hold as a :class:`Lease`, to close when the request ends."""
         slot, waited = await self.acquire(name, keep_alive)
@@ -284,6 +314,7 @@ class ModelManager:
 
     async def unload(self, name: str) -> bool:
         """Unload ``name`` now if it is loaded and idle (``keep_alive: 0`` with no prompt)."""
+        self._check(name)
         slot = self.slots.get(name)
         if slot is None:
             return False
@@ -303,9 +334,9 @@ class ModelManager:
 
     # ------------------------------------------------------------------ loading
     async def _load(self, name: str) -> ModelSlot:
-        need = await anyio.to_thread.run_sync(estimate_bytes, name) + (self.config.kv_memory or DEFAULT_KV_BUDGET)
-        await self._make_room(need, keep=None)
-        slot = await in_own_thread(self._load_blocking, name)
+        target, size = await anyio.to_thread.run_sync(self._target, name)
+        await self._make_room(size + (self.config.kv_memory or DEFAULT_KV_BUDGET), keep=None)
+        slot = await in_own_thread(functools.partial(self._load_blocking, target=target), name)
         self.slots[name] = slot
         self.metrics.models_loaded_total += 1
         await self._make_room(0, keep=slot)
@@ -313,29 +344,31 @@ class ModelManager:
                  slot.engine.plan.describe())
         return slot
 
-    def _load_blocking(self, name: str) -> ModelSlot:
-        """On a worker thread: resolve ``name`` as ``run`` does, load it, start its engine."""
+    def target(self, name: str) -> Target:
+        """On a worker thread: what ``name`` loads (:func:`names.resolve`; a name the operator preloaded
+        as ``run`` takes it)."""
+        return operator_target(name) if name in self._operator_names else resolve(name, self.config)
+
+    def _target(self, name: str) -> tuple[Target, int]:
+        """On a worker thread: what ``name`` loads, and roughly how many bytes."""
+        target = self.target(name)
+        return target, estimate_bytes(target)
+
+    def _load_blocking(self, name: str, target: Target) -> ModelSlot:
+        """On a thread of its own: fetch ``target`` if it is a Hub repo not stored yet, load it, start its engine."""
         from localllm.loaders.load import load_model
-        from localllm.loaders.pull import looks_like_repo, pull_if_missing
-        from localllm.loaders.store import Store, check_local_path, looks_like_path
-        from localllm.paths import DEFAULT_MODEL
 
         t0 = time.perf_counter()
         cfg = self.config
-        check_local_path(name)
-        ref = name
-        if looks_like_repo(name) and not Path(name).exists():
-            try:
-                ref = pull_if_missing(name, cfg.quant)
-            except LocalLLMError as e:
-                if "not found" in e.message:
-                    raise ModelNotFound(e.message, e.hint) from None
-                raise
-        elif not looks_like_path(name) and name != DEFAULT_MODEL and not Path(name).exists():
-            try:
-                Store().resolve(name)
-            except LocalLLMError as e:
-                raise ModelNotFound(e.message, e.hint) from None
+        ref = target.ref
+        if target.kind == REPO:
+            ref = str(pull_repo(target.ref, cfg.quant).path)
+        elif target.kind == AS_RUN:
+            from localllm.loaders.pull import pull_if_missing
+            from localllm.loaders.store import check_local_path
+
+            check_local_path(name)
+            ref = pull_if_missing(name, cfg.quant)
         spec = cfg.load_spec(ref)
         lm = load_model(spec)
         budget = cfg.kv_memory or DEFAULT_KV_BUDGET
@@ -347,6 +380,8 @@ class ModelManager:
         engine = BatchEngine(lm.model, kv_budget_bytes=budget,
                              max_running=cfg.parallel, max_waiting=cfg.queue, chunk_tokens=cfg.chunk_tokens,
                              kv_dtype=spec.kv_dtype, compile="auto", speculate=cfg.speculate)
+        if engine.compile_note:  # decode steps that run eagerly, why, and when a build is tried again
+            log.warning("%s: %s", name, engine.compile_note)
         # the compiled decode step, for the next time this model is loaded
         if engine.needs_build and cfg.build_in_background is not None:
             from localllm.paths import build_log

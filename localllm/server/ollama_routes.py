@@ -15,7 +15,8 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
@@ -35,12 +36,17 @@ from localllm.server.errors import OLLAMA, ApiError, ModelNotFound, from_excepti
 from localllm.server.generation import Outcome
 from localllm.server.logprobs import chat_content
 from localllm.server.models import DEFAULT, Lease
+from localllm.server.names import (AS_RUN, REPO, Target, check_name, is_repo_id, is_store_name, pull_source, stored,
+                                   stored_from_repo)
 from localllm.server.streaming import ndjson_line, ndjson_response
 from localllm.server import tool_calls
 from localllm.server.replies import ReplyShape, prepare_chat, stream_parts
 from localllm.server.structured import ollama_format
 from localllm.server.tool_calls import ToolAsk
 from localllm.server.validate import Fields, messages, read_json
+
+if TYPE_CHECKING:
+    from localllm.loaders.store import StoredModel
 
 _DEFAULTS = SamplingParams()
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
@@ -277,15 +283,32 @@ async def tags(request: Request) -> Response:
     return JSONResponse({"models": await anyio.to_thread.run_sync(_tags)})
 
 
-def _show(name: str) -> dict[str, Any]:
-    from localllm.loaders.describe import describe_ref
+def _show(name: str, target: Target) -> tuple[dict[str, Any], StoredModel | None]:
+    """The facts about what ``name`` resolved to, and its store entry (None for files and folders);
+    ``show`` never downloads, so a Hub repo must be stored."""
+    from localllm.loaders import describe
+    from localllm.loaders.store import Store
 
     try:
-        facts, entry = describe_ref(name)
+        if target.kind == REPO:
+            entry = stored_from_repo(Store(), target.ref)
+            if entry is None:
+                raise ModelNotFound(f"model '{name}' not found",
+                                    f"pull it first (/api/pull, or `localllm pull {name}`)")
+            return describe.describe_stored(entry), entry
+        if target.entry is not None:
+            return describe.describe_stored(target.entry), target.entry
+        if target.kind == AS_RUN:
+            return describe.describe_ref(target.ref)
+        return describe.describe_path(Path(target.ref)), None
     except LocalLLMError as e:
         if "not found" in e.message or "does not exist" in e.message or "no such" in e.message:
             raise ModelNotFound(e.message, e.hint) from None
         raise
+
+
+def _show_reply(name: str, target: Target) -> dict[str, Any]:
+    facts, entry = _show(name, target)
     template = ""
     if entry is not None:
         from localllm.runtime.tokenizer import Tokenizer
@@ -316,7 +339,9 @@ async def show(request: Request) -> Response:
     name = f.string("model") or f.string("name")
     if not name:
         raise ApiError(400, "'model' is required", param="model")
-    return JSONResponse(await anyio.to_thread.run_sync(_show, name))
+    manager = state(request).manager
+    target = await anyio.to_thread.run_sync(manager.target, name)
+    return JSONResponse(await anyio.to_thread.run_sync(_show_reply, name, target))
 
 
 @endpoint(OLLAMA, "/api/ps")
@@ -344,10 +369,22 @@ async def delete(request: Request) -> Response:
     if not name:
         raise ApiError(400, "'model' is required", param="model")
 
+    check_name(name, state(request).config)
+
     def remove() -> str:
+        store = Store()
+        if is_repo_id(name):
+            entry = stored_from_repo(store, name)
+            if entry is None:
+                raise ModelNotFound(f"model '{name}' not found", "/api/tags lists the stored models")
+        elif is_store_name(name):
+            entry = stored(store, name)
+        else:
+            raise ApiError(400, f"'{name}' is not a stored model's name; /api/delete removes stored models, "
+                                "named NAME[:SCHEME] as /api/tags lists them", param="model")
         try:
-            return Store().remove(name).ref
-        except LocalLLMError as e:
+            return store.remove(entry.ref).ref
+        except LocalLLMError as e:  # deleted meanwhile
             raise ModelNotFound(e.message, e.hint) from None
 
     ref = await anyio.to_thread.run_sync(remove)
@@ -358,7 +395,7 @@ async def delete(request: Request) -> Response:
 
 @endpoint(OLLAMA, "/api/pull")
 async def pull(request: Request) -> Response:
-    from localllm.loaders.pull import DEFAULT_PULL_SCHEME, PULL_SCHEMES, PullOptions, parse_source, pull_model
+    from localllm.loaders.pull import DEFAULT_PULL_SCHEME, PULL_SCHEMES, PullOptions, pull_model
 
     st = state(request)
     f = Fields(await read_json(request, st.config.max_body_bytes))
@@ -368,7 +405,8 @@ async def pull(request: Request) -> Response:
     stream = f.boolean("stream", True)
     f.boolean("insecure", False)
     quant = st.config.quant if st.config.quant in PULL_SCHEMES else DEFAULT_PULL_SCHEME
-    source = parse_source(name)  # a malformed name is a 400 before anything starts
+    # a name the server does not pull is a 400 before anything starts
+    source = await anyio.to_thread.run_sync(pull_source, name, st.config)
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
