@@ -40,8 +40,9 @@ from localllm.errors import LocalLLMError
 from localllm.format import human_size
 from localllm.paths import home
 
-__all__ = ["FORMAT_VERSION", "Store", "StoredModel", "check_local_path", "default_entry", "human_size",
-           "looks_like_path", "missing_path_error", "name_from_repo", "parse_model_ref", "read_entry", "verify"]
+__all__ = ["FORMAT_VERSION", "Store", "StoredModel", "check_length", "check_local_path", "default_entry",
+           "human_size", "looks_like_path", "missing_path_error", "name_from_repo", "parse_model_ref", "read_entry",
+           "verify"]
 
 #: The artifact format. 2: a tied model whose head is int8 stores no 16-bit embedding (the head's
 #: table serves as it); 1 entries still load. An entry newer than this is refused with a hint.
@@ -53,6 +54,8 @@ _LOCKS = ".locks"
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _STORE_KEYS = ("format_version", "name", "scheme", "created", "localllm_version", "files")
 _HASH_CHUNK = 8 * 1024 * 1024
+#: Linux's limits on a file name's bytes and a path's.
+_NAME_MAX, _PATH_MAX = 255, 4096
 
 
 # --------------------------------------------------------------------------- names
@@ -92,13 +95,33 @@ def looks_like_path(ref: str) -> bool:
 
 
 def missing_path_error(ref: str) -> LocalLLMError:
-    return LocalLLMError(f"no such file or folder: {ref}",
+    shown = f"'{ref}'" if ref.endswith((".", " ")) else ref  # a one-line message drops a trailing '.'
+    return LocalLLMError(f"no such file or folder: {shown}",
                          "check the path; a stored model is named NAME[:SCHEME] (see `localllm list`)")
 
 
+def check_length(ref: str) -> None:
+    """Refuse a reference no file system holds (a part of more than NAME_MAX bytes, or more than
+    PATH_MAX bytes in all) before it reaches one, which would fail with ENAMETOOLONG."""
+    encoded = os.fsencode(ref)
+    if len(encoded) > _PATH_MAX or any(len(part) > _NAME_MAX for part in encoded.split(b"/")):
+        shown = ref if len(ref) <= 40 else ref[:40] + "..."
+        raise LocalLLMError(f"'{shown}' is too long for a model name or path ({len(ref)} characters)",
+                            f"a stored model is named NAME[:SCHEME] (see `localllm list`); a path's parts have at "
+                            f"most {_NAME_MAX} bytes")
+
+
 def check_local_path(ref: str) -> None:
-    """Refuse a path (see :func:`looks_like_path`) that does not exist, before it is taken for anything else."""
-    if looks_like_path(ref) and not Path(ref).expanduser().exists():
+    """Refuse a reference too long for a file system, and a path (see :func:`looks_like_path`) that does
+    not exist, before it is taken for anything else."""
+    check_length(ref)
+    if not looks_like_path(ref):
+        return
+    try:
+        exists = Path(ref).expanduser().exists()
+    except RuntimeError:  # ~user of no such user
+        exists = False
+    if not exists:
         raise missing_path_error(ref)
 
 

@@ -301,3 +301,25 @@ def test_complete_entry_stranded_in_a_stale_folder_is_restored(store: Store) -> 
     restored = store.resolve("tiny:int4")
     assert (restored.path / "model.safetensors").read_bytes() == b"good"
     store.verify(restored)
+
+
+# --------------------------------------------------------------------------- names on the command line
+@pytest.mark.parametrize("args, says", [
+    (["rm", ".."], "'..' is a path, and rm removes stored models by name"),
+    (["rm", "../x."], "'../x.' is a path"),
+    (["rm", "a" * 300], "is too long for a model name or path (300 characters)"),
+    (["show", "a" * 300], "is too long for a model name or path (300 characters)"),
+    (["show", "../" + "a" * 300], "is too long for a model name or path (303 characters)"),
+    (["pull", "a" * 300], "is too long for a model name or path (300 characters)"),
+    (["run", "a" * 300, "hi"], "is too long for a model name or path (300 characters)"),
+    (["show", "~no-such-user-here/x"], "no such file or folder: ~no-such-user-here/x"),
+])
+def test_a_malformed_name_on_the_command_line_is_one_error_line(tmp_path: Path, args: list[str], says: str) -> None:
+    from click.testing import CliRunner
+
+    from localllm.cli import main
+
+    result = CliRunner().invoke(main, args, env={"LOCALLLM_DEBUG": "", "LOCALLLM_HOME": str(tmp_path)})
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and says in lines[0], result.stderr

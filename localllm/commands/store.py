@@ -26,7 +26,7 @@ from localllm.loaders.pull import (
     parse_source,
     pull_model,
 )
-from localllm.loaders.store import Store, StoredModel
+from localllm.loaders.store import Store, StoredModel, check_length, check_local_path, looks_like_path
 
 
 # =========================================================================== pull
@@ -51,6 +51,7 @@ def pull(source: str, quant: str, group_size: int | None, quant_head: str | None
     from localllm.loaders.spec import LoadSpec
     from localllm.runtime.compiled_step import wanted_batch
 
+    check_local_path(source)
     options = PullOptions(quant, group_size, quant_head, name, prune, force)
     result = pull_model(parse_source(source, revision, gguf_file), options, notify=note)
     print_pull(result)
@@ -193,6 +194,7 @@ def show(model: str, as_json: bool, verify: bool) -> None:
     model folder by path, or 'smollm2'."""
     from localllm.loaders.describe import describe_ref
 
+    check_local_path(model)
     store = Store()
     facts, entry = describe_ref(model, store)
     if verify:
@@ -215,6 +217,10 @@ def rm(models: tuple[str, ...]) -> None:
     store = Store()
     entries: dict[Path, StoredModel] = {}
     for ref in models:
+        check_length(ref)
+        if looks_like_path(ref):
+            raise LocalLLMError(f"'{ref}' is a path, and rm removes stored models by name",
+                                "give NAME[:SCHEME] as `localllm list` shows it")
         entry = find_stored(store, ref)
         entries.setdefault(entry.path, entry)
     for entry in entries.values():
