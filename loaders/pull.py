@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from filelock import Timeout
 
-from localllm.errors import LocalLLMError
+from localllm.errors import LocalLLMError, disk_errors
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.loaders.store import (
     Store,
@@ -169,6 +169,12 @@ def pull_model(source: PullSource, options: PullOptions, store: Store | None = N
     store = store or Store()
     check_quant(options.quant, options.group_size)
     name = validate_name(options.name or source.default_name())
+    with disk_errors(f"pull {source.label()}", "point LOCALLLM_HOME (the store) and HF_HOME (downloads) at a "
+                                                "folder on a disk with room"):
+        return _pull(source, options, store, name, notify)
+
+
+def _pull(source: PullSource, options: PullOptions, store: Store, name: str, notify: Notify) -> PullResult:
     kept = _already_stored(store, name, source, options, notify)
     if kept is not None:
         return PullResult(kept, kept=True)

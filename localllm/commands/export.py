@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from localllm.commands.common import note
+from localllm.errors import disk_errors
 from localllm.format import human_size
 
 
@@ -25,12 +26,14 @@ def export(model: str, folder: Path, dtype: str, keep_quant: bool) -> None:
     from localllm.loaders.store import check_local_path
 
     check_local_path(model)
-    if keep_quant:
-        from localllm.loaders.export_hf import export_quantized_folder
+    with disk_errors(f"export to {folder}", "choose a folder you can write, on a disk with room"):
+        folder.mkdir(parents=True, exist_ok=True)  # before loading: an unwritable folder fails at once
+        if keep_quant:
+            from localllm.loaders.export_hf import export_quantized_folder
 
-        out = export_quantized_folder(model, folder, dtype)
-    else:
-        out = export_hf_folder(model, folder, dtype)
+            out = export_quantized_folder(model, folder, dtype)
+        else:
+            out = export_hf_folder(model, folder, dtype)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     note(f"exported {model} to {out} ({human_size(size)})")
     note(f"serve it elsewhere:  vllm serve {out}")

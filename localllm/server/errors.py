@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from starlette.responses import JSONResponse
 
-from localllm.errors import LocalLLMError
+from localllm.errors import LocalLLMError, StorageError
 from localllm.runtime.scheduler import EngineBusy
 
 log = logging.getLogger("localllm.server")
@@ -19,7 +19,7 @@ OPENAI = "openai"
 OLLAMA = "ollama"
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                 413: "invalid_request_error", 503: "server_busy", 500: "server_error"}
+                 413: "invalid_request_error", 503: "server_busy", 507: "server_error", 500: "server_error"}
 
 
 @dataclass
@@ -50,6 +50,8 @@ def from_exception(e: BaseException) -> ApiError:
         return ApiError(503, e.one_line(), code="server_busy", headers={"Retry-After": str(retry)})
     if isinstance(e, ModelNotFound):
         return ApiError(404, e.one_line(), param="model", code="model_not_found")
+    if isinstance(e, StorageError):  # the server's disk, not the request: 507 Insufficient Storage
+        return ApiError(507, e.one_line(), code="insufficient_storage")
     if isinstance(e, LocalLLMError):
         return ApiError(400, e.one_line())
     if isinstance(e, MemoryError):
