@@ -51,7 +51,24 @@ def describe(config: Any, *, name: str | None, path: Path, scheme: Any, dtype: s
         "source": source,
         "chat_template": chat_template,
         "created": created,
+        "eager_steps": eager_steps(config),
     }
+
+
+def eager_steps(config: Any) -> list[dict[str, Any]]:
+    """The compiled decode step's failed builds for models of ``config`` (whichever scheme, threads or
+    KV cache they were for), each package's: the rows whose decode steps run eagerly, why (one line),
+    how often and when it failed, when runs try again, and the whole sentence a run's ``--verbose``
+    says. Empty when no build failed."""
+    import time
+
+    from localllm.runtime.compiled_step import failed_builds, package_batch
+
+    now = time.time()
+    return [{"rows": list(package_batch(f.package)), "reason": f.reason, "failures": f.failures,
+             "failed_at": time.strftime("%Y-%m-%d %H:%M", time.localtime(f.failed_at)),
+             "retry_due": f.retry_due(now), "retry_at": time.strftime("%Y-%m-%d %H:%M", time.localtime(f.retry_at)),
+             "note": f.describe(now)} for f in failed_builds(config)]
 
 
 def describe_stored(entry: StoredModel) -> dict[str, Any]:

@@ -26,19 +26,29 @@ its key rotation; the step quantizes the new rows as the eager one does.
 
 Building: ``localllm compile`` builds ahead (:func:`build`); a run that finds no package runs
 eagerly and then has :func:`start_background_build` call the launcher the command layer hands it (a
-detached ``localllm compile`` at the lowest CPU priority); builds take a lock so at most one runs at a time;
-a build that fails leaves a mark beside its package (:func:`failure_marker`) so that runs stop
-starting it again. ``LOCALLLM_BACKGROUND_BUILD=0`` turns the background builds off (the tests do).
+detached ``localllm compile`` at the lowest CPU priority). Every build in a home, ``run --compile``'s
+too, holds the home's build lock (:func:`build_lock`) while it compiles, so two builds never share
+inductor's cache folder at once; a second waits, then skips what the first built. A build that
+fails leaves a mark beside each package it could not build (:class:`FailedBuild`: the reason, when,
+how often, and the versions it was built with) and its full output in the build log; runs start it
+again after a back-off that grows with the failures (:data:`RETRY_AFTER_S`), at once when localllm,
+torch or the compiler changed, and say meanwhile which steps run eagerly and why
+(:attr:`StepLookup.note`). ``LOCALLLM_BACKGROUND_BUILD=0`` turns the background builds off (the
+tests do).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import platform
+import re
+import subprocess
 import sys
 import time
+import traceback
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -50,8 +60,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from localllm import native
-from localllm.paths import home
+from localllm import __version__, native
+from localllm.paths import build_log, home
 from localllm.runtime.cache import QuantKV, key_rotation
 from localllm.runtime.kv_pool import KVPool
 from localllm.runtime.model import Transformer, cache_rope_tables
@@ -71,6 +81,11 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 #: The environment switch of background builds ("0": off).
 ENV_SWITCH = "LOCALLLM_BACKGROUND_BUILD"
+#: How long after its n-th failure in a row (n = 1, 2, 3, 4 and more) a package's build is started
+#: again by a run or a server: 10 minutes, an hour, 6 hours, then once a day. A failure that a busy
+#: machine caused clears soon; one that the model or the compiler causes costs a background build a
+#: day at most. ``localllm compile`` always tries at once.
+RETRY_AFTER_S = (600, 3600, 6 * 3600, 24 * 3600)
 
 
 def aot_dir() -> Path:
@@ -274,18 +289,136 @@ def package_paths(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention
 
 
 def failure_marker(package: Path) -> Path:
-    """The file that records a failed build of ``package`` (its text says why), so that runs do not start
-    the same failing build again; a new torch or localllm changes the package's name, and so tries again."""
+    """The file that records a failed build of ``package`` (:class:`FailedBuild`, as JSON)."""
     return package.with_suffix(".failed")
+
+
+def package_batch(package: Path) -> tuple[int, int]:
+    """The (smallest, largest) batch a package's name says it covers (:func:`package_paths`)."""
+    m = re.search(r"-b(\d+)-(\d+)(\.pt2|\.failed)$", package.name)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+@functools.cache
+def _compiler_version() -> str | None:
+    cxx = native.compiler()
+    if cxx is None:
+        return None
+    try:
+        out = subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return " ".join(cxx)
+    return f"{' '.join(cxx)}: {out.splitlines()[0] if out else '?'}"
+
+
+def build_versions() -> dict[str, str | None]:
+    """What decides whether a failed build may succeed now, beyond the package's key (which covers the
+    model's shapes and torch's version): localllm's version, torch's and the C++ compiler's."""
+    return {"localllm": __version__, "torch": torch.__version__, "compiler": _compiler_version()}
+
+
+def config_digest(config: Any) -> str:
+    """A model config's short hash: how ``show`` finds the failed builds of a model it has not loaded."""
+    return hashlib.sha256(repr(config).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class FailedBuild:
+    """A failed build of one package, as its mark (:func:`failure_marker`) records it."""
+
+    package: Path
+    reason: str  # one line; the full output is in the build log
+    failed_at: float  # the last failure, seconds since the epoch
+    failures: int  # failures in a row, with these versions
+    versions: dict[str, str | None]  # :func:`build_versions` when it failed
+    config: str = ""  # :func:`config_digest` of the model
+
+    @property
+    def retry_at(self) -> float:
+        """When runs start the build again (:data:`RETRY_AFTER_S`), the versions being the same."""
+        return self.failed_at + RETRY_AFTER_S[min(max(self.failures, 1), len(RETRY_AFTER_S)) - 1]
+
+    def retry_due(self, now: float | None = None) -> bool:
+        """Whether a run should start the build again: the back-off is over, or localllm, torch or the
+        compiler is not the one it failed with."""
+        return self.versions != build_versions() or (time.time() if now is None else now) >= self.retry_at
+
+    def describe(self, now: float | None = None) -> str:
+        """One line: the rows whose steps run eagerly, why, and when a build is tried again."""
+        lo, hi = package_batch(self.package)
+        rows = "1 row" if lo == hi == 1 else f"{lo}-{hi} rows"
+        times = "once" if self.failures == 1 else f"{self.failures} times"
+        when = ("a new build is due" if self.retry_due(now) else
+                f"tried again after {time.strftime('%Y-%m-%d %H:%M', time.localtime(self.retry_at))}")
+        return (f"decode steps of {rows} run eagerly: their build failed {times} ({self.reason}); {when}, "
+                f"or now by `localllm compile --batch {lo}`")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reason": self.reason, "failed_at": self.failed_at, "failures": self.failures,
+                "versions": self.versions, "config": self.config, "batch": list(package_batch(self.package))}
+
+
+def read_failure(package: Path) -> FailedBuild | None:
+    """The mark of a failed build of ``package``, or None. A mark that cannot be read (written by an
+    older localllm as one line of text, or damaged) counts as one failure with unknown versions: due
+    for a retry at once."""
+    mark = failure_marker(package)
+    try:
+        text = mark.read_text()
+        when = mark.stat().st_mtime
+    except OSError:
+        return None
+    try:
+        d = json.loads(text)
+        return FailedBuild(package, str(d["reason"]), float(d["failed_at"]), int(d["failures"]),
+                           dict(d["versions"]), str(d.get("config", "")))
+    except (ValueError, KeyError, TypeError):
+        first = text.strip().splitlines()[0] if text.strip() else "unknown"
+        return FailedBuild(package, first[:300], when, 1, {})
+
+
+def record_failure(packages: list[Path], reason: str, config: str) -> None:
+    """Mark each of ``packages`` as failed now for ``reason`` (one line), counting the failures in a
+    row with the same versions; each mark is written whole (temporary file, then renamed)."""
+    versions, now = build_versions(), time.time()
+    for package in packages:
+        old = read_failure(package)
+        count = old.failures + 1 if old is not None and old.versions == versions else 1
+        mark = failure_marker(package)
+        data = FailedBuild(package, reason, now, count, versions, config).to_json()
+        tmp = mark.with_name(f".{mark.name}.{uuid.uuid4().hex}.tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            os.replace(tmp, mark)
+        except OSError:  # a mark that cannot be written: runs try the build again
+            tmp.unlink(missing_ok=True)
+
+
+def failed_builds(config: Any) -> list[FailedBuild]:
+    """The failed builds of packages for models of ``config`` that are still missing (``show``)."""
+    digest = config_digest(config)
+    found = [read_failure(m.with_suffix(".pt2")) for m in sorted(aot_dir().glob("*.failed"))]
+    return [f for f in found if f is not None and f.config == digest and not f.package.exists()]
+
+
+def eager_note(missing: list[Path], now: float | None = None) -> tuple[bool, str | None]:
+    """For packages an engine wants that are not built: whether a build should start now (one of them
+    was never tried, or is due for a retry), and which decode steps run eagerly after a failed build,
+    why and until when (None: none failed)."""
+    marks = [(p, read_failure(p)) for p in missing]
+    needs = any(m is None or m.retry_due(now) for _, m in marks)
+    failed = [m.describe(now) for _, m in marks if m is not None]
+    return needs, "; ".join(failed) or None
 
 
 class PackageMissing(RuntimeError):
     """No package is built for this model yet (and building was not asked for); ``path`` is the first
-    missing one."""
+    missing one, ``missing`` all of them."""
 
-    def __init__(self, message: str, path: Path) -> None:
+    def __init__(self, message: str, path: Path, missing: list[Path] | None = None) -> None:
         super().__init__(message)
         self.path = path
+        self.missing = missing or [path]
 
 
 def _example(model: Transformer, pool: KVPool, B: int, tensors: list[torch.Tensor]) -> tuple:
@@ -382,17 +515,22 @@ class CompiledDecode:
         self.missing = [p for _, p in paths if not p.exists()]
         if self.missing and not build and len(self.missing) == len(paths):
             raise PackageMissing(f"no decode step is built for this model yet ({self.missing[0].name})",
-                                 self.missing[0])
-        for rng, path in paths:
-            if path.exists() or not build:
-                continue
+                                 self.missing[0], self.missing + [p for (lo, _), p in drafts
+                                                                  if lo <= want_batch and not p.exists()])
+        todo = [(rng, p) for rng, p in paths if build and not p.exists()]
+        if todo:
             reason = compile_unavailable_reason(model.device)
             if reason:
                 raise RuntimeError(reason)
-            t0 = time.perf_counter()
-            with inductor_cache_dir(home() / "inductor"), torch.inference_mode(False):
-                build_package(model, pool, kernel, path, rng)
-            self.build_s += time.perf_counter() - t0
+            with build_lock().acquire(timeout=-1):  # one build at a time in a home: it may have built these
+                for rng, path in todo:
+                    if path.exists():
+                        continue
+                    t0 = time.perf_counter()
+                    with inductor_cache_dir(home() / "inductor"), torch.inference_mode(False):
+                        build_package(model, pool, kernel, path, rng)
+                    self.build_s += time.perf_counter() - t0
+                    failure_marker(path).unlink(missing_ok=True)  # an earlier failure, fixed since
         if build:
             self.missing = []
         self.missing += [p for (lo, _), p in drafts if lo <= want_batch and not p.exists()]
@@ -430,10 +568,14 @@ class StepLookup:
 
     step: CompiledDecode | None  # None: decode steps run eagerly
     seconds: float = 0.0  # building (``build``) or loading the packages
-    #: Some package this engine's batch sizes need is not built, and no build of it failed before: a
-    #: build would serve (the batch sizes the built ones cover run compiled meanwhile).
+    #: Some package this engine's batch sizes need is not built, and it was never tried or its failed
+    #: build is due for a retry (:class:`FailedBuild`): a build would serve (the batch sizes the built
+    #: ones cover run compiled meanwhile).
     needs_build: bool = False
-    note: str | None = None  # why steps run eagerly although a compiled step was asked for
+    #: Why (some) decode steps run eagerly although a compiled step was asked for: the step cannot run
+    #: the model, building it failed now, or an earlier build failed (and when it is tried again).
+    note: str | None = None
+    error: str | None = None  # a build that failed now: its full output (the compiler's, a traceback)
 
 
 def wanted_batch(max_running: int, speculate: bool) -> int:
@@ -458,13 +600,23 @@ def find_step(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention | N
     try:
         step = CompiledDecode(model, pool, kernel, max_batch, build=build, load_batch=load_batch,
                               want_batch=want_batch)
-    except PackageMissing as e:  # a build that failed before is not started again by itself
-        return StepLookup(None, time.perf_counter() - t0, needs_build=not failure_marker(e.path).exists())
-    except RuntimeError as e:  # no compiler, or the build failed: eager, saying why
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        return StepLookup(None, time.perf_counter() - t0, note=f"decode steps run eagerly: {first}")
-    needs = bool(step.missing) and not failure_marker(step.missing[0]).exists()
-    return StepLookup(step, time.perf_counter() - t0, needs_build=needs)
+    except PackageMissing as e:  # a build that failed before is started again after its back-off
+        needs, note = eager_note(e.missing)
+        return StepLookup(None, time.perf_counter() - t0, needs_build=needs, note=note)
+    except (RuntimeError, OSError) as e:  # no compiler, the build failed, a full disk: eager, saying why
+        return StepLookup(None, time.perf_counter() - t0, note=f"decode steps run eagerly: {first_line(e)}",
+                          error="".join(traceback.format_exception(e)))
+    needs, note = eager_note(step.missing)
+    return StepLookup(step, time.perf_counter() - t0, needs_build=needs, note=note)
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's first line, its type named (inductor's compile errors say only "C++ compile
+    error" there; the compiler's output follows)."""
+    text = str(e).strip()
+    first = text.splitlines()[0].strip() if text else ""
+    name = type(e).__name__
+    return first if first.startswith(name) else f"{name}: {first}" if first else name
 
 
 # Building ahead, and in the background ------------------------------------------------------------
@@ -472,6 +624,15 @@ def _lock_path() -> Path:
     folder = aot_dir()
     folder.mkdir(parents=True, exist_ok=True)
     return folder / ".build.lock"
+
+
+def build_lock() -> Any:
+    """The home's build lock (a ``filelock.FileLock``: ``.acquire(timeout=...)``), held by every build
+    while it compiles. One object per home in a process, so a build that holds it may take it again
+    (:func:`build` around the engine's own build); the kernel releases it when a build dies."""
+    from filelock import FileLock
+
+    return FileLock(_lock_path(), is_singleton=True)
 
 
 def yield_cpu() -> None:
@@ -505,12 +666,12 @@ def start_background_build(launch: BuildLauncher, batch: int = 1) -> bool:
     command layer's launcher runs ``localllm compile --if-idle``: :func:`build` with ``background``, at
     the lowest CPU priority, stopped whenever an engine generates). False when it was not started.
     The caller says so on stderr: the build outlives it."""
-    from filelock import FileLock, Timeout
+    from filelock import Timeout
 
     if not background_builds_enabled() or compile_unavailable_reason(torch.device("cpu")):
         return False
     try:  # a build in progress holds the lock: do not queue a second behind it
-        with FileLock(_lock_path(), timeout=0):
+        with build_lock().acquire(timeout=0):
             pass
     except Timeout:
         return False
@@ -526,17 +687,19 @@ class BuildResult:
     already: bool = False  # every package was there
     busy: bool = False  # another build held the lock (``wait=False``)
     seconds: float = 0.0
-    error: str | None = None  # why it failed (recorded beside the missing packages)
+    error: str | None = None  # why it failed, one line (recorded beside the missing packages)
+    logged: bool = False  # the failure's full output is in the build log
 
 
 def build(model: Transformer, batch: int = 1, kv_dtype: str = "16bit", wait: bool = True,
           background: bool = False) -> BuildResult:
-    """Build ``model``'s missing decode-step packages for batches of up to ``batch`` over ``kv_dtype``
-    pools, under the build lock (``wait=False``: leave at once if another build holds it). A failure
-    is recorded beside each missing package (:func:`failure_marker`); a success clears old marks.
-    ``background``: give the CPU way first (:func:`yield_cpu`), so the build never competes with a
-    user's run on a small machine."""
-    from filelock import FileLock, Timeout
+    """Build ``model``'s missing decode-step packages for batches of up to ``batch`` query rows over
+    ``kv_dtype`` pools, whatever earlier failures their marks record, under the build lock
+    (``wait=False``: leave at once if another build holds it). A failure is recorded beside each
+    package still missing (:func:`record_failure`) and its full output appended to the build log; a
+    package built clears its mark. ``background``: give the CPU way first (:func:`yield_cpu`), so the
+    build never competes with a user's run on a small machine."""
+    from filelock import Timeout
 
     from localllm.runtime.batch import BatchEngine
     from localllm.runtime.kv_pool import DEFAULT_BLOCK_SIZE, block_bytes
@@ -545,30 +708,47 @@ def build(model: Transformer, batch: int = 1, kv_dtype: str = "16bit", wait: boo
         yield_cpu()
     # the packages serve any pool size: the smallest pool will do to find or build them
     budget = 4 * block_bytes(model.config, DEFAULT_BLOCK_SIZE, model.dtype, kv_dtype)
+    lock = build_lock()
     try:
-        with FileLock(_lock_path(), timeout=-1 if wait else 0):
-            engine = BatchEngine(model, kv_budget_bytes=budget, max_running=batch, kv_dtype=kv_dtype)
-            found = find_step(model, engine.pool, engine.kernel, batch, build=False)
-            if found.step is not None and not found.step.missing:
-                return BuildResult(False, already=True)
-            if found.note is not None:
-                return BuildResult(False, error=found.note)
-            assert engine.kernel is not None  # else found.note says so
-            paths = [p for (lo, _), p in package_paths(model, engine.pool, engine.kernel)[0] if lo <= batch]
-            t0 = time.perf_counter()
-            with warnings.catch_warnings(record=True) as said:
-                warnings.simplefilter("always")
-                lookup = find_step(model, engine.pool, engine.kernel, batch, build=True)
-            seconds = time.perf_counter() - t0
+        lock.acquire(timeout=-1 if wait else 0)
     except Timeout:
         return BuildResult(False, busy=True)
-    if lookup.step is None:
-        why = "; ".join([lookup.note or "the step runs eagerly", *(str(w.message) for w in said
-                                                                     if "deprecated" not in str(w.message))])
-        for path in paths:
-            if not path.exists():  # each that is missing: a run looks up the first one it misses
-                failure_marker(path).write_text(why + "\n")
-        return BuildResult(False, seconds=seconds, error=why)
-    for path in paths:
-        failure_marker(path).unlink(missing_ok=True)  # an earlier failure, fixed since
-    return BuildResult(True, seconds=seconds)
+    try:
+        engine = BatchEngine(model, kv_budget_bytes=budget, max_running=batch, kv_dtype=kv_dtype)
+        why = unsupported(model, engine.pool, engine.kernel)
+        if why is not None:
+            return BuildResult(False, error=f"decode steps run eagerly: {why}")
+        assert engine.kernel is not None  # else unsupported says so
+        paths = [p for (lo, _), p in package_paths(model, engine.pool, engine.kernel)[0] if lo <= batch]
+        if all(p.exists() for p in paths):
+            for path in paths:
+                failure_marker(path).unlink(missing_ok=True)
+            return BuildResult(False, already=True)
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            lookup = find_step(model, engine.pool, engine.kernel, batch, build=True)
+        seconds = time.perf_counter() - t0
+        if lookup.step is not None:
+            return BuildResult(True, seconds=seconds)
+        why = "; ".join([(lookup.note or "the step runs eagerly").removeprefix("decode steps run eagerly: "),
+                         *(str(w.message) for w in said if "deprecated" not in str(w.message))])
+        missing = [p for p in paths if not p.exists()]
+        record_failure(missing, why, config_digest(model.config))
+        return BuildResult(False, seconds=seconds, error=why, logged=_log_failure(missing, lookup.error or why))
+    finally:
+        lock.release()
+
+
+def _log_failure(packages: list[Path], detail: str) -> bool:
+    """Append a failed build's full output to the build log (the marks keep one line of it); False
+    when the log cannot be written."""
+    log = build_log()
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a") as f:
+            f.write(f"\n# {time.strftime('%Y-%m-%d %H:%M:%S')} building {', '.join(p.name for p in packages)} "
+                    f"failed (localllm {__version__}, torch {torch.__version__}):\n{detail.rstrip()}\n")
+    except OSError:  # the marks still say why
+        return False
+    return True

@@ -60,11 +60,12 @@ class ModelRunner:
         if (cuda_graphs and self.kernel is not None and device.type == "cuda" and torch.cuda.is_available()
                 and all(layer.attn.softcap is None for layer in model.layers)):
             self.graphs = GraphedDecode(model, pool, self.kernel, self.cos, self.sin, max_running)
-        #: The last :meth:`load_compiled` found no package built for this model and pool shape
-        #: (``localllm compile``), and no build of it failed before.
+        #: The last :meth:`load_compiled` found a package this engine wants not built (``localllm
+        #: compile``), never tried or due for a retry after a failed build.
         self.needs_build = False
         self.compile_s = 0.0  # building or loading the compiled step's packages
-        #: Why steps run eagerly although compiling was asked for (None: they do not, or it was not).
+        #: Why (some) steps run eagerly although compiling was asked for, and after a failed build when
+        #: it is tried again (None: they do not, or it was not asked for).
         self.compile_note: str | None = None
 
     def load_compiled(self, build: bool, max_running: int, speculate: bool) -> None:

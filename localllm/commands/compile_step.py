@@ -41,9 +41,9 @@ from localllm.runtime.compiled_step import start_background_build, wanted_batch
 @quant_head_option("As for run.")
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)), help="As for run.")
 @kv_cache_option
-@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
-              help=f"Query rows at once the step is built for: 1 for run's plain steps, {wanted_batch(1, True)} "
-                   "for its verify steps too (speculation), serve's --parallel for the server.")
+@click.option("--batch", type=click.IntRange(min=1), default=wanted_batch(1, True), show_default=True,
+              help=f"Query rows at once the step is built for: {wanted_batch(1, True)} for run's steps and its "
+                   "verify steps (speculation), 1 for its plain steps alone, serve's --parallel for the server.")
 @click.option("--if-idle", is_flag=True, hidden=True,
               help="A background build: leave at once if another build is running, at the lowest CPU priority.")
 def compile_step(model: str, device: str, dtype: str, threads: int | None, quant: str | None,
@@ -53,8 +53,9 @@ def compile_step(model: str, device: str, dtype: str, threads: int | None, quant
     uses it from its first token; run with the same --threads/--quant/--kernel as those runs.
 
     Runs build it in the background by themselves; this is for doing it ahead (set-up does it for the
-    embedded model). About a minute on two cores for one sequence (and once more for each range of
-    batch sizes the quantized kernels treat apart); once per model, for every context length.
+    embedded model), or now after a failed build, which runs retry only after a back-off. About a
+    minute on two cores for each range of batch sizes the quantized kernels treat apart; once per
+    model, for every context length.
     """
     from localllm.errors import LocalLLMError
     from localllm.loaders.load import load_model
@@ -78,7 +79,8 @@ def compile_step(model: str, device: str, dtype: str, threads: int | None, quant
         note(f"the compiled decode step of {model} is already built")
     elif result.error is not None:
         raise LocalLLMError(f"building the compiled decode step of {model} failed ({result.error.splitlines()[0][:300]})",
-                            "runs stay eager; `localllm compile` tries again (set LOCALLLM_DEBUG=1 for the details)")
+                            "runs stay eager and try again later, `localllm compile` now"
+                            + (f"; the full output is in {build_log()}" if result.logged else ""))
     else:
         note(f"built the compiled decode step of {model} in {result.seconds:.0f} s; runs use it from now on")
 

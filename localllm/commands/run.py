@@ -278,6 +278,8 @@ def run(
     if verbose:
         describe_model(lm, ctx, spec.kv_dtype)
         click.echo(f"decode step: {engine.step_kind}", err=True)
+        if engine.batch.compile_note:  # which steps run eagerly although compiled ones were asked for, and why
+            click.echo(f"  {engine.batch.compile_note}", err=True)
     # Once this run is done (its tokens are not slowed by it): build the step the next run will use.
     needs_build = engine.needs_build
 
