@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.loaders.safetensors_stream import iter_safetensors
+from localllm.loaders.safetensors_stream import iter_safetensors, read_header
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme
-from localllm.runtime.config import ModelConfig
+from localllm.runtime.config import ModelConfig, hf_keys
+from localllm.runtime.config_checks import check_tensors
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -52,6 +53,8 @@ _ARCH_LAYER_MAPS = {"qwen3": {**LAYER_MAP, **_QK_NORM_MAP}, "gemma3": _GEMMA3_MA
 #: Phi-3's fused projections -> the parts they stack, in row order (split as they are read).
 FUSED = {"self_attn.qkv_proj.weight": ("attn.q.weight", "attn.k.weight", "attn.v.weight"),
          "mlp.gate_up_proj.weight": ("mlp.gate.weight", "mlp.up.weight")}
+#: The fused projections' names as the config check knows them (:func:`runtime.config_checks.check_tensors`).
+FUSED_NAMES = {"self_attn.qkv_proj.weight": "attn.qkv.weight", "mlp.gate_up_proj.weight": "mlp.gate_up.weight"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Buffers some checkpoints carry that we compute ourselves.
 _IGNORED_RE = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
@@ -139,6 +142,27 @@ class HFCheckpoint:
         gen = _read_json(gen_path) if gen_path.is_file() else None
         self.config = ModelConfig.from_hf(self.hf_config, gen)
         self.files = self._weight_files()
+        # Before anything is built for it: the config against the shards' headers.
+        check_tensors(self.config, self._shapes(), "config.json", hf_keys(self.hf_config))
+
+    def _shapes(self) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+        """(our name, the file's name, shape) of every tensor this runtime reads, from the headers."""
+        for path in self.files:
+            header, _ = read_header(path)
+            for key, info in header.items():
+                name = key
+                for nested, plain in _NESTED:
+                    name = plain + name[len(nested):] if name.startswith(nested) else name
+                m = _LAYER_RE.match(name)
+                if m is not None and m.group(2) in FUSED_NAMES:
+                    yield f"layers.{m.group(1)}.{FUSED_NAMES[m.group(2)]}", key, tuple(info["shape"])
+                    continue
+                try:
+                    ours = map_hf_name(name, self.config.arch)
+                except LocalLLMError:
+                    continue  # an unknown tensor: the load names it
+                if ours is not None:
+                    yield ours, key, tuple(info["shape"])
 
     def _weight_files(self) -> list[Path]:
         index = self.folder / "model.safetensors.index.json"

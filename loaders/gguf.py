@@ -19,7 +19,8 @@ from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme, parse_scheme
 from localllm.quant.formats import GGUF_BLOCKS, gguf_scheme
 from localllm.quant.gguf_blocks import EXACT, exact_import, exact_scheme, to_canonical
-from localllm.runtime.config import ModelConfig
+from localllm.runtime.config import ModelConfig, gguf_keys
+from localllm.runtime.config_checks import check_tensors
 
 _LAYER_MAP = {
     "attn_norm.weight": "attn_norm.weight",
@@ -88,6 +89,25 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _shapes(tensors: list[gguf.ReaderTensor]) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """(our name, the file's name, shape as rows first) of each tensor this runtime reads; Phi-3's
+    fused tensors under the fused names the config check knows (``attn.qkv``, ``mlp.gate_up``)."""
+    names = {t.name for t in tensors}
+    for t in tensors:
+        try:
+            ours = map_gguf_name(t.name)
+        except LocalLLMError:
+            continue  # an unknown tensor: the load names it
+        if ours is None:
+            continue
+        m = _LAYER_RE.match(t.name)
+        if m is not None and m.group(2) == "attn_qkv.weight":
+            ours = f"layers.{m.group(1)}.attn.qkv.weight"
+        elif m is not None and m.group(2) == "ffn_up.weight" and f"blk.{m.group(1)}.ffn_gate.weight" not in names:
+            ours = f"layers.{m.group(1)}.mlp.gate_up.weight"  # Phi-3: gate then up in one ffn_up
+        yield ours, t.name, tuple(int(d) for d in reversed(t.shape))
 
 
 class FastGGUFReader(gguf.GGUFReader):
@@ -186,6 +206,8 @@ class GGUFCheckpoint:
                              for t in (short, long))
         self.config = ModelConfig.from_gguf(self.metadata, tie_embeddings="output.weight" not in tensors,
                                             rope_freq_factors=factors, longrope_factors=longrope)  # type: ignore[arg-type]
+        # Before anything is built for it: the metadata against the tensors' shapes.
+        check_tensors(self.config, _shapes(self.reader.tensors), "GGUF metadata", gguf_keys(self.metadata))
         # llama.cpp permutes q/k only for its "llama" rope layout (Llama, Mistral); the others are left as is.
         self._permuted = self.config.arch in ("llama", "mistral")
         # llama.cpp's converter stores Gemma's norm weights as 1 + w: ours are w (runtime.model.RMSNorm).

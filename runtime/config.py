@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from localllm.errors import LocalLLMError
+from localllm.runtime.config_checks import (INT_RANGES, MAX_TOKEN_ID, FieldReader, check_fields, check_float, check_int,
+                                             damaged)
 
 #: HF ``model_type`` / GGUF ``general.architecture`` values this runtime runs. They share one
 #: block: RMSNorm, RoPE, grouped-query attention, a gated MLP; they differ only in config fields
@@ -22,6 +24,39 @@ SLIDING, FULL = "sliding", "full"
 
 #: Rope scalings :func:`runtime.model.rope_inv_freq` applies.
 ROPE_SCALINGS = ("llama3", "linear", "longrope")
+
+
+#: ``ModelConfig`` fields -> the ``config.json`` keys they are read from (for messages).
+HF_KEYS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
+           "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+           "intermediate_size": "intermediate_size", "max_seq_len": "max_position_embeddings",
+           "sliding_window": "sliding_window", "norm_eps": "rms_norm_eps"}
+#: ``ModelConfig`` fields -> the GGUF metadata keys they are read from, after ``{arch}.``.
+GGUF_KEYS = {"vocab_size": "vocab_size", "dim": "embedding_length", "n_layers": "block_count",
+             "n_heads": "attention.head_count", "n_kv_heads": "attention.head_count_kv",
+             "head_dim": "attention.key_length", "intermediate_size": "feed_forward_length",
+             "max_seq_len": "context_length", "sliding_window": "attention.sliding_window",
+             "norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base"}
+
+
+def hf_keys(hf: dict[str, Any]) -> dict[str, str]:
+    """Each field's key in this ``config.json`` (a derived head size says how it is derived)."""
+    inner = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    keys = dict(HF_KEYS)
+    if inner.get("head_dim") is None:
+        keys["head_dim"] = "hidden_size / num_attention_heads"
+    return keys
+
+
+def gguf_keys(meta: dict[str, Any]) -> dict[str, str]:
+    """Each field's key in this GGUF's metadata (a derived size says where it comes from)."""
+    arch = meta.get("general.architecture", "")
+    keys = {field: f"{arch}.{key}" for field, key in GGUF_KEYS.items()}
+    if meta.get(keys["head_dim"]) is None:
+        keys["head_dim"] = f"{arch}.embedding_length / {arch}.attention.head_count"
+    if meta.get(keys["vocab_size"]) is None:
+        keys["vocab_size"] = "the length of tokenizer.ggml.tokens"
+    return keys
 
 
 def _unsupported(what: str) -> LocalLLMError:
@@ -83,21 +118,24 @@ class ModelConfig:
         self.arch = _ALIASES.get(self.arch, self.arch)
         if self.arch not in SUPPORTED_ARCHITECTURES:
             raise _unsupported(f"'{self.arch}'")
-        if self.layer_types is not None:
-            if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= {SLIDING, FULL}:
-                raise LocalLLMError(f"bad config: layer types {self.layer_types!r} for {self.n_layers} layers",
-                                    "the model's config is damaged")
+        check_fields(self)  # before any size is used: a config from a dict or by hand is checked here
+        types = self.layer_types
+        if types is not None:
+            if not isinstance(types, list) or not all(t in (SLIDING, FULL) for t in types):
+                raise damaged("config", "gives layer types that are not a list of 'sliding' and 'full'")
+            if len(types) != self.n_layers:
+                raise damaged("config", f"gives {len(types)} layer types for {self.n_layers} layers")
         if self.mlp_act not in ("silu", "gelu_tanh"):
             raise LocalLLMError(f"unsupported MLP activation '{self.mlp_act}'",
                                 "localllm runs SwiGLU (silu) and GeGLU (gelu_pytorch_tanh) MLPs")
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.head_dim is None:
-            self.head_dim = self.dim // self.n_heads
-        if self.n_heads % self.n_kv_heads:
-            raise LocalLLMError(
-                f"bad config: {self.n_heads} attention heads is not a multiple of {self.n_kv_heads} kv heads"
-            )
+            self.head_dim = check_int(self.dim // self.n_heads, "head size (dim / heads)", *INT_RANGES["head_dim"],
+                                      "config")
+        if self.n_heads % self.n_kv_heads:  # type: ignore[operator]
+            raise damaged("config", f"gives {self.n_heads} attention heads, not a multiple of its "
+                                    f"{self.n_kv_heads} kv heads")
         if self.rope_freq_factors is not None:
             if len(self.rope_freq_factors) != self.head_dim // 2:  # type: ignore[operator]
                 raise LocalLLMError(
@@ -168,38 +206,45 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             archs = outer.get("architectures") or [arch or "unknown"]
             raise _unsupported(f"'{archs[0]}' (model_type '{hf.get('model_type', '')}')")
-        n_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+        read = FieldReader(hf, "config.json")
+        dim = read.int("hidden_size", "dim")
+        n_layers = read.int("num_hidden_layers", "n_layers")
+        n_heads = read.int("num_attention_heads", "n_heads")
+        head_dim = read.int("head_dim", "head_dim", None)
+        if head_dim is None:
+            head_dim = check_int(dim // n_heads, "hidden_size / num_attention_heads", *INT_RANGES["head_dim"],
+                                 "config.json")
         theta, local_theta, scaling = _hf_rope(hf, arch)
         partial = hf.get("partial_rotary_factor") or (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
         eos: list[int] = []
         for src in (generation_config or {}, hf, outer):
             e = src.get("eos_token_id")
             for i in e if isinstance(e, list) else [e] if e is not None else []:
+                i = check_int(i, "eos_token_id", 0, MAX_TOKEN_ID, "config.json")
                 if i not in eos:
-                    eos.append(int(i))
+                    eos.append(i)
         gemma = arch == "gemma3"
-        layer_types = _hf_layer_types(hf) if gemma else None
+        layer_types = _hf_layer_types(hf, n_layers) if gemma else None
         if gemma:
-            sliding = hf.get("sliding_window", 4096)
-        elif arch == "phi3":
-            sliding = hf.get("sliding_window")
+            sliding = read.int("sliding_window", "sliding_window", 4096 if "sliding_window" not in hf else None)
+        elif arch == "phi3" or hf.get("use_sliding_window", arch == "mistral"):
+            sliding = read.int("sliding_window", "sliding_window", None, (0, INT_RANGES["sliding_window"][1])) or None
         else:
-            sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
+            sliding = None
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         return cls(
             arch=arch,
-            vocab_size=hf["vocab_size"],
-            dim=hf["hidden_size"],
-            n_layers=hf["num_hidden_layers"],
+            vocab_size=read.int("vocab_size", "vocab_size"),
+            dim=dim,
+            n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            n_kv_heads=read.int("num_key_value_heads", "n_kv_heads", n_heads),
             head_dim=head_dim,
-            intermediate_size=hf["intermediate_size"],
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            intermediate_size=read.int("intermediate_size", "intermediate_size"),
+            norm_eps=read.float("rms_norm_eps", "norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_seq_len=hf.get("max_position_embeddings", 4096),
+            max_seq_len=read.int("max_position_embeddings", "max_seq_len", 4096),
             tie_embeddings=bool(hf.get("tie_word_embeddings", outer.get("tie_word_embeddings", gemma))),
             # Qwen2 always has q/k/v bias; Llama and Qwen3 configs say so with attention_bias.
             attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
@@ -208,17 +253,17 @@ class ModelConfig:
             eos_token_ids=eos,
             layer_types=layer_types,
             rope_local_theta=local_theta,
-            partial_rotary=float(partial or 1.0),
+            partial_rotary=partial or 1.0,
             qk_norm=arch in ("qwen3", "gemma3"),
             norm_offset=1.0 if gemma else 0.0,
             post_norms=gemma,
             mlp_act={"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act, act),
-            embed_scale=float(hf["hidden_size"]) ** 0.5 if gemma else None,
-            attn_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+            embed_scale=float(dim) ** 0.5 if gemma else None,
+            attn_scale=read.float("query_pre_attn_scalar", None, 256.0) ** -0.5 if gemma else None,
             # Gemma 3 keeps attn_logit_softcapping in its config but neither transformers nor llama.cpp
             # applies it (Gemma 2 did): the model's path for it stays unused here.
             attn_softcap=None,
-            final_softcap=hf.get("final_logit_softcapping") if gemma else None,
+            final_softcap=read.float("final_logit_softcapping", "final_softcap", None) if gemma else None,
         )
 
     @classmethod
@@ -238,17 +283,23 @@ class ModelConfig:
         def key(name: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{name}", default)
 
-        n_heads = key("attention.head_count")
-        dim = key("embedding_length")
-        vocab = key("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+        read = FieldReader(meta, "GGUF metadata")
+        ns = f"{arch}."
+        n_layers = read.int(ns + "block_count", "n_layers")
+        dim = read.int(ns + "embedding_length", "dim")
+        n_heads = read.int(ns + "attention.head_count", "n_heads")
+        head_dim = read.int(ns + "attention.key_length", "head_dim", None)
+        if head_dim is None:
+            head_dim = check_int(dim // n_heads, f"{ns}embedding_length / {ns}attention.head_count",
+                                 *INT_RANGES["head_dim"], "GGUF metadata")
+        vocab = read.int(ns + "vocab_size", "vocab_size", None)
+        if vocab is None:
+            vocab = check_int(len(meta.get("tokenizer.ggml.tokens", [])), "a vocabulary of tokenizer.ggml.tokens",
+                              *INT_RANGES["vocab_size"], "GGUF metadata")
         scaling = None
         kind = key("rope.scaling.type", "none")
         if kind == "linear":
-            factor = key("rope.scaling.factor")
-            if not factor or factor <= 0:
-                raise LocalLLMError(f"bad GGUF: linear rope scaling with factor {factor!r}",
-                                    "convert the model again with llama.cpp's converter")
-            scaling = {"rope_type": "linear", "factor": float(factor)}
+            scaling = {"rope_type": "linear", "factor": read.float(ns + "rope.scaling.factor")}
         elif kind not in ("none", "longrope") or (kind == "longrope" and longrope_factors is None):
             raise LocalLLMError(
                 f"unsupported rope scaling '{kind}' in the GGUF",
@@ -258,12 +309,11 @@ class ModelConfig:
         if longrope_factors is not None:
             scaling = {"rope_type": "longrope", "short_factor": list(longrope_factors[0]),
                        "long_factor": list(longrope_factors[1]),
-                       "original_max_position_embeddings": key("rope.scaling.original_context_length"),
-                       "max_position_embeddings": key("context_length")}
+                       "original_max_position_embeddings": read.int(ns + "rope.scaling.original_context_length",
+                                                                    None, None, INT_RANGES["max_seq_len"]),
+                       "max_position_embeddings": read.int(ns + "context_length", "max_seq_len", None)}
             if key("rope.scaling.attn_factor") is not None:
-                scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
-        head_dim = key("attention.key_length") or dim // n_heads
-        n_layers = key("block_count")
+                scaling["attention_factor"] = read.float(ns + "rope.scaling.attn_factor")
         gemma = arch == "gemma3"
         extra: dict[str, Any] = {}
         if gemma:
@@ -271,64 +321,74 @@ class ModelConfig:
             if isinstance(pattern, list):  # newer converters: one flag per layer (true = sliding)
                 types = [SLIDING if p else FULL for p in pattern]
             else:
-                types = [SLIDING if (i + 1) % int(pattern) else FULL for i in range(n_layers)]
+                pattern = read.int(ns + "attention.sliding_window_pattern", None, 6, (1, 1 << 20))
+                types = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
             # llama.cpp's values for Gemma 3 (not in the file): local base 10000; the 27B model (62
             # layers) scales attention by (dim / heads) ** -0.5, the others by head_dim ** -0.5.
             pre_attn = dim / n_heads if n_layers == 62 else head_dim
             extra = dict(layer_types=types, rope_local_theta=10000.0, norm_offset=1.0, post_norms=True,
                          mlp_act="gelu_tanh", embed_scale=float(dim) ** 0.5, attn_scale=float(pre_attn) ** -0.5,
-                         final_softcap=key("final_logit_softcapping"))
-        rot = key("rope.dimension_count")
+                         final_softcap=read.float(ns + "final_logit_softcapping", "final_softcap", None))
+        rot = read.int(ns + "rope.dimension_count", None, None, (0, head_dim))
         if rot and rot != head_dim:
             extra["partial_rotary"] = rot / head_dim
-        eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+        eos = [check_int(meta[k], k, 0, MAX_TOKEN_ID, "GGUF metadata")
+               for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
         return cls(
             arch=arch,
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             dim=dim,
             n_layers=n_layers,
             n_heads=n_heads,
-            n_kv_heads=key("attention.head_count_kv", n_heads),
+            n_kv_heads=read.int(ns + "attention.head_count_kv", "n_kv_heads", n_heads),
             head_dim=head_dim,
-            intermediate_size=key("feed_forward_length"),
-            norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
+            intermediate_size=read.int(ns + "feed_forward_length", "intermediate_size"),
+            norm_eps=read.float(ns + "attention.layer_norm_rms_epsilon", "norm_eps", 1e-5),
+            rope_theta=read.float(ns + "rope.freq_base", "rope_theta", 10000.0),
             rope_scaling=scaling,
             rope_freq_factors=rope_freq_factors,
-            max_seq_len=key("context_length", 4096),
+            max_seq_len=read.int(ns + "context_length", "max_seq_len", 4096),
             tie_embeddings=tie_embeddings,
             attention_bias=arch == "qwen2",
-            sliding_window=key("attention.sliding_window") or None,
+            sliding_window=read.int(ns + "attention.sliding_window", None, None,
+                                    (0, INT_RANGES["sliding_window"][1])) or None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=list(dict.fromkeys(int(e) for e in eos)),
+            eos_token_ids=list(dict.fromkeys(eos)),
             qk_norm=arch in ("qwen3", "gemma3"),
             **extra,
         )
 
 
-def _hf_layer_types(hf: dict[str, Any]) -> list[str]:
+def _hf_layer_types(hf: dict[str, Any], n_layers: int) -> list[str]:
     """Gemma 3's per-layer kinds: ``layer_types`` when the config lists them, else every
     ``sliding_window_pattern``-th layer (default 6) is global."""
     named = hf.get("layer_types")
     if named:
+        if not isinstance(named, list):
+            raise damaged("config.json", "gives layer_types that are not a list")
         return [SLIDING if t == "sliding_attention" else FULL for t in named]
-    pattern = int(hf.get("sliding_window_pattern") or 6)
-    return [SLIDING if (i + 1) % pattern else FULL for i in range(hf["num_hidden_layers"])]
+    pattern = check_int(hf.get("sliding_window_pattern") or 6, "sliding_window_pattern", 1, 1 << 20, "config.json")
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
 
 
 def _hf_rope(hf: dict[str, Any], arch: str) -> tuple[float, float | None, dict[str, Any] | None]:
     """(global base, local base or None, scaling dict or None) from transformers 4.x keys
     (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``) or 5.x ``rope_parameters`` (per layer
     kind for Gemma 3: ``{"full_attention": {...}, "sliding_attention": {...}}``)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise damaged("config.json", f"gives {key} that is not a mapping")
     params = dict(hf.get("rope_parameters") or {})
     local: dict[str, Any] = {}
     if isinstance(params.get("full_attention"), dict):
         local = dict(params.get("sliding_attention") or {})
         params = dict(params["full_attention"])
     theta = params.pop("rope_theta", None) or hf.get("rope_theta") or (1e6 if arch == "gemma3" else 10000.0)
+    theta = check_float(theta, "rope_theta", None, "config.json")
     local_theta = None
     if arch == "gemma3":
-        local_theta = float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0)
+        local_theta = check_float(local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0,
+                                  "rope_local_base_freq", None, "config.json")
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     if scaling is None:
         return float(theta), local_theta, None
