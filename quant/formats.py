@@ -97,8 +97,8 @@ class QuantScheme:
             fits = [x for x in GROUP_SIZES if in_features % x == 0]
             raise LocalLLMError(
                 f"group size {g} does not divide the input width {in_features} of {name}",
-                f"use --group-size {fits[-1] if fits else 'with a divisor of the width'}"
-                + (f" (fits: {', '.join(map(str, fits))})" if fits else ""),
+                f"use --group-size {fits[-1]} (fits: {', '.join(map(str, fits))})" if fits else
+                f"no {self.name} group size divides it: use --quant int8 (per channel) or a float scheme",
             )
 
 
