@@ -2,11 +2,13 @@
 
 Templates come from model repos and GGUF files, so they are untrusted code: they run in jinja2's
 immutable sandbox, with the same environment and helpers as transformers' ``apply_chat_template``
-so that a template renders here exactly as it does there.
+so that a template renders here exactly as it does there, under the step, CPU time and size limits of
+:mod:`runtime.template_sandbox` so that every render ends soon and small.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -15,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import SecurityError
 
 from localllm.errors import LocalLLMError
+from localllm.runtime.template_sandbox import BoundedEnvironment, RenderLimits, TemplateLimitError, approx_size
 
 if TYPE_CHECKING:
     from localllm.runtime.tokenizer import Tokenizer
@@ -75,8 +78,12 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+class TemplateRejected(jinja2.exceptions.TemplateError):
+    """What a template's ``raise_exception(message)`` raises: it refuses the conversation it was given."""
+
+
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    raise TemplateRejected(message)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -89,20 +96,38 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+#: The fix for a template that fails on its own (loops too long, makes too much, breaks the sandbox).
+_TEMPLATE_AT_FAULT = ("the template in the model's files is at fault, not the conversation: fix it there, or send "
+                      "plain text without a template (localllm run --raw; the server's /v1/completions, or "
+                      "/api/generate with \"raw\": true)")
+
+
+#: The fix for a template that fails on what it was given: a field it reads, or its own fault.
+_FIELDS_OR_TEMPLATE = ("check that every message has the fields the template reads; if they do, the template in "
+                       "the model's files is at fault")
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> tuple[BoundedEnvironment, jinja2.Template]:
+    """A template compiled once (compiling takes far longer than rendering); its renders share nothing."""
+    env = BoundedEnvironment(
+        extra_filters={"tojson": _tojson},
+        extra_globals={"raise_exception": _raise_exception, "strftime_now": _strftime_now},
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols],
     )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
     try:
-        return env.from_string(template)
+        return env, env.from_string(template)
     except jinja2.TemplateSyntaxError as exc:
         raise LocalLLMError(
             f"the model's chat template is not valid jinja (line {exc.lineno}: {exc.message})",
             "pass a working template, or use the plain prompt mode",
         ) from exc
+
+
+def _brief(exc: BaseException, limit: int = 200) -> str:
+    """An exception's text, cut to ``limit`` characters (a message may quote a value of any size)."""
+    text = str(exc) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def render_chat(
@@ -117,7 +142,9 @@ def render_chat(
 ) -> str:
     """Render ``messages`` (``{"role": ..., "content": ...}`` dicts) with a chat template.
 
-    ``extra`` goes to the template as further variables (e.g. ``enable_thinking``).
+    ``extra`` goes to the template as further variables (e.g. ``enable_thinking``). The render is
+    bounded (:class:`runtime.template_sandbox.RenderLimits`, its sizes grown with the conversation's);
+    a template that fails, or goes past a limit, is a :class:`LocalLLMError` that says which.
     """
     for message in messages:
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
@@ -125,25 +152,44 @@ def render_chat(
                 f"a chat message must be a mapping with a 'role', got {message!r}",
                 'write messages as {"role": "user", "content": "..."}',
             )
-    compiled = _compile(template)
+    variables = {
+        "messages": [dict(m) for m in messages],
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": bos_token or "",
+        "eos_token": eos_token or "",
+        "tools": tools,
+        **extra,
+    }
+    env, compiled = _compile(template)
     try:
-        return compiled.render(
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token or "",
-            eos_token=eos_token or "",
-            tools=tools,
-            **extra,
-        )
-    except jinja2.TemplateError as exc:
+        return env.render(compiled, variables, RenderLimits().for_input(approx_size(variables, 1 << 62)))
+    except TemplateLimitError as exc:
+        raise LocalLLMError(f"the model's chat template {exc}", _TEMPLATE_AT_FAULT) from exc
+    except SecurityError as exc:
+        raise LocalLLMError(f"the model's chat template tried something the sandbox forbids: {_brief(exc)}",
+                            _TEMPLATE_AT_FAULT) from exc
+    except TemplateRejected as exc:
         raise LocalLLMError(
-            f"the model's chat template rejected the conversation: {exc}",
+            f"the model's chat template rejected the conversation: {_brief(exc)}",
             "check the roles and their order (some templates allow no system message, or need user/assistant "
             "to alternate)",
         ) from exc
+    except jinja2.UndefinedError as exc:
+        raise LocalLLMError(f"the model's chat template failed on this conversation: {_brief(exc)}",
+                            _FIELDS_OR_TEMPLATE) from exc
+    except jinja2.TemplateError as exc:
+        raise LocalLLMError(f"the model's chat template failed: {_brief(exc)}", _TEMPLATE_AT_FAULT) from exc
+    except RecursionError as exc:
+        raise LocalLLMError("the model's chat template recursed too deeply (a macro or loop that calls itself "
+                            "without end)", _TEMPLATE_AT_FAULT) from exc
+    except MemoryError as exc:
+        raise LocalLLMError("the model's chat template ran out of memory", _TEMPLATE_AT_FAULT) from exc
+    except ArithmeticError as exc:  # OverflowError, ZeroDivisionError
+        raise LocalLLMError(f"the model's chat template failed: {type(exc).__name__}: {_brief(exc)}",
+                            _TEMPLATE_AT_FAULT) from exc
     except (TypeError, KeyError, AttributeError, ValueError) as exc:
-        raise LocalLLMError(f"the model's chat template failed on this conversation: {exc}",
-                            "check that every message has the fields the template reads") from exc
+        raise LocalLLMError(f"the model's chat template failed on this conversation: {_brief(exc)}",
+                            _FIELDS_OR_TEMPLATE) from exc
 
 
 def encode_chat(
