@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -46,7 +46,7 @@ from localllm.runtime.runner import ModelRunner
 from localllm.runtime.sampler import Picked, Sampler
 from localllm.runtime.sampling import SamplingParams
 from localllm.runtime.scheduler import Scheduled, Scheduler
-from localllm.runtime.sequence import GenerationStats, Sequence as Seq, TokenLogprob
+from localllm.runtime.sequence import GenerationStats, Sequence as Seq, Status, TokenLogprob
 from localllm.runtime.speculate import Acceptance, StepCosts, propose_drafts
 
 __all__ = ["BatchEngine", "RequestHandle", "GenerationStats", "TokenLogprob", "MAX_TOP_LOGPROBS"]
@@ -90,8 +90,9 @@ class RequestHandle:
         return self._engine._take(self._seq)
 
     def cancel(self) -> None:
-        """Stop generating; the request ends with ``finish_reason == "cancelled"`` at the next step
-        (tokens already produced can still be read). Safe from any thread."""
+        """Stop generating; the request ends with ``finish_reason == "cancelled"``: at once if it is
+        still queued, else at the next step (tokens already produced can still be read). Safe from
+        any thread."""
         self._engine._cancel(self._seq)
 
     def result(self) -> list[int]:
@@ -245,6 +246,8 @@ class BatchEngine:
     def _cancel(self, seq: Seq) -> None:
         with self._cond:
             seq.cancelled = True
+            if seq.status is Status.WAITING:  # in no step: it leaves the queue now, not at the next step
+                self._finish(seq, "cancelled")
             self._cond.notify_all()
 
     @property
@@ -360,9 +363,11 @@ class BatchEngine:
         handle.result()
         return torch.stack(handle._seq.logits[: len(fed) + 1])
 
-    def embed(self, inputs: Sequence[Sequence[int]], pooling: str = "last") -> torch.Tensor:
+    def embed(self, inputs: Sequence[Sequence[int]], pooling: str = "last",
+              stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Pooled, normalized final hidden states (len(inputs), dim) (:func:`runtime.embed.embed`), a
-        batch at a time between this engine's steps (never beside one, on the same cores)."""
+        batch at a time between this engine's steps (never beside one, on the same cores). ``stop``:
+        asked before each batch; true ends the work (:class:`runtime.embed.EmbeddingStopped`)."""
         from localllm.runtime.embed import embed
 
         for i, ids in enumerate(inputs):
@@ -371,7 +376,7 @@ class BatchEngine:
             if len(ids) > self.max_seq_len:
                 raise LocalLLMError(f"input {i} is {len(ids)} tokens; the context holds {self.max_seq_len}",
                                     "shorten it, or let it be truncated")
-        return embed(self.model, inputs, pooling, turn=self._step_lock)
+        return embed(self.model, inputs, pooling, turn=self._step_lock, stop=stop)
 
     def run_until_done(self) -> None:
         """Step until every submitted request has finished (the simple driver)."""

@@ -12,7 +12,7 @@ from generation's pool, nothing is kept.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ContextManager
 
 import torch
@@ -24,11 +24,18 @@ POOLINGS = ("last", "mean", "cls")
 BATCH_TOKENS = 4096
 
 
+class EmbeddingStopped(Exception):
+    """:func:`embed` was asked to stop (its caller's ``stop`` said so) before its last batch."""
+
+
 @torch.inference_mode()
 def embed(model: Transformer, inputs: Sequence[Sequence[int]], pooling: str = "last",
-          batch_tokens: int = BATCH_TOKENS, turn: ContextManager | None = None) -> torch.Tensor:
+          batch_tokens: int = BATCH_TOKENS, turn: ContextManager | None = None,
+          stop: Callable[[], bool] | None = None) -> torch.Tensor:
     """(len(inputs), dim) float32 on the CPU, each row of unit length, in the inputs' order. ``turn``:
-    held around each batch's forward (an engine's step lock: batches take turns with its steps)."""
+    held around each batch's forward (an engine's step lock: batches take turns with its steps).
+    ``stop``: asked before each batch; true raises :class:`EmbeddingStopped` (a client that left
+    stops its work between batches)."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, not {pooling!r}")
     order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
@@ -42,6 +49,8 @@ def embed(model: Transformer, inputs: Sequence[Sequence[int]], pooling: str = "l
         longest = len(rows[-1])
         tokens = torch.tensor([r + [0] * (longest - len(r)) for r in rows], device=model.device)  # (B, T)
         with turn if turn is not None else contextlib.nullcontext():
+            if stop is not None and stop():  # asked once its turn came: a wait for it may be long
+                raise EmbeddingStopped(f"stopped after {start} of {len(inputs)} inputs")
             h = model.hidden(tokens).float()  # (B, T, D)
         lengths = torch.tensor([len(r) for r in rows], device=h.device)
         if pooling == "last":
