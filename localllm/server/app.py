@@ -1,6 +1,7 @@
 """The Starlette app: the two route sets, ``/metrics``, bearer-key authentication on every
-endpoint, the Host and Origin checks (:mod:`localllm.server.origins`), errors in each API's shape for unknown routes and methods, and the models' lifecycle
-(started with the app, everything cancelled and unloaded when it stops)."""
+endpoint, the Host and Origin checks (:mod:`localllm.server.origins`), errors in each API's shape for
+unknown routes and methods and for requests cut at shutdown, and the models' lifecycle (started with
+the app, everything cancelled and unloaded when it stops)."""
 
 from __future__ import annotations
 
@@ -12,20 +13,22 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localllm.server import ollama_routes, openai_routes
 from localllm.server.common import ServerState, state
 from localllm.server.config import ServerConfig
-from localllm.server.errors import ApiError, api_of_path, error_response
+from localllm.server.errors import ApiError, api_of_path, error_response, ollama_body, openai_body
 from localllm.server.metrics import CONTENT_TYPE, Metrics
 from localllm.server.models import ModelManager
 from localllm.server.origins import add_origin_checks
+from localllm.server.streaming import ndjson_line, sse_event
 
 
 T = TypeVar("T")
@@ -59,23 +62,54 @@ def run_serving(main: Coroutine[Any, Any, T]) -> T:
             loop.close()
 
 
-class BearerAuth:
-    """Every HTTP request must carry ``Authorization: Bearer <key>``; else 401 in the path's API shape."""
+class CutAtShutdown:
+    """Requests still running when the grace period at shutdown ends are cancelled (uvicorn cancels
+    their tasks); each is answered in its API's shape instead of ending in a traceback: a reply not
+    yet started gets a 503, a stream a closing error event (an SSE ``data: {"error": {...}}`` event,
+    an NDJSON ``{"error": "..."}`` line) and its end. What the request held is released on the way
+    out (its stream's ``on_close``, its lease's ``finally``)."""
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
+    #: How long the closing answer may take to send (a client that reads nothing gets no more).
+    SEND_S = 1.0
+
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.key = key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                err = ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await error_response(err, api_of_path(scope["path"]))(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        media: list[bytes] = []  # the response's content type, once it has started
+        ended = False
+
+        async def watch(message: Message) -> None:
+            nonlocal ended
+            if message["type"] == "http.response.start":
+                media.append(dict(message.get("headers", [])).get(b"content-type", b""))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except asyncio.CancelledError:
+            if ended:
                 return
-        await self.app(scope, receive, send)
+            err = ApiError(503, "the server is shutting down and cut this reply short; retry once it is back",
+                           code="server_shutting_down")
+            api = api_of_path(scope["path"])
+            with anyio.move_on_after(self.SEND_S, shield=True):
+                if not media:
+                    await error_response(err, api)(scope, receive, send)
+                    return
+                if media[0].startswith(b"text/event-stream"):
+                    closing = sse_event(openai_body(err))
+                elif media[0].startswith(b"application/x-ndjson"):
+                    closing = ndjson_line(ollama_body(err))
+                else:
+                    closing = ""
+                await send({"type": "http.response.body", "body": closing.encode(), "more_body": False})
+            # not raised again: the request is answered and over, and uvicorn would log a traceback
 
 
 async def metrics(request: Request) -> Response:
@@ -120,4 +154,5 @@ def create_app(config: ServerConfig) -> Starlette:
     if config.api_key:
         app.add_middleware(BearerAuth, key=config.api_key)
     add_origin_checks(app, config.host, config.allowed_hosts, config.allowed_origins)
+    app.add_middleware(CutAtShutdown)  # outermost: it answers whatever the others had begun
     return app
