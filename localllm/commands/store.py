@@ -153,6 +153,8 @@ def show_text(facts: dict[str, Any]) -> str:
                     ("kv cache", kv)],
         **({"Tensor types (as loaded)": list(facts["tensor_types"].items())} if facts.get("tensor_types") else {}),
         **_memory_plan_section(facts),
+        **({"Compiled decode step": [("eager", e["note"]) for e in facts["eager_steps"]]}
+           if facts.get("eager_steps") else {}),
         "Source": source_rows + ([("created", _created_text(facts["created"])), ("location", facts["path"])]
                                  if facts["created"] else []),
     }
