@@ -62,6 +62,25 @@ def run_serving(main: Coroutine[Any, Any, T]) -> T:
             loop.close()
 
 
+class BearerAuth:
+    """Every HTTP request must carry ``Authorization: Bearer <key>``; else 401 in the path's API shape."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error_response(err, api_of_path(scope["path"]))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class CutAtShutdown:
     """Requests still running when the grace period at shutdown ends are cancelled (uvicorn cancels
     their tasks); each is answered in its API's shape instead of ending in a traceback: a reply not
