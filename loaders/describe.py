@@ -62,7 +62,8 @@ def eager_steps(config: Any) -> list[dict[str, Any]]:
     says. Empty when no build failed."""
     import time
 
-    from localllm.runtime.compiled_step import failed_builds, package_batch
+    from localllm.runtime.build_failures import package_batch
+    from localllm.runtime.compiled_step import failed_builds
 
     now = time.time()
     return [{"rows": list(package_batch(f.package)), "reason": f.reason, "failures": f.failures,

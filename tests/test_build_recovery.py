@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from localllm.cli import main
 from localllm.commands import compile_step
-from localllm.runtime import compiled_step
+from localllm.runtime import build_failures, compiled_step
 from localllm.runtime.speculate import MAX_DRAFT
 
 needs_compiler = pytest.mark.skipif(compiled_step.compile_unavailable_reason(torch.device("cpu")) is not None,
@@ -37,7 +37,7 @@ def folder(tiny_folder, tmp_path, monkeypatch):
 
 def marks() -> dict[str, dict]:
     """Each failure mark in the home, as JSON, by its batch range ("1-1", "2-1024")."""
-    return {"-".join(map(str, compiled_step.package_batch(m))): json.loads(m.read_text())
+    return {"-".join(map(str, build_failures.package_batch(m))): json.loads(m.read_text())
             for m in compiled_step.aot_dir().glob("*.failed")}
 
 
@@ -85,7 +85,7 @@ def test_a_failed_build_keeps_its_full_output_and_counts_its_failures(folder, mo
     assert set(got) == {"1-1", f"2-{compiled_step.MAX_BATCH}"}  # the verify steps' package too
     for mark in got.values():
         assert mark["reason"] == "RuntimeError: C++ compile error" and mark["failures"] == 1
-        assert mark["versions"] == compiled_step.build_versions() and time.time() - mark["failed_at"] < 60
+        assert mark["versions"] == build_failures.build_versions() and time.time() - mark["failed_at"] < 60
     result = fail_build(monkeypatch, folder)  # compile always tries again, whatever the back-off
     assert "RuntimeError: C++ compile error" in result.output
     assert "compile.log" in result.output and "Traceback" not in result.output
@@ -109,7 +109,7 @@ def test_runs_retry_a_failed_build_after_its_back_off_or_at_once_after_an_upgrad
            "tried again after" in fresh.output
     assert f"decode steps of 2-{compiled_step.MAX_BATCH} rows run eagerly" in fresh.output
 
-    set_marks(failed_at=time.time() - compiled_step.RETRY_AFTER_S[0] - 5)  # ten minutes on: due
+    set_marks(failed_at=time.time() - build_failures.RETRY_AFTER_S[0] - 5)  # ten minutes on: due
     due = CliRunner().invoke(main, run)
     assert due.exit_code == 0 and launched == [1 + MAX_DRAFT], due.output
     assert "a new build is due" in due.output and "in the background" in due.output
@@ -118,7 +118,7 @@ def test_runs_retry_a_failed_build_after_its_back_off_or_at_once_after_an_upgrad
     set_marks(failures=2)  # the second failure in a row waits an hour
     assert CliRunner().invoke(main, run).exit_code == 0 and launched == []
 
-    set_marks(failed_at=time.time(), failures=4, versions={**compiled_step.build_versions(), "torch": "2.0.0"})
+    set_marks(failed_at=time.time(), failures=4, versions={**build_failures.build_versions(), "torch": "2.0.0"})
     upgraded = CliRunner().invoke(main, run)  # failed a moment ago, but with another torch
     assert upgraded.exit_code == 0 and launched == [1 + MAX_DRAFT], upgraded.output
 
