@@ -22,6 +22,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localllm.server import ollama_routes, openai_routes
+from localllm.server import responses_routes
 from localllm.server.common import ServerState, state
 from localllm.server.config import ServerConfig
 from localllm.server.errors import ApiError, api_of_path, error_response, ollama_body, openai_body
@@ -167,6 +168,7 @@ def create_app(config: ServerConfig) -> Starlette:
         Route("/", root, methods=["GET", "HEAD"]),
         Route("/metrics", metrics, methods=["GET"]),
         *openai_routes.ROUTES,
+        *responses_routes.ROUTES,
         *ollama_routes.ROUTES,
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
