@@ -145,38 +145,106 @@ def call_grammar(syntax: CallSyntax, tools: Sequence[Tool], choice: str | None, 
     return Grammar(grammar, "the tools' call grammar")
 
 
-def parse_calls(syntax: CallSyntax, text: str) -> tuple[str | None, list[ToolCall]]:
-    """A reply as (its text outside calls, or None when there is none; its calls). Text that is not a
-    well-formed call stays text."""
-    calls: list[ToolCall] = []
+def parse_calls(syntax: CallSyntax, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """A reply as (its text outside calls, or None when there is none; its complete calls).
+
+    Text the model wrote toward a call that it did not complete is left out, never shown as text: a
+    ``<tool_call>`` block that is never closed, and a JSON call (llama3) or call array (mistral) that
+    ends before its value does (the array's complete calls are kept). ``cut``: the reply was cut short
+    (``max_tokens``), so a tail that could still have become a call's opener is left out too. A block
+    that is closed but does not hold a call, and text that never opened one, stay text."""
     if syntax.kind == HERMES:
-        rest = []
-        last = 0
-        for m in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S):
-            call = _call(m.group(1), "arguments")
-            if call is None:
-                continue
-            rest.append(text[last : m.start()])
-            last = m.end()
-            calls.append(call)
-        rest.append(text[last:])
-        content = "".join(rest).strip()
-        return (content or None), calls
+        return _parse_hermes(text, cut, syntax.opener)
     body = text.strip()
     if syntax.kind == LLAMA3:
         body = body.removeprefix("<|python_tag|>").strip()
-        call = _call(body, "parameters") if body.startswith("{") else None
+        if not body.startswith("{"):
+            return text, []
+        if _unfinished_json(body):
+            return None, []
+        call = _call(body, "parameters")
         return (None, [call]) if call is not None else (text, [])
     body = body.removeprefix("[TOOL_CALLS]").strip()
-    if body.startswith("["):
-        try:
-            items = json.loads(body)
-        except json.JSONDecodeError:
-            return text, []
-        parsed = [_call(json.dumps(i), "arguments") for i in items] if isinstance(items, list) else []
-        if parsed and all(c is not None for c in parsed):
-            return None, parsed  # type: ignore[return-value]
+    if not body.startswith("["):
+        return text, []
+    items, complete = _json_items(body)
+    parsed = [_call(json.dumps(i), "arguments") for i in items]
+    if not complete:  # cut inside the array: its complete calls, and no text
+        return None, [c for c in parsed if c is not None]
+    if parsed and all(c is not None for c in parsed):
+        return None, parsed  # type: ignore[return-value]
     return text, []
+
+
+def _parse_hermes(text: str, cut: bool, opener: str) -> tuple[str | None, list[ToolCall]]:
+    calls: list[ToolCall] = []
+    rest = []
+    last = 0
+    for m in re.finditer(r"<tool_call>\s*((?:(?!<tool_call>).)*?)\s*</tool_call>", text, re.S):
+        call = _call(m.group(1), "arguments")
+        if call is not None:
+            rest.append(text[last : m.start()])
+            calls.append(call)
+        else:  # closed, but no call: it stays text
+            rest.append(text[last : m.end()])
+        last = m.end()
+    tail = text[last:]
+    unclosed = tail.find(opener)
+    if unclosed >= 0:  # a block opened and never closed: toward a call, not text
+        tail = tail[:unclosed]
+    elif cut:
+        tail = tail[: len(tail) - _opener_prefix(tail, opener)]
+    rest.append(tail)
+    content = "".join(rest).strip()
+    return (content or None), calls
+
+
+def _opener_prefix(text: str, opener: str) -> int:
+    """The length of the longest tail of ``text`` that is a proper prefix of ``opener`` (0: none)."""
+    return next((n for n in range(min(len(text), len(opener) - 1), 0, -1) if opener.startswith(text[-n:])), 0)
+
+
+def _json_items(body: str) -> tuple[list[Any], bool]:
+    """A JSON array's items as far as they are complete, and whether the array itself is (a reply cut
+    inside its third call still has its first two)."""
+    try:
+        value = json.loads(body)
+        return (value, True) if isinstance(value, list) else ([], True)
+    except json.JSONDecodeError:
+        pass
+    if not _unfinished_json(body):
+        return [], True  # malformed, not cut: text
+    decoder, items, i = json.JSONDecoder(), [], 1
+    while True:
+        while i < len(body) and body[i] in " \t\r\n,":
+            i += 1
+        try:
+            item, i = decoder.raw_decode(body, i)
+        except json.JSONDecodeError:
+            return items, False
+        items.append(item)
+
+
+def _unfinished_json(body: str) -> bool:
+    """Whether ``body`` ends inside a JSON value it opened: in a string, or with a bracket open."""
+    depth, in_string, escaped = 0, False, False
+    for ch in body:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return False  # the value closed (what follows it, if anything, is not a call)
+    return in_string or depth > 0
 
 
 def _call(body: str, key: str) -> ToolCall | None:
@@ -234,33 +302,56 @@ def encode_tool_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tool
 
 class ReplySplitter:
     """A streamed reply told apart as it comes: text is passed on as soon as it cannot be the start of
-    a call; a reply that opens a call is held to its end and parsed (:meth:`finish`). With a forced
-    choice ("required", a name) every reply is calls."""
+    a call; from a call's opener on, the reply is held to its end and parsed (:meth:`finish`). A tail
+    of text that could be the start of an opener is held back until the next piece decides it. With a
+    forced choice ("required", a name) every reply is calls.
+
+    Where the opener is a token of its own (hermes' ``<tool_call>``), a call may follow text; where it
+    is JSON's first character (llama3's ``{``, mistral's ``[`` after its marker token), only a reply
+    that starts with it is a call."""
 
     def __init__(self, syntax: CallSyntax, forced: bool) -> None:
         self.syntax = syntax
-        self.mode: str | None = "calls" if forced else None
+        self.mode: str | None = "calls" if forced else None  # None (undecided) -> "text" or "calls"
         self.held = ""
 
     def feed(self, text: str) -> str:
         """The part of ``text`` to show now."""
-        if self.mode == "text":
+        opener = self.syntax.opener
+        if self.mode == "text" and self.syntax.kind != HERMES:
             return text
         self.held += text
         if self.mode == "calls":
             return ""
-        start, opener = self.held.lstrip(), self.syntax.opener
-        if len(start) < len(opener) and opener.startswith(start):
-            return ""  # could still open a call
-        if start.startswith(opener):
-            self.mode = "calls"
-            return ""
-        self.mode, out, self.held = "text", self.held, ""
+        if self.mode is None:
+            start = self.held.lstrip()
+            if len(start) < len(opener) and opener.startswith(start):
+                return ""  # could still open a call
+            if start.startswith(opener):
+                self.mode = "calls"
+                return ""
+            self.mode = "text"
+            if self.syntax.kind != HERMES:
+                out, self.held = self.held, ""
+                return out
+        found = self.held.find(opener)  # text, where a call may still follow
+        if found >= 0:
+            out, self.held, self.mode = self.held[:found], self.held[found:], "calls"
+            return out
+        keep = _opener_prefix(self.held, opener)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """What was held: its text (a call that did not parse stays text) and its calls."""
-        if not self.held:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """What was held: its text and its complete calls. What was written toward a call that did not
+        complete is left out; ``cut`` (the reply was cut short, as by ``max_tokens``): so is a held tail
+        that could have begun an opener, which a reply that ended by itself shows as the text it is."""
+        held, self.held = self.held, ""
+        if not held:
             return "", []
-        content, calls = parse_calls(self.syntax, self.held)
+        if self.mode == "text":  # a tail that may begin an opener
+            return ("" if cut else held), []
+        if self.mode is None and not cut and not held.strip():
+            return held, []
+        content, calls = parse_calls(self.syntax, held, cut=True)  # undecided or calls: the reply opened one
         return content or "", calls

@@ -89,8 +89,7 @@ def test_forced_replies_are_calls_whose_arguments_validate(tiny_fp32, choice, pa
         text = tk.decode(h.result())
         content, calls = parse_calls(syntax, text)
         if parallel and h.stats.finish_reason == "length":  # a random model chains calls past max_tokens:
-            assert calls and content is not None and content.startswith("<tool_call>")  # the last one cut,
-            # the ones before it whole
+            assert calls and content is None  # the last one cut and left out, the ones before it whole
         else:
             assert h.stats.finish_reason == "stop" and content is None and calls, text
             assert parallel or len(calls) == 1

@@ -40,7 +40,7 @@ from localllm.server.names import (AS_RUN, REPO, Target, check_name, is_repo_id,
                                    stored_from_repo)
 from localllm.server.streaming import ndjson_line, ndjson_response
 from localllm.server import tool_calls
-from localllm.server.replies import ReplyShape, prepare_chat, stream_parts
+from localllm.server.replies import ReplyShape, prepare_chat, stream_parts, was_cut
 from localllm.server.structured import ollama_format
 from localllm.server.tool_calls import ToolAsk
 from localllm.server.validate import Fields, messages, read_json
@@ -226,7 +226,7 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
 
         return ndjson_response(lines(), on_close=lease.close)
     text, o = await whole_reply(request, lease)
-    thinking, answer, calls = shape.whole(text) if shape is not None else ("", text, [])
+    thinking, answer, calls = shape.whole(text, was_cut(o.finish_reason)) if shape is not None else ("", text, [])
     return JSONResponse(final(o, answer, gen.logprobs, calls, thinking))
 
 

@@ -26,7 +26,7 @@ from localllm.server.logprobs import chat_content, completion_logprobs
 from localllm.server.models import Lease
 from localllm.server.streaming import SSE_DONE, sse_event, sse_response
 from localllm.server import tool_calls
-from localllm.server.replies import ReplyShape, prepare_chat, stream_parts
+from localllm.server.replies import ReplyShape, end_reason, prepare_chat, stream_parts, was_cut
 from localllm.server.structured import openai_response_format
 from localllm.server.tool_calls import ToolAsk
 from localllm.server.validate import Fields, messages, read_json
@@ -213,7 +213,8 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, shape: 
             if o.finish_reason == "error":
                 yield sse_event(openai_body(from_exception(o.error or RuntimeError("generation failed"))))
             else:
-                yield sse_event(chunk([choice(None if chat else "", "tool_calls" if calls else finish_reason(o))]))
+                reason = end_reason(o.finish_reason, calls) if chat else finish_reason(o)
+                yield sse_event(chunk([choice(None if chat else "", reason)]))
                 if ask.include_usage:
                     yield sse_event(chunk([], usage(o)))
             yield SSE_DONE
@@ -222,7 +223,8 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, shape: 
 
     text, o = await whole_reply(request, lease)
     if chat:
-        thinking, content, calls = shape.whole(text) if shape is not None else ("", text, [])
+        thinking, content, calls = (shape.whole(text, was_cut(o.finish_reason)) if shape is not None
+                                    else ("", text, []))
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else ""),
                                    "refusal": None}
         if thinking:
@@ -230,7 +232,7 @@ async def _respond(request: Request, ask: Ask, lease: Lease, chat: bool, shape: 
         if calls:
             message["tool_calls"] = tool_calls.openai_calls(calls)
         answer = {"index": 0, "message": message, "logprobs": scored(gen.logprobs),
-                  "finish_reason": "tool_calls" if calls else finish_reason(o)}
+                  "finish_reason": end_reason(o.finish_reason, calls)}
     else:
         answer = {"index": 0, "text": text, "logprobs": scored(gen.logprobs), "finish_reason": finish_reason(o)}
     return JSONResponse({"id": rid, "object": kind, "created": created, "model": ask.model,

@@ -36,12 +36,13 @@ class ReplyShape:
         parts = self._thinking.feed(text) if self._thinking is not None else [("answer", text)]
         return self._route(parts)
 
-    def finish(self) -> tuple[list[tuple[str, str]], list[ToolCall]]:
-        """What was held back, and the reply's calls."""
+    def finish(self, cut: bool = False) -> tuple[list[tuple[str, str]], list[ToolCall]]:
+        """What was held back, and the reply's complete calls; ``cut``: the reply was cut short (see
+        :meth:`ReplySplitter.finish`)."""
         out = self._route(self._thinking.flush()) if self._thinking is not None else []
         calls: list[ToolCall] = []
         if self.calls is not None:
-            rest, calls = self.calls.finish()
+            rest, calls = self.calls.finish(cut)
             if rest:
                 out.append(("answer", rest))
         return out, calls
@@ -55,12 +56,28 @@ class ReplyShape:
                 out.append((kind, text))
         return out
 
-    def whole(self, text: str) -> tuple[str, str, list[ToolCall]]:
-        """A whole reply as (thinking, answer, calls)."""
+    def whole(self, text: str, cut: bool = False) -> tuple[str, str, list[ToolCall]]:
+        """A whole reply as (thinking, answer, complete calls); ``cut``: it was cut short
+        (:func:`was_cut` of its finish reason)."""
         parts = self.feed(text)
-        rest, calls = self.finish()
+        rest, calls = self.finish(cut)
         parts += rest
         return ("".join(t for k, t in parts if k == "thinking"), "".join(t for k, t in parts if k == "answer"), calls)
+
+
+def was_cut(finish_reason: str) -> bool:
+    """Whether a reply that ended with the engine's ``finish_reason`` was cut short of its end (by
+    ``max_tokens``, or a grammar's limit), so that a tail which could have begun a call is no text."""
+    return finish_reason in ("length", "constraint")
+
+
+def end_reason(finish_reason: str, calls: list[ToolCall]) -> str:
+    """How a reply ended, as the APIs tell it: "length" or "constraint" when it was cut short (with
+    the calls it completed before the cut), "tool_calls" when it ended after its calls, else "stop"
+    (an end token or a stop string)."""
+    if was_cut(finish_reason):
+        return finish_reason
+    return "tool_calls" if calls else "stop"
 
 
 def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolAsk | None, grammar: Grammar | None,
@@ -97,7 +114,7 @@ async def stream_parts(gen: Generation, shape: ReplyShape | None) -> AsyncIterat
                 yield kind, text, (entries if kind == "answer" else [])
                 entries = []
     if shape is not None:
-        rest, shape.found = shape.finish()
+        rest, shape.found = shape.finish(gen.outcome is not None and was_cut(gen.outcome.finish_reason))
         for kind, text in rest:
             yield kind, text, (entries if kind == "answer" else [])
             entries = []
