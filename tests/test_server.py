@@ -287,7 +287,7 @@ def test_ollama_client_generate_chat_list_show_ps(server: ServerThread) -> None:
     assert [m.model for m in loaded] == [MODEL] and loaded[0].size > 100e6 and loaded[0].expires_at is not None
     shown = client.show(MODEL)
     assert shown.details.family == "llama" and shown.modelinfo["llama.context_length"] == 8192
-    assert client.list().models == []  # nothing in this test's store: smollm2 is the embedded model
+    assert [m.model for m in client.list().models] == [MODEL]  # the embedded model; nothing is stored
     with pytest.raises(ollama.ResponseError) as e:
         client.show("no-such-model")
     assert e.value.status_code == 404

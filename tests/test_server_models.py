@@ -20,12 +20,15 @@ import pytest
 
 from localllm.commands.serve import exposure_warning
 from localllm.errors import LocalLLMError
+from localllm.paths import DEFAULT_MODEL, default_model_gguf
 from localllm.server.config import ServerConfig, parse_duration, parse_size
 from tests.hub_server import hub_env, running_hub
 from tests.server_fixtures import ServerThread, running_server, wait_for
 
 ROOT = Path(__file__).parents[1]
 REPO = "tests/tiny-llama"
+#: What /api/tags lists besides the store's entries: the embedded default model, where installed.
+EMBEDDED = [DEFAULT_MODEL] if default_model_gguf() is not None else []
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,7 @@ def test_pull_list_show_generate_delete_with_the_ollama_client(server: ServerThr
             client.pull("tests/no-such-repo")
         assert e.value.status_code in (400, 404)
     names = [m.model for m in client.list().models]
-    assert names == ["tiny-llama:int4"]
+    assert names == ["tiny-llama:int4", *EMBEDDED]
     listed = client.list().models[0]
     assert listed.size > 0 and listed.details.family == "llama" and listed.details.quantization_level == "INT4"
     shown = client.show("tiny-llama")
@@ -79,7 +82,8 @@ def test_pull_list_show_generate_delete_with_the_ollama_client(server: ServerThr
     ps = client.ps().models
     assert "tiny-llama" in [m.model for m in ps]
     assert client.delete("tiny-llama").status == "success"
-    assert client.list().models == [] and "tiny-llama" not in [m.model for m in client.ps().models]
+    assert [m.model for m in client.list().models] == EMBEDDED
+    assert "tiny-llama" not in [m.model for m in client.ps().models]
     with pytest.raises(ollama.ResponseError) as e:
         client.delete("tiny-llama")
     assert e.value.status_code == 404

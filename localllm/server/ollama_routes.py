@@ -39,7 +39,7 @@ from localllm.server.models import DEFAULT, Lease
 from localllm.server.names import (AS_RUN, REPO, Target, check_name, is_repo_id, is_store_name, pull_source, stored,
                                    stored_from_repo)
 from localllm.server.streaming import ndjson_line, ndjson_response
-from localllm.server import tool_calls
+from localllm.server import catalogue, tool_calls
 from localllm.server.replies import ReplyShape, prepare_chat, stream_parts, was_cut
 from localllm.server.structured import ollama_format
 from localllm.server.tool_calls import ToolAsk
@@ -253,11 +253,6 @@ async def chat(request: Request) -> Response:
 
 
 # --------------------------------------------------------------------------- models
-def _digest(manifest: dict[str, Any], ref: str) -> str:
-    weights = (manifest.get("files") or {}).get("model.safetensors") or {}
-    return weights.get("sha256") or hashlib.sha256(ref.encode()).hexdigest()
-
-
 def _details(config: dict[str, Any] | Any, fmt: str, level: str) -> dict[str, Any]:
     from localllm.format import human_count
     from localllm.runtime.config import ModelConfig
@@ -268,14 +263,14 @@ def _details(config: dict[str, Any] | Any, fmt: str, level: str) -> dict[str, An
 
 
 def _tags() -> list[dict[str, Any]]:
-    from localllm.loaders.store import Store
+    """Every model ``run`` can name without a path: the store's entries and the embedded default."""
+    from localllm.format import human_count
 
-    out = []
-    for e in Store().list():
-        out.append({"name": e.ref, "model": e.ref, "modified_at": e.modified.isoformat(), "size": e.size_bytes,
-                    "digest": _digest(e.manifest, e.ref),
-                    "details": _details(e.manifest["config"], "safetensors", e.scheme)})
-    return out
+    return [{"name": m.name, "model": m.name, "modified_at": m.modified.isoformat(), "size": m.size,
+             "digest": m.digest,
+             "details": {"parent_model": "", "format": m.format, "family": m.arch, "families": [m.arch],
+                         "parameter_size": human_count(m.parameters), "quantization_level": m.scheme.upper()}}
+            for m in catalogue.listed()]
 
 
 @endpoint(OLLAMA, "/api/tags")
@@ -309,11 +304,7 @@ def _show(name: str, target: Target) -> tuple[dict[str, Any], StoredModel | None
 
 def _show_reply(name: str, target: Target) -> dict[str, Any]:
     facts, entry = _show(name, target)
-    template = ""
-    if entry is not None:
-        from localllm.runtime.tokenizer import Tokenizer
-
-        template = Tokenizer.from_folder(entry.path).chat_template or ""
+    template = catalogue.chat_template(str(entry.path) if entry is not None else str(facts["path"]))
     arch = facts["architecture"]
     info = {"general.architecture": arch, "general.parameter_count": facts["parameters"],
             f"{arch}.context_length": facts["context_length"], f"{arch}.embedding_length": facts["embedding_length"],
@@ -324,7 +315,7 @@ def _show_reply(name: str, target: Target) -> dict[str, Any]:
                "quantization_level": str(facts["scheme"]).upper()}
     return {"modelfile": f"# localllm model {facts['name'] or name}\nFROM {facts['path']}\n",
             "parameters": "", "template": template, "details": details, "model_info": info,
-            "capabilities": ["completion"], "modified_at": facts.get("created") or iso_now()}
+            "capabilities": catalogue.capabilities(template), "modified_at": facts.get("created") or iso_now()}
 
 
 def _count(n: int) -> str:
@@ -448,9 +439,16 @@ async def pull(request: Request) -> Response:
     return JSONResponse({"status": "success"})
 
 
+#: The Ollama version this server answers ``/api/version`` with: the release whose API it serves
+#: (chat, tools, thinking, structured outputs, OpenAI's Responses and Anthropic's Messages routes).
+#: Clients of Ollama gate features on this version and refuse or degrade a server older than they
+#: need, so it is Ollama's number, not localllm's (which is under ``localllm_version``).
+OLLAMA_VERSION = "0.14.0"
+
+
 @endpoint(OLLAMA, "/api/version")
 async def version(request: Request) -> Response:
-    return JSONResponse({"version": localllm.__version__})
+    return JSONResponse({"version": OLLAMA_VERSION, "localllm_version": localllm.__version__})
 
 
 def _keep_alive(f: Fields) -> object:

@@ -1,5 +1,5 @@
 """OpenAI-compatible routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE streaming
-ending in ``[DONE]``, or one JSON answer), ``GET /v1/models``."""
+ending in ``[DONE]``, or one JSON answer), ``GET /v1/models`` and ``GET /v1/models/{id}``."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from localllm.server.generation import Outcome
 from localllm.server.logprobs import chat_content, completion_logprobs
 from localllm.server.models import Lease
 from localllm.server.streaming import SSE_DONE, sse_event, sse_response
-from localllm.server import tool_calls
+from localllm.server import catalogue, tool_calls
 from localllm.server.replies import ReplyShape, end_reason, prepare_chat, stream_parts, was_cut
 from localllm.server.structured import openai_response_format
 from localllm.server.tool_calls import ToolAsk
@@ -305,31 +305,41 @@ async def embeddings(request: Request) -> Response:
                          "usage": {"prompt_tokens": done.prompt_tokens, "total_tokens": done.prompt_tokens}})
 
 
-def model_names() -> list[tuple[str, int]]:
-    """(name, created unix time) of every model a request can name without a path: the store's
-    entries and the embedded default model."""
-    from localllm.loaders.store import Store
-    from localllm.paths import DEFAULT_MODEL, default_model_gguf
+def _models(request: Request) -> Any:
+    """(name, created unix time) of every model a request can name without a path (the catalogue),
+    and of the models loaded now."""
 
-    names = [(e.ref, int(e.modified.timestamp())) for e in Store().list()]
-    gguf = default_model_gguf()
-    if gguf is not None and not any(n.split(":")[0] == DEFAULT_MODEL for n, _ in names):
-        names.append((DEFAULT_MODEL, int(gguf.stat().st_mtime)))
-    return names
+    async def names() -> dict[str, int]:
+        found = {m.name: int(m.modified.timestamp()) for m in await anyio.to_thread.run_sync(catalogue.listed)}
+        for name, slot in state(request).manager.slots.items():
+            found.setdefault(name, int(slot.loaded_at))
+        return found
+
+    return names()
 
 
 @endpoint(OPENAI, "/v1/models")
 async def list_models(request: Request) -> Response:
-    names = dict(await anyio.to_thread.run_sync(model_names))
-    for name, slot in state(request).manager.slots.items():
-        names.setdefault(name, int(slot.loaded_at))
-    data = [{"id": n, "object": "model", "created": c, "owned_by": "localllm"} for n, c in sorted(names.items())]
+    names = await _models(request)
+    data = [catalogue.openai_model(n, c) for n, c in sorted(names.items())]
     return JSONResponse({"object": "list", "data": data})
+
+
+@endpoint(OPENAI, "/v1/models/{model}")
+async def retrieve_model(request: Request) -> Response:
+    """One model of ``/v1/models`` by its id (which may hold a ``/``: a Hub repo's); an id it does not
+    list is a 404."""
+    model = request.path_params["model"]
+    created = (await _models(request)).get(model)
+    if created is None:
+        raise ApiError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+    return JSONResponse(catalogue.openai_model(model, created))
 
 
 ROUTES = [
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/v1/embeddings", embeddings, methods=["POST"]),
 ]
