@@ -1,5 +1,5 @@
-"""Errors as each API writes them: OpenAI's ``{"error": {"message", "type", "param", "code"}}`` and
-Ollama's ``{"error": "..."}``, with a 4xx status for anything a client caused and no traceback ever.
+"""Errors as each API writes them: OpenAI's ``{"error": {"message", "type", "param", "code"}}``,
+Ollama's ``{"error": "..."}`` and Anthropic's ``{"type": "error", "error": {"type", "message"}}``, with a 4xx status for anything a client caused and no traceback ever.
 """
 
 from __future__ import annotations
@@ -17,9 +17,16 @@ log = logging.getLogger("localllm.server")
 
 OPENAI = "openai"
 OLLAMA = "ollama"
+ANTHROPIC = "anthropic"
+
+#: The paths that answer in Anthropic's shape: its Messages API.
+ANTHROPIC_PREFIX = "/v1/messages"
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                  413: "invalid_request_error", 503: "server_busy", 507: "server_error", 500: "server_error"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
 
 
 @dataclass
@@ -69,11 +76,21 @@ def ollama_body(err: ApiError) -> dict[str, object]:
     return {"error": err.message}
 
 
+def anthropic_body(err: ApiError) -> dict[str, object]:
+    """Anthropic's shape: its error type from the status (any other 4xx is an invalid request, any
+    other 5xx an ``api_error``); the field at fault is named in the message, as Anthropic does."""
+    kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
 def error_response(err: ApiError, api: str) -> JSONResponse:
-    body = openai_body(err) if api == OPENAI else ollama_body(err)
+    body = openai_body(err) if api == OPENAI else anthropic_body(err) if api == ANTHROPIC else ollama_body(err)
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def api_of_path(path: str) -> str:
-    """Which API's error shape a path answers in (``/v1/...`` OpenAI's, anything else Ollama's)."""
+    """Which API's error shape a path answers in (``/v1/messages...`` Anthropic's, other ``/v1/...``
+    OpenAI's, anything else Ollama's)."""
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        return ANTHROPIC
     return OPENAI if path.startswith("/v1/") or path == "/v1" else OLLAMA
