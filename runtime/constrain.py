@@ -127,13 +127,27 @@ def _find_value(schema: Any, key: str, value: str, where: str) -> str | None:
     return None
 
 
-def after_thinking(grammar: Grammar, opened: bool) -> Grammar:
+#: A reply's text, unconstrained: the answer a thinking budget (:func:`after_thinking`) holds nothing of.
+FREE_TEXT = Grammar("start: /(.|\\n)*/\n", "text")
+
+
+def after_thinking(grammar: Grammar, opened: bool, budget: int | None = None) -> Grammar:
     """``grammar`` held to the answer only: a thinking block (``<think>…</think>``, as Qwen3 and
     DeepSeek-R1 write it) may come first, free, then the answer must match. ``opened``: the prompt
-    already opened the block (the reply starts inside it, and must close it)."""
+    already opened the block (the reply starts inside it, and must close it).
+
+    ``budget``: the block is required and closed after that many tokens at most (``</think>`` is then
+    the only token allowed). llguidance's lexer does not backtrack, so a bounded block cannot hold
+    ``<`` (or it could not tell the closing tag from thinking text)."""
     text = grammar.text  # llguidance's JSON form, or a Lark grammar as it is
     inner = json.loads(text) if text.lstrip().startswith("{") else {"grammars": [{"lark_grammar": text}]}
     answer = {**inner["grammars"][0], "name": "answer"}
+    if budget is not None:
+        thought = f'thought[max_tokens={budget}]: /[^<]*/\nWS: /[ \\t\\n]+/\n'
+        start = ('start: thought "</think>" WS? @answer\n' if opened
+                 else 'start: "<think>" thought "</think>" WS? @answer\n')
+        wrapped = {**inner, "grammars": [{"lark_grammar": start + thought}, answer, *inner["grammars"][1:]]}
+        return Grammar(json.dumps(wrapped), grammar.summary)
     thought = 'thought[lazy]: /(.|\\n)*<\\/think>/\nWS: /[ \\t\\n]+/\n'
     start = "start: thought WS? @answer\n" if opened else 'start: ("<think>" thought WS?)? @answer\n'
     wrapped = {**inner, "grammars": [{"lark_grammar": start + thought}, answer, *inner["grammars"][1:]]}

@@ -10,7 +10,7 @@ from typing import Any
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.batch import TokenLogprob
-from localllm.runtime.constrain import Grammar, after_thinking
+from localllm.runtime.constrain import FREE_TEXT, Grammar, after_thinking
 from localllm.runtime.textstream import ThinkingSplitter, prompt_opens_thinking, template_thinks
 from localllm.runtime.tools import ReplySplitter, ToolCall, call_grammar, call_syntax, encode_tool_chat
 from localllm.server.errors import ApiError
@@ -81,11 +81,12 @@ def end_reason(finish_reason: str, calls: list[ToolCall]) -> str:
 
 
 def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolAsk | None, grammar: Grammar | None,
-                 think: bool | None) -> tuple[list[int], Grammar | None, ReplyShape]:
+                 think: bool | None, budget: int | None = None) -> tuple[list[int], Grammar | None, ReplyShape]:
     """A chat's prompt ids (the tools offered through the model's template, or the generic form;
     ``think`` as the template's ``enable_thinking``, None: its default), the grammar the reply is held
     to (the format's or the tools'; after a thinking block where the model thinks), and how to read
-    the reply. Runs on a worker thread (templates, schemas)."""
+    the reply; ``budget``: the most thinking tokens, where the model thinks. Runs on a worker thread
+    (templates, schemas)."""
     syntax = call_syntax(tokenizer.chat_template, tokenizer.token_to_id)
     extra = {} if think is None else {"enable_thinking": think}
     ids = encode_tool_chat(tokenizer, messages, tools.tools if tools is not None else [], syntax, **extra)
@@ -96,7 +97,9 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolAsk 
             raise ApiError(400, e.one_line(), param="tools") from None
     thinks = think is not False and template_thinks(tokenizer.chat_template)
     opened = thinks and prompt_opens_thinking(tokenizer, ids)
-    if grammar is not None and thinks:  # the format holds the answer, not the thinking before it
+    if budget is not None and thinks:
+        grammar = after_thinking(grammar or FREE_TEXT, opened, budget)
+    elif grammar is not None and thinks:  # the format holds the answer, not the thinking before it
         grammar = after_thinking(grammar, opened)
     calls = None if tools is None else ReplySplitter(syntax, tools.forced)
     return ids, grammar, ReplyShape(thinks, opened, calls)
