@@ -53,6 +53,7 @@ class Outcome:
     first_token_at: float | None
     finished_at: float
     error: BaseException | None = None
+    stop: str | None = None  # the stop string that ended it, if one did
 
 
 class Generation:
@@ -124,7 +125,7 @@ class Generation:
             else:
                 reason = stats.finish_reason or "stop"
         outcome = Outcome(reason, stats.prompt_tokens, max(0, stats.cached_tokens), self.tokens,
-                          stats.submitted_at, stats.first_token_at, time.perf_counter(), error)
+                          stats.submitted_at, stats.first_token_at, time.perf_counter(), error, cut.hit)
         if self._on_end is not None:
             self._on_end(outcome)
         self._put(outcome)
