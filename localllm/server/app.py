@@ -21,7 +21,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from localllm.server import ollama_routes, openai_routes
+from localllm.server import anthropic_routes, ollama_routes, openai_routes
 from localllm.server import responses_routes
 from localllm.server.common import ServerState, state
 from localllm.server.config import ServerConfig
@@ -64,7 +64,8 @@ def run_serving(main: Coroutine[Any, Any, T]) -> T:
 
 
 class BearerAuth:
-    """Every HTTP request must carry ``Authorization: Bearer <key>``; else 401 in the path's API shape."""
+    """Every HTTP request must carry ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as
+    Anthropic's clients send it); else 401 in the path's API shape."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
@@ -72,11 +73,13 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
-                err = ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer":
+                token = headers.get(b"x-api-key", b"")
+            if not hmac.compare_digest(token.strip(), self.key):
+                err = ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>' or "
+                               "'x-api-key: <key>'", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await error_response(err, api_of_path(scope["path"]))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -170,6 +173,7 @@ def create_app(config: ServerConfig) -> Starlette:
         *openai_routes.ROUTES,
         *responses_routes.ROUTES,
         *ollama_routes.ROUTES,
+        *anthropic_routes.ROUTES,
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
     if config.api_key:
