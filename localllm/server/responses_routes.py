@@ -93,17 +93,18 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def input_messages(value: Any) -> list[dict[str, Any]]:
+def input_messages(value: Any, earlier: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """``input`` (a string, or items: messages, ``function_call``, ``function_call_output``,
     ``reasoning``) as chat messages in OpenAI's chat shape, checked by the chat routes' own
     :func:`validate.messages`. A reasoning item is accepted and left out, as chat templates drop
-    earlier turns' thinking."""
+    earlier turns' thinking. ``earlier``: the conversation it continues, whose calls its
+    ``function_call_output`` items may answer."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
         raise ApiError(400, "'input' must be a string or an array of input items", param="input")
     out: list[dict[str, Any]] = []
-    names: dict[str, str] = {}  # call_id -> function name, for the tool messages templates name
+    names = {c["id"]: c["function"]["name"] for m in earlier or [] for c in m.get("tool_calls", []) if "id" in c}
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -235,14 +236,15 @@ def _ask(request: Request, f: Fields) -> Ask:
     instructions = f.string("instructions")
     if f.raw("input") is None:
         raise ApiError(400, "'input' is required", param="input")
-    conversation = input_messages(f.raw("input"))
     previous = f.string("previous_response_id")
+    earlier: list[dict[str, Any]] = []
     if previous is not None:
         stored = _store(request).get(previous)
         if stored is None:
             raise ApiError(404, f"no stored response {previous!r} (never stored, deleted, or evicted)",
                            param="previous_response_id", code="previous_response_not_found")
-        conversation = stored.conversation + conversation
+        earlier = stored.conversation
+    conversation = earlier + input_messages(f.raw("input"), earlier)
     if not conversation:
         raise ApiError(400, "'input' is empty; give at least one item", param="input")
     temperature = f.number("temperature", 0, 2)
