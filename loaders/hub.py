@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import glob
 import hashlib
+import json
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -220,6 +221,8 @@ def _from_hub(repo_id: str, revision: str | None, endpoint: str, token: str | No
     # The cache names a blob after the file's ETag: the LFS sha256, or the git blob id of a small file.
     blobs = {n: storage / "blobs" / (siblings[n].lfs.sha256 if siblings[n].lfs else siblings[n].blob_id or "")
              for n in names}
+    if "config.json" in names:  # a config localllm cannot run is refused before the weights come
+        _check_config(repo_id, resolved.resolved, endpoint, token, cache_dir, siblings)
     missing = [n for n in names if not blobs[n].is_file()]
     large = [n for n in missing if siblings[n].lfs is not None]
     todo = sum(siblings[n].size or 0 for n in missing)
@@ -241,6 +244,28 @@ def _from_hub(repo_id: str, revision: str | None, endpoint: str, token: str | No
     path = Path(folder)
     _verify_files(path, [n for n in names if n not in checked], siblings)
     return Snapshot(repo_id, revision or constants.DEFAULT_REVISION, resolved.resolved, path, names)
+
+
+def _check_config(repo_id: str, commit: str, endpoint: str, token: str | None, cache_dir: Path,
+                  siblings: dict[str, Any]) -> None:
+    """Fetch the repo's ``config.json`` alone (into the cache, where the snapshot then finds it) and
+    check it as loading will: an architecture localllm does not run, or sizes out of range, are one
+    line before any weight is downloaded."""
+    from huggingface_hub import hf_hub_download
+
+    from localllm.runtime.config import ModelConfig
+
+    path = Path(hf_hub_download(repo_id, "config.json", revision=commit, cache_dir=cache_dir, endpoint=endpoint,
+                                token=token))
+    _verify_files(path.parent, ["config.json"], siblings)
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LocalLLMError(f"{repo_id}'s config.json cannot be read ({e})", "the repo is damaged or not a model "
+                                                                           "folder; pull another") from None
+    if not isinstance(hf, dict):
+        raise LocalLLMError(f"{repo_id}'s config.json is not a JSON object", "pull another repo")
+    ModelConfig.from_hf(hf)
 
 
 def _fetch_resumable(

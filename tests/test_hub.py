@@ -322,6 +322,17 @@ def test_repo_without_config_is_refused(hub: HubServer, files: dict[str, bytes])
         download(REPO, progress=False)
 
 
+@pytest.mark.parametrize("overrides,needle", [({"num_hidden_layers": 1_000_000}, "num_hidden_layers 1000000"),
+                                             ({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}, "mamba")])
+def test_a_config_localllm_cannot_run_is_refused_before_the_weights(
+        hub: HubServer, overrides: dict[str, object], needle: str) -> None:
+    hub.add_repo(REPO, _model_files(**overrides))
+    with pytest.raises(LocalLLMError, match=needle) as err:
+        download(REPO, progress=False)
+    assert "\n" not in str(err.value)
+    assert {r.path.rsplit("/", 1)[-1] for r in hub.requests_for("/resolve/")} == {"config.json"}
+
+
 # --------------------------------------------------------------------------- offline / no network
 def test_offline_with_warm_cache(hub: HubServer, files: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
     sha = hub.add_repo(REPO, files, tags=("v1",)).refs["main"]
