@@ -198,3 +198,16 @@ def test_bad_input_in_openai_shape(server: ServerThread) -> None:
             assert error["param"] == param and error["type"] and error["message"], (extra, error)
         assert http.post("/v1/responses", json={"input": "x"}).json()["error"]["param"] == "model"
         assert http.delete("/v1/responses/resp_unknown").status_code == 404
+
+
+def test_a_call_cut_by_max_output_tokens_leaks_no_text(client) -> None:
+    """A call cut short by ``max_output_tokens`` is neither a call nor text, whole or streamed: the
+    response is incomplete with an empty message."""
+    ask = {"model": MODEL, "input": WEATHER_ASK, "tools": [WEATHER_TOOL], "tool_choice": "required",
+           "max_output_tokens": 5, "temperature": 0}
+    r = client.responses.create(**ask)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [i.type for i in r.output] == ["message"] and r.output_text == ""
+    events = list(client.responses.create(**ask, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == ""
+    assert not [e for e in events if e.type in ("response.output_text.delta", "response.function_call_arguments.delta")]

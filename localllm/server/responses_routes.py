@@ -34,7 +34,7 @@ from localllm.server.common import check_prompt, endpoint, now_s, start_reply, s
 from localllm.server.errors import OPENAI, ApiError, from_exception
 from localllm.server.generation import Outcome
 from localllm.server.models import Lease
-from localllm.server.replies import ReplyShape, prepare_chat, stream_parts
+from localllm.server.replies import ReplyShape, prepare_chat, stream_parts, was_cut
 from localllm.server.responses_store import ResponseStore
 from localllm.server.streaming import dumps, sse_response
 from localllm.server.structured import openai_response_format
@@ -355,7 +355,7 @@ def _item_status(o: Outcome) -> str:
 async def _whole(request: Request, ask: Ask, lease: Lease, shape: ReplyShape, resp: _Response) -> Response:
     tokenizer = lease.slot.lm.tokenizer
     text, o = await whole_reply(request, lease)
-    thinking, content, calls = shape.whole(text)
+    thinking, content, calls = shape.whole(text, was_cut(o.finish_reason))  # a cut call's text is no answer
     status = _item_status(o)
     output = []
     if thinking:
