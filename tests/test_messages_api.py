@@ -110,7 +110,8 @@ def test_stream_events_in_order(server: ServerThread, client: anthropic.Anthropi
 def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
     """tool_choice any and tool are enforced by the call grammar (the input validates against the
     tool's input_schema); a call and its result go back in the history; a streamed call arrives as
-    input_json_delta that the SDK assembles; none answers in text."""
+    input_json_delta that the SDK assembles; a reply cut inside a call has neither the call nor its
+    text; none answers in text."""
     tools = [WEATHER, TIME]
     schemas = {t["name"]: _closed(t["input_schema"]) for t in tools}
     r = client.messages.create(model=MODEL, max_tokens=60, messages=WEATHER_ASK, tools=tools, extra_body=GREEDY,
@@ -129,6 +130,12 @@ def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
     (streamed,) = [b for b in final.content if b.type == "tool_use"]
     assert streamed.name == "get_time" and final.stop_reason == "tool_use"
     jsonschema.validate(streamed.input, schemas["get_time"])
+    cut = client.messages.create(model=MODEL, max_tokens=5, messages=WEATHER_ASK, tools=tools,
+                                 tool_choice={"type": "any"})  # cut inside its call: no call, no call text
+    assert cut.stop_reason == "max_tokens" and cut.content == []
+    with client.messages.stream(model=MODEL, max_tokens=5, messages=WEATHER_ASK, tools=tools,
+                                tool_choice={"type": "any"}) as stream:
+        assert "".join(stream.text_stream) == "" and stream.get_final_message().content == []
     answer = client.messages.create(model=MODEL, max_tokens=12, messages=history, tools=tools,
                                     tool_choice={"type": "none"})
     assert [b.type for b in answer.content] == ["text"] and answer.stop_reason in ("end_turn", "max_tokens")

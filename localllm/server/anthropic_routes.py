@@ -27,7 +27,7 @@ from localllm.server.common import check_prompt, endpoint, start_reply, state, w
 from localllm.server.errors import ANTHROPIC, ApiError, anthropic_body, from_exception
 from localllm.server.generation import Outcome
 from localllm.server.models import Lease
-from localllm.server.replies import ReplyShape, prepare_chat, stream_parts
+from localllm.server.replies import ReplyShape, prepare_chat, stream_parts, was_cut
 from localllm.server.streaming import dumps, sse_response
 from localllm.server.tool_calls import ToolAsk
 from localllm.server.validate import Fields, read_json
@@ -222,8 +222,10 @@ def _ask(f: Fields, counting: bool = False) -> MessagesAsk:
     top_p = f.number("top_p", 0, 1)
     top_k = f.integer("top_k", 0)
     f.obj("metadata")  # user_id: accepted; this server keeps no per-user records
+    if top_p == 0:
+        top_p = 1e-9  # "only the most likely token", as the chat routes read it
     params = SamplingParams(temperature=1.0 if temperature is None else temperature, top_k=top_k or 0,
-                            top_p=1.0 if not top_p else top_p)
+                            top_p=1.0 if top_p is None else top_p)
     think, budget = _think(f, max_tokens)
     stop = f.stop("stop_sequences")
     return MessagesAsk(model, chat_messages(f.raw("system"), f.raw("messages")),  # type: ignore[arg-type]
@@ -280,7 +282,7 @@ async def messages(request: Request) -> Response:
     if ask.stream:
         return sse_response(_events(lease, shape, message, prompt_len), on_close=lease.close)
     text, o = await whole_reply(request, lease)
-    thinking, answer, calls = shape.whole(text)
+    thinking, answer, calls = shape.whole(text, was_cut(o.finish_reason))  # a cut call is no text
     content: list[dict[str, Any]] = []
     if thinking:
         content.append({"type": "thinking", "thinking": thinking, "signature": ""})
