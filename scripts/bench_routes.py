@@ -50,10 +50,22 @@ def _messages_tokens(event: dict[str, Any]) -> int | None:
     return event["usage"]["output_tokens"] if event.get("type") == "message_delta" else None
 
 
+def _responses(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "input": prompt, "max_output_tokens": max_tokens, "temperature": 0, "stream": True,
+            "store": False}
+
+
+def _responses_tokens(event: dict[str, Any]) -> int | None:
+    if event.get("type") in ("response.completed", "response.incomplete"):
+        return int(event["response"]["usage"]["output_tokens"])
+    return None
+
+
 #: route name -> (path, request body, the generated tokens an SSE event reports, if it does)
 ROUTES: dict[str, tuple[str, Callable[[str, str, int], dict[str, Any]], Callable[[dict[str, Any]], int | None]]] = {
     "chat": ("/v1/chat/completions", _chat, _chat_tokens),
     "messages": ("/v1/messages", _messages, _messages_tokens),
+    "responses": ("/v1/responses", _responses, _responses_tokens),
 }
 
 
