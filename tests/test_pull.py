@@ -48,7 +48,7 @@ LIST_KEYS = {"name", "model", "scheme", "quant", "size", "modified", "source", "
 SHOW_KEYS = {"name", "path", "architecture", "parameters", "context_length", "embedding_length", "layers", "heads",
              "kv_heads", "head_dim", "vocab_size", "scheme", "quant", "quantized_modules", "weight_bytes",
              "kv_cache_bytes_per_token", "kv_cache_bytes_context", "sliding_window", "sliding_layers", "source",
-             "chat_template", "created", "memory_plan"}
+             "chat_template", "created", "memory_plan", "eager_steps"}
 # Runs the CLI with every quantized tensor 50 ms slower, so that a test can interrupt the conversion.
 SLOW_QUANT_CLI = (
     # Ctrl-C as from a terminal, even under a suite run as a background job (SIGINT ignored, inherited)
