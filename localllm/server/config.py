@@ -98,9 +98,9 @@ class ServerConfig:
     #: A folder whose model files and folders requests may name by their path relative to it
     #: (``--models-dir``), even without ``allow_local_paths``.
     models_dir: Path | None = None
-    #: Connection limits (:mod:`localllm.commands.serve` hands them to uvicorn): the most bytes of
-    #: request line and headers, seconds an idle keep-alive connection is held, and seconds a client
-    #: has to send a request's headers.
+    #: Connection limits (:func:`localllm.server.limits.uvicorn_config` hands them to uvicorn): the
+    #: most bytes of request line and headers, seconds an idle keep-alive connection is held, and
+    #: seconds a client has to send a request's headers.
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
