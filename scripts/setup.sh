@@ -57,7 +57,7 @@ sys.exit(not all([native.available(lib) for lib in (ATTENTION, INT8, TOKEN_MASK,
 # that its first run decodes at full speed. Other models get theirs built by their first run or pull.
 # The test set-up skips it: tests build their own steps in their own folders.
 if [ -z "$extra" ] && [ -z "${CUDA_VISIBLE_DEVICES-}" ] && ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
-  say "building the default model's compiled decode step (about a minute, once)"
+  say "building the default model's compiled decode steps (a few minutes, once)"
   .venv/bin/localllm compile smollm2 --device cpu \
     || say "the compiled decode step could not be built; runs stay eager until one is"
 fi
