@@ -1,0 +1,305 @@
+"""A Mixture-of-Experts layer's experts: their stacked quantized weights (:class:`QuantExperts`), and
+the one call that runs a layer's whole expert FFN over a flattened batch (:func:`experts_ffn`).
+
+Tensor layouts
+--------------
+
+:class:`QuantExperts` is ONE projection of all ``E`` experts of a layer (``gate``, ``up``, ``down``, or
+``gate_up``: gate and up stacked along the output). Its canonical tensors are those of
+:mod:`quant.formats` for an (out, in) weight with a leading expert dim, expert ``e``'s at ``[e]``:
+
+* ``int4``  ``qweight`` uint8 (E, out, in/2) low nibble first; ``scales``, ``offsets`` fp16 (E, out, in/group)
+* ``int8``  ``qweight`` int8 (E, out, in); ``scales`` fp16 (E, out) per channel or (E, out, in/group)
+* ``nf4``   ``qweight`` uint8 (E, out, in/2) high nibble first; ``absmax`` fp32 (E, out, in/block)
+* ``gguf``  ``blocks`` uint8 (E, out, row bytes): the file's blocks of each expert row, as they are
+* ``fp32`` / ``fp16`` / ``bf16``: ``weight`` (E, out, in)
+
+so ``{name: t[e] for name, t in proj.canonical().items()}`` is expert ``e``'s weight in the canonical
+format of one layer (:meth:`QuantExperts.expert`), which :func:`quant.formats.dequantize` reads.
+A fused ``gate_up`` holds gate's rows ``[0, F)`` then up's ``[F, 2F)`` of each expert (F: the expert
+intermediate size), as :func:`quant.linear.concat_linears` stacks a dense MLP's.
+
+The FFN contract
+----------------
+
+``experts_ffn(x, ids, weights, gate_up, down, act) -> y``:
+
+* ``x``        (N, D) activations in the kernel's activation dtype: every routed row of the step (prefill
+  chunks, decode rows, verify rows of speculation alike; the caller flattens the batch);
+* ``ids``      (N, k) int64: the k experts chosen for each row (any order, each in ``[0, E)``; a row
+  names an expert at most once);
+* ``weights``  (N, k) float32: each chosen expert's routing weight (already softmaxed / renormalised
+  by the router: the kernel only multiplies by it);
+* ``gate_up``  one fused :class:`QuantExperts` (E, 2F, D), or the pair ``(gate, up)`` each (E, F, D);
+* ``down``     :class:`QuantExperts` (E, D, F);
+* ``act``      ``"silu"`` (SwiGLU: Qwen-MoE, Mixtral, OLMoE) or ``"gelu_tanh"`` (GeGLU), on the gate;
+
+``y[n] = sum_j weights[n, j] * down_e(act(gate_e(x[n])) * up_e(x[n]))`` with ``e = ids[n, j]``, (N, D) in
+``x``'s dtype (the reference sums in fp32). The router, the top-k and any shared expert are not the
+kernel's: :mod:`runtime.moe` owns them.
+
+Kernels
+-------
+
+:data:`EXPERT_KERNELS` lists the expert kernels in order of preference, :class:`ReferenceExperts`
+last. :func:`prepare_experts` picks, once a layer when the model is prepared, the first that
+``supports`` all the layer's projections on the target with the activation dtype and agrees with the
+reference on a small random batch (a kernel that disagrees is dropped with a warning, as a dense
+layer's is), has it ``prepare`` each projection's tensors (replacing the canonical ones: never both),
+and records it on each projection (``proj.kernel``). :func:`experts_ffn` then calls that kernel's
+``ffn``. A kernel class (subclass :class:`ExpertKernel`) has:
+
+* ``name`` (str), ``opt_in`` (taken only when named), ``device_type`` (None: any);
+* ``unsupported(projs, target, act_dtype) -> str | None`` (why not, in a few words; ``supports`` wraps it);
+* ``prepare(proj) -> dict[str, Tensor]``: its layout of one projection, made from ``proj.canonical()``;
+* ``ffn(x, ids, weights, gate_up, down, act) -> Tensor``: the contract above.
+
+A native kernel appends itself to :data:`EXPERT_KERNELS` before the reference (the list is the
+registry; nothing else needs to change).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from localllm.quant.formats import QuantScheme, canonical_shapes
+from localllm.quant.kernels import warn_once
+from localllm.quant.reference import reference_linear
+from localllm.quant.target import Target
+
+#: The activations :func:`experts_ffn` takes on the gate.
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+class QuantExperts(nn.Module):
+    """One projection (an (out, in) weight) of all ``n_experts`` experts of a layer, in ``scheme``:
+    the canonical tensors of :mod:`quant.formats` stacked along a leading expert dim (see the module
+    docstring). Built on ``meta`` by the model; the loader assigns each tensor, filled one expert at a
+    time as the checkpoint streams (:meth:`expert` views are writable)."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, scheme: QuantScheme) -> None:
+        super().__init__()
+        self.n_experts, self.in_features, self.out_features, self.scheme = n_experts, in_features, out_features, scheme
+        for name, (shape, dtype) in canonical_shapes(scheme, out_features, in_features).items():
+            self.register_buffer(name, torch.empty((n_experts, *shape), dtype=dtype))
+        #: The kernel :func:`prepare_experts` chose (None: not prepared yet).
+        self.kernel: type[ExpertKernel] | None = None
+        self.act_dtype = torch.bfloat16
+
+    def canonical_names(self) -> tuple[str, ...]:
+        return tuple(canonical_shapes(self.scheme, self.out_features, self.in_features))
+
+    def canonical(self) -> dict[str, torch.Tensor]:
+        """The stacked canonical tensors (valid until a kernel's layout replaces them)."""
+        return {n: getattr(self, n) for n in self.canonical_names()}
+
+    def expert(self, e: int) -> dict[str, torch.Tensor]:
+        """Expert ``e``'s canonical tensors, as a dense layer of this scheme holds them (views)."""
+        return {n: t[e] for n, t in self.canonical().items()}
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self._buffers.values())).device
+
+    def stored_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values() if t is not None)
+
+    def extra_repr(self) -> str:
+        kernel = self.kernel.name if self.kernel else "unprepared"
+        return (f"experts={self.n_experts}, in={self.in_features}, out={self.out_features}, "
+                f"{self.scheme.label()}, kernel={kernel}")
+
+
+def projections(gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts) -> list[QuantExperts]:
+    """The layer's projections as a list: ``[gate_up, down]`` or ``[gate, up, down]``."""
+    return [*gate_up, down] if isinstance(gate_up, tuple) else [gate_up, down]
+
+
+def activate(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate) * up`` (gate and up (n, F))."""
+    if act == "silu":
+        return F.silu(gate) * up
+    if act == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"unknown expert activation {act!r} (known: {', '.join(ACTIVATIONS)})")
+
+
+class ExpertKernel:
+    """A way to run a layer's expert FFN. Subclasses set ``name`` and override :meth:`unsupported`,
+    :meth:`prepare` and :meth:`ffn` (see the module docstring for the contract)."""
+
+    name = "base"
+    opt_in = False
+    device_type: str | None = None
+
+    @classmethod
+    def supports(cls, projs: Sequence[QuantExperts], target: "Target | torch.device", act_dtype: torch.dtype) -> bool:
+        return cls.unsupported(projs, Target.of(target), act_dtype) is None
+
+    @staticmethod
+    def unsupported(projs: Sequence[QuantExperts], target: Target, act_dtype: torch.dtype) -> str | None:
+        raise NotImplementedError
+
+    @staticmethod
+    def prepare(proj: QuantExperts) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    @staticmethod
+    def ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+            gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts, act: str) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def route_order(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (row, slot) pairs of ``ids`` (N, k) grouped by expert: ``order`` (N*k,) indexes the flattened
+    pairs sorted by expert (stable), ``rows`` (N*k,) their row in ``x``, and each expert's count (a
+    list: one read back a layer)."""
+    flat = ids.reshape(-1)  # (N*k,)
+    order = torch.argsort(flat, stable=True)
+    rows = order // ids.shape[1]
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    return order, rows, counts
+
+
+class ReferenceExperts(ExpertKernel):
+    """Pure torch on every scheme and device: pairs sorted by expert; each active expert's rows
+    multiplied by its weights, dequantized a slice of rows at a time (:func:`quant.reference.reference_linear`);
+    results scattered back with their routing weights, summed in fp32."""
+
+    name = "reference"
+
+    @staticmethod
+    def unsupported(projs, target, act_dtype):  # type: ignore[no-untyped-def]
+        return None
+
+    @staticmethod
+    def prepare(proj):  # type: ignore[no-untyped-def]
+        return dict(proj.canonical())
+
+    @staticmethod
+    def ffn(x, ids, weights, gate_up, down, act):  # type: ignore[no-untyped-def]
+        N, D = x.shape
+        order, rows, counts = route_order(ids, down.n_experts)
+        w = weights.reshape(-1)[order].float()  # (N*k,) the sorted pairs' routing weights
+        xs = x[rows]  # (N*k, D) each pair's row, grouped by expert
+        out = torch.zeros(N, D, dtype=torch.float32, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            xe = xs[start : start + n]  # (n, D)
+            if isinstance(gate_up, tuple):
+                g = reference_linear(gate_up[0].expert(e), gate_up[0].scheme, xe)  # (n, F)
+                u = reference_linear(gate_up[1].expert(e), gate_up[1].scheme, xe)
+            else:
+                g, u = reference_linear(gate_up.expert(e), gate_up.scheme, xe).chunk(2, dim=-1)
+            h = reference_linear(down.expert(e), down.scheme, activate(g, u, act))  # (n, D)
+            out.index_add_(0, rows[start : start + n], h.float() * w[start : start + n, None])
+            start += n
+        return out.to(x.dtype)
+
+
+#: Expert kernels in order of preference; the first that supports a layer (and agrees with the
+#: reference) runs it. Native kernels insert themselves before :class:`ReferenceExperts`.
+EXPERT_KERNELS: list[type[ExpertKernel]] = [ReferenceExperts]
+
+
+def by_name(name: str) -> type[ExpertKernel]:
+    for k in EXPERT_KERNELS:
+        if k.name == name:
+            return k
+    raise ValueError(f"no expert kernel {name!r} (known: {', '.join(k.name for k in EXPERT_KERNELS)})")
+
+
+def experts_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts,
+                act: str = "silu") -> torch.Tensor:
+    """The layer's expert FFN over ``x`` (N, D) (see the module docstring), by the kernel
+    :func:`prepare_experts` chose for it."""
+    kernel = down.kernel
+    if kernel is None:
+        raise RuntimeError("experts used before prepare_experts()")
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    return kernel.ffn(x, ids, weights, gate_up, down, act)
+
+
+def _agrees(kernel: type[ExpertKernel], projs: list[QuantExperts], tensors: list[dict[str, torch.Tensor]],
+            gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts,
+            act_dtype: torch.dtype, act: str) -> bool:
+    """``kernel`` with its prepared ``tensors`` against the reference on 5 random rows routed to a
+    spread of experts; True when they agree closely."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    E, k = down.n_experts, min(2, down.n_experts)
+    n = 5
+    x = torch.randn(n, down.out_features, generator=g).to(device=down.device, dtype=act_dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]).to(down.device)
+    weights = torch.rand(n, k, generator=g).to(down.device)
+    with torch.no_grad():
+        want = ReferenceExperts.ffn(x.float(), ids, weights, gate_up, down, act).float()
+        saved = [{name: getattr(p, name, None) for name in t} for p, t in zip(projs, tensors)]
+        try:
+            for p, t in zip(projs, tensors):
+                for name, v in t.items():
+                    setattr(p, name, v)
+            got = kernel.ffn(x, ids, weights, gate_up, down, act).float()
+        except RuntimeError as e:
+            warn_once(f"expert kernel {kernel.name} fails here ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+            return False
+        finally:
+            for p, s in zip(projs, saved):
+                for name, v in s.items():
+                    if v is None:
+                        delattr(p, name)
+                    else:
+                        setattr(p, name, v)
+    err = (got - want).norm() / want.norm().clamp(min=1e-6)
+    return bool(err < 2e-2)
+
+
+def prepare_experts(gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts,
+                    act_dtype: torch.dtype, kernel: str | None = None, target: Target | None = None,
+                    check: bool = True, act: str = "silu", verdicts: dict[tuple, bool] | None = None) -> str:
+    """Choose the expert kernel for this layer's projections on ``target`` (default: their device) with
+    ``act_dtype`` activations (the one ``kernel`` names where it can run them), lay out each projection's
+    tensors for it, and return its name. ``verdicts`` carries the check against the reference across
+    layers (one check a shape); ``check=False`` takes the first that supports the layer unchecked. A
+    prepared layer returns its kernel's name."""
+    projs = projections(gate_up, down)
+    if down.kernel is not None:
+        return down.kernel.name
+    target = Target.of(down.device) if target is None else target
+    named = [by_name(kernel)] if kernel is not None else []
+    choices = [k for k in named if k.supports(projs, target, act_dtype)]
+    choices += [k for k in EXPERT_KERNELS if not k.opt_in and k not in choices and k.supports(projs, target, act_dtype)]
+    verdicts = {} if verdicts is None else verdicts
+    for k in choices:
+        tensors = [k.prepare(p) for p in projs]
+        if k is ReferenceExperts or not check:
+            break
+        key = (k.name, tuple((p.scheme, p.out_features, p.in_features, p.n_experts) for p in projs), act_dtype, target)
+        if key not in verdicts:
+            verdicts[key] = _agrees(k, projs, tensors, gate_up, down, act_dtype, act)
+        if verdicts[key]:
+            break
+        warn_once(f"expert kernel {k.name} disagrees with the reference here; the experts take the next kernel")
+        del tensors
+    else:
+        k = ReferenceExperts
+        tensors = [k.prepare(p) for p in projs]
+    for p, t in zip(projs, tensors):
+        for name in set(p.canonical_names()) - set(t):
+            delattr(p, name)  # the kernel's layout replaces it: never both
+        for name, v in t.items():
+            if name in p._buffers:
+                p._buffers[name] = v
+            else:
+                p.register_buffer(name, v)
+        p.kernel = k
+        p.act_dtype = act_dtype
+    return k.name
+
