@@ -6,9 +6,14 @@ work is translation, so they should match it.
 
 Starts ``localllm serve`` (as ``bench_server.py`` does, MODEL preloaded), then for each round, each
 concurrency C and each route in turn (interleaved, so that a noisy neighbour hits every route alike):
-C clients stream the route (distinct prompts, greedy, the same ones on every route) until REQUESTS
-are done; throughput is generated tokens (the route's own usage) / wall time. Prints, and writes to
-results/bench_routes.json, each route's median throughput per concurrency and its ratio to chat's.
+C clients stream the route (distinct prompts, greedy) until REQUESTS are done; throughput is generated
+tokens (the route's own usage) / wall time. Prints, and writes to results/bench_routes.json, each
+route's median throughput per concurrency and its ratio to chat's.
+
+Every run's prompts are the same texts behind a tag of the same length that no other run shares
+(``[run 002 008 001]``: round, concurrency, route): with identical prompts the route that ran
+second would find the first one's prompt blocks in the prefix cache and prefill nothing. The order
+of the routes turns by one every round, so that none always runs first after the previous level.
 """
 
 from __future__ import annotations
@@ -118,8 +123,11 @@ def main() -> None:
         runs: dict[tuple[str, int], list[float]] = {(r, c): [] for r in routes for c in levels}
         for i in range(args.rounds):
             for c in levels:
-                for r in routes:
-                    runs[(r, c)].append(asyncio.run(level(url, r, args.model, c, texts, args.max_tokens)))
+                for k in range(len(routes)):
+                    r = routes[(i + k) % len(routes)]
+                    tag = f"[run {i:03d} {c:03d} {routes.index(r):03d}]"
+                    tagged = [f"{tag} {t}" for t in texts]
+                    runs[(r, c)].append(asyncio.run(level(url, r, args.model, c, tagged, args.max_tokens)))
             print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
     finally:
         os.kill(proc.pid, signal.SIGTERM)
