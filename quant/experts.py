@@ -206,6 +206,7 @@ class ReferenceExperts(ExpertKernel):
 #: Expert kernels in order of preference; the first that supports a layer (and agrees with the
 #: reference) runs it. Native kernels insert themselves before :class:`ReferenceExperts`.
 EXPERT_KERNELS: list[type[ExpertKernel]] = [ReferenceExperts]
+import localllm.quant.expert_kernels  # noqa: E402,F401  (inserts the native moe-blocks-cpu before the reference)
 
 
 def by_name(name: str) -> type[ExpertKernel]:

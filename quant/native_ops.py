@@ -33,9 +33,19 @@ def block_product(x: torch.Tensor, blocks: torch.Tensor, **_: object) -> torch.T
     return x.new_empty((x.shape[0], blocks.shape[0]))
 
 
+def moe_product(x: torch.Tensor, **_: object) -> torch.Tensor:
+    """(rows, hidden) in the activations' dtype: a MoE layer's experts' output for each row."""
+    return x.new_empty(x.shape)
+
+
 def tile_weights(packed: torch.Tensor, out_features: int, **_: object) -> torch.Tensor:
     """(out_features, in) fp32 from tiles of 4-bit codes (``packed``: (tiles, in/8, 64))."""
     return packed.new_empty((out_features, packed.shape[1] * 8), dtype=torch.float32)
+
+
+def weight_product(x: torch.Tensor, weight: torch.Tensor, **_: object) -> torch.Tensor:
+    """(M, rows of the weight) in the activations' dtype."""
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def block_weights(blocks: torch.Tensor, in_features: int, **_: object) -> torch.Tensor:
@@ -72,6 +82,8 @@ OPS: dict[str, Callable[..., torch.Tensor] | None] = {
     "int6k_group_mm": product,
     "int6k_group_gemm": product,
     "int6k_group_dequant": tile_weights,
+    # csrc/moe_mm.cpp: a MoE layer's experts in one call (quant.expert_kernels)
+    "moe_ffn": moe_product,
 }
 
 
@@ -106,9 +118,10 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 #: one on a GGUF tensor's own blocks (``csrc/gguf_blocks_mm.cpp``) and the opt-in ones with int8
 #: activations (``csrc/q8_mm.cpp``).
 LIBRARY = native.NativeLibrary(
-    "localllm_quant", (_CSRC / "tile_mm.cpp", _CSRC / "q8_mm.cpp", _CSRC / "gguf_blocks_mm.cpp"),
+    "localllm_quant", (_CSRC / "tile_mm.cpp", _CSRC / "q8_mm.cpp", _CSRC / "gguf_blocks_mm.cpp",
+                       _CSRC / "moe_mm.cpp", _CSRC / "float_mm.cpp"),
     tuple(OPS), register_fakes,
-    headers=(_CSRC / "panel_gemm.h", _CSRC / "fp32_vec.h", _CSRC / "parallel_rows.h"),
+    headers=(_CSRC / "panel_gemm.h", _CSRC / "fp32_vec.h", _CSRC / "parallel_rows.h", _CSRC / "gguf_blocks.h"),
 )
 
 

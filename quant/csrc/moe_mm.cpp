@@ -1,0 +1,298 @@
+// A Mixture-of-Experts layer's expert FFN in one call (localllm::moe_ffn): for x (N, D), each row's
+// top-k expert ids and routing weights, and every expert's gate, up and down projections stacked as
+// GGUF blocks (E, out, bytes), it computes
+//     y[t] = sum_j weight[t, j] * down_e (act(gate_e x[t]) * up_e x[t]),   e = ids[t, j]
+// with no Python loop over experts or tokens.
+//
+// The rows are grouped by expert first (each row once per expert that picked it, in token order), so
+// every active expert's weights are read once per call however many rows chose it (a batch of 8
+// decode rows, a prefill chunk). Work is shared among threads as (expert, 16 output rows) tasks,
+// claimed in turn (parallel_rows.h): first gate and up together (both read for the same output rows,
+// the activation applied as they finish), then down into one row a (token, slot); the slots of a token
+// are summed last, in slot order, so a row's result does not depend on the threads or on the other
+// rows of the call.
+//
+// The products are gguf_blocks.h's row kernel (the one gguf_mm runs): each block decoded once for up
+// to eight rows of an expert, the exact weights gguf.quants.dequantize gives, fp32 accumulation. An
+// expert with many rows (a long prefill) takes the fp32 panel GEMM of panel_gemm.h instead: its 16
+// output rows decoded once a panel for all its rows. localllm's canonical int4 and int8 come here as
+// Q4_1 and Q8_0 blocks holding the same values (quant/expert_kernels.py makes them).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/irange.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "gguf_blocks.h"
+#include "panel_gemm.h"
+#include "parallel_rows.h"
+
+namespace {
+
+using namespace localllm::gguf_blocks;
+
+constexpr int64_t CHUNK = 16;       // output rows a task (a panel's width)
+constexpr int64_t PANEL_ROWS = 32;  // an expert's rows from which its products take the panel GEMM
+
+enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
+
+// One projection of every expert: E experts of N output rows of K inputs in GGML type `type`, expert
+// e's rows from w + e * expert_bytes (a fused gate_up's gate and up are two views of one tensor).
+struct Proj {
+  const uint8_t* w;
+  int64_t type, K, N, row_bytes, expert_bytes;
+  Layout L;
+  const uint8_t* row(int64_t e, int64_t n) const { return w + e * expert_bytes + n * row_bytes; }
+};
+
+// Output rows [n0, n1) of expert e for M rows of x (K apart; xsum their sub-block sums, K / sub apart)
+// -> y[m * ldy + n]: the row kernel, up to MAX_M rows sharing each decoded block.
+template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB>
+void rows_t(const Proj& p, int64_t e, const float* x, const float* xsum, int64_t M, int64_t n0, int64_t n1,
+            float* y, int64_t ldy) {
+  const int64_t K = p.K, nb = K / BLOCK, nsub = K / SUB;
+  float out[MAX_M];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wn = p.row(e, n);
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+      const int64_t rows = std::min(MAX_M, M - m0);
+      localllm::panel::with_rows<MAX_M>(rows, [&](auto r) {
+        row_blocks<TYPE, BLOCK, BYTES, SUB, r>(x + m0 * K, K, xsum + m0 * nsub, nsub, wn, nb, out);
+      });
+      for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * ldy + n] = out[r];
+    }
+  }
+}
+
+void rows_dispatch(const Proj& p, int64_t e, const float* x, const float* xsum, int64_t M, int64_t n0, int64_t n1,
+                   float* y, int64_t ldy) {
+  switch (p.type) {
+#define LOCALLLM_CASE(T, B, BY, S) \
+  case T: rows_t<T, B, BY, S>(p, e, x, xsum, M, n0, n1, y, ldy); break;
+    LOCALLLM_BLOCK_TYPES(LOCALLLM_CASE)
+#undef LOCALLLM_CASE
+    default: TORCH_CHECK(false, "moe_ffn: GGML type ", p.type, " has no block kernel");
+  }
+}
+
+// Output rows [n0, n0 + 16) of expert e (those < N) for the M rows packed in xp -> y[m * ldy + n]:
+// the panel GEMM's task, run by this thread alone (panel_gemm.h's gemm, for one tile).
+template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB>
+void panel_t(const Proj& p, int64_t e, const localllm::panel::PackedRows& xp, int64_t M, int64_t n0, float* y,
+             int64_t ldy) {
+  namespace panel = localllm::panel;
+  constexpr int64_t W = panel::WIDTH;
+  constexpr int64_t kb = BLOCK >= panel::KB ? BLOCK : panel::KB / BLOCK * BLOCK;  // whole blocks
+  const int64_t K = p.K, valid = std::min(W, p.N - n0);
+  std::vector<float> rows(W * kb, 0.f), pnl(kb * W), acc(M * W);
+  for (int64_t k0 = 0; k0 < K; k0 += kb) {
+    const int64_t n = std::min(kb, K - k0);
+    decode_rows<TYPE, BLOCK, BYTES, SUB>(p.row(e, n0), p.row_bytes, valid, k0, n, rows.data(), kb);
+    panel::transpose_rows(rows.data(), kb, n, pnl.data());
+    for (int64_t g = 0; g < xp.groups(); ++g) {
+      const int64_t m0 = xp.start(g);
+      const panel::Tile buffer{acc.data() + m0 * W, M * W, W};
+      panel::tail<panel::MR, 1>(xp.size(g), xp.at(g, k0), xp.ldx(), pnl.data(), kb * W, n,
+                                k0 == 0 ? nullptr : &buffer, buffer);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) std::memcpy(y + m * ldy + n0, acc.data() + m * W, valid * sizeof(float));
+}
+
+void panel_dispatch(const Proj& p, int64_t e, const localllm::panel::PackedRows& xp, int64_t M, int64_t n0, float* y,
+                    int64_t ldy) {
+  switch (p.type) {
+#define LOCALLLM_CASE(T, B, BY, S) \
+  case T: panel_t<T, B, BY, S>(p, e, xp, M, n0, y, ldy); break;
+    LOCALLLM_BLOCK_TYPES(LOCALLLM_CASE)
+#undef LOCALLLM_CASE
+    default: TORCH_CHECK(false, "moe_ffn: GGML type ", p.type, " has no panel kernel");
+  }
+}
+
+// Sums of each row's sub-blocks of `sub` columns: x (M, K) -> (M, K / sub), for the offsets.
+std::vector<float> sub_sums(const float* x, int64_t M, int64_t K, int64_t sub) {
+  const int64_t nsub = K / sub;
+  std::vector<float> s(M * nsub);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t j = 0; j < nsub; ++j) {
+        float a = 0.f;
+        for (int64_t i = 0; i < sub; ++i) a += x[m * K + j * sub + i];
+        s[m * nsub + j] = a;
+      }
+  });
+  return s;
+}
+
+inline float activate(float g, int64_t act) {
+  if (act == GELU_TANH) {
+    const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * g * (1.f + std::tanh(k * (g + 0.044715f * g * g * g)));
+  }
+  return g / (1.f + std::exp(-g));
+}
+
+Proj checked_proj(const at::Tensor& t, int64_t type, int64_t E, int64_t K, const char* name) {
+  Layout L;
+  TORCH_CHECK(layout_of(type, L) && L.block > 1, "moe_ffn: ", name, ": GGML type ", type, " has no block kernel");
+  TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kByte && t.stride(2) == 1 && t.stride(1) == t.size(2),
+              "moe_ffn: ", name, " must be uint8 (experts, out, bytes), each expert's rows contiguous");
+  TORCH_CHECK(t.size(0) == E, "moe_ffn: ", name, " has ", t.size(0), " experts, gate has ", E);
+  TORCH_CHECK(K % L.block == 0 && t.size(2) == K / L.block * L.bytes, "moe_ffn: ", name, " rows have ", t.size(2),
+              " bytes, width ", K, " needs ", K / L.block * L.bytes);
+  TORCH_CHECK(L.sub % VS == 0, "moe_ffn: sub-blocks of ", L.sub, " are not a multiple of ", VS);
+  return {t.data_ptr<uint8_t>(), type, K, t.size(1), t.size(2), t.stride(0), L};
+}
+
+at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate,
+                   const at::Tensor& up, const at::Tensor& down, int64_t gate_type, int64_t up_type,
+                   int64_t down_type, int64_t act) {
+  TORCH_CHECK(x.dim() == 2, "moe_ffn: x must be (rows, hidden)");
+  TORCH_CHECK(act == SILU || act == GELU_TANH, "moe_ffn: activation ", act, " is not 0 (SiLU) or 1 (GELU tanh)");
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == at::kLong, "moe_ffn: ids must be int64 (",
+              T, ", k)");
+  const int64_t k = ids.size(1);
+  TORCH_CHECK(weights.sizes() == ids.sizes(), "moe_ffn: weights must be (", T, ", ", k, ") like ids");
+  TORCH_CHECK(gate.dim() == 3, "moe_ffn: gate must be (experts, out, bytes)");
+  const int64_t E = gate.size(0), I = gate.size(1);
+  const Proj pg = checked_proj(gate, gate_type, E, D, "gate");
+  const Proj pu = checked_proj(up, up_type, E, D, "up");
+  const Proj pd = checked_proj(down, down_type, E, I, "down");
+  TORCH_CHECK(pu.N == I && pd.N == D, "moe_ffn: up must have ", I, " rows a expert and down ", D);
+
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor idc = ids.contiguous();
+  const at::Tensor wf = weights.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const int64_t* idp = idc.data_ptr<int64_t>();
+  const float* wp = wf.data_ptr<float>();
+
+  // Group the (token, slot) pairs by expert, in token order within each: start[e] .. start[e + 1].
+  const int64_t A = T * k;
+  std::vector<int64_t> start(E + 1, 0), slot_row(A), row_token(A);
+  for (int64_t a = 0; a < A; ++a) {
+    TORCH_CHECK(idp[a] >= 0 && idp[a] < E, "moe_ffn: expert id ", idp[a], " is not in [0, ", E, ")");
+    ++start[idp[a] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t a = 0; a < A; ++a) {
+      const int64_t r = fill[idp[a]]++;
+      slot_row[a] = r;
+      row_token[r] = a / k;
+    }
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+
+  // The rows of x each expert multiplies, gathered (A, D), and their sub-block sums for gate and up.
+  std::vector<float> xg(A * D);
+  at::parallel_for(0, A, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) std::memcpy(xg.data() + r * D, xp + row_token[r] * D, D * sizeof(float));
+  });
+  const std::vector<float> gsum = sub_sums(xg.data(), A, D, pg.L.sub);
+  const std::vector<float> usum = pu.L.sub == pg.L.sub ? std::vector<float>() : sub_sums(xg.data(), A, D, pu.L.sub);
+  const float* usp = usum.empty() ? gsum.data() : usum.data();
+
+  // Experts with many rows take the panel GEMM: their rows packed once (PackedRows) for all their tasks.
+  const auto packed = [&](const float* rows, int64_t K) {
+    std::vector<std::unique_ptr<localllm::panel::PackedRows>> out(E);
+    for (const int64_t e : active) {
+      const int64_t M = start[e + 1] - start[e];
+      if (M >= PANEL_ROWS) out[e] = std::make_unique<localllm::panel::PackedRows>(rows + start[e] * K, M, K);
+    }
+    return out;
+  };
+  // The tasks of a projection with `out` rows: (expert, first output row), every active expert's.
+  const auto tasks_of = [&](int64_t out) {
+    std::vector<std::pair<int64_t, int64_t>> tasks;
+    for (const int64_t e : active)
+      for (int64_t n0 = 0; n0 < out; n0 += CHUNK) tasks.emplace_back(e, n0);
+    return tasks;
+  };
+
+  // Gate and up, then the activation: h (A, I).
+  std::vector<float> h(A * I);
+  {
+    const auto xpk = packed(xg.data(), D);
+    const auto tasks = tasks_of(I);
+    const int64_t n = static_cast<int64_t>(tasks.size());
+    localllm::in_turn(n, [&](const auto& claim) {
+      std::vector<float> u;
+      for (int64_t i = claim(); i < n; i = claim()) {
+        const auto [e, n0] = tasks[i];
+        const int64_t r0 = start[e], M = start[e + 1] - r0, n1 = std::min(I, n0 + CHUNK);
+        u.resize(M * CHUNK);
+        float* hg = h.data() + r0 * I;
+        if (xpk[e]) {
+          panel_dispatch(pg, e, *xpk[e], M, n0, hg, I);
+          panel_dispatch(pu, e, *xpk[e], M, n0, u.data() - n0, CHUNK);
+        } else {
+          const float* xe = xg.data() + r0 * D;
+          rows_dispatch(pg, e, xe, gsum.data() + r0 * (D / pg.L.sub), M, n0, n1, hg, I);
+          rows_dispatch(pu, e, xe, usp + r0 * (D / pu.L.sub), M, n0, n1, u.data() - n0, CHUNK);
+        }
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = n0; j < n1; ++j) hg[m * I + j] = activate(hg[m * I + j], act) * u[m * CHUNK + j - n0];
+      }
+    });
+  }
+
+  // Down: yg (A, D), one row a (token, slot).
+  std::vector<float> yg(A * D);
+  {
+    const std::vector<float> hsum = sub_sums(h.data(), A, I, pd.L.sub);
+    const auto hpk = packed(h.data(), I);
+    const auto tasks = tasks_of(D);
+    const int64_t n = static_cast<int64_t>(tasks.size());
+    localllm::in_turn(n, [&](const auto& claim) {
+      for (int64_t i = claim(); i < n; i = claim()) {
+        const auto [e, n0] = tasks[i];
+        const int64_t r0 = start[e], M = start[e + 1] - r0, n1 = std::min(D, n0 + CHUNK);
+        if (hpk[e]) {
+          panel_dispatch(pd, e, *hpk[e], M, n0, yg.data() + r0 * D, D);
+        } else {
+          rows_dispatch(pd, e, h.data() + r0 * I, hsum.data() + r0 * (I / pd.L.sub), M, n0, n1, yg.data() + r0 * D, D);
+        }
+      }
+    });
+  }
+
+  // Each token's slots weighted and summed in slot order.
+  at::Tensor y = at::empty({T, D}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* yt = yp + t * D;
+      std::fill(yt, yt + D, 0.f);
+      for (int64_t j = 0; j < k; ++j) {
+        const float w = wp[t * k + j];
+        const float* src = yg.data() + slot_row[t * k + j] * D;
+        for (int64_t d = 0; d < D; ++d) yt[d] += w * src[d];
+      }
+    }
+  });
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(localllm, m) {
+  m.def(
+      "moe_ffn(Tensor x, Tensor ids, Tensor weights, Tensor gate, Tensor up, Tensor down, int gate_type, "
+      "int up_type, int down_type, int act) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(localllm, CPU, m) { m.impl("moe_ffn", &moe_ffn); }
