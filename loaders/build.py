@@ -188,6 +188,8 @@ def fuse_projections(model: Transformer) -> Transformer:
             parts = [getattr(owner, p) for p in part_names]
             if len({getattr(m, "scheme", None) for m in parts}) > 1:
                 continue  # mixed schemes (a GGUF's q in Q4_0 beside its v kept 16-bit): kept separate
+            if getattr(parts[0], "scheme", None) is not None and parts[0].scheme.act_order:
+                continue  # each part gathers its input in an order of its own (GPTQ desc_act)
             fused = concat_linears(parts)
             fused.fused_from = tuple((p, m.out_features, m.bias is not None) for p, m in zip(part_names, parts))
             setattr(owner, fused_name, fused)

@@ -19,6 +19,7 @@ from localllm.loaders.artifact import ArtifactCheckpoint
 from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from localllm.loaders.gguf import GGUFCheckpoint
+from localllm.loaders.hub_quant import open_hf_folder
 from localllm.loaders.spec import LoadSpec
 from localllm.loaders.store import MANIFEST, Store, read_entry
 from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme, parse_scheme
@@ -82,7 +83,7 @@ def open_checkpoint(ref: str, store: Store | None = None) -> Checkpoint:
             if entry is None:
                 raise LocalLLMError(f"{path} has an unreadable manifest", "remove it and pull the model again")
             return ArtifactCheckpoint(entry)
-        return HFCheckpoint(path)
+        return open_hf_folder(path)
     if path.suffix == ".gguf":
         return GGUFCheckpoint(path)
     if path.is_file() and path.suffix in PICKLE_SUFFIXES:

@@ -269,15 +269,15 @@ def fetch(source: PullSource, notify: Notify = _silent) -> Fetched:
         return _fetch_hub_gguf(source, notify)
     if source.kind == "gguf":
         return _open_gguf(Path(source.ref), {"path": source.ref}, 0.0)
-    from localllm.loaders.checkpoint import HFCheckpoint
+    from localllm.loaders.hub_quant import open_hf_folder
 
-    ckpt = HFCheckpoint(Path(source.ref))
+    ckpt = open_hf_folder(Path(source.ref))
     return Fetched(ckpt, {"path": source.ref}, 0.0, sum(f.stat().st_size for f in ckpt.files))
 
 
 def _fetch_hub(source: PullSource, notify: Notify) -> Fetched:
     from localllm.loaders import hub
-    from localllm.loaders.checkpoint import HFCheckpoint
+    from localllm.loaders.hub_quant import open_hf_folder
 
     notify(f"pulling {source.label()}")
     t0 = time.perf_counter()
@@ -285,7 +285,7 @@ def _fetch_hub(source: PullSource, notify: Notify) -> Fetched:
     seconds = time.perf_counter() - t0
     nbytes = sum((snapshot.path / n).stat().st_size for n in snapshot.files)
     recorded = {"repo": snapshot.repo_id, "revision": snapshot.revision, "commit": snapshot.commit_sha}
-    return Fetched(HFCheckpoint(snapshot.path), recorded, seconds, nbytes, snapshot)
+    return Fetched(open_hf_folder(snapshot.path), recorded, seconds, nbytes, snapshot)
 
 
 def _fetch_hub_gguf(source: PullSource, notify: Notify) -> Fetched:

@@ -10,6 +10,17 @@ Canonical layouts (what artifacts store; kernels repack at load time):
   ``w = q * scale`` with q in -127..127.
 * ``nf4``   bitsandbytes' 4-bit NormalFloat: ``qweight`` uint8 (out, in/2) as bitsandbytes packs it
   (high nibble first), ``absmax`` fp32 (out, in/blocksize); ``w = NF4[q] * absmax``.
+* ``int4z`` int4 with integer zero points, the grid of GPTQ, AWQ and compressed-tensors' asymmetric
+  int4 (imported only, :mod:`quant.hub_formats`): ``qweight`` as int4's, ``scales`` fp16 (out, in/group),
+  ``zeros`` uint8 (out, in/group) in 0..16; ``w = (q - zero) * scale``. Its offset ``-zero * scale`` has up
+  to 4 + 11 significant bits, which fp16 offsets cannot hold (fp32 can): so the zeros are kept as
+  integers, and kernels form the offsets in fp32 (or hold the part fp16 misses beside them).
+* ``int8z`` int8 with integer zero points (GPTQ's asymmetric 8-bit, imported only): ``qweight`` uint8
+  (out, in), ``scales`` fp16 (out,) per channel or (out, in/group), ``zeros`` int16 of the same shape in
+  0..256; ``w = (q - zero) * scale``.
+* act order (``QuantScheme.act_order``, imported GPTQ ``desc_act`` layers of any of these integer
+  schemes): the input columns are stored permuted so that each group is contiguous, and ``perm`` int64
+  (in,) says which input column each stored column is; the layer multiplies ``x[..., perm]``.
 * ``fp32`` / ``fp16`` / ``bf16``: plain ``weight``.
 * ``gguf``  a GGUF tensor in its file's own blocks, for any type of :data:`GGUF_BLOCKS` (the scheme's
   ``gguf_type``): ``blocks`` uint8 (out, in / block * bytes), the file's bytes as they are. Its values
@@ -22,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -33,6 +44,8 @@ FLOAT_SCHEMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfl
 QUANT_SCHEMES = ("int8", "int4", "nf4")
 ALL_SCHEMES = (*FLOAT_SCHEMES, *QUANT_SCHEMES)
 DEFAULT_GROUP = {"int4": 32, "int8": None, "nf4": 64}
+#: Integer grids with zero points, read from the Hub's quantized formats (never a ``--quant`` choice).
+ZERO_POINT_SCHEMES = ("int4z", "int8z")
 #: The group sizes int4 takes and the block sizes nf4 takes (int8 takes any multiple of 16, or none).
 GROUP_SIZES = (32, 64, 128, 256)
 #: GGUF tensor types the ``gguf`` scheme keeps as they are: name -> (ggml type id, weights a block,
@@ -62,6 +75,8 @@ class QuantScheme:
     group_size: int | None = None  # int4: group; int8: None = per output channel; nf4: blocksize
     symmetric: bool = False  # int4 only
     gguf_type: str | None = None  # gguf only: the GGUF tensor type whose blocks it keeps ("Q4_K")
+    #: Input columns stored permuted (a GPTQ ``desc_act`` layer): a ``perm`` buffer gathers x.
+    act_order: bool = False
 
     @property
     def is_float(self) -> bool:
@@ -71,23 +86,32 @@ class QuantScheme:
         d = asdict(self)
         if d["gguf_type"] is None:
             del d["gguf_type"]  # the manifests of the other schemes, as they were
+        if not d["act_order"]:
+            del d["act_order"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "QuantScheme":
         if d["name"] == "gguf":
             return gguf_scheme(d["gguf_type"])
-        return parse_scheme(d["name"], d.get("group_size"), d.get("symmetric", False))
+        if d["name"] in ZERO_POINT_SCHEMES:
+            return zero_point_scheme(d["name"], d.get("group_size"), d.get("act_order", False))
+        scheme = parse_scheme(d["name"], d.get("group_size"), d.get("symmetric", False))
+        return replace(scheme, act_order=True) if d.get("act_order") else scheme
 
     def label(self) -> str:
+        order = ", act order" if self.act_order else ""
         if self.name == "int4":
-            return f"int4 (group {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'})"
+            return f"int4 (group {self.group_size}, {'symmetric' if self.symmetric else 'asymmetric'}{order})"
         if self.name == "int8":
-            return f"int8 ({'per channel' if self.group_size is None else f'group {self.group_size}'})"
+            return f"int8 ({'per channel' if self.group_size is None else f'group {self.group_size}'}{order})"
         if self.name == "nf4":
             return f"nf4 (block {self.group_size})"
         if self.name == "gguf":
             return f"{self.gguf_type} blocks (as in the file)"
+        if self.name in ZERO_POINT_SCHEMES:
+            group = "per channel" if self.group_size is None else f"group {self.group_size}"
+            return f"{self.name[:4]} ({group}, integer zero points{', act order' if self.act_order else ''})"
         return self.name
 
     def check_layer(self, name: str, in_features: int) -> None:
@@ -118,6 +142,19 @@ def parse_scheme(name: str, group_size: int | None = None, symmetric: bool = Fal
         raise LocalLLMError(f"nf4 block size {group} is not supported",
                             f"use {DEFAULT_GROUP['nf4']} (the default), {', '.join(others[:-1])} or {others[-1]}")
     return QuantScheme(name, group, symmetric if name == "int4" else False)
+
+
+def zero_point_scheme(name: str, group_size: int | None, act_order: bool = False) -> QuantScheme:
+    """An imported integer grid with zero points (``int4z``: any even group; ``int8z``: a group, or
+    None for per channel), optionally with its input columns in act order."""
+    if name not in ZERO_POINT_SCHEMES:
+        raise LocalLLMError(f"unknown zero-point scheme '{name}'", f"use one of {', '.join(ZERO_POINT_SCHEMES)}")
+    if name == "int4z" and (group_size is None or group_size <= 0 or group_size % 2):
+        raise LocalLLMError(f"int4 with zero points needs an even group size, not {group_size}",
+                            "the checkpoint's quantization_config is damaged")
+    if group_size is not None and group_size <= 0:
+        raise LocalLLMError(f"group size {group_size} is not supported", "the checkpoint's quantization_config is damaged")
+    return QuantScheme(name, group_size, False, None, act_order)
 
 
 def gguf_scheme(type_name: str) -> QuantScheme:
@@ -234,6 +271,14 @@ def dequantize(t: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dty
             return (q * s[:, None]).to(dtype)
         out, inp = q.shape
         return (q.view(out, s.shape[1], -1) * s[..., None]).view(out, inp).to(dtype)
+    if scheme.name in ZERO_POINT_SCHEMES:
+        q = unpack_int4(t["qweight"]) if scheme.name == "int4z" else t["qweight"]
+        out, inp = q.shape
+        s, z = t["scales"].float(), t["zeros"].float()
+        groups = 1 if s.dim() == 1 else s.shape[1]
+        # (q - z) * s: an integer of at most 9 bits times an fp16 scale, exact in fp32
+        w = (q.float().view(out, groups, -1) - z.view(out, groups, 1)) * s.view(out, groups, 1)
+        return w.view(out, inp).to(dtype)
     if scheme.name == "nf4":
         packed = t["qweight"]
         out = packed.shape[0]
@@ -251,6 +296,11 @@ def dequantize(t: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dty
     raise LocalLLMError(f"unknown quantization scheme '{scheme.name}'")
 
 
+def act_order_shapes(scheme: QuantScheme, inp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The ``perm`` buffer of a layer whose input columns are stored in act order (else nothing)."""
+    return {"perm": ((inp,), torch.int64)} if scheme.act_order else {}
+
+
 def canonical_shapes(scheme: QuantScheme, out: int, inp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Names, shapes and dtypes of the canonical tensors of an (out, in) weight."""
     g = scheme.group_size
@@ -258,10 +308,16 @@ def canonical_shapes(scheme: QuantScheme, out: int, inp: int) -> dict[str, tuple
         return {"weight": ((out, inp), FLOAT_SCHEMES[scheme.name])}
     if scheme.name == "int4":
         return {"qweight": ((out, inp // 2), torch.uint8), "scales": ((out, inp // g), torch.float16),  # type: ignore[operator]
-                "offsets": ((out, inp // g), torch.float16)}  # type: ignore[operator]
+                "offsets": ((out, inp // g), torch.float16), **act_order_shapes(scheme, inp)}  # type: ignore[operator]
     if scheme.name == "int8":
         return {"qweight": ((out, inp), torch.int8),
-                "scales": (((out,) if g is None else (out, inp // g)), torch.float16)}
+                "scales": (((out,) if g is None else (out, inp // g)), torch.float16), **act_order_shapes(scheme, inp)}
     if scheme.name == "gguf":
         return {"blocks": ((out, gguf_row_bytes(scheme.gguf_type, inp)), torch.uint8)}  # type: ignore[arg-type]
+    if scheme.name in ZERO_POINT_SCHEMES:
+        per = (out,) if g is None else (out, inp // g)
+        four = scheme.name == "int4z"
+        shapes = {"qweight": ((out, inp // 2) if four else (out, inp), torch.uint8),
+                  "scales": (per, torch.float16), "zeros": (per, torch.uint8 if four else torch.int16)}
+        return {**shapes, **act_order_shapes(scheme, inp)}
     return {"qweight": ((out, inp // 2), torch.uint8), "absmax": ((out, inp // g), torch.float32)}  # type: ignore[operator]

@@ -39,9 +39,10 @@ class QuantLinear(nn.Module):
         self.act_dtype = torch.bfloat16
 
     def canonical(self) -> dict[str, torch.Tensor]:
-        """The canonical tensors (valid until :meth:`prepare` drops them for a kernel layout)."""
+        """The canonical tensors of the weight (valid until :meth:`prepare` drops them for a kernel
+        layout). An act-order layer's ``perm`` is not among them: it stays, and :meth:`forward` applies it."""
         names = canonical_shapes(self.scheme, self.out_features, self.in_features)
-        return {n: getattr(self, n) for n in names}
+        return {n: getattr(self, n) for n in names if n != "perm"}
 
     def prepare(self, act_dtype: torch.dtype, kernel: str | None = None,
                 verdicts: dict[tuple, bool] | None = None, target: Target | None = None,
@@ -133,6 +134,8 @@ class QuantLinear(nn.Module):
         if self.kernel is None:
             raise RuntimeError("QuantLinear used before prepare()")
         shape = x.shape
+        if self.scheme.act_order:  # the stored columns are the input's in act order (quant.formats)
+            x = x.index_select(-1, self.perm)
         y = self.kernel.matmul(self, x.reshape(-1, shape[-1]).to(self.act_dtype))
         y = y.view(*shape[:-1], self.out_features).to(x.dtype)
         return y + self.bias if self.bias is not None else y

@@ -128,3 +128,47 @@ class Int4GroupCPU(Kernel):
         ops = torch.ops.localllm
         op = ops.int4_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int4_group_gemm
         return op(x, layer.packed, layer.tile_scales, layer.tile_offsets, g, n)
+
+
+class Int4ZerosCPU(Int4GroupCPU):
+    """int4 with integer zero points (``int4z``: GPTQ, AWQ, compressed-tensors' asymmetric int4) on
+    :class:`Int4GroupCPU`'s C++ kernel, exactly: ``w = (q - z) * s`` is ``q * s + o`` with ``o = -z * s``,
+    exact in fp32 but not always in the kernel's fp16 offsets. The kernel takes ``o`` rounded to fp16, and
+    the remainder ``o - fp16(o)`` (exact in fp32; zero where fp16 held ``o``) multiplies each group's
+    sum of activations in fp32 beside it, as the kernel multiplies its offsets: the product with the
+    exact weights, up to summation order. ``residual`` fp32 (out, in/group) exists only when some
+    offset needed it."""
+
+    name = "int4z-group-cpu"
+    scheme = "int4z"
+
+    @staticmethod
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        if layer.scheme.name != "int4z":
+            return "runs int4 weights with zero points only"
+        if layer.scheme.group_size % 8:
+            return f"needs a group that is a multiple of 8, not {layer.scheme.group_size}"
+        return native_cpu_unsupported(target, act_dtype)
+
+    @staticmethod
+    def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
+        c = layer.canonical()
+        s = c["scales"].float()
+        offsets = -c["zeros"].float() * s  # (out, groups): exact in fp32
+        half = offsets.half()
+        tensors = Int4GroupCPU.pack({"qweight": c["qweight"], "scales": c["scales"], "offsets": half}, rows)
+        residual = offsets - half.float()
+        if not torch.isfinite(half).all():
+            raise ValueError("int4 offsets beyond fp16's range")
+        if residual.any():
+            tensors["residual"] = residual
+        return tensors
+
+    @staticmethod
+    def matmul(layer, x):  # type: ignore[no-untyped-def]
+        y = Int4GroupCPU.matmul(layer, x)
+        residual = getattr(layer, "residual", None)
+        if residual is None:
+            return y
+        sums = x.float().view(x.shape[0], residual.shape[1], -1).sum(-1)  # (M, groups)
+        return (y.float() + sums @ residual.t()).to(y.dtype)

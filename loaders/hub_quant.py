@@ -1,0 +1,343 @@
+"""Checkpoints quantized on the Hub: which format ``quantization_config`` in ``config.json`` names (never
+a file name), and each quantized linear's packed tensors as localllm's canonical ones, exactly.
+
+Read: GPTQ (``quant_method: gptq``: 4 and 8 bits, any group or per channel, symmetric or not,
+``desc_act`` with ``g_idx``, ``checkpoint_format`` gptq (v1: stored zeros are z - 1) or gptq_v2), AWQ
+(``quant_method: awq``, ``version: gemm``) and compressed-tensors (``pack-quantized`` and
+``naive-quantized`` int4 / int8 weights, group, channel or tensor scales, with or without zero points).
+The grid each lands on is :mod:`quant.hub_formats`' (int4, int8, or int4 / int8 with integer zero
+points). Refused, with one line naming the format and what to pull instead: EXL2, EXL3, HQQ,
+bitsandbytes, FP8, activation-quantized or sparse compressed-tensors, other GPTQ / AWQ packings, and
+any format this module does not know.
+
+Which linears are quantized is read from the tensors themselves (a module with a ``qweight`` or
+``weight_packed``, or compressed-tensors' ``weight_scale``); the others are float and load as such.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from localllm.errors import LocalLLMError
+from localllm.loaders.checkpoint import FUSED, HFCheckpoint, map_hf_name, split_fused
+from localllm.loaders.safetensors_stream import iter_safetensors, read_header
+from localllm.quant.convert import Plan, quantize_stream
+from localllm.quant.formats import QuantScheme, dequantize
+from localllm.quant import hub_formats
+
+#: quant_method values localllm refuses, as their users know them.
+REFUSED = {"exl2": "EXL2", "exl3": "EXL3", "hqq": "HQQ", "bitsandbytes": "bitsandbytes",
+           "fp8": "FP8", "fbgemm_fp8": "FP8 (fbgemm)", "aqlm": "AQLM", "quanto": "quanto", "eetq": "EETQ",
+           "higgs": "HIGGS", "vptq": "VPTQ", "torchao": "torchao", "mxfp4": "MXFP4", "spqr": "SpQR",
+           "bitnet": "BitNet", "gptqmodel": "GPTQModel"}
+#: The tensors of one quantized linear, by format (the first names the module as quantized).
+LEAVES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
+          "pack-quantized": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"),
+          "naive-quantized": ("weight_scale", "weight", "weight_zero_point", "weight_g_idx")}
+
+
+def _instead(hf_config: dict[str, Any]) -> str:
+    base = hf_config.get("_name_or_path") or ""
+    named = f" ({base} is named as its source)" if base and "/" in str(base) else ""
+    return f"pull the model's float repo{named} or a GGUF file of it"
+
+
+def refuse(what: str, hf_config: dict[str, Any]) -> LocalLLMError:
+    return LocalLLMError(f"this checkpoint holds {what} weights, which localllm does not read", _instead(hf_config))
+
+
+@dataclass(frozen=True)
+class HubQuant:
+    """A Hub quantization format as ``quantization_config`` describes it."""
+
+    method: str  # "gptq", "awq", "compressed-tensors"
+    bits: int
+    group: int | None  # None: one scale per output channel (or per tensor)
+    symmetric: bool
+    act_order: bool
+    #: gptq: "gptq" (v1 zeros, z - 1 stored) or "gptq_v2"; awq: "gemm"; compressed-tensors: its format
+    variant: str
+    strategy: str = "group"  # compressed-tensors: group, channel or tensor
+
+    @property
+    def leaves(self) -> tuple[str, ...]:
+        return LEAVES[self.method if self.method != "compressed-tensors" else self.variant]
+
+    def label(self) -> str:
+        """``GPTQ 4-bit, group 128, symmetric, act order (v1 zeros)``."""
+        name = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors"}[self.method]
+        group = f"group {self.group}" if self.group else f"per {'tensor' if self.strategy == 'tensor' else 'channel'}"
+        parts = [f"{name} {self.bits}-bit", group, "symmetric" if self.symmetric else "zero points"]
+        if self.act_order:
+            parts.append("act order")
+        extra = {"gptq": " (v1 zeros)", "gptq_v2": " (v2 zeros)", "gemm": " (GEMM)"}.get(self.variant, f" ({self.variant})")
+        return ", ".join(parts) + extra
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "label": self.label()}
+
+    def scheme(self, in_features: int) -> QuantScheme:
+        """The localllm scheme a linear of ``in_features`` inputs lands on exactly."""
+        return hub_formats.int_scheme(self.bits, self.group, self.symmetric, in_features, self.act_order)
+
+
+def read_hub_quant(hf_config: dict[str, Any]) -> HubQuant | None:
+    """The format ``config.json``'s ``quantization_config`` names (None: a float checkpoint); raises a
+    one-line refusal for a format localllm does not read."""
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise LocalLLMError("config.json's quantization_config is not an object", "the checkpoint is damaged")
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "gptq":
+        return _gptq(qc, hf_config)
+    if method == "awq":
+        return _awq(qc, hf_config)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, hf_config)
+    if method in REFUSED:
+        raise refuse(REFUSED[method], hf_config)
+    raise refuse(f"'{method or 'unnamed'}'-quantized (a format localllm does not know)", hf_config)
+
+
+def _group(value: Any) -> int | None:
+    g = int(value) if value is not None else -1
+    return None if g <= 0 else g
+
+
+def _gptq(qc: dict[str, Any], hf_config: dict[str, Any]) -> HubQuant:
+    bits = int(qc.get("bits", 4))
+    fmt = str(qc.get("checkpoint_format", qc.get("format", "gptq"))).lower()
+    if qc.get("is_marlin_format") or fmt not in ("gptq", "gptq_v2"):
+        raise refuse(f"GPTQ ({fmt if fmt != 'gptq' else 'marlin'}-packed)", hf_config)
+    if bits not in (4, 8):
+        raise refuse(f"{bits}-bit GPTQ", hf_config)
+    if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+        raise refuse(f"GPTQ packed in {qc.get('pack_dtype')}", hf_config)
+    return HubQuant("gptq", bits, _group(qc.get("group_size", 128)), bool(qc.get("sym", True)),
+                    bool(qc.get("desc_act", False)), fmt)
+
+
+def _awq(qc: dict[str, Any], hf_config: dict[str, Any]) -> HubQuant:
+    version = str(qc.get("version", "gemm")).lower()
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    if version != "gemm":
+        raise refuse(f"AWQ ({version} packing)", hf_config)
+    if bits != 4 or not qc.get("zero_point", True):
+        raise refuse(f"AWQ {bits}-bit{'' if qc.get('zero_point', True) else ' without zero points'}", hf_config)
+    return HubQuant("awq", 4, _group(qc.get("group_size", qc.get("q_group_size", 128))), False, False, "gemm")
+
+
+def _compressed_tensors(qc: dict[str, Any], hf_config: dict[str, Any]) -> HubQuant:
+    groups = list((qc.get("config_groups") or {}).values())
+    if qc.get("sparsity_config"):
+        raise refuse("sparse compressed-tensors", hf_config)
+    if not groups:
+        raise LocalLLMError("compressed-tensors config has no config_groups", "the checkpoint is damaged")
+    weights = [g.get("weights") or {} for g in groups]
+    if any(w != weights[0] for w in weights[1:]):
+        raise refuse("compressed-tensors with several weight schemes", hf_config)
+    w = weights[0]
+    fmt = str(groups[0].get("format") or qc.get("format") or "").lower()
+    kind = str(w.get("type", "int")).lower()
+    if kind != "int":
+        raise refuse(f"compressed-tensors {kind} ({fmt})", hf_config)
+    if any(g.get("input_activations") for g in groups):
+        raise refuse(f"compressed-tensors with quantized activations ({fmt})", hf_config)
+    if fmt not in ("pack-quantized", "naive-quantized"):
+        raise refuse(f"compressed-tensors {fmt}", hf_config)
+    bits = int(w.get("num_bits", 4))
+    strategy = str(w.get("strategy", "group")).lower()
+    if bits not in (4, 8) or strategy not in ("group", "channel", "tensor"):
+        raise refuse(f"compressed-tensors {bits}-bit with {strategy} scales", hf_config)
+    group = _group(w.get("group_size")) if strategy == "group" else None
+    if strategy == "group" and group is None:
+        raise LocalLLMError("compressed-tensors group strategy without a group size", "the checkpoint is damaged")
+    act_order = str(w.get("actorder") or "").lower() == "group"
+    return HubQuant("compressed-tensors", bits, group, bool(w.get("symmetric", True)), act_order, fmt, strategy)
+
+
+def layer_canonical(hq: HubQuant, t: dict[str, torch.Tensor], scheme: QuantScheme,
+                    what: str) -> dict[str, torch.Tensor]:
+    """One quantized linear's tensors (by leaf name) -> ``scheme``'s canonical tensors, exactly."""
+    if hq.method == "gptq":
+        q, z, s = hub_formats.gptq_codes(t["qweight"], t["qzeros"], t["scales"], hq.bits, hq.variant == "gptq")
+        g_idx = t.get("g_idx")
+    elif hq.method == "awq":
+        q, z, s = hub_formats.awq_codes(t["qweight"], t["qzeros"], t["scales"])
+        g_idx = None
+    else:
+        packed = hq.variant == "pack-quantized"
+        values = t["weight_packed"] if packed else t["weight"]
+        shape = tuple(int(v) for v in t["weight_shape"]) if packed else tuple(values.shape)
+        q, z, s = hub_formats.ct_codes(values, t["weight_scale"], t.get("weight_zero_point"), hq.bits,
+                                       shape, packed)  # type: ignore[arg-type]
+        g_idx = t.get("weight_g_idx")
+    inp = q.shape[1]
+    if inp % s.shape[1]:
+        raise LocalLLMError(f"{what}: {s.shape[1]} scale groups do not divide {inp} inputs", "the checkpoint is damaged")
+    perm = hub_formats.group_order(g_idx, inp, inp // s.shape[1], what)
+    return hub_formats.to_canonical(q, z, s, scheme, hq.bits, perm, what)
+
+
+def float_weight(canonical: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    """The exact weight (out, in) in fp32, the input columns in their own order."""
+    w = dequantize(canonical, scheme, torch.float32)
+    if not scheme.act_order:
+        return w
+    out = torch.empty_like(w)
+    out[:, canonical["perm"]] = w  # stored column j is input column perm[j]
+    return out
+
+
+@dataclass
+class _Packed:
+    """One quantized linear of the file: its tensors' leaf names, its width, and our names for it."""
+
+    leaves: set[str]
+    in_features: int
+    ours: list[tuple[str, int]] = field(default_factory=list)  # (our module, output rows), in row order
+
+
+class HubQuantCheckpoint(HFCheckpoint):
+    """A Hugging Face folder whose linears are quantized in a Hub format (:func:`read_hub_quant`)."""
+
+    def __init__(self, folder: Path, hub: HubQuant) -> None:
+        super().__init__(folder)
+        self.hub = hub
+        self.packed = self._scan()
+        if not self.packed:
+            raise LocalLLMError(f"{folder}: config.json says {hub.label()}, but no tensor is quantized",
+                                "the checkpoint does not match its config")
+
+    def _scan(self) -> dict[str, _Packed]:
+        """The quantized linears, from the headers alone: module -> its leaves, width, our names."""
+        leaves: dict[str, dict[str, tuple[int, ...]]] = {}
+        for path in self.files:
+            header, _ = read_header(path)
+            for key, info in header.items():
+                module, _, leaf = key.rpartition(".")
+                if leaf in self.hub.leaves:
+                    leaves.setdefault(module, {})[leaf] = tuple(info["shape"])
+        first = self.hub.leaves[0]
+        packed: dict[str, _Packed] = {}
+        for module, found in leaves.items():
+            if first not in found:
+                continue  # a float linear's plain weight (naive-quantized shares the name)
+            packed[module] = _Packed(set(found), self._width(found), self._ours(module))
+        return packed
+
+    def _width(self, shapes: dict[str, tuple[int, ...]]) -> int:
+        h = self.hub
+        if h.method == "gptq":
+            return shapes["qweight"][0] * 32 // h.bits
+        if h.method == "awq":
+            return shapes["qweight"][0]
+        if h.variant == "pack-quantized":
+            return shapes["weight_packed"][1] * 32 // h.bits
+        return shapes["weight"][1]
+
+    def _ours(self, module: str) -> list[tuple[str, int]]:
+        m = module.split(".")
+        suffix = ".".join(m[3:]) + ".weight" if len(m) > 3 else ""
+        if suffix in FUSED:
+            c = self.config
+            rows = [c.q_dim, c.kv_dim, c.kv_dim] if len(FUSED[suffix]) == 3 else [c.intermediate_size] * 2
+            layer = ".".join(m[1:3])
+            return [(f"{layer}.{p.rpartition('.')[0]}", r) for p, r in zip(FUSED[suffix], rows)]
+        ours = map_hf_name(f"{module}.weight", self.config.arch)
+        return [] if ours is None else [(ours.rpartition(".")[0], 0)]
+
+    def module_schemes(self) -> dict[str, QuantScheme]:
+        """Our module -> the scheme its tensors land on exactly."""
+        return {ours: self.hub.scheme(p.in_features) for p in self.packed.values() for ours, _ in p.ours}
+
+    # -------------------------------------------------------------- the Checkpoint interface
+    def default_scheme(self) -> QuantScheme | None:
+        """The scheme most of the quantized linears land on (the others are the plan's overrides)."""
+        schemes = list(self.module_schemes().values())
+        return max(set(schemes), key=schemes.count)
+
+    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
+        """A quantized head (GPTQ's ``lm_head: true``) keeps its grid; a float one stays float."""
+        return self.module_schemes().get("output") if scheme is not None else None
+
+    def exact_plan(self, plan: Plan) -> Plan:
+        """Each planned module in the scheme its own tensors import into exactly; a module the file
+        keeps in float stays float (never rounded onto a grid it does not have)."""
+        own = self.module_schemes()
+        return {m: own[m] for m in plan if m in own}
+
+    def iter_tensors(self, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
+        """(our name, tensor) pairs, each quantized linear as its exact fp32 weight; ``keep``: only the
+        tensors whose name in the file it accepts."""
+        return self._stream({}, keep)
+
+    def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors for a model holding ``plan``'s schemes: a quantized linear planned in the scheme it
+        lands on exactly comes as its canonical tensors; one planned in another scheme (``--quant``
+        naming it) is quantized from its exact values; everything else as it is."""
+        return quantize_stream(self._stream(plan), plan, tied_head)
+
+    def _stream(self, plan: Plan, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for path in self.files:
+            for key, tensor in iter_safetensors(path):
+                if keep is not None and not keep(key):
+                    continue
+                module, _, leaf = key.rpartition(".")
+                p = self.packed.get(module)
+                if p is None or leaf not in p.leaves:
+                    yield from self._plain(key, tensor)
+                    continue
+                parts = pending.setdefault(module, {})
+                parts[leaf] = tensor
+                del tensor
+                if set(parts) == p.leaves:
+                    yield from self._layer(module, p, pending.pop(module), plan)
+        if pending:
+            raise LocalLLMError(f"{self.folder}: quantized layer {next(iter(pending))} lacks tensors",
+                                "download the model again")
+
+    def _plain(self, key: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        parts = split_fused(key, tensor, self.config)
+        if parts is not None:
+            yield from parts
+            return
+        ours = map_hf_name(key, self.config.arch)
+        if ours is not None:
+            yield ours, tensor
+
+    def _layer(self, module: str, p: _Packed, tensors: dict[str, torch.Tensor],
+               plan: Plan) -> Iterator[tuple[str, torch.Tensor]]:
+        scheme = self.hub.scheme(p.in_features)
+        canonical = layer_canonical(self.hub, tensors, scheme, module)
+        del tensors
+        start = 0
+        for ours, rows in p.ours:
+            n = rows or next(iter(canonical.values())).shape[0]
+            part = {k: (v if k == "perm" else v[start : start + n]) for k, v in canonical.items()}
+            start += n
+            if plan.get(ours) == scheme:
+                yield from ((f"{ours}.{k}", v.contiguous()) for k, v in part.items())
+            else:
+                yield f"{ours}.weight", float_weight(part, scheme)
+
+
+def open_hf_folder(folder: Path) -> HFCheckpoint:
+    """A Hugging Face model folder: float, or quantized in a Hub format its config names."""
+    config = folder / "config.json"
+    hub = None
+    if config.is_file():
+        try:
+            hub = read_hub_quant(json.loads(config.read_text()))
+        except (OSError, ValueError):
+            hub = None  # HFCheckpoint names an unreadable config
+    return HFCheckpoint(folder) if hub is None else HubQuantCheckpoint(folder, hub)
