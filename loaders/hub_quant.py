@@ -341,3 +341,9 @@ def open_hf_folder(folder: Path) -> HFCheckpoint:
         except (OSError, ValueError):
             hub = None  # HFCheckpoint names an unreadable config
     return HFCheckpoint(folder) if hub is None else HubQuantCheckpoint(folder, hub)
+
+
+def source_format(ckpt: Any) -> dict[str, Any]:
+    """``{"format": {...}}`` for a Hub-quantized checkpoint (what a manifest's ``source`` records:
+    method, bits, group, symmetric, act order, variant, label), else nothing."""
+    return {"format": ckpt.hub.to_dict()} if isinstance(ckpt, HubQuantCheckpoint) else {}

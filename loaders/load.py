@@ -146,8 +146,8 @@ def choose_scheme(ckpt: Checkpoint, quant: str | None, group_size: int | None) -
         if group_size is not None and own is not None:
             return parse_scheme(own.name, group_size, own.symmetric)
         return own
-    if group_size is None and own is not None and own.name == quant:
-        return own
+    if group_size is None and own is not None and own.name in (quant, f"{quant}z"):
+        return own  # int4 asked of a Hub repo whose 4-bit grid has zero points (int4z): its own, exactly
     return parse_scheme(quant, group_size)
 
 

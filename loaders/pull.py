@@ -180,6 +180,7 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
         return PullResult(kept, kept=True)
     fetched = fetch(source, notify)
     from localllm.loaders.convert import convert_to_store
+    from localllm.loaders.hub_quant import source_format
     from localllm.loaders.load import choose_scheme
     from localllm.quant.formats import parse_scheme
 
@@ -189,8 +190,16 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
         kept = _already_stored(store, name, source, options, notify)  # another pull may have finished meanwhile
         if kept is not None:
             return PullResult(kept, kept=True)
-        notify(f"quantizing to {scheme.label()}...")
-        entry, quantize_s = convert_to_store(fetched.ckpt, scheme, name, store, fetched.source, options.quant_head)
+        hub_format = source_format(fetched.ckpt)  # a Hub-quantized repo's format, for the manifest
+        if not hub_format:
+            notify(f"quantizing to {scheme.label()}...")
+        elif scheme == fetched.ckpt.default_scheme():
+            notify(f"storing its {hub_format['format']['label']} weights as {scheme.label()}, exactly...")
+        else:
+            notify(f"re-quantizing its {hub_format['format']['label']} weights to {scheme.label()} from their "
+                   "exact values...")
+        entry, quantize_s = convert_to_store(fetched.ckpt, scheme, name, store, {**fetched.source, **hub_format},
+                                             options.quant_head)
     freed = None
     if options.prune:
         if fetched.snapshot is None:

@@ -21,6 +21,9 @@ from localllm.loaders.hub_quant import HubQuant, float_weight, layer_canonical, 
 from localllm.quant.formats import QuantScheme, dequantize
 from localllm.quant.linear import QuantLinear
 from tests.conftest import make_hf_model, write_tiny_tokenizer
+from tests.hub_server import HubServer, hub_fixture
+
+__all__ = ["hub_fixture"]  # the `hub` fixture: a Hub-protocol server, the client pointed at it
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -388,3 +391,39 @@ def test_quantized_repo_loads_with_the_reference_logits(tmp_path, fmt, scheme_na
     quantized = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert len(quantized) >= 2 * 4  # fused q/k/v and gate/up where the scheme allows
     assert all(m.scheme.name == scheme_name for m in quantized)
+
+
+def test_pull_gptq_repo_stores_its_grid_and_runs_with_the_reference_logits(hub: HubServer, tmp_path):
+    """Through the Hub protocol: pulled without re-quantizing, the manifest naming the format, and the
+    stored model's logits those of transformers holding the dequantized weights."""
+    from localllm.loaders.load import load_model
+    from localllm.loaders.pull import PullOptions, parse_source, pull_model
+    from localllm.loaders.store import Store
+
+    (tmp_path / "repo").mkdir()
+    folder, ref = _quantized_folder(tmp_path / "repo", "gptq")
+    hub.add_repo("org/tiny-GPTQ", folder)
+    store = Store(tmp_path / "home")
+    notes: list[str] = []
+    entry = pull_model(parse_source("org/tiny-GPTQ"), PullOptions(), store, notes.append).entry
+    source, quant = entry.manifest["source"], entry.manifest["quant"]
+    assert source["repo"] == "org/tiny-GPTQ" and source["format"]["method"] == "gptq"
+    assert source["format"]["label"] == "GPTQ 4-bit, group 32, symmetric, act order (v1 zeros)"
+    assert quant["scheme"] == {"name": "int4", "group_size": 32, "symmetric": True, "act_order": True}
+    assert any("exactly" in n for n in notes) and not any("re-quantiz" in n for n in notes)
+    loaded = load_model(entry.ref, store=store, device="cpu", dtype="fp32")
+    with torch.no_grad():  # a quantized entry stores its float tensors (embedding, norms, head) in bf16
+        for name, p in ref.named_parameters():
+            if not name.endswith("proj.weight"):
+                p.copy_(p.bfloat16().float())
+    ids = torch.randint(3, 384, (1, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = loaded.model(ids)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+    # another scheme named: re-quantized from the exact values, and said so
+    notes.clear()
+    entry8 = pull_model(parse_source("org/tiny-GPTQ"), PullOptions("int8"), store, notes.append).entry
+    assert entry8.manifest["quant"]["scheme"]["name"] == "int8"
+    assert any("re-quantizing its GPTQ 4-bit" in n for n in notes)

@@ -142,6 +142,8 @@ def show_text(facts: dict[str, Any]) -> str:
     source_rows = ([("repo", src["repo"]), ("revision", src.get("revision") or "main"), ("commit", src.get("commit") or "?")]
                    if src.get("repo") else [("path", src.get("path", "?"))])
     source_rows += [(k, src[k]) for k in ("file", "sha256") if src.get(k)]
+    if src.get("format"):  # a Hub-quantized repo: its format, as read from its quantization_config
+        source_rows.append(("format", src["format"]["label"]))
     sections = {
         "Model": [("name", facts["name"] or "(not stored)"), ("architecture", facts["architecture"]),
                   ("parameters", human_count(facts["parameters"])), ("context length", facts["context_length"]),
