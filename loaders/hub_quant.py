@@ -3,11 +3,13 @@ a file name), and each quantized linear's packed tensors as localllm's canonical
 
 Read: GPTQ (``quant_method: gptq``: 4 and 8 bits, any group or per channel, symmetric or not,
 ``desc_act`` with ``g_idx``, ``checkpoint_format`` gptq (v1: stored zeros are z - 1) or gptq_v2), AWQ
-(``quant_method: awq``, ``version: gemm``) and compressed-tensors (``pack-quantized`` and
-``naive-quantized`` int4 / int8 weights, group, channel or tensor scales, with or without zero points).
+(``quant_method: awq``, ``version: gemm``), compressed-tensors (``pack-quantized`` and
+``naive-quantized`` int4 / int8 weights, group, channel or tensor scales, with or without zero points)
+and bitsandbytes' serialized 4-bit NormalFloat (``load_in_4bit``, nf4, its absmax double-quantized or not:
+onto the ``nf4`` scheme, whose kernel is bitsandbytes' own).
 The grid each lands on is :mod:`quant.hub_formats`' (int4, int8, or int4 / int8 with integer zero
 points). Refused, with one line naming the format and what to pull instead: EXL2, EXL3, HQQ,
-bitsandbytes, FP8, activation-quantized or sparse compressed-tensors, other GPTQ / AWQ packings, and
+bitsandbytes fp4 and 8-bit, FP8, activation-quantized or sparse compressed-tensors, other GPTQ / AWQ packings, and
 any format this module does not know.
 
 Which linears are quantized is read from the tensors themselves (a module with a ``qweight`` or
@@ -28,18 +30,22 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.checkpoint import FUSED, HFCheckpoint, map_hf_name, split_fused
 from localllm.loaders.safetensors_stream import iter_safetensors, read_header
 from localllm.quant.convert import Plan, quantize_stream
-from localllm.quant.formats import QuantScheme, dequantize
+from localllm.quant.formats import QuantScheme, dequantize, parse_scheme
 from localllm.quant import hub_formats
 
 #: quant_method values localllm refuses, as their users know them.
-REFUSED = {"exl2": "EXL2", "exl3": "EXL3", "hqq": "HQQ", "bitsandbytes": "bitsandbytes",
+REFUSED = {"exl2": "EXL2", "exl3": "EXL3", "hqq": "HQQ",
            "fp8": "FP8", "fbgemm_fp8": "FP8 (fbgemm)", "aqlm": "AQLM", "quanto": "quanto", "eetq": "EETQ",
            "higgs": "HIGGS", "vptq": "VPTQ", "torchao": "torchao", "mxfp4": "MXFP4", "spqr": "SpQR",
            "bitnet": "BitNet", "gptqmodel": "GPTQModel"}
 #: The tensors of one quantized linear, by format (the first names the module as quantized).
 LEAVES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
           "pack-quantized": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"),
-          "naive-quantized": ("weight_scale", "weight", "weight_zero_point", "weight_g_idx")}
+          "naive-quantized": ("weight_scale", "weight", "weight_zero_point", "weight_g_idx"),
+          "bitsandbytes": ("weight.quant_state.bitsandbytes__nf4", "weight", "weight.absmax", "weight.quant_map",
+                           "weight.nested_absmax", "weight.nested_quant_map")}
+#: bitsandbytes' serialized quant state of a 4-bit type other than NormalFloat.
+_BNB_OTHER_STATE = "weight.quant_state.bitsandbytes__fp4"
 
 
 def _instead(hf_config: dict[str, Any]) -> str:
@@ -64,13 +70,25 @@ class HubQuant:
     #: gptq: "gptq" (v1 zeros, z - 1 stored) or "gptq_v2"; awq: "gemm"; compressed-tensors: its format
     variant: str
     strategy: str = "group"  # compressed-tensors: group, channel or tensor
+    double_quant: bool = False  # bitsandbytes: the config asks for double-quantized absmax
 
     @property
     def leaves(self) -> tuple[str, ...]:
         return LEAVES[self.method if self.method != "compressed-tensors" else self.variant]
 
+    def split(self, key: str) -> tuple[str, str]:
+        """A tensor's name -> (its module, its leaf): bitsandbytes' quant state hangs off the weight
+        (``q_proj.weight.absmax``), every other format's tensors off the module (``q_proj.qweight``)."""
+        if self.method == "bitsandbytes" and ".weight." in key:
+            module, _, rest = key.partition(".weight.")
+            return module, f"weight.{rest}"
+        module, _, leaf = key.rpartition(".")
+        return module, leaf
+
     def label(self) -> str:
         """``GPTQ 4-bit, group 128, symmetric, act order (v1 zeros)``."""
+        if self.method == "bitsandbytes":
+            return f"bitsandbytes 4-bit NormalFloat{', double-quantized absmax' if self.double_quant else ''}"
         name = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors"}[self.method]
         group = f"group {self.group}" if self.group else f"per {'tensor' if self.strategy == 'tensor' else 'channel'}"
         parts = [f"{name} {self.bits}-bit", group, "symmetric" if self.symmetric else "zero points"]
@@ -102,6 +120,8 @@ def read_hub_quant(hf_config: dict[str, Any]) -> HubQuant | None:
         return _awq(qc, hf_config)
     if method == "compressed-tensors":
         return _compressed_tensors(qc, hf_config)
+    if method == "bitsandbytes":
+        return _bitsandbytes(qc, hf_config)
     if method in REFUSED:
         raise refuse(REFUSED[method], hf_config)
     raise refuse(f"'{method or 'unnamed'}'-quantized (a format localllm does not know)", hf_config)
@@ -110,6 +130,18 @@ def read_hub_quant(hf_config: dict[str, Any]) -> HubQuant | None:
 def _group(value: Any) -> int | None:
     g = int(value) if value is not None else -1
     return None if g <= 0 else g
+
+
+def _bitsandbytes(qc: dict[str, Any], hf_config: dict[str, Any]) -> HubQuant:
+    """Serialized 4-bit NormalFloat (``load_in_4bit``, ``bnb_4bit_quant_type: nf4``); whether its absmax
+    is double-quantized is read from each weight's own quant state (the config's flag names it only)."""
+    if not (qc.get("load_in_4bit") or qc.get("_load_in_4bit")):
+        raise refuse("bitsandbytes 8-bit (LLM.int8)", hf_config)
+    kind = str(qc.get("bnb_4bit_quant_type", "fp4")).lower()
+    if kind != "nf4":
+        raise refuse(f"bitsandbytes 4-bit {kind}", hf_config)
+    return HubQuant("bitsandbytes", 4, None, True, False, "nf4",
+                    double_quant=bool(qc.get("bnb_4bit_use_double_quant", False)))
 
 
 def _gptq(qc: dict[str, Any], hf_config: dict[str, Any]) -> HubQuant:
@@ -167,6 +199,10 @@ def _compressed_tensors(qc: dict[str, Any], hf_config: dict[str, Any]) -> HubQua
 def layer_canonical(hq: HubQuant, t: dict[str, torch.Tensor], scheme: QuantScheme,
                     what: str) -> dict[str, torch.Tensor]:
     """One quantized linear's tensors (by leaf name) -> ``scheme``'s canonical tensors, exactly."""
+    if hq.method == "bitsandbytes":
+        state = json.loads(bytes(t["weight.quant_state.bitsandbytes__nf4"].tolist()).decode())
+        return hub_formats.bnb_nf4_canonical(t["weight"], t["weight.absmax"], t["weight.quant_map"],
+                                             t.get("weight.nested_absmax"), t.get("weight.nested_quant_map"), state, what)
     if hq.method == "gptq":
         q, z, s = hub_formats.gptq_codes(t["qweight"], t["qzeros"], t["scales"], hq.bits, hq.variant == "gptq")
         g_idx = t.get("g_idx")
@@ -202,7 +238,7 @@ class _Packed:
     """One quantized linear of the file: its tensors' leaf names, its width, and our names for it."""
 
     leaves: set[str]
-    in_features: int
+    scheme: QuantScheme  # the grid its tensors land on exactly
     ours: list[tuple[str, int]] = field(default_factory=list)  # (our module, output rows), in row order
 
 
@@ -210,28 +246,49 @@ class HubQuantCheckpoint(HFCheckpoint):
     """A Hugging Face folder whose linears are quantized in a Hub format (:func:`read_hub_quant`)."""
 
     def __init__(self, folder: Path, hub: HubQuant) -> None:
+        self.hub = hub  # before the config check, which reads :meth:`_shapes`
         super().__init__(folder)
-        self.hub = hub
         self.packed = self._scan()
         if not self.packed:
             raise LocalLLMError(f"{folder}: config.json says {hub.label()}, but no tensor is quantized",
                                 "the checkpoint does not match its config")
 
+    def _shapes(self) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+        """The float tensors' shapes for the config check: a quantized linear's packed tensors
+        (bitsandbytes' ``weight`` is a column of bytes) are checked when they are unpacked."""
+        marked = set()
+        for path in self.files:
+            header, _ = read_header(path)
+            marked |= {self.hub.split(k)[0] for k in header if self.hub.split(k)[1] == self.hub.leaves[0]}
+        for ours, key, shape in super()._shapes():
+            module, leaf = self.hub.split(key)
+            if module not in marked or leaf not in self.hub.leaves:
+                yield ours, key, shape
+
     def _scan(self) -> dict[str, _Packed]:
         """The quantized linears, from the headers alone: module -> its leaves, width, our names."""
         leaves: dict[str, dict[str, tuple[int, ...]]] = {}
+        states: dict[str, dict[str, Any]] = {}  # bitsandbytes: each weight's quant state (shape, blocks)
         for path in self.files:
-            header, _ = read_header(path)
+            header, start = read_header(path)
             for key, info in header.items():
-                module, _, leaf = key.rpartition(".")
+                module, leaf = self.hub.split(key)
+                if leaf == _BNB_OTHER_STATE:
+                    raise refuse("bitsandbytes 4-bit fp4", self.hf_config)
                 if leaf in self.hub.leaves:
                     leaves.setdefault(module, {})[leaf] = tuple(info["shape"])
+                if leaf == LEAVES["bitsandbytes"][0] and self.hub.method == "bitsandbytes":
+                    states[module] = json.loads(_read_bytes(path, start, info))
         first = self.hub.leaves[0]
         packed: dict[str, _Packed] = {}
         for module, found in leaves.items():
             if first not in found:
                 continue  # a float linear's plain weight (naive-quantized shares the name)
-            packed[module] = _Packed(set(found), self._width(found), self._ours(module))
+            if module in states:
+                scheme = parse_scheme("nf4", int(states[module]["blocksize"]))
+            else:
+                scheme = self.hub.scheme(self._width(found))
+            packed[module] = _Packed(set(found), scheme, self._ours(module))
         return packed
 
     def _width(self, shapes: dict[str, tuple[int, ...]]) -> int:
@@ -257,7 +314,7 @@ class HubQuantCheckpoint(HFCheckpoint):
 
     def module_schemes(self) -> dict[str, QuantScheme]:
         """Our module -> the scheme its tensors land on exactly."""
-        return {ours: self.hub.scheme(p.in_features) for p in self.packed.values() for ours, _ in p.ours}
+        return {ours: p.scheme for p in self.packed.values() for ours, _ in p.ours}
 
     # -------------------------------------------------------------- the Checkpoint interface
     def default_scheme(self) -> QuantScheme | None:
@@ -292,7 +349,7 @@ class HubQuantCheckpoint(HFCheckpoint):
             for key, tensor in iter_safetensors(path):
                 if keep is not None and not keep(key):
                     continue
-                module, _, leaf = key.rpartition(".")
+                module, leaf = self.hub.split(key)
                 p = self.packed.get(module)
                 if p is None or leaf not in p.leaves:
                     yield from self._plain(key, tensor)
@@ -317,7 +374,7 @@ class HubQuantCheckpoint(HFCheckpoint):
 
     def _layer(self, module: str, p: _Packed, tensors: dict[str, torch.Tensor],
                plan: Plan) -> Iterator[tuple[str, torch.Tensor]]:
-        scheme = self.hub.scheme(p.in_features)
+        scheme = p.scheme
         canonical = layer_canonical(self.hub, tensors, scheme, module)
         del tensors
         start = 0
@@ -329,6 +386,14 @@ class HubQuantCheckpoint(HFCheckpoint):
                 yield from ((f"{ours}.{k}", v.contiguous()) for k, v in part.items())
             else:
                 yield f"{ours}.weight", float_weight(part, scheme)
+
+
+def _read_bytes(path: Path, start: int, info: dict[str, Any]) -> bytes:
+    """One small tensor's bytes, read from the file (a quant state's JSON)."""
+    begin, end = info["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(start + begin)
+        return f.read(end - begin)
 
 
 def open_hf_folder(folder: Path) -> HFCheckpoint:

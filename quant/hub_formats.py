@@ -190,3 +190,32 @@ def ct_codes(values: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
     else:
         z = zero_point.to(torch.int16).reshape(out, -1).expand(out, groups) + mid
     return q.contiguous(), z.contiguous(), s.contiguous()
+
+
+def bnb_nf4_canonical(packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor,
+                      nested_absmax: torch.Tensor | None, nested_quant_map: torch.Tensor | None,
+                      state: dict, what: str) -> dict[str, torch.Tensor]:
+    """bitsandbytes' serialized 4-bit NormalFloat -> the ``nf4`` scheme's canonical tensors.
+
+    ``packed`` uint8 (out * in / 2, 1): the flattened weight's codes, high nibble first, as the
+    ``nf4`` scheme holds them; ``absmax`` fp32 per block of ``state["blocksize"]``, or (double
+    quantization) uint8 codes of ``nested_quant_map`` times ``nested_absmax`` per block of
+    ``state["nested_blocksize"]`` plus ``state["nested_offset"]``, formed in fp32 as bitsandbytes'
+    ``dequantize_blockwise`` forms them (one product, one sum: the same bits)."""
+    from localllm.quant.formats import NF4_CODE
+
+    if state.get("quant_type") != "nf4" or not torch.equal(quant_map.float(), NF4_CODE):
+        raise LocalLLMError(f"{what}: bitsandbytes {state.get('quant_type')} weights are not NormalFloat-4",
+                            "pull the model's float repo or a GGUF file of it")
+    out, inp = (int(v) for v in state["shape"])
+    block = int(state["blocksize"])
+    if inp % block or packed.numel() * 2 != out * inp:
+        raise LocalLLMError(f"{what}: a {out}x{inp} weight in blocks of {block} does not fit its rows",
+                            "pull the model's float repo or a GGUF file of it")
+    if nested_absmax is not None:
+        nested = int(state["nested_blocksize"])
+        codes = absmax.long()
+        scale = nested_absmax.float().repeat_interleave(nested)[: codes.numel()]
+        absmax = nested_quant_map.float()[codes] * scale  # type: ignore[index]
+        absmax = absmax + torch.tensor(float(state["nested_offset"]), dtype=torch.float32)
+    return {"qweight": packed.view(out, inp // 2), "absmax": absmax.float().view(out, inp // block)}

@@ -284,6 +284,36 @@ def test_bf16_scales_fp16_cannot_hold_are_refused():
         canonical_of(hq, state, w.shape[1])
 
 
+def bnb_serialize(w: torch.Tensor, double_quant: bool, block: int = 64):
+    """A linear as transformers serializes a bitsandbytes 4-bit one: (leaf -> tensor, bitsandbytes'
+    own dequantization of it)."""
+    from localllm.quant.formats import quiet_bitsandbytes
+
+    with quiet_bitsandbytes():
+        import bitsandbytes.functional as bnbf
+
+        packed, state = bnbf.quantize_4bit(w, blocksize=block, quant_type="nf4", compress_statistics=double_quant)
+        reference = bnbf.dequantize_4bit(packed, state)
+    return {"weight": packed, **{f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}}, reference
+
+
+@pytest.mark.parametrize("double_quant,block", [(True, 64), (False, 64), (True, 128)])
+def test_bitsandbytes_nf4_layer_equals_the_library(double_quant, block):
+    from localllm.quant.formats import parse_scheme
+
+    w = weight()
+    t, reference = bnb_serialize(w, double_quant, block)
+    hq = read_hub_quant({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                                 "bnb_4bit_quant_type": "nf4",
+                                                 "bnb_4bit_use_double_quant": double_quant}})
+    scheme = parse_scheme("nf4", block)
+    canonical = layer_canonical(hq, t, scheme, "layer")
+    assert canonical["absmax"].dtype == torch.float32
+    got = dequantize(canonical, scheme)
+    assert torch.equal(got, reference)
+    assert 0 < (got - w).abs().max().item() < 0.1
+
+
 # ============================================================================ the int4z kernel
 def test_int4z_kernel_is_exact_where_fp16_offsets_are_not():
     """AWQ's offsets -z*s need more bits than fp16 has: the CPU kernel's fp32 remainder keeps the
@@ -321,6 +351,9 @@ def test_int4z_kernel_is_exact_where_fp16_offsets_are_not():
     ({"quant_method": "awq", "version": "gemv"}, "AWQ (gemv packing)"),
     ({"quant_method": "gptq", "bits": 3}, "3-bit GPTQ"),
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "marlin"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "bitsandbytes 8-bit"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "bitsandbytes 4-bit fp4"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "FP8"),
 ])
 def test_unread_formats_are_refused_in_one_line_naming_them(qc, needle):
     with pytest.raises(LocalLLMError) as e:
@@ -342,7 +375,9 @@ def _quantized_folder(folder: Path, fmt: str) -> tuple[Path, torch.nn.Module]:
         if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
             tensors[name] = w
             continue
-        if fmt == "gptq":
+        if fmt == "bnb":
+            t, reference[name] = bnb_serialize(w, True)
+        elif fmt == "gptq":
             t = gptq_pack(w, 4, 32, True, True, True, seed=i)
             reference[name] = gptq_reference(t, 4, True).float()
         elif fmt == "awq":
@@ -365,6 +400,8 @@ def _quantized_folder(folder: Path, fmt: str) -> tuple[Path, torch.nn.Module]:
                  "checkpoint_format": "gptq"},
         "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
         "ct": ct_config(4, "group", False, "pack-quantized"),
+        "bnb": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "float32"},
     }[fmt]
     (folder / "config.json").write_text(json.dumps(config))
     write_tiny_tokenizer(folder, model.config.vocab_size)
@@ -374,7 +411,7 @@ def _quantized_folder(folder: Path, fmt: str) -> tuple[Path, torch.nn.Module]:
     return folder, model
 
 
-@pytest.mark.parametrize("fmt,scheme_name", [("gptq", "int4"), ("awq", "int4z"), ("ct", "int4z")])
+@pytest.mark.parametrize("fmt,scheme_name", [("gptq", "int4"), ("awq", "int4z"), ("ct", "int4z"), ("bnb", "nf4")])
 def test_quantized_repo_loads_with_the_reference_logits(tmp_path, fmt, scheme_name):
     from localllm.loaders.load import load_model
 
