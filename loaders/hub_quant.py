@@ -6,10 +6,12 @@ Read: GPTQ (``quant_method: gptq``: 4 and 8 bits, any group or per channel, symm
 (``quant_method: awq``, ``version: gemm``), compressed-tensors (``pack-quantized`` and
 ``naive-quantized`` int4 / int8 weights, group, channel or tensor scales, with or without zero points)
 and bitsandbytes' serialized 4-bit NormalFloat (``load_in_4bit``, nf4, its absmax double-quantized or not:
-onto the ``nf4`` scheme, whose kernel is bitsandbytes' own).
+onto the ``nf4`` scheme, whose kernel is bitsandbytes' own) and FP8 (``quant_method: fp8``, e4m3 with
+128x128-block, per-channel or per-tensor ``weight_scale_inv``: onto the ``fp8`` scheme, its values and
+scales as they are, multiplied by the reference kernel one slice of a layer at a time).
 The grid each lands on is :mod:`quant.hub_formats`' (int4, int8, or int4 / int8 with integer zero
 points). Refused, with one line naming the format and what to pull instead: EXL2, EXL3, HQQ,
-bitsandbytes fp4 and 8-bit, FP8, activation-quantized or sparse compressed-tensors, other GPTQ / AWQ packings, and
+bitsandbytes fp4 and 8-bit, FP8 with static activation scales, activation-quantized or sparse compressed-tensors, other GPTQ / AWQ packings, and
 any format this module does not know.
 
 Which linears are quantized is read from the tensors themselves (a module with a ``qweight`` or
@@ -30,18 +32,19 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.checkpoint import FUSED, HFCheckpoint, map_hf_name, split_fused
 from localllm.loaders.safetensors_stream import iter_safetensors, read_header
 from localllm.quant.convert import Plan, quantize_stream
-from localllm.quant.formats import QuantScheme, dequantize, parse_scheme
+from localllm.quant.formats import QuantScheme, dequantize, fp8_scheme, parse_scheme
 from localllm.quant import hub_formats
 
 #: quant_method values localllm refuses, as their users know them.
 REFUSED = {"exl2": "EXL2", "exl3": "EXL3", "hqq": "HQQ",
-           "fp8": "FP8", "fbgemm_fp8": "FP8 (fbgemm)", "aqlm": "AQLM", "quanto": "quanto", "eetq": "EETQ",
+           "fbgemm_fp8": "FP8 (fbgemm)", "aqlm": "AQLM", "quanto": "quanto", "eetq": "EETQ",
            "higgs": "HIGGS", "vptq": "VPTQ", "torchao": "torchao", "mxfp4": "MXFP4", "spqr": "SpQR",
            "bitnet": "BitNet", "gptqmodel": "GPTQModel"}
 #: The tensors of one quantized linear, by format (the first names the module as quantized).
 LEAVES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
           "pack-quantized": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"),
           "naive-quantized": ("weight_scale", "weight", "weight_zero_point", "weight_g_idx"),
+          "fp8": ("weight_scale_inv", "weight"),
           "bitsandbytes": ("weight.quant_state.bitsandbytes__nf4", "weight", "weight.absmax", "weight.quant_map",
                            "weight.nested_absmax", "weight.nested_quant_map")}
 #: bitsandbytes' serialized quant state of a 4-bit type other than NormalFloat.
@@ -71,6 +74,7 @@ class HubQuant:
     variant: str
     strategy: str = "group"  # compressed-tensors: group, channel or tensor
     double_quant: bool = False  # bitsandbytes: the config asks for double-quantized absmax
+    block_rows: int | None = None  # fp8: the output rows of a scale block (weight_block_size[0])
 
     @property
     def leaves(self) -> tuple[str, ...]:
@@ -87,6 +91,8 @@ class HubQuant:
 
     def label(self) -> str:
         """``GPTQ 4-bit, group 128, symmetric, act order (v1 zeros)``."""
+        if self.method == "fp8":
+            return f"FP8 e4m3, {f'{self.block_rows}x{self.group} blocks' if self.group else 'per tensor or channel'}"
         if self.method == "bitsandbytes":
             return f"bitsandbytes 4-bit NormalFloat{', double-quantized absmax' if self.double_quant else ''}"
         name = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors"}[self.method]
@@ -102,6 +108,8 @@ class HubQuant:
 
     def scheme(self, in_features: int) -> QuantScheme:
         """The localllm scheme a linear of ``in_features`` inputs lands on exactly."""
+        if self.method == "fp8":
+            return fp8_scheme(self.group)
         return hub_formats.int_scheme(self.bits, self.group, self.symmetric, in_features, self.act_order)
 
 
@@ -122,6 +130,8 @@ def read_hub_quant(hf_config: dict[str, Any]) -> HubQuant | None:
         return _compressed_tensors(qc, hf_config)
     if method == "bitsandbytes":
         return _bitsandbytes(qc, hf_config)
+    if method == "fp8":
+        return _fp8(qc, hf_config)
     if method in REFUSED:
         raise refuse(REFUSED[method], hf_config)
     raise refuse(f"'{method or 'unnamed'}'-quantized (a format localllm does not know)", hf_config)
@@ -130,6 +140,22 @@ def read_hub_quant(hf_config: dict[str, Any]) -> HubQuant | None:
 def _group(value: Any) -> int | None:
     g = int(value) if value is not None else -1
     return None if g <= 0 else g
+
+
+def _fp8(qc: dict[str, Any], hf_config: dict[str, Any]) -> HubQuant:
+    """transformers' fine-grained FP8 (Qwen3-*-FP8, DeepSeek): e4m3 weights, ``weight_scale_inv`` per
+    ``weight_block_size`` block, or per tensor / channel without one. Activations are quantized
+    dynamically by the format, which localllm leaves in float; static activation scales are refused."""
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    if fmt not in ("e4m3", "float8_e4m3fn"):
+        raise refuse(f"FP8 {fmt}", hf_config)
+    if str(qc.get("activation_scheme", "dynamic")).lower() != "dynamic":
+        raise refuse("FP8 with static activation scales", hf_config)
+    block = qc.get("weight_block_size")
+    if block is not None and (len(block) != 2 or int(block[0]) <= 0 or int(block[1]) <= 0):
+        raise LocalLLMError(f"FP8 weight_block_size {block} is not two sizes", "the checkpoint is damaged")
+    rows, group = (int(block[0]), int(block[1])) if block else (None, None)
+    return HubQuant("fp8", 8, group, True, False, "e4m3", "block" if block else "tensor", block_rows=rows)
 
 
 def _bitsandbytes(qc: dict[str, Any], hf_config: dict[str, Any]) -> HubQuant:
@@ -203,6 +229,8 @@ def layer_canonical(hq: HubQuant, t: dict[str, torch.Tensor], scheme: QuantSchem
         state = json.loads(bytes(t["weight.quant_state.bitsandbytes__nf4"].tolist()).decode())
         return hub_formats.bnb_nf4_canonical(t["weight"], t["weight.absmax"], t["weight.quant_map"],
                                              t.get("weight.nested_absmax"), t.get("weight.nested_quant_map"), state, what)
+    if hq.method == "fp8":
+        return hub_formats.fp8_canonical(t["weight"], t["weight_scale_inv"], scheme, hq.block_rows, what)
     if hq.method == "gptq":
         q, z, s = hub_formats.gptq_codes(t["qweight"], t["qzeros"], t["scales"], hq.bits, hq.variant == "gptq")
         g_idx = t.get("g_idx")
@@ -297,6 +325,8 @@ class HubQuantCheckpoint(HFCheckpoint):
             return shapes["qweight"][0] * 32 // h.bits
         if h.method == "awq":
             return shapes["qweight"][0]
+        if h.method == "fp8":
+            return shapes["weight"][1]
         if h.variant == "pack-quantized":
             return shapes["weight_packed"][1] * 32 // h.bits
         return shapes["weight"][1]

@@ -80,7 +80,7 @@ class PullSource:
 
 @dataclass(frozen=True)
 class PullOptions:
-    quant: str = DEFAULT_PULL_SCHEME
+    quant: str | None = None  # None: a quantized Hub repo's own format, else DEFAULT_PULL_SCHEME
     group_size: int | None = None
     quant_head: str | bool | None = None  # None: as the source has it; False: a 16-bit head
     name: str | None = None
@@ -167,7 +167,7 @@ def pull_model(source: PullSource, options: PullOptions, store: Store | None = N
     finds it stored.
     """
     store = store or Store()
-    check_quant(options.quant, options.group_size)
+    check_quant(options.quant or DEFAULT_PULL_SCHEME, options.group_size)
     name = validate_name(options.name or source.default_name())
     with disk_errors(f"pull {source.label()}", "point LOCALLLM_HOME (the store) and HF_HOME (downloads) at a "
                                                 "folder on a disk with room"):
@@ -184,8 +184,10 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
     from localllm.loaders.load import choose_scheme
     from localllm.quant.formats import parse_scheme
 
-    # The scheme asked for; with no group size, a Q4 GGUF's own grid (its blocks are then kept exactly).
-    scheme = choose_scheme(fetched.ckpt, options.quant, options.group_size) or parse_scheme(options.quant)
+    # The scheme asked for; with no group size, a Q4 GGUF's own grid (its blocks are then kept exactly);
+    # none asked for, a quantized Hub repo's own format (:mod:`loaders.hub_quant`), else int4.
+    quant = options.quant or (None if source_format(fetched.ckpt) else DEFAULT_PULL_SCHEME)
+    scheme = choose_scheme(fetched.ckpt, quant, options.group_size) or parse_scheme(quant or DEFAULT_PULL_SCHEME)
     with _entry_lock(store, name, scheme.name, notify):
         kept = _already_stored(store, name, source, options, notify)  # another pull may have finished meanwhile
         if kept is not None:
@@ -214,7 +216,7 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
 def _already_stored(store: Store, name: str, source: PullSource, options: PullOptions,
                     notify: Notify) -> StoredModel | None:
     """The stored entry if this pull has nothing to do; None when it must run."""
-    existing = store.get(name, options.quant)
+    existing = store.get(name, options.quant or DEFAULT_PULL_SCHEME)
     if existing is None or options.force:
         return None
     theirs = existing.manifest.get("source") or {}
@@ -371,8 +373,11 @@ def pull_if_missing(model: str, quant: str | None = None, group_size: int | None
     scheme = quant if quant in PULL_SCHEMES else DEFAULT_PULL_SCHEME
     source = parse_source(model)
     store = Store()
+    asked = quant in PULL_SCHEMES  # else a quantized Hub repo keeps its own format (int4 for the others)
     for entry in entries_from_repo(store, source.ref):
-        if entry.scheme == scheme and same_source(entry.manifest["source"], source):
+        own = not asked and bool(entry.manifest["source"].get("format"))
+        if (entry.scheme == scheme or own) and same_source(entry.manifest["source"], source):
             return entry.ref
-    notify(f"'{model}' is not stored yet: pulling it ({scheme})")
-    return pull_model(source, PullOptions(scheme, group_size), store, notify).entry.ref
+    notify(f"'{model}' is not stored yet: pulling it ({scheme if asked else 'its own format, else ' + scheme})")
+    options = PullOptions(scheme if asked else None, group_size)
+    return pull_model(source, options, store, notify).entry.ref

@@ -18,6 +18,10 @@ Canonical layouts (what artifacts store; kernels repack at load time):
 * ``int8z`` int8 with integer zero points (GPTQ's asymmetric 8-bit, imported only): ``qweight`` uint8
   (out, in), ``scales`` fp16 (out,) per channel or (out, in/group), ``zeros`` int16 of the same shape in
   0..256; ``w = (q - zero) * scale``.
+* ``fp8``    FP8 e4m3 weights as a Hub checkpoint holds them (``quant_method: fp8``, imported only):
+  ``qweight`` float8_e4m3fn (out, in), ``scales`` fp32 (out, in/group) (a 128x128 block's scale on
+  each of its rows; per tensor or per channel one a row); ``w = fp8 * scale`` formed in fp32. The
+  reference kernel multiplies it, one slice of a layer's rows at a time.
 * act order (``QuantScheme.act_order``, imported GPTQ ``desc_act`` layers of any of these integer
   schemes): the input columns are stored permuted so that each group is contiguous, and ``perm`` int64
   (in,) says which input column each stored column is; the layer multiplies ``x[..., perm]``.
@@ -46,6 +50,8 @@ ALL_SCHEMES = (*FLOAT_SCHEMES, *QUANT_SCHEMES)
 DEFAULT_GROUP = {"int4": 32, "int8": None, "nf4": 64}
 #: Integer grids with zero points, read from the Hub's quantized formats (never a ``--quant`` choice).
 ZERO_POINT_SCHEMES = ("int4z", "int8z")
+#: FP8 weights with fp32 scales, read from the Hub (never a ``--quant`` choice).
+FP8 = "fp8"
 #: The group sizes int4 takes and the block sizes nf4 takes (int8 takes any multiple of 16, or none).
 GROUP_SIZES = (32, 64, 128, 256)
 #: GGUF tensor types the ``gguf`` scheme keeps as they are: name -> (ggml type id, weights a block,
@@ -96,6 +102,8 @@ class QuantScheme:
             return gguf_scheme(d["gguf_type"])
         if d["name"] in ZERO_POINT_SCHEMES:
             return zero_point_scheme(d["name"], d.get("group_size"), d.get("act_order", False))
+        if d["name"] == FP8:
+            return fp8_scheme(d.get("group_size"))
         scheme = parse_scheme(d["name"], d.get("group_size"), d.get("symmetric", False))
         return replace(scheme, act_order=True) if d.get("act_order") else scheme
 
@@ -109,6 +117,8 @@ class QuantScheme:
             return f"nf4 (block {self.group_size})"
         if self.name == "gguf":
             return f"{self.gguf_type} blocks (as in the file)"
+        if self.name == FP8:
+            return f"fp8 e4m3 ({'per channel' if self.group_size is None else f'blocks of {self.group_size}'})"
         if self.name in ZERO_POINT_SCHEMES:
             group = "per channel" if self.group_size is None else f"group {self.group_size}"
             return f"{self.name[:4]} ({group}, integer zero points{', act order' if self.act_order else ''})"
@@ -155,6 +165,13 @@ def zero_point_scheme(name: str, group_size: int | None, act_order: bool = False
     if group_size is not None and group_size <= 0:
         raise LocalLLMError(f"group size {group_size} is not supported", "the checkpoint's quantization_config is damaged")
     return QuantScheme(name, group_size, False, None, act_order)
+
+
+def fp8_scheme(group_size: int | None) -> QuantScheme:
+    """FP8 e4m3 weights with an fp32 scale per ``group_size`` inputs of a row (None: one a row)."""
+    if group_size is not None and group_size <= 0:
+        raise LocalLLMError(f"FP8 block size {group_size} is not supported", "the checkpoint's quantization_config is damaged")
+    return QuantScheme(FP8, group_size)
 
 
 def gguf_scheme(type_name: str) -> QuantScheme:
@@ -279,6 +296,11 @@ def dequantize(t: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dty
         # (q - z) * s: an integer of at most 9 bits times an fp16 scale, exact in fp32
         w = (q.float().view(out, groups, -1) - z.view(out, groups, 1)) * s.view(out, groups, 1)
         return w.view(out, inp).to(dtype)
+    if scheme.name == FP8:
+        w = t["qweight"].float()  # (out, in): fp8 values, exact in fp32
+        s = t["scales"].float()  # (out, groups)
+        out, inp = w.shape
+        return (w.view(out, s.shape[1], -1) * s.unsqueeze(-1)).view(out, inp).to(dtype)
     if scheme.name == "nf4":
         packed = t["qweight"]
         out = packed.shape[0]
@@ -314,6 +336,9 @@ def canonical_shapes(scheme: QuantScheme, out: int, inp: int) -> dict[str, tuple
                 "scales": (((out,) if g is None else (out, inp // g)), torch.float16), **act_order_shapes(scheme, inp)}
     if scheme.name == "gguf":
         return {"blocks": ((out, gguf_row_bytes(scheme.gguf_type, inp)), torch.uint8)}  # type: ignore[arg-type]
+    if scheme.name == FP8:
+        return {"qweight": ((out, inp), torch.float8_e4m3fn),
+                "scales": ((out, 1 if g is None else inp // g), torch.float32)}
     if scheme.name in ZERO_POINT_SCHEMES:
         per = (out,) if g is None else (out, inp // g)
         four = scheme.name == "int4z"

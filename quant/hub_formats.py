@@ -219,3 +219,28 @@ def bnb_nf4_canonical(packed: torch.Tensor, absmax: torch.Tensor, quant_map: tor
         absmax = nested_quant_map.float()[codes] * scale  # type: ignore[index]
         absmax = absmax + torch.tensor(float(state["nested_offset"]), dtype=torch.float32)
     return {"qweight": packed.view(out, inp // 2), "absmax": absmax.float().view(out, inp // block)}
+
+
+def fp8_canonical(weight: torch.Tensor, scale_inv: torch.Tensor, scheme: QuantScheme,
+                  block_rows: int | None, what: str) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint's linear (``weight`` float8_e4m3fn (out, in) and ``weight_scale_inv``: one
+    value, one a row, or one a ``block_rows`` x group block) -> the ``fp8`` scheme's tensors: the fp8
+    values as they are, each block's scale on each of its rows (a copy, exact), in fp32."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise LocalLLMError(f"{what}: FP8 weight has dtype {weight.dtype}, expected float8_e4m3fn",
+                            "pull the model's float repo or a GGUF file of it")
+    out, inp = weight.shape
+    s = scale_inv.float()
+    if s.numel() == 1:
+        scales = s.reshape(1, 1).expand(out, 1)
+    elif scheme.group_size is None:
+        scales = s.reshape(out, 1)
+    else:
+        g, rows = scheme.group_size, block_rows or 1
+        if inp % g or s.shape != (-(-out // rows), inp // g):
+            raise LocalLLMError(f"{what}: FP8 scales {tuple(s.shape)} do not fit a {out}x{inp} weight in "
+                                f"{rows}x{g} blocks", "the checkpoint is damaged")
+        scales = s.repeat_interleave(rows, dim=0)[:out]
+    if not torch.isfinite(scales).all():
+        raise LocalLLMError(f"{what}: FP8 scales are not finite", "the checkpoint is damaged")
+    return {"qweight": weight, "scales": scales.contiguous()}

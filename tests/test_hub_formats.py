@@ -314,6 +314,55 @@ def test_bitsandbytes_nf4_layer_equals_the_library(double_quant, block):
     assert 0 < (got - w).abs().max().item() < 0.1
 
 
+def fp8_quantize(w: torch.Tensor, block: tuple[int, int] | None, per_channel: bool = False):
+    """A linear as DeepSeek's / transformers' FP8 checkpoints hold it: e4m3 values and the fp32
+    ``weight_scale_inv`` that multiplies them back (per block, channel or tensor)."""
+    out_f, in_f = w.shape
+    if block is None:
+        amax = w.abs().amax(-1, keepdim=True) if per_channel else w.abs().amax().reshape(1)
+        scale = (amax / 448).float()
+        return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale_inv": scale}
+    bo, bi = block
+    rows = -(-out_f // bo)
+    scale = torch.empty(rows, in_f // bi)
+    q = torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn)
+    for r in range(rows):
+        for c in range(in_f // bi):
+            part = w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi]
+            scale[r, c] = part.abs().amax() / 448
+            q[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi] = (part / scale[r, c]).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale_inv": scale}
+
+
+def fp8_reference(t: dict[str, torch.Tensor], block: tuple[int, int] | None) -> torch.Tensor:
+    """DeepSeek's ``weight_dequant``: each block's fp8 values times its scale, in fp32."""
+    w = t["weight"].float()
+    s = t["weight_scale_inv"]
+    if block is None:
+        return w * (s if s.dim() == 2 else s.reshape(1, 1))
+    out = torch.empty_like(w)
+    bo, bi = block
+    for r in range(s.shape[0]):
+        for c in range(s.shape[1]):
+            out[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi] = w[r * bo:(r + 1) * bo, c * bi:(c + 1) * bi] * s[r, c]
+    return out
+
+
+@pytest.mark.parametrize("block,per_channel", [((128, 128), False), ((64, 32), False), (None, False), (None, True)])
+def test_fp8_layer_equals_its_reference_bit_for_bit(block, per_channel):
+    w = weight(200, 256)  # 200 rows: a last block of rows only partly full
+    t = fp8_quantize(w, block, per_channel)
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if block is not None:
+        qc["weight_block_size"] = list(block)
+    hq = read_hub_quant({"quantization_config": qc})
+    scheme, canonical = canonical_of(hq, t, w.shape[1])
+    assert scheme.name == "fp8" and canonical["qweight"].dtype == torch.float8_e4m3fn
+    got = float_weight(canonical, scheme)
+    assert torch.equal(got, fp8_reference(t, block))
+    assert 0 < (got - w).abs().max().item() < 0.05
+
+
 # ============================================================================ the int4z kernel
 def test_int4z_kernel_is_exact_where_fp16_offsets_are_not():
     """AWQ's offsets -z*s need more bits than fp16 has: the CPU kernel's fp32 remainder keeps the
@@ -353,7 +402,7 @@ def test_int4z_kernel_is_exact_where_fp16_offsets_are_not():
     ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "marlin"),
     ({"quant_method": "bitsandbytes", "load_in_8bit": True}, "bitsandbytes 8-bit"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}, "bitsandbytes 4-bit fp4"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "FP8"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "FP8 with static activation scales"),
 ])
 def test_unread_formats_are_refused_in_one_line_naming_them(qc, needle):
     with pytest.raises(LocalLLMError) as e:
@@ -377,6 +426,9 @@ def _quantized_folder(folder: Path, fmt: str) -> tuple[Path, torch.nn.Module]:
             continue
         if fmt == "bnb":
             t, reference[name] = bnb_serialize(w, True)
+        elif fmt == "fp8":
+            t = fp8_quantize(w, (32, 32))
+            reference[name] = fp8_reference(t, (32, 32))
         elif fmt == "gptq":
             t = gptq_pack(w, 4, 32, True, True, True, seed=i)
             reference[name] = gptq_reference(t, 4, True).float()
@@ -400,6 +452,7 @@ def _quantized_folder(folder: Path, fmt: str) -> tuple[Path, torch.nn.Module]:
                  "checkpoint_format": "gptq"},
         "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
         "ct": ct_config(4, "group", False, "pack-quantized"),
+        "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
         "bnb": {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
                 "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "float32"},
     }[fmt]
@@ -411,7 +464,8 @@ def _quantized_folder(folder: Path, fmt: str) -> tuple[Path, torch.nn.Module]:
     return folder, model
 
 
-@pytest.mark.parametrize("fmt,scheme_name", [("gptq", "int4"), ("awq", "int4z"), ("ct", "int4z"), ("bnb", "nf4")])
+@pytest.mark.parametrize("fmt,scheme_name", [("gptq", "int4"), ("awq", "int4z"), ("ct", "int4z"), ("bnb", "nf4"),
+                                             ("fp8", "fp8")])
 def test_quantized_repo_loads_with_the_reference_logits(tmp_path, fmt, scheme_name):
     from localllm.loaders.load import load_model
 
@@ -464,3 +518,25 @@ def test_pull_gptq_repo_stores_its_grid_and_runs_with_the_reference_logits(hub: 
     entry8 = pull_model(parse_source("org/tiny-GPTQ"), PullOptions("int8"), store, notes.append).entry
     assert entry8.manifest["quant"]["scheme"]["name"] == "int8"
     assert any("re-quantizing its GPTQ 4-bit" in n for n in notes)
+
+
+@pytest.mark.parametrize("fmt,scheme_name", [("awq", "int4z"), ("fp8", "fp8"), ("bnb", "nf4")])
+def test_pulled_folder_round_trips_through_the_store(tmp_path, fmt, scheme_name):
+    """Stored as they are (int4z zeros, fp8 values, nf4 absmax) and read back: the same logits."""
+    from localllm.loaders.load import load_model
+    from localllm.loaders.pull import PullOptions, parse_source, pull_model
+    from localllm.loaders.store import Store
+
+    (tmp_path / "repo").mkdir()
+    folder, ref = _quantized_folder(tmp_path / "repo", fmt)
+    store = Store(tmp_path / "home")
+    entry = pull_model(parse_source(str(folder)), PullOptions(), store).entry
+    assert entry.manifest["quant"]["scheme"]["name"] == scheme_name
+    assert entry.manifest["source"]["format"]["method"] == {"awq": "awq", "fp8": "fp8", "bnb": "bitsandbytes"}[fmt]
+    loaded = load_model(entry.ref, store=store, device="cpu", dtype="fp32")
+    with torch.no_grad():  # a quantized entry stores its float tensors in bf16
+        for name, p in ref.named_parameters():
+            if not name.endswith("proj.weight"):
+                p.copy_(p.bfloat16().float())
+        ids = torch.randint(3, 384, (1, 12), generator=torch.Generator().manual_seed(9))
+        torch.testing.assert_close(loaded.model(ids), ref(ids).logits, atol=2e-3, rtol=2e-3)

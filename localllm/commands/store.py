@@ -32,8 +32,9 @@ from localllm.loaders.store import Store, StoredModel, check_length, check_local
 # =========================================================================== pull
 @click.command()
 @click.argument("source")
-@click.option("--quant", "-q", default=DEFAULT_PULL_SCHEME, show_default=True, metavar="|".join(PULL_SCHEMES),
-              help="Weight scheme to store.")
+@click.option("--quant", "-q", default=None, metavar="|".join(PULL_SCHEMES),
+              help=f"Weight scheme to store (default: {DEFAULT_PULL_SCHEME}; a quantized Hub repo (GPTQ, AWQ...) "
+                   "keeps its own format, which naming a scheme re-quantizes).")
 @click.option("--group-size", type=int, help="Group size (int4: 32/64/128/256, default 32; a Q4 GGUF keeps its own).")
 @quant_head_option("Default: as stored, else 16-bit.")
 @click.option("--name", help="Store name (default: the repo's or file's base name, lower case).")
@@ -41,7 +42,7 @@ from localllm.loaders.store import Store, StoredModel, check_length, check_local
 @click.option("--gguf", "gguf_file", metavar="FILE", help="Import this GGUF file of the Hub repo instead of its safetensors.")
 @click.option("--prune", is_flag=True, help="Delete the downloaded float weights from the HF cache afterwards.")
 @click.option("--force", is_flag=True, help="Pull and convert again even if already stored.")
-def pull(source: str, quant: str, group_size: int | None, quant_head: str | None, name: str | None, revision: str | None,
+def pull(source: str, quant: str | None, group_size: int | None, quant_head: str | None, name: str | None, revision: str | None,
          gguf_file: str | None, prune: bool, force: bool) -> None:
     """Download SOURCE, quantize it and store it.
 
