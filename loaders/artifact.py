@@ -23,7 +23,7 @@ from localllm.errors import LocalLLMError
 from localllm.loaders import store as store_mod
 from localllm.loaders.safetensors_stream import iter_safetensors, read_header, write_safetensors
 from localllm.quant.convert import Plan, quantize_stream
-from localllm.quant.formats import QuantScheme, dequantize
+from localllm.quant.formats import QuantScheme, dequantize, dequantize_weight
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.tokenizer import Tokenizer
 
@@ -108,7 +108,7 @@ class ArtifactCheckpoint:
             parts = pending.setdefault(module, {})
             parts[leaf] = t
             if len(parts) == len(_canonical_names(scheme)):
-                w = dequantize(pending.pop(module), scheme)
+                w = dequantize_weight(pending.pop(module), scheme)  # an act-order layer's columns put back
                 yield f"{module}.weight", w
                 if module == "output" and embed_from_head:
                     yield "embed.weight", w

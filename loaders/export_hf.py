@@ -278,6 +278,10 @@ def export_quantized_folder(source: Union[str, Path, Any], folder: Path, dtype: 
         what = ", ".join(sorted(s.label() for s in schemes)) or "float weights"
         raise LocalLLMError(f"{ckpt.describe()} holds {what}: --keep-quant exports stored int4 or int8 weights",
                             "pull the model with --quant int4 or int8 first, or export without --keep-quant")
+    if any(s.act_order for s in schemes):
+        raise LocalLLMError(f"{ckpt.describe()} holds GPTQ act-order layers (input columns stored in an order "
+                            "of their own), which this compressed-tensors export does not describe",
+                            "export without --keep-quant")
     if len(schemes) > 1:
         raise LocalLLMError(f"{ckpt.describe()} mixes {', '.join(sorted(s.label() for s in schemes))}: one "
                             "quantization config cannot describe it exactly", "export without --keep-quant")

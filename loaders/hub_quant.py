@@ -32,7 +32,7 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.checkpoint import FUSED, HFCheckpoint, map_hf_name, split_fused
 from localllm.loaders.safetensors_stream import iter_safetensors, read_header
 from localllm.quant.convert import Plan, quantize_stream
-from localllm.quant.formats import QuantScheme, dequantize, fp8_scheme, parse_scheme
+from localllm.quant.formats import QuantScheme, dequantize_weight, fp8_scheme, parse_scheme
 from localllm.quant import hub_formats
 
 #: quant_method values localllm refuses, as their users know them.
@@ -251,16 +251,6 @@ def layer_canonical(hq: HubQuant, t: dict[str, torch.Tensor], scheme: QuantSchem
     return hub_formats.to_canonical(q, z, s, scheme, hq.bits, perm, what)
 
 
-def float_weight(canonical: dict[str, torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
-    """The exact weight (out, in) in fp32, the input columns in their own order."""
-    w = dequantize(canonical, scheme, torch.float32)
-    if not scheme.act_order:
-        return w
-    out = torch.empty_like(w)
-    out[:, canonical["perm"]] = w  # stored column j is input column perm[j]
-    return out
-
-
 @dataclass
 class _Packed:
     """One quantized linear of the file: its tensors' leaf names, its width, and our names for it."""
@@ -415,7 +405,7 @@ class HubQuantCheckpoint(HFCheckpoint):
             if plan.get(ours) == scheme:
                 yield from ((f"{ours}.{k}", v.contiguous()) for k, v in part.items())
             else:
-                yield f"{ours}.weight", float_weight(part, scheme)
+                yield f"{ours}.weight", dequantize_weight(part, scheme)  # exact, in fp32
 
 
 def _read_bytes(path: Path, start: int, info: dict[str, Any]) -> bytes:

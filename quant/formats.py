@@ -318,6 +318,18 @@ def dequantize(t: dict[str, torch.Tensor], scheme: QuantScheme, dtype: torch.dty
     raise LocalLLMError(f"unknown quantization scheme '{scheme.name}'")
 
 
+def dequantize_weight(t: dict[str, torch.Tensor], scheme: QuantScheme,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight (out, in) with its input columns in their own order: :func:`dequantize` (which gives
+    the stored order the kernels multiply in), with an act-order layer's columns put back by ``perm``."""
+    w = dequantize(t, scheme, dtype)
+    if not scheme.act_order:
+        return w
+    out = torch.empty_like(w)
+    out[:, t["perm"]] = w  # stored column j is input column perm[j]
+    return out
+
+
 def act_order_shapes(scheme: QuantScheme, inp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The ``perm`` buffer of a layer whose input columns are stored in act order (else nothing)."""
     return {"perm": ((inp,), torch.int64)} if scheme.act_order else {}

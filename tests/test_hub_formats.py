@@ -17,8 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from localllm.errors import LocalLLMError
-from localllm.loaders.hub_quant import HubQuant, float_weight, layer_canonical, read_hub_quant
+from localllm.loaders.hub_quant import HubQuant, layer_canonical, read_hub_quant
 from localllm.quant.formats import QuantScheme, dequantize
+from localllm.quant.formats import dequantize_weight as float_weight
 from localllm.quant.linear import QuantLinear
 from tests.conftest import make_hf_model, write_tiny_tokenizer
 from tests.hub_server import HubServer, hub_fixture
@@ -512,6 +513,16 @@ def test_pull_gptq_repo_stores_its_grid_and_runs_with_the_reference_logits(hub: 
         want = ref(ids).logits
         got = loaded.model(ids)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    # the stored entry dequantized (its act-order columns put back): the same model in fp32
+    as_float = load_model(entry.ref, store=store, device="cpu", quant="fp32")
+    assert as_float.dequantized_from is not None
+    with torch.no_grad():
+        torch.testing.assert_close(as_float.model(ids), want, atol=2e-3, rtol=2e-3)
+    # --keep-quant's compressed-tensors export cannot say act order: refused, not written wrong
+    from localllm.loaders.export_hf import export_quantized_folder
+
+    with pytest.raises(LocalLLMError, match="act-order"):
+        export_quantized_folder(entry.path, tmp_path / "export")
 
     # another scheme named: re-quantized from the exact values, and said so
     notes.clear()
