@@ -23,6 +23,7 @@ from localllm.errors import LocalLLMError
 from localllm.loaders import store as store_mod
 from localllm.loaders.safetensors_stream import iter_safetensors, read_header, write_safetensors
 from localllm.quant.convert import Plan, quantize_stream
+from localllm.quant.experts import expert_name, stacked_experts
 from localllm.quant.formats import QuantScheme, dequantize, dequantize_weight
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.tokenizer import Tokenizer
@@ -108,6 +109,13 @@ class ArtifactCheckpoint:
             parts = pending.setdefault(module, {})
             parts[leaf] = t
             if len(parts) == len(_canonical_names(scheme)):
+                stacked = stacked_experts(module)
+                if stacked is not None:  # a MoE layer's experts: each one's weight, one at a time
+                    done = pending.pop(module)
+                    for e in range(next(iter(done.values())).shape[0]):
+                        w = dequantize({k: v[e] for k, v in done.items()}, scheme)
+                        yield expert_name(stacked[0], e, stacked[1], "weight"), w
+                    continue
                 w = dequantize_weight(pending.pop(module), scheme)  # an act-order layer's columns put back
                 yield f"{module}.weight", w
                 if module == "output" and embed_from_head:

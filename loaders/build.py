@@ -13,10 +13,12 @@ from localllm.heap import trim_heap
 from localllm.quant.linear import QuantLinear, TiedHeadEmbedding, concat_linears
 from localllm.quant.target import Target
 from localllm.runtime.config import ModelConfig
-from localllm.runtime.model import Transformer
+from localllm.quant.experts import QuantExperts, concat_experts, split_expert_name
+from localllm.runtime.model import MLP, Attention, Transformer
+from localllm.runtime.moe import Experts
 
-#: Fused module -> (the block's submodule holding it, the projections it stacks, in output order).
-FUSIONS = {"qkv": ("attn", ("q", "k", "v")), "gate_up": ("mlp", ("gate", "up"))}
+#: Fused module -> (the modules holding it, the projections it stacks, in output order).
+FUSIONS = {"qkv": ((Attention,), ("q", "k", "v")), "gate_up": ((MLP, Experts), ("gate", "up"))}
 
 
 def empty_model(config: ModelConfig) -> Transformer:
@@ -38,9 +40,11 @@ class _Target:
     pending: set[str] = field(default_factory=set)  # source names still to arrive
 
 
-def _targets(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, _Target], dict[str, tuple[_Target, int, int]]]:
+def _targets(model: nn.Module,
+             dtype: torch.dtype) -> tuple[dict[str, _Target], dict[str, tuple[_Target, int, int, int]]]:
     """The model's tensors by name, and the source names that fill a slice of one: a fused module's
-    parts (``layers.0.attn.k.weight`` -> rows of ``layers.0.attn.qkv.weight``)."""
+    parts (``layers.0.attn.k.weight`` -> rows of ``layers.0.attn.qkv.weight``; a fused expert
+    projection's, rows of each expert): (target, first row, rows, the dim the rows are on)."""
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     modules = dict(model.named_modules())
     targets: dict[str, _Target] = {}
@@ -49,19 +53,20 @@ def _targets(model: nn.Module, dtype: torch.dtype) -> tuple[dict[str, _Target], 
         is_param = name in params
         target_dtype = dtype if is_param else t.dtype
         targets[name] = _Target(name, modules[module_name], leaf, tuple(t.shape), target_dtype, is_param)
-    slices: dict[str, tuple[_Target, int, int]] = {}
+    slices: dict[str, tuple[_Target, int, int, int]] = {}
     for module_name, module in modules.items():
         parts = getattr(module, "fused_from", None)
         if not parts:
             continue
         parent = module_name.rpartition(".")[0]
+        dim = 1 if isinstance(module, QuantExperts) else 0  # stacked experts: rows within each expert
         for leaf in [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None]:
             target = targets[f"{module_name}.{leaf}"]
             start = 0
             for part, rows, has_bias in parts:
                 if leaf != "bias" or has_bias:
                     source = f"{parent}.{part}.{leaf}"
-                    slices[source] = (target, start, rows)
+                    slices[source] = (target, start, rows, dim)
                     target.pending.add(source)
                 start += rows
     return targets, slices
@@ -89,7 +94,10 @@ def load_weights(
     is held beside the model being filled. Parameters (embedding, norms, float linears, biases) take
     ``dtype``; buffers (the quantized weights' codes and scales) keep the dtype their module declares.
     A model fused on ``meta`` (:func:`fuse_projections` before loading) receives the checkpoint's
-    separate projections into row slices of its fused tensors, never a concatenated copy. Each
+    separate projections into row slices of its fused tensors, never a concatenated copy. Stacked
+    experts (:class:`quant.experts.QuantExperts`) arrive whole or one expert at a time
+    (``layers.0.mlp.experts.7.gate.qweight``: :func:`quant.experts.split_expert_name`), each into its
+    slice. Each
     :class:`QuantLinear` is prepared (kernel chosen, repacked, ``dtype`` activations, ``kernel`` if it
     can run it) as soon as its tensors are complete, so its canonical tensors live only that long.
     ``device`` may be a :class:`quant.target.Target` (the device with a CUDA device's capability, as
@@ -109,6 +117,7 @@ def load_weights(
         waiting.setdefault(id(target.module), set()).add(name)
     verdicts: dict[tuple, bool] = {}
     arrived: set[str] = set()
+    experts_left: dict[str, set[int]] = {}  # a stacked tensor arriving one expert at a time -> experts to come
     block = ""  # the transformer block the stream is in ("layers.3."): its temporaries are freed after it
 
     def complete(target: _Target) -> None:
@@ -126,14 +135,20 @@ def load_weights(
             continue  # some tied checkpoints still store lm_head: the embedding's tensor serves
         if shared_embedding and name == "embed.weight":
             continue  # a 16-bit table an older artifact stores beside its int8 head, which serves as it
-        if name in slices:
-            target, start, rows = slices[name]
-            want = (rows, *target.shape[1:])
-        elif name in targets:
-            target, start, rows = targets[name], 0, 0
+        split = split_expert_name(name)
+        whole, expert = split if split is not None else (name, None)  # the tensor it fills, the expert's slice
+        if whole in slices:
+            target, start, rows, dim = slices[whole]
+            want = (*target.shape[:dim], rows, *target.shape[dim + 1 :])
+        elif whole in targets:
+            target, start, rows, dim = targets[whole], 0, 0, 0
             want = target.shape
         else:
             raise LocalLLMError(f"{source}: unexpected tensor '{name}'", "the checkpoint does not match its config")
+        if expert is not None:
+            if not isinstance(target.module, QuantExperts) or expert >= want[0]:
+                raise LocalLLMError(f"{source}: unexpected tensor '{name}'", "the checkpoint does not match its config")
+            want = want[1:]
         if name in arrived:
             raise LocalLLMError(f"{source}: tensor '{name}' appears twice",
                                 "the checkpoint is damaged; download it again")
@@ -143,7 +158,7 @@ def load_weights(
                 f"{source}: tensor '{name}' has shape {tuple(t.shape)}, the config implies {want}",
                 "the checkpoint does not match its config",
             )
-        if name not in slices:
+        if whole not in slices and expert is None:
             _assign(target, t.to(device=device, dtype=target.dtype))
             unfilled.discard(name)
             complete(target)
@@ -154,11 +169,23 @@ def load_weights(
             if target.leaf == "bias":
                 current.zero_()  # a part without bias contributes zeros
             _assign(target, current)
-        current[start : start + rows].copy_(t)
-        target.pending.discard(name)
-        if not target.pending:
+        part = current if expert is None else current[expert]
+        if whole in slices:
+            part = part.narrow(dim if expert is None else dim - 1, start, rows)
+        part.copy_(t)
+        del t, current, part
+        if expert is not None:
+            left = experts_left.setdefault(whole, set(range(target.shape[0])))
+            left.discard(expert)
+            if left:
+                continue  # more of this tensor's experts to come
+        if whole in slices:
+            target.pending.discard(whole)
+            if not target.pending:
+                complete(target)
+        else:
+            unfilled.discard(whole)
             complete(target)
-        del t, current
     missing = sorted(unfilled | {s for tg in targets.values() for s in tg.pending})
     if missing:
         raise LocalLLMError(
@@ -180,17 +207,16 @@ def fuse_projections(model: Transformer) -> Transformer:
     artifact keep the separate layers. Each fused module records its parts in ``fused_from``:
     (name, output rows, has bias) in output order.
     """
-    for layer in model.layers:
-        for fused_name, (owner_name, part_names) in FUSIONS.items():
-            owner = getattr(layer, owner_name)
-            if getattr(owner, fused_name) is not None:
+    for owner in list(model.modules()):
+        for fused_name, (kinds, part_names) in FUSIONS.items():
+            if not isinstance(owner, kinds) or getattr(owner, fused_name) is not None:
                 continue
             parts = [getattr(owner, p) for p in part_names]
             if len({getattr(m, "scheme", None) for m in parts}) > 1:
                 continue  # mixed schemes (a GGUF's q in Q4_0 beside its v kept 16-bit): kept separate
             if getattr(parts[0], "scheme", None) is not None and parts[0].scheme.act_order:
                 continue  # each part gathers its input in an order of its own (GPTQ desc_act)
-            fused = concat_linears(parts)
+            fused = concat_experts(parts) if isinstance(owner, Experts) else concat_linears(parts)
             fused.fused_from = tuple((p, m.out_features, m.bias is not None) for p, m in zip(part_names, parts))
             setattr(owner, fused_name, fused)
             for p in part_names:

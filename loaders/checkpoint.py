@@ -13,7 +13,7 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.safetensors_stream import iter_safetensors, read_header
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme
-from localllm.runtime.config import ModelConfig, hf_keys
+from localllm.runtime.config import MOE_ARCHITECTURES, ModelConfig, hf_keys
 from localllm.runtime.config_checks import check_tensors
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -49,13 +49,23 @@ _GEMMA3_MAP = {
     "post_feedforward_layernorm.weight": "post_mlp_norm.weight",
 }
 #: Per-architecture layer tables (the others use LAYER_MAP).
-_ARCH_LAYER_MAPS = {"qwen3": {**LAYER_MAP, **_QK_NORM_MAP}, "gemma3": _GEMMA3_MAP}
+_ARCH_LAYER_MAPS = {"qwen3": {**LAYER_MAP, **_QK_NORM_MAP}, "qwen3_moe": {**LAYER_MAP, **_QK_NORM_MAP},
+                    "gemma3": _GEMMA3_MAP}
 #: Phi-3's fused projections -> the parts they stack, in row order (split as they are read).
 FUSED = {"self_attn.qkv_proj.weight": ("attn.q.weight", "attn.k.weight", "attn.v.weight"),
          "mlp.gate_up_proj.weight": ("mlp.gate.weight", "mlp.up.weight")}
 #: The fused projections' names as the config check knows them (:func:`runtime.config_checks.check_tensors`).
 FUSED_NAMES = {"self_attn.qkv_proj.weight": "attn.qkv.weight", "mlp.gate_up_proj.weight": "mlp.gate_up.weight"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+#: A MoE layer's tensors (runtime/moe.py): the router, a shared expert and its gate (Qwen2-MoE), and
+#: each expert's projection, Qwen's ``mlp.experts.E.gate_proj`` or Mixtral's ``block_sparse_moe.experts.E.w1``.
+_MOE_MAP = {"mlp.gate.weight": "mlp.router.weight", "block_sparse_moe.gate.weight": "mlp.router.weight",
+            "mlp.shared_expert_gate.weight": "mlp.shared_gate.weight",
+            **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared.{p}.weight" for p in ("gate", "up", "down")}}
+_EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+#: transformers 5's fused experts, (E, 2F, D) gate then up, and (E, D, F): split into each expert's.
+_FUSED_EXPERTS = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
 # Buffers some checkpoints carry that we compute ourselves.
 _IGNORED_RE = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 # A multimodal Gemma 3 checkpoint: its language model's names under a prefix (transformers 4.x / 5.x),
@@ -88,6 +98,13 @@ def map_hf_name(name: str, arch: str = "llama") -> str | None:
     ours = rename(name, TOP_MAP, _LAYER_RE, _ARCH_LAYER_MAPS.get(arch, LAYER_MAP))
     if ours is not None:
         return ours
+    m = _LAYER_RE.match(name)
+    if m is not None and arch in MOE_ARCHITECTURES:
+        if m.group(2) in _MOE_MAP:
+            return f"layers.{m.group(1)}.{_MOE_MAP[m.group(2)]}"
+        e = _EXPERT_RE.match(m.group(2))
+        if e is not None:
+            return f"layers.{m.group(1)}.mlp.experts.{e.group(1)}.{_EXPERT_PROJ[e.group(2)]}.weight"
     if _IGNORED_RE.search(name):
         return None
     raise LocalLLMError(f"unexpected tensor '{name}' in the checkpoint", f"is this really a {arch} model?")
@@ -105,6 +122,26 @@ def split_fused(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tu
         raise LocalLLMError(f"tensor '{name}' has {tensor.shape[0]} rows, the config implies {sum(rows)}",
                             "the checkpoint does not match its config")
     return [(f"layers.{m.group(1)}.{p}", t) for p, t in zip(parts, tensor.split(rows, dim=0))]
+
+
+def split_experts(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]] | None:
+    """transformers 5's fused experts (``mlp.experts.gate_up_proj`` (E, 2F, D), ``down_proj`` (E, D, F))
+    as each expert's projections (views, no copy); None for any other tensor."""
+    m = _LAYER_RE.match(name)
+    f = _FUSED_EXPERTS.match(m.group(2)) if m is not None and config.is_moe else None
+    if f is None:
+        return None
+    E, D, F_ = config.n_experts, config.dim, config.expert_size
+    gate_up = f.group(1) == "gate_up_proj"
+    want = (E, 2 * F_, D) if gate_up else (E, D, F_)  # type: ignore[operator]
+    if tuple(tensor.shape) != want:
+        raise LocalLLMError(f"tensor '{name}' has shape {tuple(tensor.shape)}, the config implies {want}",
+                            "the checkpoint does not match its config")
+    prefix = f"layers.{m.group(1)}.mlp.experts"  # type: ignore[union-attr]
+    if not gate_up:
+        return [(f"{prefix}.{e}.down.weight", tensor[e]) for e in range(E)]  # type: ignore[arg-type]
+    return [(f"{prefix}.{e}.{p}.weight", t) for e in range(E)  # type: ignore[arg-type]
+            for p, t in zip(("gate", "up"), tensor[e].split(F_, dim=0))]
 
 
 def _read_json(path: Path) -> dict:
@@ -157,6 +194,12 @@ class HFCheckpoint:
                 if m is not None and m.group(2) in FUSED_NAMES:
                     yield f"layers.{m.group(1)}.{FUSED_NAMES[m.group(2)]}", key, tuple(info["shape"])
                     continue
+                f = _FUSED_EXPERTS.match(m.group(2)) if m is not None else None
+                if f is not None and len(info["shape"]) == 3:  # fused experts: their count, each expert's shape
+                    E, rows, cols = info["shape"]
+                    proj, rows = ("gate", rows // 2) if f.group(1) == "gate_up_proj" else ("down", rows)
+                    yield f"layers.{m.group(1)}.mlp.experts.{E - 1}.{proj}.weight", key, (rows, cols)
+                    continue
                 try:
                     ours = map_hf_name(name, self.config.arch)
                 except LocalLLMError:
@@ -188,6 +231,8 @@ class HFCheckpoint:
                 for nested, plain in _NESTED:
                     key = plain + key[len(nested):] if key.startswith(nested) else key
                 parts = split_fused(key, tensor, self.config)
+                if parts is None:
+                    parts = split_experts(key, tensor, self.config)
                 if parts is not None:
                     yield from parts
                     continue

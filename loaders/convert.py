@@ -11,6 +11,7 @@ import torch
 from localllm.loaders.artifact import quant_manifest, write_artifact
 from localllm.loaders.load import Checkpoint, load_tokenizer, model_tensors
 from localllm.loaders.store import Store, StoredModel
+from localllm.quant.experts import split_expert_name
 from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme
 from localllm.runtime.model import Transformer
 
@@ -31,7 +32,8 @@ def storage_layout(model: Transformer, float_dtype: torch.dtype) -> dict[str, tu
 
 def _skip_tied_head(tensors: Iterator[tuple[str, torch.Tensor]], layout: dict) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in tensors:
-        if name in layout:
+        expert = split_expert_name(name)  # one expert of a stacked tensor: written into its slice
+        if name in layout or (expert is not None and expert[0] in layout):
             yield name, t
 
 

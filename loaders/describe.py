@@ -52,7 +52,19 @@ def describe(config: Any, *, name: str | None, path: Path, scheme: Any, dtype: s
         "chat_template": chat_template,
         "created": created,
         "eager_steps": eager_steps(config),
+        "moe": moe_facts(config),
     }
+
+
+def moe_facts(config: Any) -> dict[str, Any] | None:
+    """A Mixture-of-Experts model's experts: how many, how many each token uses, their sizes, the
+    sparse layers and the parameters a token works with; None for a dense model."""
+    if not config.is_moe:
+        return None
+    return {"experts": config.n_experts, "active": config.n_active, "expert_size": config.expert_size,
+            "shared_expert_size": config.shared_expert_size,
+            "sparse_layers": sum(config.is_moe_layer(i) for i in range(config.n_layers)),
+            "active_parameters": config.active_parameters()}
 
 
 def eager_steps(config: Any) -> list[dict[str, Any]]:

@@ -24,10 +24,12 @@ from localllm.loaders.spec import LoadSpec
 from localllm.loaders.store import MANIFEST, Store, read_entry
 from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme, parse_scheme
 from localllm.quant.convert import Plan
+from localllm.quant.experts import experts_plan, swap_experts
 from localllm.quant.linear import make_plan, prepare_model, share_tied_embedding, swap_linears
 from localllm.quant.target import Target
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.model import Transformer
+from localllm.runtime.moe import prepare_moe
 from localllm.runtime.tokenizer import Tokenizer
 
 Checkpoint = Union[HFCheckpoint, GGUFCheckpoint, ArtifactCheckpoint]
@@ -169,13 +171,14 @@ def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None,
         head = ckpt.default_head(scheme)
     else:
         head = parse_scheme(quantize_head) if quantize_head else None
-    plan = make_plan(model, scheme, head)
+    plan = {**make_plan(model, scheme, head), **experts_plan(model, scheme)}  # a MoE's experts take the scheme
     if scheme == ckpt.default_scheme():  # the checkpoint's own grid: no tensor silently re-rounded
         exact = ckpt.exact_plan(plan)
         if quantize_head and "output" in plan:
             exact["output"] = plan["output"]  # a head scheme asked for by name
         plan = exact
     swap_linears(model, plan)
+    swap_experts(model, plan)
     tied_head = ckpt.config.tie_embeddings and "output" in plan
     share_tied_embedding(model)
     return model, ckpt.iter_canonical(plan, tied_head), plan
@@ -295,6 +298,7 @@ def load_model(
     model = load_weights(model, tensors, target, act, source, kernel, check_kernels)
     del tensors, ckpt  # the reader, its metadata and its file
     used = prepare_model(model, act, kernel, target=target, check=check_kernels)  # prepared as they arrived: counted
+    used.update(prepare_moe(model, act, target=target, check=check_kernels))  # a MoE's experts, a layer at a time
     release_freed_memory()
     if attention_kernel and dev.type == "cpu":
         from localllm.runtime import cpu_attention

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from localllm.errors import LocalLLMError
+from localllm.quant.experts import split_expert_name
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -112,6 +113,9 @@ def write_safetensors(path: Path, layout: dict[str, tuple[tuple[int, ...], torch
     The header is written first from ``layout`` (name -> shape, dtype), so no tensor has to wait in
     memory for the others: peak memory is one tensor, whatever the file's size. Every name in the
     layout must arrive exactly once with its shape; the tensor is converted to the layout's dtype.
+    A stacked experts tensor (E, ...) may arrive one expert at a time instead, each under its expert's
+    name (``layers.0.mlp.experts.7.gate.qweight``: :func:`quant.experts.split_expert_name`), written
+    into its slice.
     """
     header: dict[str, object] = {"__metadata__": dict(metadata or {})}
     offset = 0
@@ -126,22 +130,31 @@ def write_safetensors(path: Path, layout: dict[str, tuple[tuple[int, ...], torch
     blob += b" " * (-len(blob) % 8)  # the data that follows starts 8-byte aligned
     start = 8 + len(blob)
     written: set[str] = set()
+    experts: dict[str, set[int]] = {}  # a stacked tensor written one expert at a time -> those written
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob)
         f.truncate(start + offset)
         for name, t in tensors:
-            if name not in layout or name in written:
+            split = split_expert_name(name) if name not in layout else None
+            whole, expert = split if split is not None else (name, None)
+            if whole not in layout or name in written or (expert is not None and expert >= layout[whole][0][0]):
                 raise ValueError(f"tensor '{name}' is {'repeated' if name in written else 'not in the layout'}")
-            shape, dtype = layout[name]
+            shape, dtype = layout[whole]
+            at = header[whole]["data_offsets"][0]  # type: ignore[index]
+            if expert is not None:
+                shape = shape[1:]
+                at += expert * (header[whole]["data_offsets"][1] - at) // layout[whole][0][0]  # type: ignore[index]
+                experts.setdefault(whole, set()).add(expert)
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"tensor '{name}' has shape {tuple(t.shape)}, the layout says {tuple(shape)}")
             data = t.detach().to(device="cpu", dtype=dtype).contiguous()
-            f.seek(start + header[name]["data_offsets"][0])  # type: ignore[index]
+            f.seek(start + at)
             if data.numel():
                 f.write(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
             written.add(name)
         f.flush()
         os.fsync(f.fileno())
+    written |= {whole for whole, done in experts.items() if len(done) == layout[whole][0][0]}
     missing = sorted(set(layout) - written)
     if missing:
         raise ValueError(f"tensors never written: {', '.join(missing[:3])}")

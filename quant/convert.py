@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from localllm.quant.experts import expert_name, split_expert_name
 from localllm.quant.formats import QuantScheme, quantize
 from localllm.quant.linear import head_serves_embedding
 
@@ -33,6 +34,15 @@ def quantize_stream(
     head_done = False
     for name, t in tensors:
         module, _, leaf = name.rpartition(".")
+        expert = split_expert_name(name)  # one expert of stacked experts: the plan names the stack
+        if leaf == "weight" and expert is not None and expert[0].rpartition(".")[0] in plan:
+            yield from _quantized(module, t, plan[expert[0].rpartition(".")[0]])
+            del t
+            continue
+        if leaf == "weight" and module in plan and t.dim() == 3:
+            yield from _experts_quantized(module, t, plan[module])  # stacked float experts: one at a time
+            del t
+            continue
         if leaf == "weight" and module in plan:
             if module == "output":
                 if head_done:
@@ -48,6 +58,15 @@ def quantize_stream(
                 continue
         yield name, t
         del t
+
+
+def _experts_quantized(module: str, w: torch.Tensor, scheme: QuantScheme) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stacked float experts (E, out, in) ``{prefix}.experts.{proj}.weight`` as each expert's canonical
+    tensors, named for its slice (``{prefix}.experts.{e}.{proj}.qweight``)."""
+    experts, _, proj = module.rpartition(".")
+    for e in range(w.shape[0]):
+        for k, t in quantize(w[e], scheme).items():
+            yield expert_name(experts, e, proj, k), t
 
 
 def _quantized(module: str, w: torch.Tensor, scheme: QuantScheme) -> Iterator[tuple[str, torch.Tensor]]:

@@ -62,11 +62,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localllm.quant.formats import QuantScheme, canonical_shapes
+from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme, canonical_shapes
 from localllm.quant.kernels import warn_once
 from localllm.quant.reference import reference_linear
 from localllm.quant.target import Target
@@ -79,16 +81,31 @@ class QuantExperts(nn.Module):
     """One projection (an (out, in) weight) of all ``n_experts`` experts of a layer, in ``scheme``:
     the canonical tensors of :mod:`quant.formats` stacked along a leading expert dim (see the module
     docstring). Built on ``meta`` by the model; the loader assigns each tensor, filled one expert at a
-    time as the checkpoint streams (:meth:`expert` views are writable)."""
+    time as the checkpoint streams (:meth:`expert` views are writable).
+
+    A float scheme (the model's experts before :func:`swap_experts`) holds ``weight`` as a parameter,
+    as a float ``nn.Linear`` does: it loads in the model's dtype, and :attr:`scheme` follows it."""
 
     def __init__(self, n_experts: int, in_features: int, out_features: int, scheme: QuantScheme) -> None:
         super().__init__()
-        self.n_experts, self.in_features, self.out_features, self.scheme = n_experts, in_features, out_features, scheme
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        self._scheme = scheme
         for name, (shape, dtype) in canonical_shapes(scheme, out_features, in_features).items():
-            self.register_buffer(name, torch.empty((n_experts, *shape), dtype=dtype))
+            if scheme.is_float:
+                self.weight = nn.Parameter(torch.empty((n_experts, *shape), dtype=dtype), requires_grad=False)
+            else:
+                self.register_buffer(name, torch.empty((n_experts, *shape), dtype=dtype))
+        self.bias = None  # none of the families' experts has one (the fusion of gate and up asks)
         #: The kernel :func:`prepare_experts` chose (None: not prepared yet).
         self.kernel: type[ExpertKernel] | None = None
         self.act_dtype = torch.bfloat16
+
+    @property
+    def scheme(self) -> QuantScheme:
+        """The weights' scheme (a float one names the dtype the weight holds now)."""
+        if self._scheme.is_float:
+            return QuantScheme(next(n for n, d in FLOAT_SCHEMES.items() if d == self.weight.dtype))
+        return self._scheme
 
     def canonical_names(self) -> tuple[str, ...]:
         return tuple(canonical_shapes(self.scheme, self.out_features, self.in_features))
@@ -103,10 +120,7 @@ class QuantExperts(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(iter(self._buffers.values())).device
-
-    def stored_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._buffers.values() if t is not None)
+        return next(iter([*self._parameters.values(), *self._buffers.values()])).device
 
     def extra_repr(self) -> str:
         kernel = self.kernel.name if self.kernel else "unprepared"
@@ -296,6 +310,8 @@ def prepare_experts(gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]",
         for name in set(p.canonical_names()) - set(t):
             delattr(p, name)  # the kernel's layout replaces it: never both
         for name, v in t.items():
+            if getattr(p, name, None) is v:
+                continue  # kept as it is (the reference's canonical tensors, a float parameter)
             if name in p._buffers:
                 p._buffers[name] = v
             else:
@@ -304,3 +320,81 @@ def prepare_experts(gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]",
         p.act_dtype = act_dtype
     return k.name
 
+
+
+# ----------------------------------------------------------------------------- names, plans, fusion
+#: One expert's tensor in a stream: ``{prefix}.experts.{e}.{proj}.{leaf}`` (``layers.3.mlp.experts.17.gate.weight``),
+#: expert ``e``'s slice of the stacked ``{prefix}.experts.{proj}.{leaf}``.
+_EXPERT_NAME = re.compile(r"^(.+\.experts)\.(\d+)\.([A-Za-z_]+)\.([A-Za-z_]+)$")
+
+
+def expert_name(experts: str, e: int, proj: str, leaf: str) -> str:
+    """The stream name of expert ``e``'s ``leaf`` of projection ``proj`` under module ``experts``."""
+    return f"{experts}.{e}.{proj}.{leaf}"
+
+
+_STACKED = re.compile(r"^(.+\.experts)\.(gate|up|down|gate_up)$")
+
+
+def stacked_experts(module: str) -> tuple[str, str] | None:
+    """``layers.3.mlp.experts.gate`` -> (``layers.3.mlp.experts``, ``gate``): the module of a MoE
+    layer's stacked projection, as the model names it (:class:`runtime.moe.Experts`); None otherwise."""
+    m = _STACKED.match(module)
+    return (m.group(1), m.group(2)) if m is not None else None
+
+
+def split_expert_name(name: str) -> tuple[str, int] | None:
+    """``layers.3.mlp.experts.17.gate.qweight`` -> (``layers.3.mlp.experts.gate.qweight``, 17); None for
+    any other name."""
+    m = _EXPERT_NAME.match(name)
+    if m is None:
+        return None
+    return f"{m.group(1)}.{m.group(3)}.{m.group(4)}", int(m.group(2))
+
+
+def experts_plan(model: nn.Module, scheme: QuantScheme) -> dict[str, QuantScheme]:
+    """Every expert projection of ``model`` -> ``scheme`` (a plan's entries beside its linears'), after
+    checking the scheme can hold them: one line naming why not."""
+    plan = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantExperts):
+            scheme.check_layer(name, m.in_features)
+            plan[name] = scheme
+    return plan
+
+
+def swap_experts(model: nn.Module, plan: dict[str, QuantScheme]) -> list[str]:
+    """Replace each float :class:`QuantExperts` named in ``plan`` by one in its scheme, on ``meta``."""
+    swapped = []
+    for name, m in list(model.named_modules()):
+        if name not in plan or not isinstance(m, QuantExperts):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        with torch.device("meta"):
+            q = QuantExperts(m.n_experts, m.in_features, m.out_features, plan[name])
+        setattr(model.get_submodule(parent_name), child, q)
+        swapped.append(name)
+    return swapped
+
+
+def concat_experts(parts: list[QuantExperts]) -> QuantExperts:
+    """One projection whose experts compute ``cat([p_e(x) for p in parts], -1)``: the parts' rows
+    stacked within each expert (gate then up). Unprepared projections of one scheme, on ``meta`` or
+    loaded."""
+    first = parts[0]
+    if any(p.kernel is not None or p.scheme != first.scheme or p.n_experts != first.n_experts for p in parts):
+        raise ValueError("only unprepared expert projections of one scheme can be concatenated")
+    with torch.device("meta"):
+        fused = QuantExperts(first.n_experts, first.in_features, sum(p.out_features for p in parts), first._scheme)
+    for name in first.canonical_names():
+        ts = [getattr(p, name) for p in parts]
+        if ts[0].device.type == "meta":
+            t = torch.empty((ts[0].shape[0], sum(x.shape[1] for x in ts), *ts[0].shape[2:]), dtype=ts[0].dtype,
+                            device="meta")
+        else:
+            t = torch.cat(ts, dim=1)
+        if isinstance(ts[0], nn.Parameter):
+            setattr(fused, name, nn.Parameter(t, requires_grad=False))
+        else:
+            setattr(fused, name, t)
+    return fused

@@ -8,13 +8,21 @@ from typing import Any
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.config_checks import (INT_RANGES, MAX_TOKEN_ID, FieldReader, check_fields, check_float, check_int,
-                                             damaged)
+                                             check_moe, damaged)
 
 #: HF ``model_type`` / GGUF ``general.architecture`` values this runtime runs. They share one
 #: block: RMSNorm, RoPE, grouped-query attention, a gated MLP; they differ only in config fields
 #: (Qwen3 and Gemma 3 add per-head q/k norms, Gemma 3 four norms per block, GeGLU, local layers;
 #: Phi-3 partial rotary and longrope).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral")
+
+#: The Mixture-of-Experts families among them: their sparse layers route each token to
+#: ``n_active`` of ``n_experts`` gated MLPs (:mod:`runtime.moe`); Qwen2-MoE adds a shared expert.
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+#: Architectures localllm knows it cannot run yet, and why (said in the one line that refuses them).
+_NOT_YET = {"gpt_oss": "gpt-oss (MXFP4 experts, attention sinks, the harmony format) is not supported yet",
+            "gptoss": "gpt-oss (MXFP4 experts, attention sinks, the harmony format) is not supported yet"}
 
 #: Other spellings of the same architectures: HF's text-only Gemma 3 ``model_type``.
 _ALIASES = {"gemma3_text": "gemma3"}
@@ -30,7 +38,9 @@ ROPE_SCALINGS = ("llama3", "linear", "longrope")
 HF_KEYS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num_hidden_layers",
            "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
            "intermediate_size": "intermediate_size", "max_seq_len": "max_position_embeddings",
-           "sliding_window": "sliding_window", "norm_eps": "rms_norm_eps"}
+           "sliding_window": "sliding_window", "norm_eps": "rms_norm_eps", "n_experts": "num_experts",
+           "n_active": "num_experts_per_tok", "expert_size": "moe_intermediate_size",
+           "shared_expert_size": "shared_expert_intermediate_size"}
 #: ``ModelConfig`` fields -> the GGUF metadata keys they are read from, after ``{arch}.``.
 GGUF_KEYS = {"vocab_size": "vocab_size", "dim": "embedding_length", "n_layers": "block_count",
              "n_heads": "attention.head_count", "n_kv_heads": "attention.head_count_kv",
@@ -45,6 +55,10 @@ def hf_keys(hf: dict[str, Any]) -> dict[str, str]:
     keys = dict(HF_KEYS)
     if inner.get("head_dim") is None:
         keys["head_dim"] = "hidden_size / num_attention_heads"
+    if inner.get("model_type") == "mixtral" or "num_experts" not in inner:
+        keys["n_experts"] = "num_local_experts"
+    if inner.get("model_type") == "mixtral":
+        keys["expert_size"] = "intermediate_size"
     return keys
 
 
@@ -59,7 +73,10 @@ def gguf_keys(meta: dict[str, Any]) -> dict[str, str]:
     return keys
 
 
-def _unsupported(what: str) -> LocalLLMError:
+def _unsupported(what: str, arch: str = "") -> LocalLLMError:
+    if arch in _NOT_YET:
+        return LocalLLMError(f"unsupported architecture {what}: {_NOT_YET[arch]}",
+                             f"localllm runs {', '.join(SUPPORTED_ARCHITECTURES)} models")
     return LocalLLMError(f"unsupported architecture {what}",
                          f"localllm runs {', '.join(SUPPORTED_ARCHITECTURES)} models")
 
@@ -113,11 +130,24 @@ class ModelConfig:
     #: Gemma 2 style soft-capping ``cap * tanh(x / cap)`` of attention scores / final logits, or None.
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    #: Mixture of Experts (None on a dense model): experts a sparse layer holds, and how many each
+    #: token is routed to.
+    n_experts: int | None = None
+    n_active: int | None = None
+    #: The intermediate size of each expert's gated MLP (HF ``moe_intermediate_size``).
+    expert_size: int | None = None
+    #: Qwen2-MoE's shared expert: its intermediate size (None: no shared expert), gated by a sigmoid.
+    shared_expert_size: int | None = None
+    #: Whether the top-k routing weights are renormalised to sum to 1 (Mixtral always; Qwen by config).
+    norm_topk_prob: bool = False
+    #: The sparse layers' indices (the others have a dense MLP of :attr:`intermediate_size`); None:
+    #: every layer, on a MoE model.
+    moe_layers: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.arch = _ALIASES.get(self.arch, self.arch)
         if self.arch not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(f"'{self.arch}'")
+            raise _unsupported(f"'{self.arch}'", self.arch)
         check_fields(self)  # before any size is used: a config from a dict or by hand is checked here
         types = self.layer_types
         if types is not None:
@@ -146,6 +176,7 @@ class ModelConfig:
             if self.rope_scaling is not None and self.rope_scaling.get("rope_type") == "llama3":
                 raise LocalLLMError("bad model: llama3 rope scaling given twice (as a setting and as frequency "
                                     "factors)", "convert the model again")
+        check_moe(self)
         s = self.rope_scaling
         if s is not None and s.get("rope_type") == "longrope":
             n = self.rotary_dim // 2
@@ -154,6 +185,14 @@ class ModelConfig:
                                     f"values each (rotary dims {self.rotary_dim})", "the model's config is damaged")
 
     # Derived sizes -------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer`` routes to experts (else it has a dense MLP)."""
+        return self.n_experts is not None and (self.moe_layers is None or layer in self.moe_layers)
+
     def layer_window(self, layer: int) -> int | None:
         """The attention window of ``layer`` (tokens; None: it sees the whole context)."""
         if self.layer_types is not None and self.layer_types[layer] != SLIDING:
@@ -175,16 +214,31 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Parameter count (tied embeddings counted once)."""
+        mlps = sum(self._mlp_parameters(i) for i in range(self.n_layers))
         per_layer = (
             self.dim * (self.q_dim + 2 * self.kv_dim)
             + self.q_dim * self.dim
-            + 3 * self.dim * self.intermediate_size
             + (4 if self.post_norms else 2) * self.dim
             + (2 * self.head_dim if self.qk_norm else 0)  # type: ignore[operator]
             + (self.q_dim + 2 * self.kv_dim if self.attention_bias else 0)
         )
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.n_layers * per_layer + self.dim + head
+        return self.vocab_size * self.dim + self.n_layers * per_layer + mlps + self.dim + head
+
+    def _mlp_parameters(self, layer: int) -> int:
+        """Parameters of ``layer``'s MLP: a dense one, or every expert, the router and a shared expert."""
+        if not self.is_moe_layer(layer):
+            return 3 * self.dim * self.intermediate_size
+        shared = 3 * self.dim * self.shared_expert_size + self.dim if self.shared_expert_size else 0
+        return self.n_experts * (3 * self.dim * self.expert_size + self.dim) + shared  # type: ignore[operator]
+
+    def active_parameters(self) -> int:
+        """Parameters a token works with: a MoE layer's routed experts only (all, on a dense model)."""
+        total = self.num_parameters()
+        if not self.is_moe:
+            return total
+        idle = (self.n_experts - self.n_active) * 3 * self.dim * self.expert_size  # type: ignore[operator]
+        return total - idle * sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     # (De)serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -205,7 +259,7 @@ class ModelConfig:
         arch = _ALIASES.get(hf.get("model_type", ""), hf.get("model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
             archs = outer.get("architectures") or [arch or "unknown"]
-            raise _unsupported(f"'{archs[0]}' (model_type '{hf.get('model_type', '')}')")
+            raise _unsupported(f"'{archs[0]}' (model_type '{hf.get('model_type', '')}')", arch)
         read = FieldReader(hf, "config.json")
         dim = read.int("hidden_size", "dim")
         n_layers = read.int("num_hidden_layers", "n_layers")
@@ -227,11 +281,12 @@ class ModelConfig:
         layer_types = _hf_layer_types(hf, n_layers) if gemma else None
         if gemma:
             sliding = read.int("sliding_window", "sliding_window", 4096 if "sliding_window" not in hf else None)
-        elif arch == "phi3" or hf.get("use_sliding_window", arch == "mistral"):
+        elif arch == "phi3" or hf.get("use_sliding_window", arch in ("mistral", "mixtral")):
             sliding = read.int("sliding_window", "sliding_window", None, (0, INT_RANGES["sliding_window"][1])) or None
         else:
             sliding = None
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        moe = _hf_moe(read, hf, arch, n_layers) if arch in MOE_ARCHITECTURES else {}
         return cls(
             arch=arch,
             vocab_size=read.int("vocab_size", "vocab_size"),
@@ -246,15 +301,17 @@ class ModelConfig:
             rope_scaling=scaling,
             max_seq_len=read.int("max_position_embeddings", "max_seq_len", 4096),
             tie_embeddings=bool(hf.get("tie_word_embeddings", outer.get("tie_word_embeddings", gemma))),
-            # Qwen2 always has q/k/v bias; Llama and Qwen3 configs say so with attention_bias.
-            attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+            # Qwen2 always has q/k/v bias, Qwen2-MoE by its qkv_bias; Llama and Qwen3 configs say so
+            # with attention_bias.
+            attention_bias=bool(hf.get("qkv_bias", True) if arch == "qwen2_moe" else
+                                hf.get("attention_bias", arch == "qwen2")),
             sliding_window=sliding,
             bos_token_id=hf.get("bos_token_id", outer.get("bos_token_id")),
             eos_token_ids=eos,
             layer_types=layer_types,
             rope_local_theta=local_theta,
             partial_rotary=partial or 1.0,
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe"),
             norm_offset=1.0 if gemma else 0.0,
             post_norms=gemma,
             mlp_act={"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act, act),
@@ -264,6 +321,7 @@ class ModelConfig:
             # applies it (Gemma 2 did): the model's path for it stays unused here.
             attn_softcap=None,
             final_softcap=read.float("final_logit_softcapping", "final_softcap", None) if gemma else None,
+            **moe,
         )
 
     @classmethod
@@ -278,7 +336,7 @@ class ModelConfig:
         """
         arch = meta.get("general.architecture", "")
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(f"'{arch}' in the GGUF")
+            raise _unsupported(f"'{arch}' in the GGUF", arch)
 
         def key(name: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{name}", default)
@@ -357,6 +415,34 @@ class ModelConfig:
             qk_norm=arch in ("qwen3", "gemma3"),
             **extra,
         )
+
+
+def _hf_moe(read: FieldReader, hf: dict[str, Any], arch: str, n_layers: int) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE, Qwen2-MoE or Mixtral ``config.json``: experts
+    (``num_experts`` / ``num_local_experts``), active ones, their sizes, and which layers are sparse
+    (``decoder_sparse_step``, ``mlp_only_layers``: as transformers places them)."""
+    key = "num_local_experts" if arch == "mixtral" or "num_experts" not in hf else "num_experts"
+    out: dict[str, Any] = {
+        "n_experts": read.int(key, "n_experts"),
+        "n_active": read.int("num_experts_per_tok", "n_active"),
+        # Mixtral's experts are its intermediate_size; Qwen's have their own.
+        "expert_size": read.int("intermediate_size" if arch == "mixtral" else "moe_intermediate_size",
+                                "expert_size"),
+        # Mixtral renormalises the top-k (a softmax over the chosen logits); Qwen by its config.
+        "norm_topk_prob": True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+    }
+    if arch == "qwen2_moe":
+        out["shared_expert_size"] = read.int("shared_expert_intermediate_size", "shared_expert_size")
+    if arch != "mixtral":
+        step = read.int("decoder_sparse_step", None, 1, (1, 1 << 20))
+        dense = hf.get("mlp_only_layers") or []
+        if not isinstance(dense, list):
+            raise damaged("config.json", "gives mlp_only_layers that is not a list")
+        dense = {check_int(i, "mlp_only_layers", 0, n_layers - 1, "config.json") for i in dense}
+        sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
+        if len(sparse) != n_layers:
+            out["moe_layers"] = sparse
+    return out
 
 
 def _hf_layer_types(hf: dict[str, Any], n_layers: int) -> list[str]:

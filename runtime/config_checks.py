@@ -27,6 +27,10 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "intermediate_size": (1, 1 << 20),
     "max_seq_len": (1, 1 << 27),
     "sliding_window": (1, 1 << 27),
+    "n_experts": (1, 1 << 12),
+    "n_active": (1, 1 << 12),
+    "expert_size": (1, 1 << 20),
+    "shared_expert_size": (1, 1 << 20),
 }
 
 #: Float fields of ``ModelConfig`` that must be finite and above zero -> their inclusive cap (None: none).
@@ -158,8 +162,29 @@ def check_rope_scaling(s: Any, source: str) -> None:
                 check_float(v, f"rope scaling's {key}", None, source)
 
 
+def check_moe(config: Any, source: str = "config") -> None:
+    """A MoE config's fields together: all of experts, active experts and their size, or none; at
+    most as many active as there are experts; sparse layers that exist, once each."""
+    moe = (config.n_experts, config.n_active, config.expert_size)
+    if all(v is None for v in moe):
+        if config.shared_expert_size is not None or config.moe_layers is not None:
+            raise damaged(source, "gives a shared expert or sparse layers without experts")
+        return
+    if any(v is None for v in moe):
+        raise damaged(source, "gives some of the experts' count, active count and size, not all three")
+    if config.n_active > config.n_experts:
+        raise damaged(source, f"routes each token to {config.n_active} experts of {config.n_experts}")
+    layers = config.moe_layers
+    if layers is not None:
+        if not isinstance(layers, list) or len(set(layers)) != len(layers):
+            raise damaged(source, f"gives sparse layers {_shown(layers)}, not a list of distinct layers")
+        config.moe_layers = [check_int(i, "a sparse layer", 0, config.n_layers - 1, source) for i in layers]
+
+
 # --------------------------------------------------------------------------- against the tensors
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+#: One expert's tensor, ``mlp.experts.{e}.gate.weight``: checked as ``mlp.experts.gate.weight``.
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
 
 
 def _expected(config: Any, keys: Mapping[str, str]) -> dict[str, list[tuple[int, str]]]:
@@ -186,9 +211,18 @@ def _expected(config: Any, keys: Mapping[str, str]) -> dict[str, list[tuple[int,
         "mlp.gate.weight": [inter, dim], "mlp.up.weight": [inter, dim], "mlp.down.weight": [dim, inter],
         "mlp.gate_up.weight": [(2 * config.intermediate_size, f"2 x {k('intermediate_size')}"), dim],
     }
+    if config.n_experts is not None:  # a sparse layer's router, each expert (its index left out) and shared expert
+        experts = (config.n_experts, k("n_experts"))
+        size = (config.expert_size, k("expert_size"))
+        out.update({"mlp.router.weight": [experts, dim], "mlp.experts.gate.weight": [size, dim],
+                    "mlp.experts.up.weight": [size, dim], "mlp.experts.down.weight": [dim, size]})
+        if config.shared_expert_size is not None:
+            shared = (config.shared_expert_size, k("shared_expert_size"))
+            out.update({"mlp.shared.gate.weight": [shared, dim], "mlp.shared.up.weight": [shared, dim],
+                        "mlp.shared.down.weight": [dim, shared], "mlp.shared_gate.weight": [(1, "1"), dim]})
+    return out
     for norm in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
         out[f"{norm}.weight"] = [dim]
-    return out
 
 
 def check_tensors(config: Any, tensors: Iterable[tuple[str, str, tuple[int, ...]]], source: str,
@@ -209,6 +243,12 @@ def check_tensors(config: Any, tensors: Iterable[tuple[str, str, tuple[int, ...]
         if m is not None:
             layers.add(int(m.group(1)))
             local = m.group(2)
+            e = _EXPERT.match(local)
+            if e is not None:
+                if config.n_experts is None or int(e.group(1)) >= config.n_experts:
+                    raise damaged(source, f"disagrees with the file's tensors: {keys.get('n_experts', 'n_experts')} "
+                                          f"gives {config.n_experts} experts, but the file holds {theirs}")
+                local = f"mlp.experts.{e.group(2)}"
         want = expected.get(local)
         if want is None:
             continue

@@ -1,4 +1,5 @@
-"""The Llama-family transformer (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3).
+"""The Llama-family transformer (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Phi-3; and with sparse MLP
+layers, :class:`runtime.moe.MoE`, Qwen3-MoE, Qwen2-MoE and Mixtral).
 
 Parameter names (the checkpoint loaders map to these)::
 
@@ -9,7 +10,7 @@ Parameter names (the checkpoint loaders map to these)::
     layers.{i}.attn.o.weight
     layers.{i}.post_attn_norm.weight   (config.post_norms: Gemma 3)
     layers.{i}.mlp_norm.weight
-    layers.{i}.mlp.{gate,up,down}.weight
+    layers.{i}.mlp.{gate,up,down}.weight  (a sparse layer's router and experts: see runtime/moe.py)
     layers.{i}.post_mlp_norm.weight    (config.post_norms)
     norm.weight
     output.weight                   (the same tensor as embed.weight when tied)
@@ -36,6 +37,7 @@ from torch import nn
 
 from localllm.runtime import attention, pointwise
 from localllm.runtime.config import SLIDING, ModelConfig
+from localllm.runtime.moe import MoE
 from localllm.runtime.paged import PagedLayer, PagedStep
 
 class Linear(nn.Linear):
@@ -218,11 +220,12 @@ def round_to(value: float, dtype: torch.dtype) -> float:
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, size: int | None = None) -> None:
         super().__init__()
-        self.gate = Linear(config.dim, config.intermediate_size, bias=False)
-        self.up = Linear(config.dim, config.intermediate_size, bias=False)
-        self.down = Linear(config.intermediate_size, config.dim, bias=False)
+        size = config.intermediate_size if size is None else size  # a MoE's shared expert has its own
+        self.gate = Linear(config.dim, size, bias=False)
+        self.up = Linear(config.dim, size, bias=False)
+        self.down = Linear(size, config.dim, bias=False)
         #: gate and up as one matmul, set by loaders.build.fuse_projections.
         self.gate_up: nn.Module | None = None
         self.gelu = config.mlp_act == "gelu_tanh"
@@ -240,7 +243,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.dim, config.norm_eps, norm)
         self.attn = Attention(config, layer)
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps, norm)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MoE(config) if config.is_moe_layer(layer) else MLP(config)
         self.post_attn_norm = RMSNorm(config.dim, config.norm_eps, norm) if config.post_norms else None
         self.post_mlp_norm = RMSNorm(config.dim, config.norm_eps, norm) if config.post_norms else None
 

@@ -150,6 +150,7 @@ def show_text(facts: dict[str, Any]) -> str:
                   ("parameters", human_count(facts["parameters"])), ("context length", facts["context_length"]),
                   ("embedding length", facts["embedding_length"]), ("layers", facts["layers"]),
                   ("attention heads", heads), ("vocabulary", facts["vocab_size"]),
+                  *_moe_rows(facts),
                   ("chat template", "yes" if facts["chat_template"] else "no")],
         "Weights": [("scheme", scheme), ("quantized modules", facts["quantized_modules"]),
                     ("weight bytes", f"{human_size(facts['weight_bytes'])} ({facts['weight_bytes']:,} bytes)"),
@@ -165,6 +166,17 @@ def show_text(facts: dict[str, Any]) -> str:
     for title, rows in sections.items():
         lines += [f"  {title}"] + [f"    {k:<20}{v}" for k, v in rows] + [""]
     return "\n".join(lines).rstrip("\n")
+
+
+def _moe_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
+    """A Mixture-of-Experts model's rows: ``experts  128, 8 active a token (size 768), 48 of 48 layers``."""
+    moe = facts.get("moe")
+    if not moe:
+        return []
+    shared = f"; a shared expert of {moe['shared_expert_size']}" if moe.get("shared_expert_size") else ""
+    return [("experts", f"{moe['experts']}, {moe['active']} active a token (size {moe['expert_size']}{shared}), "
+                        f"{moe['sparse_layers']} of {facts['layers']} layers"),
+            ("active parameters", human_count(moe["active_parameters"]))]
 
 
 def _memory_plan_section(facts: dict[str, Any]) -> dict[str, list[tuple[str, str]]]:
