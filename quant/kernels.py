@@ -24,6 +24,8 @@ gguf-q8-cpu            gguf    CPU, opt-in: Q5_0, Q4_K, Q6_K as the above    int
 gguf-blocks-cpu        gguf    CPU (``localllm::gguf_mm``): a GGUF's blocks  bf16 / fp16 / fp32
 gguf-blocks-cuda       gguf    CUDA, Triton (``quant.gguf_triton``)          bf16 / fp16 / fp32
 nf4-bitsandbytes       nf4     bitsandbytes ``matmul_4bit`` (CPU and CUDA)   bf16 / fp16 / fp32
+bf16-rows-cpu          bf16    CPU (``localllm::float_mm``; GEMM above 8)    fp32 / bf16 / fp16
+fp16-rows-cpu          fp16    CPU, F16C / AVX-512 (as bf16-rows-cpu)        fp32 / bf16 / fp16
 reference              all     dequantize one layer, ``F.linear``            any
 =====================  ======  ============================================  =====================
 
@@ -31,7 +33,8 @@ The kernels live in modules by what runs them: :mod:`quant.kernel_base` (the int
 layout a layer records), :mod:`quant.reference`, :mod:`quant.aten_kernels` (torch's own ops),
 :mod:`quant.cuda_kernels` (Triton), :mod:`quant.tile_kernels` and :mod:`quant.q8_kernels`
 (localllm's C++ on tiles of codes), :mod:`quant.gguf_cpu` (a GGUF's blocks, and their repacked
-tiles), :mod:`quant.bnb_kernel`; :mod:`quant.native_ops` holds the C++ library and its ops' fakes.
+tiles), :mod:`quant.bnb_kernel`, :mod:`quant.float_kernels` (16-bit float weights);
+:mod:`quant.native_ops` holds the C++ library and its ops' fakes.
 This module is the registry: the order of preference, the choice for a layer, and the check
 against the reference. The kernels' names are importable from here as well.
 """
@@ -46,6 +49,7 @@ import torch
 from localllm.quant.aten_kernels import Int4TinygemmCPU, Int4TinygemmCUDA, Int8WeightOnly
 from localllm.quant.bnb_kernel import Nf4Bitsandbytes
 from localllm.quant.cuda_kernels import GGUFBlocksCUDA, Int4TritonCUDA, Int8TritonCUDA
+from localllm.quant.float_kernels import Bf16RowsCPU, Fp16RowsCPU
 from localllm.quant.gguf_cpu import BLOCKS_LAYOUT, INT4K_TILES, INT5_TILES, INT6K_TILES, REPACKED, GGUFBlocksCPU
 from localllm.quant.kernel_base import Kernel, Layout
 from localllm.quant.native_ops import LIBRARY, OPS, gguf_dequantize
@@ -59,7 +63,8 @@ if TYPE_CHECKING:
     from localllm.quant.linear import QuantLinear
 
 __all__ = [
-    "BLOCKS_LAYOUT", "BY_NAME", "GGUFBlocksCPU", "GGUFBlocksCUDA", "GGUFQ8CPU", "INT4K_TILES", "INT5_TILES",
+    "BLOCKS_LAYOUT", "BY_NAME", "Bf16RowsCPU", "Fp16RowsCPU", "GGUFBlocksCPU", "GGUFBlocksCUDA", "GGUFQ8CPU",
+    "INT4K_TILES", "INT5_TILES",
     "INT6K_TILES", "Int4GroupCPU", "Int4Q8CPU", "Int4TinygemmCPU", "Int4TinygemmCUDA", "Int4TritonCUDA",
     "Int4ZerosCPU", "Int8GroupCPU", "Int8Q8CPU", "Int8TritonCUDA", "Int8WeightOnly", "KERNELS", "Kernel", "LIBRARY", "Layout",
     "Nf4Bitsandbytes", "OPS", "Q8_AVX2", "Q8_AVX512_VNNI", "Q8_AVX_VNNI", "Q8_PORTABLE", "REFERENCE_ELEMENTS",
@@ -74,7 +79,7 @@ REFERENCE_ROWS = 1024
 KERNELS: tuple[type[Kernel], ...] = (
     Int4TritonCUDA, Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int4ZerosCPU, Int8GroupCPU, Int8TritonCUDA, Int8WeightOnly,
     GGUFBlocksCPU, GGUFBlocksCUDA,
-    Nf4Bitsandbytes, Int4Q8CPU, Int8Q8CPU, GGUFQ8CPU, Reference
+    Nf4Bitsandbytes, Bf16RowsCPU, Fp16RowsCPU, Int4Q8CPU, Int8Q8CPU, GGUFQ8CPU, Reference
 )
 BY_NAME = {k.name: k for k in KERNELS}
 

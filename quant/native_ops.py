@@ -84,6 +84,10 @@ OPS: dict[str, Callable[..., torch.Tensor] | None] = {
     "int6k_group_dequant": tile_weights,
     # csrc/moe_mm.cpp: a MoE layer's experts in one call (quant.expert_kernels)
     "moe_ffn": moe_product,
+    # csrc/float_mm.cpp: bf16 and fp16 weights as stored, few activation rows (quant.float_kernels)
+    "float_mm": weight_product,
+    "float_mm_isa": None,
+    "float_isa": None,
 }
 
 
