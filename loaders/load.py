@@ -23,7 +23,8 @@ from localllm.loaders.hub_quant import open_hf_folder
 from localllm.loaders.spec import LoadSpec
 from localllm.loaders.store import MANIFEST, Store, read_entry
 from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme, parse_scheme
-from localllm.quant.convert import Plan
+from localllm.quant.convert import Plan, quantize_stream
+from localllm.quant.float_kernels import ROW_SCHEMES
 from localllm.quant.experts import experts_plan, swap_experts
 from localllm.quant.linear import make_plan, prepare_model, share_tied_embedding, swap_linears
 from localllm.quant.target import Target
@@ -184,6 +185,20 @@ def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None,
     return model, ckpt.iter_canonical(plan, tied_head), plan
 
 
+def float_row_layers(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]], scheme: QuantScheme
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A (meta) float model in a 16-bit ``scheme`` on the CPU: its linear layers, head included, become
+    :class:`quant.linear.QuantLinear` of the scheme, whose kernels (:mod:`quant.float_kernels`) stream
+    the weights as stored through few-row products in a decode step (torch's GEMM in a prefill); a
+    tied head serves as the embedding, held once. Returns the stream with those weights converted to
+    the scheme's dtype as they arrive (the activations are the model's dtype, as for quantized ones)."""
+    plan = make_plan(model, scheme, scheme)
+    swap_linears(model, plan)
+    tied_head = model.config.tie_embeddings and "output" in plan
+    share_tied_embedding(model)
+    return quantize_stream(tensors, plan, tied_head)
+
+
 @dataclass
 class LoadedModel:
     """A model ready to generate, with what the CLI reports about it."""
@@ -277,11 +292,15 @@ def load_model(
     # its values are the quantized ones, and every label says so.
     dequantized_from = own.label() if own is not None and not own.is_float and scheme is not None \
         and scheme.is_float else None
+    rows_scheme = None  # 16-bit weights on the CPU: through the few-row kernels (:func:`float_row_layers`)
     if scheme is not None and scheme.is_float:
         if quant is not None and dtype not in ("auto", scheme.name):
             raise LocalLLMError(f"--quant {scheme.name} and --dtype {dtype} disagree", "give one of them")
         if dtype == "auto":  # a float checkpoint's own dtype, unless --dtype says otherwise
-            dtype = scheme.name
+            # but fp16 activations on the CPU, where torch's fp16 ops are slow: bf16 ones (the fp16
+            # weights stay as they are, and each product is summed in fp32)
+            dtype = "bf16" if scheme.name == "fp16" and dev.type == "cpu" else scheme.name
+        rows_scheme = scheme if dev.type == "cpu" and scheme.name in ROW_SCHEMES else None
         scheme = None
     tokenizer = load_tokenizer(ckpt)
     pooling = embedding_pooling(ckpt)
@@ -289,6 +308,8 @@ def load_model(
         ckpt.drop_metadata()  # made into the tokenizer and config: not held through the load
     config, source = ckpt.config, ckpt.describe()
     model, tensors, plan = model_tensors(ckpt, scheme, spec.quantize_head)
+    if rows_scheme is not None:
+        tensors = float_row_layers(model, tensors, rows_scheme)
     act = resolve_dtype(dtype, dev, quantized=scheme is not None,
                         float_tables=scheme is not None and keeps_float_tables(model))
     # A GGUF's tensor types, and what each became.
@@ -310,6 +331,6 @@ def load_model(
 
         if cuda_attention.span_kernel() is not None:  # compiled by Triton at the first step
             used["attention-cuda"] = len(model.layers)
-    return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme, used,
-                       dequantized_from, imported, pooling)
+    return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme or rows_scheme,
+                       used, dequantized_from, imported, pooling)
 

@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from localllm.quant import kernels
@@ -259,6 +260,8 @@ class TiedHeadEmbedding(nn.Module):
         if rows_of is not None:  # a kernel that keeps the codes in a layout of its own
             rows = rows_of(head, tokens.reshape(-1))  # (B*T, D) fp32
             return rows.view(*tokens.shape, head.in_features).to(head.act_dtype)
+        if head.scheme.is_float:  # a 16-bit head (quant.float_kernels): its weight is the table
+            return F.embedding(tokens, head.weight).to(head.act_dtype)
         if head.scheme.name == "gguf":
             rows = self._block_rows(head, tokens.reshape(-1))  # (B*T, D) fp32
             return rows.view(*tokens.shape, head.in_features).to(head.act_dtype)
@@ -282,8 +285,9 @@ class TiedHeadEmbedding(nn.Module):
 def head_serves_embedding(head: QuantScheme | None) -> bool:
     """Whether a tied model's output head in scheme ``head`` also serves as its token embedding (kept
     once, :class:`TiedHeadEmbedding`): an int8 head's rows and scales, or a GGUF head's blocks, are
-    the table itself. Other heads (int4, nf4: re-rounded) keep a 16-bit embedding beside them."""
-    return head is not None and head.name in ("int8", "gguf")
+    the table itself, as is a 16-bit head's weight (a float model on the CPU). Other heads (int4,
+    nf4: re-rounded) keep a 16-bit embedding beside them."""
+    return head is not None and head.name in ("int8", "gguf", "fp16", "bf16")
 
 
 def share_tied_embedding(model: nn.Module) -> bool:
