@@ -97,3 +97,31 @@ class GGUFBlocksCUDA(Kernel):
         from localllm.quant.gguf_triton import gguf_mm
 
         return gguf_mm(x, layer.blocks, layer.scheme.gguf_type, layer.in_features)
+
+
+class Int4ZerosTritonCUDA(Kernel):
+    """int4 with integer zero points (``int4z``: GPTQ, AWQ, compressed-tensors) on the int4 Triton
+    kernel, exactly: its offsets ``-z * s`` made in fp32 (exact there, not in fp16), which the kernel
+    loads as it loads int4's fp16 ones (``q * s + o`` in fp32, then the activation dtype)."""
+
+    name = "int4z-triton-cuda"
+    scheme = "int4z"
+    device_type = "cuda"
+
+    @staticmethod
+    def unsupported(layer, target, act_dtype) -> str | None:  # type: ignore[no-untyped-def]
+        if layer.scheme.name != "int4z":
+            return "runs int4 weights with zero points only"
+        return triton_unsupported(target, act_dtype)
+
+    @staticmethod
+    def prepare(layer):  # type: ignore[no-untyped-def]
+        c = layer.canonical()
+        offsets = -c["zeros"].float() * c["scales"].float()  # (out, groups): exact in fp32
+        return {"qweight": c["qweight"], "scales": c["scales"], "offsets": offsets}
+
+    @staticmethod
+    def matmul(layer, x):  # type: ignore[no-untyped-def]
+        from localllm.quant.int_triton import int_mm
+
+        return int_mm(x, layer.qweight, layer.scales, layer.offsets, layer.scheme.group_size)

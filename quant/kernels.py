@@ -18,6 +18,7 @@ int8-triton-cuda       int8    CUDA, Triton (``quant.int_triton``)           bf1
 int8-weight-only       int8    per-channel (``torch._weight_int8pack_mm``)   bf16 / fp16 / fp32
 int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf16 / fp16 / fp32
 int4z-group-cpu        int4z   CPU, as int4-group-cpu (+ fp32 remainders)    bf16 / fp16 / fp32
+int4z-triton-cuda      int4z   CUDA, as int4-triton-cuda (fp32 offsets)      bf16 / fp16 / fp32
 int4-q8-cpu            int4    CPU, AVX2 / VNNI, opt-in (``int4_q8_mm``)     int8 per 32 (from fp32)
 int8-q8-cpu            int8    CPU, AVX2 / VNNI, opt-in (``int8_q8_mm``)     int8 per 32 (from fp32)
 gguf-q8-cpu            gguf    CPU, opt-in: Q5_0, Q4_K, Q6_K as the above    int8 per 32 (from fp32)
@@ -48,7 +49,7 @@ import torch
 
 from localllm.quant.aten_kernels import Int4TinygemmCPU, Int4TinygemmCUDA, Int8WeightOnly
 from localllm.quant.bnb_kernel import Nf4Bitsandbytes
-from localllm.quant.cuda_kernels import GGUFBlocksCUDA, Int4TritonCUDA, Int8TritonCUDA
+from localllm.quant.cuda_kernels import GGUFBlocksCUDA, Int4TritonCUDA, Int4ZerosTritonCUDA, Int8TritonCUDA
 from localllm.quant.float_kernels import Bf16RowsCPU, Fp16RowsCPU
 from localllm.quant.gguf_cpu import BLOCKS_LAYOUT, INT4K_TILES, INT5_TILES, INT6K_TILES, REPACKED, GGUFBlocksCPU
 from localllm.quant.kernel_base import Kernel, Layout
@@ -66,7 +67,7 @@ __all__ = [
     "BLOCKS_LAYOUT", "BY_NAME", "Bf16RowsCPU", "Fp16RowsCPU", "GGUFBlocksCPU", "GGUFBlocksCUDA", "GGUFQ8CPU",
     "INT4K_TILES", "INT5_TILES",
     "INT6K_TILES", "Int4GroupCPU", "Int4Q8CPU", "Int4TinygemmCPU", "Int4TinygemmCUDA", "Int4TritonCUDA",
-    "Int4ZerosCPU", "Int8GroupCPU", "Int8Q8CPU", "Int8TritonCUDA", "Int8WeightOnly", "KERNELS", "Kernel", "LIBRARY", "Layout",
+    "Int4ZerosCPU", "Int4ZerosTritonCUDA", "Int8GroupCPU", "Int8Q8CPU", "Int8TritonCUDA", "Int8WeightOnly", "KERNELS", "Kernel", "LIBRARY", "Layout",
     "Nf4Bitsandbytes", "OPS", "Q8_AVX2", "Q8_AVX512_VNNI", "Q8_AVX_VNNI", "Q8_PORTABLE", "REFERENCE_ELEMENTS",
     "REFERENCE_ROWS", "REPACKED", "Reference", "WARNED", "agrees_with_reference", "candidates", "gguf_dequantize",
     "reference_linear", "warn_once", "why_not_fast",
@@ -77,7 +78,7 @@ REFERENCE_ROWS = 1024
 
 #: In order of preference; the first that supports a layer (and passes its check) is used.
 KERNELS: tuple[type[Kernel], ...] = (
-    Int4TritonCUDA, Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int4ZerosCPU, Int8GroupCPU, Int8TritonCUDA, Int8WeightOnly,
+    Int4TritonCUDA, Int4TinygemmCUDA, Int4TinygemmCPU, Int4GroupCPU, Int4ZerosCPU, Int4ZerosTritonCUDA, Int8GroupCPU, Int8TritonCUDA, Int8WeightOnly,
     GGUFBlocksCPU, GGUFBlocksCUDA,
     Nf4Bitsandbytes, Bf16RowsCPU, Fp16RowsCPU, Int4Q8CPU, Int8Q8CPU, GGUFQ8CPU, Reference
 )

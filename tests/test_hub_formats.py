@@ -394,6 +394,28 @@ def test_int4z_kernel_is_exact_where_fp16_offsets_are_not():
         assert ((without - want).norm() / want.norm()).item() > err  # the remainder matters
 
 
+def test_int4z_triton_kernel_is_exact_in_the_interpreter():
+    """CUDA's int4z kernel (fp32 offsets on int4's Triton kernel), run in Triton's interpreter."""
+    from localllm import triton_kernels
+    from localllm.quant import kernels
+
+    if not triton_kernels.available() or not triton_kernels.interpreting():
+        pytest.skip("triton is not installed, or a GPU is here (TRITON_INTERPRET is off)")
+    from localllm.quant.int_triton import int_mm
+
+    w = weight(64, 256, seed=5)
+    hq = HubQuant("awq", 4, 32, False, False, "gemm")
+    scheme, canonical = canonical_of(hq, awq_pack(w, 32), w.shape[1])
+    layer = QuantLinear(w.shape[1], w.shape[0], scheme)
+    for k, v in canonical.items():
+        setattr(layer, k, v)
+    t = kernels.Int4ZerosTritonCUDA.prepare(layer)
+    x = torch.randn(3, w.shape[1], dtype=torch.float64)
+    want = x @ float_weight(canonical, scheme).double().t()
+    got = int_mm(x.float(), t["qweight"], t["scales"], t["offsets"], 32).double()
+    assert ((got - want).norm() / want.norm()).item() < 1e-6  # fp32 throughout: the exact weights
+
+
 # ============================================================================ refusals
 @pytest.mark.parametrize("qc,needle", [
     ({"quant_method": "exl2", "bits": 4.65}, "EXL2"), ({"quant_method": "exl3"}, "EXL3"),
