@@ -53,7 +53,7 @@ from localllm.runtime.pointwise import LIBRARY as POINTWISE
 from localllm.runtime.sampling import LIBRARY as SAMPLING
 sys.exit(not all([native.available(lib) for lib in (ATTENTION, INT8, TOKEN_MASK, POINTWISE, SAMPLING)]))" \
   || say "localllm's CPU kernels could not be built; torch's own will run instead"
-# The embedded model's compiled decode step (about a minute, once; one for every context length), so
+# The embedded model's compiled decode steps (a few minutes, once; for every context length), so
 # that its first run decodes at full speed. Other models get theirs built by their first run or pull.
 # The test set-up skips it: tests build their own steps in their own folders.
 if [ -z "$extra" ] && [ -z "${CUDA_VISIBLE_DEVICES-}" ] && ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }; then
