@@ -29,7 +29,7 @@ MACHINE_KEYS = {"cpu_model", "cpu_count", "threads", "gpu_name", "gpu_capability
 BANDWIDTH_KEYS = {"method", "tensor_bytes", "repeats", "read_bytes_per_s", "copy_bytes_per_s", "bytes_per_s"}
 SCHEME_KEYS = {"label", "activation_dtype", "kernels", "weight_bytes", "read_bytes_per_token", "load_s", "memory",
                "kv_cache", "ttft_s", "prefill_tps", "decode_tps", "inter_token_s", "runs", "roofline", "quality",
-               "ratios"}
+               "ratios", "decode_step"}
 MEMORY_KEYS = {"method", "peak_bytes", "peak_reserved_bytes", "after_load_bytes", "weights_kv_bytes",
                "ratio_to_weights_kv", "bound_bytes", "within_bound", "process", "library_bytes"}
 KV_KEYS = {"kv_dtype", "bytes_per_token", "ctx", "ctx_bytes", "max_seq_len", "max_seq_len_bytes"}
@@ -122,7 +122,8 @@ def assert_table(stdout: str, schemes: list[str], quality: bool) -> None:
     assert lines[0].startswith("# ")
     header = next(line for line in lines if not line.startswith("#"))
     assert header.split() == schemes
-    for label in ("weights", "peak memory", "mem/(w+kv)", "KV cache / token", "TTFT ms", "prefill tok/s", "decode tok/s",
+    for label in ("kernels", "decode step", "weights", "peak memory", "mem/(w+kv)", "KV cache / token", "TTFT ms",
+                  "prefill tok/s", "decode tok/s",
                   "inter-token ms", "decode bandwidth", "roofline tok/s"):
         assert any(line.startswith(label) or line.lstrip().startswith(label) for line in lines), label
     assert any(line.startswith("perplexity") for line in lines) == quality
@@ -170,6 +171,8 @@ def test_tiny_figures_are_positive_and_consistent(tiny_run):
     attention = {"attention-cpu"} if native.compiler() is not None else set()
     assert all(set(f["kernels"]) >= attention for f in data["schemes"].values())
     assert "int4-tinygemm-cpu" in data["schemes"]["int4"]["kernels"] and set(data["schemes"]["fp32"]["kernels"]) == attention
+    # which step each scheme's decode ran, and why not compiled
+    assert all(f["decode_step"] == {"kind": "eager", "why": "--compile not given"} for f in data["schemes"].values())
 
 
 def test_tiny_memory_ratio_to_weights_and_kv_cache_is_reported(tiny_run):
@@ -241,6 +244,7 @@ def test_compiled_decode_with_an_int8_head(tiny_folder, tmp_path):
     assert any("decode step compiled before any run (not timed): aot" in n for n in data["notes"])
     assert any("output head of the quantized schemes: int8" in n for n in data["notes"])
     assert data["schemes"]["int4"]["kernels"]["int8-weight-only"] == 1  # the head
+    assert all(f["decode_step"]["kind"] == "compiled" for f in data["schemes"].values())
     assert "int8-weight-only" not in data["schemes"]["bf16"]["kernels"]  # float schemes keep a float head
 
 

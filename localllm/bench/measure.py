@@ -43,6 +43,7 @@ measured is ``null``; durations in seconds, sizes in bytes, rates per second)::
                       bytes_per_s (the larger: the roofline's denominator)
     schemes           {scheme: {
         label, activation_dtype, kernels {kernel: layers},
+        decode_step           {kind: compiled / cuda-graphs / eager, why: an eager step's reason}
         weight_bytes          parameters and buffers in memory (a tied tensor once)
         read_bytes_per_token  weight bytes a decode step reads: all weights, once each, except an
                               untied embedding table of which decode reads one row (KV cache reads

@@ -35,6 +35,20 @@ def memory_bound_cell(memory: Figures) -> str:
     return f"{memory['ratio_to_weights_kv']:.2f} {'ok' if memory['within_bound'] else 'over'}"
 
 
+def kernels_cell(f: Figures) -> str:
+    """The matmul kernels a scheme's layers ran on (attention's left out: every scheme shares it);
+    a float model's torch ``nn.Linear`` layers show as ``torch``."""
+    names = [k for k in f.get("kernels", {}) if not k.startswith("attention-")]
+    return "+".join(names) if names else "torch"
+
+
+def step_cell(f: Figures) -> str:
+    """``compiled``, or ``eager`` with its reason (``eager: --compile not given``)."""
+    step = f.get("decode_step") or {}
+    kind = step.get("kind", "-")
+    return f"{kind}: {step['why']}" if step.get("why") else kind
+
+
 def table_rows(result: dict[str, Any]) -> list[tuple[str, list[str]]]:
     """(label, cells) of the table: one column per scheme, ratios to the baseline in brackets."""
     names = list(result["schemes"])
@@ -55,6 +69,8 @@ def table_rows(result: dict[str, Any]) -> list[tuple[str, list[str]]]:
 
     ctx = result["settings"]["ctx"]
     rows = [
+        ("kernels", [kernels_cell(S[n]) for n in names]),
+        ("decode step", [step_cell(S[n]) for n in names]),
         row("weights", lambda f: f["weight_bytes"], human_size, lambda f: f["ratios"]["weight_bytes"]),
         row("load s", lambda f: f["load_s"], lambda v: f"{v:.2f}"),
         row("peak memory" + (" (allocated)" if cuda else " (RSS growth)"), lambda f: f["memory"]["peak_bytes"],

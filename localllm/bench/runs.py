@@ -26,11 +26,13 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, name: str) -> list[dict[str, float]]:
+def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, name: str,
+               step: dict[str, str] | None = None) -> list[dict[str, float]]:
     """``s.warmup`` untimed then ``s.runs`` timed generations through the batch engine (one sequence,
     as ``run``): full prefill (no prefix cache), greedy, EOS ignored, one token per step (no speculative
     decoding: these rows measure the weights' decode step, which the bandwidth figures divide; the
-    serving workloads measure speculation)."""
+    serving workloads measure speculation). ``step`` receives how the decode steps ran
+    (:func:`decode_step`)."""
     from localllm.runtime.engine import sequence_engine
     from localllm.runtime.sampling import SamplingParams
 
@@ -56,7 +58,21 @@ def timed_runs(model: Any, prompt_ids: Sequence[int], s: Settings, log: Log, nam
         log(f"  {name} run {len(runs)}/{s.runs}: TTFT {st.ttft_s * 1e3:.1f} ms, decode {st.decode_tps:.1f} tok/s")
     if s.compile:  # how the step really ran (a failed build runs eagerly, saying why)
         s.step_kinds.add("aot" if engine.compiled else "cuda-graphs" if engine.graphs is not None else "eager")
+    if step is not None:
+        step.update(decode_step(engine, s.compile))
     return runs
+
+
+def decode_step(engine: Any, compile: bool) -> dict[str, str]:
+    """How a scheme's decode steps ran, so that a slow path shows in the table: ``kind`` (compiled,
+    cuda-graphs or eager) and, for eager, ``why`` (the compiled step's own reason: a model it cannot
+    run, a failed build; or that ``--compile`` was not given)."""
+    if engine.compiled:
+        return {"kind": "compiled", "why": ""}
+    if engine.graphs is not None:
+        return {"kind": "cuda-graphs", "why": ""}
+    why = engine.compile_note if compile else "--compile not given"
+    return {"kind": "eager", "why": (why or "").removeprefix("decode steps run eagerly: ")}
 
 
 def decode_read_bytes(model: torch.nn.Module) -> int:
@@ -131,7 +147,9 @@ def measure_scheme(load: Callable[[str], Any], name: str, prompt_ids: Sequence[i
     after_load = meter.now()
     log(f"{name}: {lm.scheme_label}, {human_size(lm.weight_bytes)} of weights, loaded in {lm.load_s:.2f} s"
         + (f"; kernels: {', '.join(f'{k} x{n}' for k, n in sorted(lm.kernels.items()))}" if lm.kernels else ""))
-    runs = timed_runs(lm.model, prompt_ids, s, log, name)
+    step: dict[str, str] = {}
+    runs = timed_runs(lm.model, prompt_ids, s, log, name, step)
+    log(f"  {name}: decode step {step['kind']}" + (f" ({step['why']})" if step["why"] else ""))
     kv_cache = kv_cache_figures(lm.config, lm.model.dtype, s.context, s.kv_dtype)
     memory = memory_figures({**meter.stop(), "after_load_bytes": after_load, "process": "shared",
                              "library_bytes": {}}, lm.weight_bytes, kv_cache["ctx_bytes"])
@@ -141,6 +159,7 @@ def measure_scheme(load: Callable[[str], Any], name: str, prompt_ids: Sequence[i
         "label": lm.scheme_label,
         "activation_dtype": str(lm.dtype).removeprefix("torch."),
         "kernels": dict(sorted(lm.kernels.items())),
+        "decode_step": step,
         "weight_bytes": lm.weight_bytes,
         "read_bytes_per_token": decode_read_bytes(lm.model),
         "load_s": lm.load_s,
