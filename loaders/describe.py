@@ -134,6 +134,7 @@ def describe_path(path: Path) -> dict[str, Any]:
 def describe_checkpoint(ckpt: Any, name: str | None) -> dict[str, Any]:
     """An HF folder's or GGUF file's checkpoint, as opened by :func:`loaders.load.open_checkpoint`."""
     from localllm.loaders.gguf import GGUFCheckpoint
+    from localllm.loaders.hub_quant import source_format
     from localllm.loaders.load import load_tokenizer, model_tensors
 
     scheme = ckpt.default_scheme()
@@ -151,7 +152,7 @@ def describe_checkpoint(ckpt: Any, name: str | None) -> dict[str, Any]:
         dtype = _DTYPE_NAMES.get(str(ckpt.hf_config.get("torch_dtype") or ckpt.hf_config.get("dtype")), "float")
     path = path.resolve()
     facts = describe(ckpt.config, name=name, path=path, scheme=scheme, dtype=dtype, quantized=quantized,
-                     weight_bytes=weight_bytes, source={"path": str(path)},
+                     weight_bytes=weight_bytes, source={"path": str(path), **source_format(ckpt)},
                      chat_template=load_tokenizer(ckpt).chat_template is not None, created=None)
     if tensor_types:  # a GGUF: its tensor types and what each becomes when it loads
         facts["tensor_types"] = tensor_types

@@ -505,6 +505,13 @@ def test_quantized_repo_loads_with_the_reference_logits(tmp_path, fmt, scheme_na
     quantized = [m for m in loaded.model.modules() if isinstance(m, QuantLinear)]
     assert len(quantized) >= 2 * 4  # fused q/k/v and gate/up where the scheme allows
     assert all(m.scheme.name == scheme_name for m in quantized)
+    # show names the format the folder's config gives
+    from localllm.loaders.describe import describe_checkpoint
+    from localllm.loaders.load import open_checkpoint
+
+    facts = describe_checkpoint(open_checkpoint(str(folder)), None)
+    assert facts["source"]["format"]["method"] == {"ct": "compressed-tensors", "bnb": "bitsandbytes"}.get(fmt, fmt)
+    assert facts["quant"]["name"] == scheme_name
 
 
 def test_pull_gptq_repo_stores_its_grid_and_runs_with_the_reference_logits(hub: HubServer, tmp_path):
