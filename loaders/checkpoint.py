@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -223,11 +223,12 @@ class HFCheckpoint:
             raise LocalLLMError(f"{self.folder} has no *.safetensors weights", "point at a folder with safetensors weights")
         return files
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(our name, tensor) pairs, one tensor in memory at a time."""
+    def iter_tensors(self, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(our name, tensor) pairs, one tensor in memory at a time. ``keep``: read only the tensors
+        whose name in the file it accepts (one layer's, for a calibration: loaders.calibrate)."""
         arch = self.config.arch
         for path in self.files:
-            for key, tensor in iter_safetensors(path):
+            for key, tensor in iter_safetensors(path, keep):
                 for nested, plain in _NESTED:
                     key = plain + key[len(nested):] if key.startswith(nested) else key
                 parts = split_fused(key, tensor, self.config)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from localllm.loaders.artifact import quant_manifest, write_artifact
+from localllm.loaders.calibrate import DEFAULT_CALIBRATION, Calibration
 from localllm.loaders.load import Checkpoint, load_tokenizer, model_tensors
 from localllm.loaders.store import Store, StoredModel
 from localllm.quant.experts import split_expert_name
@@ -44,15 +45,19 @@ def convert_to_store(
     store: Store,
     source: dict[str, Any],
     quantize_head: str | bool | None = None,
+    calibration: str = DEFAULT_CALIBRATION,
 ) -> tuple[StoredModel, float]:
     """Write ``ckpt`` in ``scheme`` as store entry ``name:scheme``; returns it and the seconds taken.
 
     Tensors stream from the checkpoint one at a time through quantization into the output, so
     memory stays near the output's size plus the largest tensor. The entry appears atomically
-    (nothing is left behind if this fails or is interrupted).
+    (nothing is left behind if this fails or is interrupted). ``calibration``: int4 from float weights
+    is data-aware (``awq``, :mod:`loaders.calibrate`; the manifest records it) or rounded to nearest
+    (``none``).
     """
     t0 = time.perf_counter()
-    model, tensors, plan = model_tensors(ckpt, None if scheme.is_float else scheme, quantize_head)
+    cal = Calibration(calibration)
+    model, tensors, plan = model_tensors(ckpt, None if scheme.is_float else scheme, quantize_head, cal)
     # Unquantized parameters of a quantized model are stored in bf16, the dtype quantized models run
     # in: loading then rounds nothing (fp16 storage would round twice on the way to bf16).
     layout = storage_layout(model, FLOAT_SCHEMES.get(scheme.name, torch.bfloat16))
@@ -64,6 +69,8 @@ def convert_to_store(
     }
     with store.write(name, scheme.name, manifest) as tmp:
         write_artifact(tmp, layout, _skip_tied_head(tensors, layout), load_tokenizer(ckpt))
+        if cal.ran:
+            manifest["calibration"] = cal.to_manifest()  # the manifest is written on the block's exit
     entry = store.get(name, scheme.name)
     assert entry is not None  # just published under the lock
     return entry, time.perf_counter() - t0

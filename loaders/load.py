@@ -16,6 +16,7 @@ from localllm.errors import LocalLLMError
 from localllm.heap import trim_heap
 from localllm.paths import DEFAULT_MODEL, default_model_gguf
 from localllm.loaders.artifact import ArtifactCheckpoint
+from localllm.loaders.calibrate import Calibration, calibrated_stream, calibrates
 from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from localllm.loaders.gguf import GGUFCheckpoint
@@ -154,8 +155,8 @@ def choose_scheme(ckpt: Checkpoint, quant: str | None, group_size: int | None) -
     return parse_scheme(quant, group_size)
 
 
-def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None,
-                  quantize_head: str | bool | None = None) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], Plan]:
+def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: str | bool | None = None,
+                  calibration: Calibration | None = None) -> tuple[Transformer, Iterator[tuple[str, torch.Tensor]], Plan]:
     """The empty (meta) model for ``ckpt`` in ``scheme``, the stream of tensors that fills it, and the
     plan (quantized module -> scheme). ``quantize_head`` names the output head's scheme (``int8``
     keeps the most sensitive layer at 8 bits beside int4 blocks); None means the checkpoint's own
@@ -164,7 +165,10 @@ def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None,
 
     A tied model whose head is int8 reads its embedding from the head
     (:func:`quant.linear.share_tied_embedding`, done here on ``meta``): it has no 16-bit table, so
-    none is loaded, made or stored."""
+    none is loaded, made or stored.
+
+    ``calibration``: int4 from a float checkpoint is made data-aware (:mod:`loaders.calibrate`) as the
+    stream runs, which fills its outcome; None rounds to nearest."""
     model = empty_model(ckpt.config)
     if scheme is None or scheme.is_float:
         return model, ckpt.iter_tensors(), {}
@@ -182,6 +186,8 @@ def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None,
     swap_experts(model, plan)
     tied_head = ckpt.config.tie_embeddings and "output" in plan
     share_tied_embedding(model)
+    if calibrates(ckpt, plan, calibration):
+        return model, calibrated_stream(ckpt, plan, tied_head, calibration), plan  # type: ignore[arg-type]
     return model, ckpt.iter_canonical(plan, tied_head), plan
 
 
@@ -218,6 +224,8 @@ class LoadedModel:
     tensor_import: dict[str, str] = field(default_factory=dict)
     #: How embeddings pool its hidden states (:func:`embedding_pooling`).
     pooling: str = "last"
+    #: The data-aware int4 calibration this load ran (None: none ran).
+    calibration: Calibration | None = None
 
     @property
     def scheme_label(self) -> str:
@@ -307,7 +315,8 @@ def load_model(
     if isinstance(ckpt, GGUFCheckpoint):
         ckpt.drop_metadata()  # made into the tokenizer and config: not held through the load
     config, source = ckpt.config, ckpt.describe()
-    model, tensors, plan = model_tensors(ckpt, scheme, spec.quantize_head)
+    calibration = Calibration(spec.calibration)
+    model, tensors, plan = model_tensors(ckpt, scheme, spec.quantize_head, calibration)
     if rows_scheme is not None:
         tensors = float_row_layers(model, tensors, rows_scheme)
     act = resolve_dtype(dtype, dev, quantized=scheme is not None,
@@ -332,5 +341,5 @@ def load_model(
         if cuda_attention.span_kernel() is not None:  # compiled by Triton at the first step
             used["attention-cuda"] = len(model.layers)
     return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme or rows_scheme,
-                       used, dequantized_from, imported, pooling)
+                       used, dequantized_from, imported, pooling, calibration if calibration.ran else None)
 

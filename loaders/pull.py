@@ -86,6 +86,7 @@ class PullOptions:
     name: str | None = None
     prune: bool = False
     force: bool = False
+    calibration: str = "awq"  # int4 from float weights: data-aware (awq) or round to nearest (none)
 
 
 @dataclass
@@ -201,7 +202,7 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
             notify(f"re-quantizing its {hub_format['format']['label']} weights to {scheme.label()} from their "
                    "exact values...")
         entry, quantize_s = convert_to_store(fetched.ckpt, scheme, name, store, {**fetched.source, **hub_format},
-                                             options.quant_head)
+                                             options.quant_head, options.calibration)
     freed = None
     if options.prune:
         if fetched.snapshot is None:
@@ -232,7 +233,8 @@ def _already_stored(store: Store, name: str, source: PullSource, options: PullOp
     head = plan_from_manifest(quant).get("output") if quant else None  # None: a 16-bit head
     # --quant-head none arrives as False: it matches a stored 16-bit head.
     same_head = options.quant_head is None or (head.name if head else False) == options.quant_head
-    if not (same_group and same_head):
+    same_calibration = options.calibration != "none" or "calibration" not in existing.manifest
+    if not (same_group and same_head and same_calibration):
         notify(f"replacing '{existing.ref}' (stored with other quantization settings)")
         return None
     return existing
@@ -364,7 +366,7 @@ def find_stored(store: Store, ref: str) -> StoredModel:
 
 
 def pull_if_missing(model: str, quant: str | None = None, group_size: int | None = None,
-                    notify: Notify = _silent) -> str:
+                    notify: Notify = _silent, calibration: str = "awq") -> str:
     """What ``run`` should load for MODEL: MODEL itself, unless it is a Hub repo id (``owner/name``),
     which is then pulled first (in ``quant`` when it is a pull scheme, else int4) unless already stored.
     Returns the store reference (``name:scheme``)."""
@@ -379,5 +381,5 @@ def pull_if_missing(model: str, quant: str | None = None, group_size: int | None
         if (entry.scheme == scheme or own) and same_source(entry.manifest["source"], source):
             return entry.ref
     notify(f"'{model}' is not stored yet: pulling it ({scheme if asked else 'its own format, else ' + scheme})")
-    options = PullOptions(scheme if asked else None, group_size)
+    options = PullOptions(scheme if asked else None, group_size, calibration=calibration)
     return pull_model(source, options, store, notify).entry.ref

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -82,11 +82,14 @@ def read_array(f: BinaryIO, offset: int, shape: tuple[int, ...], dtype: np.dtype
     return out
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs in file order; each tensor is a fresh CPU buffer."""
+def iter_safetensors(path: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs in file order; each tensor is a fresh CPU buffer. ``keep``: read only the
+    tensors whose name it accepts (the others are not read)."""
     header, start = read_header(path)
     with open(path, "rb", buffering=0) as f:
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if keep is not None and not keep(name):
+                continue
             begin, end = info["data_offsets"]
             t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
             view = memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")

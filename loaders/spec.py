@@ -36,6 +36,8 @@ class LoadSpec:
     kernel: str | None = None
     #: The KV pool's type (:data:`runtime.cache.KV_DTYPES`).
     kv_dtype: str = DEFAULT_KV_DTYPE
+    #: int4 from float weights: ``awq`` (data-aware, :mod:`loaders.calibrate`) or ``none`` (round to nearest).
+    calibration: str = "awq"
 
     @classmethod
     def of(cls, spec: LoadSpec | str, **options: Any) -> LoadSpec:

@@ -28,6 +28,12 @@ kv_cache_option = click.option(
          "the bytes, so a batch's attention reads half as much) or int8 (codes with a scale per token and head: "
          "half the bytes of a 16-bit cache).")
 
+calibration_option = click.option(
+    "--calibration", type=click.Choice(["awq", "none"]), default="awq", show_default=True,
+    help="int4 from float weights (a safetensors model): awq scales each layer's inputs by statistics of a "
+         "calibration text shipped with localllm, searched to minimise the layer's output error (some seconds "
+         "a layer on the CPU); none rounds each weight to nearest. GGUF and quantized sources keep their values.")
+
 
 def quant_head_option(default: str) -> Callable[[Any], Any]:
     """``--quant-head int8|int4|nf4|none``: the output head's scheme; ``none`` arrives as False (16-bit)."""

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from localllm.commands.common import kv_cache_option, note, quant_head_option, speculate_option, threads_option
+from localllm.commands.common import (calibration_option, kv_cache_option, note, quant_head_option, speculate_option,
+                                      threads_option)
 from localllm.commands.compile_step import build_after
 from localllm.errors import LocalLLMError
 from localllm.loaders.spec import LoadSpec
@@ -178,6 +179,7 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
                    "Default: the model's own (int4 for Q4 GGUF files).")
 @click.option("--group-size", type=int, help="Quantization group size (int4: 32/64/128/256; int8: per channel).")
 @quant_head_option("Default: as stored; on the CPU a GGUF's Q8_0 head as it is; else 16-bit.")
+@calibration_option
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)),
               help="Force a matmul kernel (default: the fastest that works here).")
 @click.option("--compile/--no-compile", "compile_", default=None,
@@ -219,6 +221,7 @@ def run(
     quant: str | None,
     group_size: int | None,
     quant_head: str | None,
+    calibration: str,
     kernel: str | None,
     compile_: bool | None,
     kv_cache: str,
@@ -261,11 +264,13 @@ def run(
     if piped_replaced or any(replaced for _, replaced in args):
         click.echo(NOT_UTF8, err=True)
 
-    model = pull_if_missing(model, quant, group_size, notify=note)  # a Hub repo id not stored yet is pulled first
-    spec = LoadSpec(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache)
+    model = pull_if_missing(model, quant, group_size, notify=note, calibration=calibration)  # a Hub repo id: pulled
+    spec = LoadSpec(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache, calibration)
     # Before anything is loaded: does it fit? If not, the plan's numbers and the cheapest change that does.
     check_memory(spec, ctx, kv_cache_flag=True)
     lm = load_model(spec)
+    if lm.calibration is not None:
+        note(lm.calibration.summary())
     ctx = ctx if ctx is not None else min(lm.config.max_seq_len, 4096)
     check_ctx(ctx, lm.config.max_seq_len, prompt_overhead(lm.tokenizer, raw, system), raw)
     if compile_:

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from localllm.commands.common import note, quant_head_option
+from localllm.commands.common import calibration_option, note, quant_head_option
 from localllm.errors import LocalLLMError
 from localllm.format import human_ago, human_count, human_size, table
 from localllm.loaders.pull import (
@@ -37,13 +37,14 @@ from localllm.loaders.store import Store, StoredModel, check_length, check_local
                    "keeps its own format, which naming a scheme re-quantizes).")
 @click.option("--group-size", type=int, help="Group size (int4: 32/64/128/256, default 32; a Q4 GGUF keeps its own).")
 @quant_head_option("Default: as stored, else 16-bit.")
+@calibration_option
 @click.option("--name", help="Store name (default: the repo's or file's base name, lower case).")
 @click.option("--revision", help="Branch, tag or commit of a Hub repo (same as REPO@REV).")
 @click.option("--gguf", "gguf_file", metavar="FILE", help="Import this GGUF file of the Hub repo instead of its safetensors.")
 @click.option("--prune", is_flag=True, help="Delete the downloaded float weights from the HF cache afterwards.")
 @click.option("--force", is_flag=True, help="Pull and convert again even if already stored.")
-def pull(source: str, quant: str | None, group_size: int | None, quant_head: str | None, name: str | None, revision: str | None,
-         gguf_file: str | None, prune: bool, force: bool) -> None:
+def pull(source: str, quant: str | None, group_size: int | None, quant_head: str | None, calibration: str, name: str | None,
+         revision: str | None, gguf_file: str | None, prune: bool, force: bool) -> None:
     """Download SOURCE, quantize it and store it.
 
     SOURCE is a Hub repo (ORG/NAME[@REV]), a local model folder or a local .gguf file.
@@ -53,7 +54,7 @@ def pull(source: str, quant: str | None, group_size: int | None, quant_head: str
     from localllm.runtime.compiled_step import wanted_batch
 
     check_local_path(source)
-    options = PullOptions(quant, group_size, quant_head, name, prune, force)
+    options = PullOptions(quant, group_size, quant_head, name, prune, force, calibration)
     result = pull_model(parse_source(source, revision, gguf_file), options, notify=note)
     print_pull(result)
     # the packages `run` uses: one sequence's steps, and its verify steps (speculation is on by default)
@@ -74,6 +75,10 @@ def print_pull(result: PullResult) -> None:
     what = "download" if fetched.downloaded else "read"  # local files: hashing and opening
     note(f"{what + ':':<10} {fetched.seconds:.2f}s ({human_size(fetched.nbytes)})")
     note(f"{'quantize:':<10} {result.quantize_s:.2f}s")
+    calibration = entry.manifest.get("calibration")
+    if calibration:  # data-aware int4: the part of the quantize time its calibration took
+        note(f"{'calibrate:':<10} {calibration['seconds']:.2f}s ({calibration['method']}, "
+             f"{calibration['tokens']} tokens)")
     note(f"{'stored:':<10} {entry.ref}, {entry.size}")
     if result.pruned_bytes is not None:
         note(f"{'pruned:':<10} {human_size(result.pruned_bytes)} of downloaded weights from the HF cache")

@@ -1,0 +1,219 @@
+"""Activation-aware int4 (AWQ): per-input-channel scales searched on calibration activations, folded
+into the operation before, so the stored weights stay canonical int4 (``quant/formats.py``).
+
+Pure math on named float tensors; it knows no model and no files. A caller describes a transformer
+block as :class:`ScaleGroup` s (the linears that read one input, and the operation that makes that
+input), gives each input's :class:`InputStats` (from calibration activations) and gets back the
+block's tensors rewritten: for a group with scales ``s`` (in,), every linear's columns are multiplied
+by ``s`` before round-to-nearest, and the input is divided by ``s`` where it is made (an RMSNorm's
+weight, or the rows of the linear before: v for o, up for down). Without quantization the rewritten
+block computes exactly what the original does (up to float rounding): it is a reparametrization.
+
+The search, as in AWQ (Lin et al., 2023): ``s = mean|x| ** alpha`` normalised to a geometric mean of
+about 1, alpha on a grid over [0, 1] (alpha 0 is plain round-to-nearest, so the chosen scales never do
+worse than it on the calibration data), minimising the summed squared output error of the group's
+linears. Then each group of weights may be clipped (its range shrunk) where that lowers the error of
+its part of the output. Errors are measured with ``X`` itself or its Gram matrix ``X^T X``, whichever is
+smaller, so all calibration tokens count at a cost bounded by the layer's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localllm.quant.formats import QuantScheme, dequantize, quantize
+
+#: Alpha grid points and clip ratios (1.0 down to 1 - CLIP_SHRINK) searched.
+SCALE_GRID = 20
+CLIP_GRID = 10
+CLIP_SHRINK = 0.5
+
+
+@dataclass
+class InputStats:
+    """What the search needs of one input's calibration activations ``x`` (N, in)."""
+
+    mean_abs: torch.Tensor  # (in,) fp32: mean |x| over the tokens
+    x: torch.Tensor | None  # (N, in) fp32 when N <= in, else None
+    gram: torch.Tensor | None  # (in, in) fp32 X^T X when N > in, else None
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> "InputStats":
+        x = x.reshape(-1, x.shape[-1]).float()  # (N, in)
+        mean_abs = x.abs().mean(0)
+        if x.shape[0] <= x.shape[1]:
+            return cls(mean_abs, x, None)
+        return cls(mean_abs, None, x.T @ x)
+
+    def error(self, dw: torch.Tensor) -> float:
+        """Squared output error ``||x dw^T||^2`` summed over the tokens, for a weight error dw (out, in)."""
+        if self.x is not None:
+            return float((self.x @ dw.T).square().sum())
+        return float(((dw @ self.gram) * dw).sum())
+
+    def group_errors(self, dw: torch.Tensor, group: int) -> torch.Tensor:
+        """(out, in/group): each group's part of the squared output error, ``d^T H_jj d`` with H_jj the
+        Gram matrix's diagonal block of that group's input channels."""
+        out, inp = dw.shape
+        n = inp // group
+        if self.gram is not None:
+            blocks = self.gram.view(n, group, n, group).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # (n, g, g)
+        else:
+            xg = self.x.view(-1, n, group)  # type: ignore[union-attr]  # (N, n, g)
+            blocks = torch.einsum("tni,tnj->nij", xg, xg)
+        d = dw.view(out, n, group)
+        return torch.einsum("oni,nij,onj->on", d, blocks, d)
+
+    def scaled(self, s: torch.Tensor) -> "InputStats":
+        """The statistics of ``x / s``."""
+        if self.x is not None:
+            return InputStats(self.mean_abs / s, self.x / s, None)
+        return InputStats(self.mean_abs / s, None, self.gram / s[:, None] / s[None, :])
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Where a group's input is made, so its inverse scale can go there.
+
+    ``kind`` ``norm``: an RMSNorm weight ``target`` computing ``x * (offset + w)`` (offset 0: Llama's,
+    1: Gemma's). ``rows``: the output rows (and bias) of linear ``target``, whose outputs reach the
+    group's input unchanged per channel (v through attention to o; up through the gated product to
+    down). ``heads`` (kv heads, query heads per kv head, head dim): the input is attention's output,
+    whose channel (h, d) carries v's channel (h // group, d): the scales are shared across each kv
+    head's query heads.
+    """
+
+    kind: str
+    target: str
+    offset: float = 0.0
+    heads: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ScaleGroup:
+    """Linears (weight names) that read one input, the input's name, and where its scale folds."""
+
+    linears: tuple[str, ...]
+    input: str
+    fold: Fold
+    clip: tuple[str, ...] = ()  # the linears whose weight groups are also clipped
+
+
+@dataclass
+class GroupResult:
+    """What the search chose for one group and the output errors it measured."""
+
+    alpha: float
+    rtn_error: float
+    error: float
+
+
+def fake_quant(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """``w`` (out, in) through the scheme's round-to-nearest and back: the values the artifact holds."""
+    return dequantize(quantize(w, scheme), scheme)
+
+
+def _expand(s: torch.Tensor, heads: tuple[int, int, int] | None) -> torch.Tensor:
+    """Scales over the fold's channels (kv_dim) -> over the group's input channels (q_dim)."""
+    if heads is None:
+        return s
+    kv, per, hd = heads
+    return s.view(kv, 1, hd).expand(kv, per, hd).reshape(-1)
+
+
+def _reduce(x_mean: torch.Tensor, heads: tuple[int, int, int] | None) -> torch.Tensor:
+    """Mean |x| over the input channels (q_dim) -> over the fold's channels (kv_dim)."""
+    if heads is None:
+        return x_mean
+    kv, per, hd = heads
+    return x_mean.view(kv, per, hd).mean(1).reshape(-1)
+
+
+def search_scale(weights: list[torch.Tensor], stats: InputStats, scheme: QuantScheme,
+                 heads: tuple[int, int, int] | None = None, grid: int = SCALE_GRID) -> tuple[torch.Tensor, GroupResult]:
+    """The scales (fold channels,) minimising the summed output error of ``weights`` (each (out, in))
+    quantized as ``w * s`` with inputs ``x / s``; and what was measured."""
+    x_mean = _reduce(stats.mean_abs, heads).clamp(min=1e-6)
+    best: tuple[float, float, torch.Tensor] | None = None
+    rtn = 0.0
+    for i in range(grid):
+        alpha = i / (grid - 1) if grid > 1 else 0.0
+        s = x_mean.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        full = _expand(s, heads)
+        err = sum(stats.error(fake_quant(w * full, scheme) / full - w) for w in weights)
+        if i == 0:
+            rtn = err
+        if best is None or err < best[0]:
+            best = (err, alpha, s)
+    assert best is not None
+    err, alpha, s = best
+    if alpha == 0.0:
+        s = torch.ones_like(s)  # exactly nothing to fold
+    return s, GroupResult(alpha, rtn, err)
+
+
+def search_clip(w: torch.Tensor, stats: InputStats, scheme: QuantScheme,
+                grid: int = CLIP_GRID, shrink: float = CLIP_SHRINK) -> torch.Tensor:
+    """``w`` (out, in) with each group's range [min, max] shrunk by the ratio (1 down to 1 - shrink)
+    that gives that group's part of the output the least error after round-to-nearest (ratio 1, no
+    clipping, is a candidate: never worse on the calibration data)."""
+    out, inp = w.shape
+    g = scheme.group_size
+    n = inp // g  # type: ignore[operator]
+    wg = w.view(out, n, g)
+    lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)  # (out, n, 1)
+    best_err = torch.full((out, n), float("inf"))
+    best = wg.clone()
+    for i in range(grid):
+        r = 1.0 - shrink * i / grid
+        c = torch.minimum(torch.maximum(wg, lo * r), hi * r) if i else wg
+        errs = stats.group_errors(fake_quant(c.reshape(out, inp), scheme) - w, g)  # type: ignore[arg-type]
+        better = errs < best_err
+        best_err = torch.where(better, errs, best_err)
+        best = torch.where(better[..., None], c, best)
+    return best.view(out, inp)
+
+
+def fold_inverse(tensors: dict[str, torch.Tensor], fold: Fold, s: torch.Tensor) -> None:
+    """Divide the fold's target by ``s`` (its channels) in place in ``tensors``."""
+    if fold.kind == "norm":
+        w = tensors[fold.target].float()
+        tensors[fold.target] = (w + fold.offset) / s - fold.offset
+        return
+    if fold.kind != "rows":
+        raise ValueError(f"unknown fold kind {fold.kind!r}")
+    tensors[f"{fold.target}.weight"] = tensors[f"{fold.target}.weight"].float() / s[:, None]
+    bias = f"{fold.target}.bias"
+    if bias in tensors:
+        tensors[bias] = tensors[bias].float() / s
+
+
+def apply_awq(tensors: dict[str, torch.Tensor], groups: list[ScaleGroup], stats: dict[str, InputStats],
+              scheme: QuantScheme, clip: bool = True) -> dict[str, GroupResult]:
+    """Rewrite one block's float tensors in place: for each group in order, search its scales, multiply
+    its linears' columns by them and fold the inverse; then clip the groups' ``clip`` linears.
+
+    ``tensors``: the block's tensors by name (linears as ``{name}.weight``, norms by their weight's
+    name); ``stats``: each group's input statistics of the ORIGINAL block (a fold into a later group's
+    linear, v's rows for o, is accounted for here). Returns each group's choice by its input's name.
+    """
+    results: dict[str, GroupResult] = {}
+    scaled: dict[str, InputStats] = {}
+    for group in groups:
+        weights = [tensors[f"{n}.weight"].float() for n in group.linears]
+        st = stats[group.input]
+        s, result = search_scale(weights, st, scheme, group.fold.heads)
+        results[group.input] = result
+        full = _expand(s, group.fold.heads)
+        for n, w in zip(group.linears, weights):
+            tensors[f"{n}.weight"] = w * full
+        fold_inverse(tensors, group.fold, s)
+        scaled[group.input] = st.scaled(full)
+    if clip:
+        for group in groups:
+            for n in group.clip:
+                tensors[f"{n}.weight"] = search_clip(tensors[f"{n}.weight"], scaled[group.input], scheme)
+    return results

