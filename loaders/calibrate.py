@@ -121,13 +121,13 @@ def scale_groups(config: ModelConfig, plan: Plan, prefix: str) -> list[ScaleGrou
     return keep
 
 
-def _tokens(tokenizer: Tokenizer, calibration: Calibration) -> torch.Tensor:
+def _tokens(tokenizer: Tokenizer, calibration: Calibration, max_seq_len: int) -> torch.Tensor:
     """The calibration token ids as (sequences, seq_len), each sequence starting with BOS when the
-    model's prompts do."""
+    model's prompts do, none longer than the model's context."""
     text = calibration.text if calibration.text is not None else calibration_text()
     ids = tokenizer.encode(text, add_special=False)
     bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
-    body = calibration.seq_len - len(bos)
+    body = min(calibration.seq_len, max_seq_len) - len(bos)
     n = min(len(ids), calibration.max_tokens) // body
     if n == 0:
         raise LocalLLMError(f"the calibration text has {len(ids)} tokens, fewer than one sequence of {body}",
@@ -159,7 +159,7 @@ def calibrated_stream(ckpt: HFCheckpoint, plan: Plan, tied_head: bool,
     with each block's int4 linears made data-aware; fills ``calibration``'s outcome at the end."""
     t0 = time.perf_counter()
     config = ckpt.config
-    tokens = _tokens(Tokenizer.from_folder(ckpt.folder), calibration)  # (B, T)
+    tokens = _tokens(Tokenizer.from_folder(ckpt.folder), calibration, config.max_seq_len)  # (B, T)
     B, T = tokens.shape
     # The top-level tensors (embedding, final norm, head) first: the embedding makes the first inputs.
     top = dict(ckpt.iter_tensors(keep=lambda key: _layer_of(key) is None))

@@ -111,8 +111,25 @@ class GroupResult:
 
 
 def fake_quant(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """``w`` (out, in) through the scheme's round-to-nearest and back: the values the artifact holds."""
-    return dequantize(quantize(w, scheme), scheme)
+    """``w`` (out, in) through the scheme's round-to-nearest and back: the values the artifact holds.
+
+    int4 is :func:`quant.formats.quantize` then ``dequantize`` without the packing (the same
+    operations in the same order, so the same values: tests/test_awq.py checks it); other schemes
+    go through both."""
+    if scheme.name != "int4":
+        return dequantize(quantize(w, scheme), scheme)
+    out, inp = w.shape
+    g = scheme.group_size
+    wg = w.float().view(out, inp // g, g)  # type: ignore[operator]
+    if scheme.symmetric:
+        scale = (wg.abs().amax(-1) / 7.5).clamp(min=1e-10).half().float()
+        offset = -8 * scale
+    else:
+        lo, hi = wg.amin(-1), wg.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-10).half().float()
+        offset = lo.half().float()
+    q = (wg - offset[..., None]).div_(scale[..., None]).round_().clamp_(0, 15)
+    return (q * scale[..., None] + offset[..., None]).view(out, inp)
 
 
 def _expand(s: torch.Tensor, heads: tuple[int, int, int] | None) -> torch.Tensor:

@@ -16,9 +16,9 @@ from localllm.loaders.convert import convert_to_store, storage_layout
 from localllm.loaders.load import load_model, model_tensors
 from localllm.loaders.safetensors_stream import write_safetensors
 from localllm.loaders.store import Store
-from localllm.quant.awq import InputStats, apply_awq
+from localllm.quant.awq import InputStats, apply_awq, fake_quant
 from localllm.quant.convert import quantize_stream
-from localllm.quant.formats import parse_scheme
+from localllm.quant.formats import dequantize, parse_scheme, quantize
 from localllm.quant.linear import QuantLinear
 from localllm.runtime.model import Block, rope_tables
 from tests.conftest import make_hf_model, save_hf_folder
@@ -41,6 +41,15 @@ def _folder(tmp_path: Path, arch: str) -> Path:
 
 def _ids(tokenizer, text: str, n: int = 192) -> torch.Tensor:
     return torch.tensor([tokenizer.encode(text)[:n]])
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_fake_quant_is_the_stored_values(symmetric):
+    """The search's round trip gives exactly the values the artifact's tensors hold."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 128) * torch.rand(48, 1)
+    scheme = parse_scheme("int4", 32, symmetric)
+    assert torch.equal(fake_quant(w, scheme), dequantize(quantize(w, scheme), scheme))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
