@@ -139,6 +139,9 @@ def export_hf_folder(source: Union[str, Path, Any], folder: Path, dtype: str = "
         raise LocalLLMError(f"cannot export in '{dtype}'", f"use one of {', '.join(EXPORT_DTYPES)}")
     torch_dtype = EXPORT_DTYPES[dtype]
     ckpt = open_checkpoint(str(source)) if isinstance(source, (str, Path)) else source
+    if ckpt.config.arch not in _ARCHITECTURES:  # before the folder is made: nothing is left behind
+        raise LocalLLMError(f"cannot export a {ckpt.config.arch} model as a Hugging Face folder yet",
+                            f"export writes {', '.join(_ARCHITECTURES)} models; run this one with localllm")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     _write_json(folder / "config.json", hf_config(ckpt.config, torch_dtype))

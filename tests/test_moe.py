@@ -303,3 +303,11 @@ def test_damaged_moe_config_is_one_line():
           "num_experts_per_tok": 8}
     with pytest.raises(LocalLLMError, match="routes each token to 8 experts of 4"):
         ModelConfig.from_hf(hf)
+
+
+def test_export_refuses_a_moe_model_in_one_line(family, tmp_path):
+    from localllm.loaders.export_hf import export_hf_folder
+
+    with pytest.raises(LocalLLMError, match="cannot export a mixtral model"):
+        export_hf_folder(family("mixtral")[1], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
