@@ -56,6 +56,17 @@ and records it on each projection (``proj.kernel``). :func:`experts_ffn` then ca
 
 A native kernel appends itself to :data:`EXPERT_KERNELS` before the reference (the list is the
 registry; nothing else needs to change).
+
+Loading
+-------
+
+Float experts (a model not quantized) hold ``weight`` as an ``nn.Parameter`` (E, out, in) in the
+model's dtype, as a float linear does; :attr:`QuantExperts.scheme` then names that dtype. A stream
+fills a stacked tensor whole (``layers.3.mlp.experts.gate.qweight``) or one expert at a time under
+:func:`expert_name` (``layers.3.mlp.experts.17.gate.qweight``, parsed by :func:`split_expert_name`):
+the loader (:func:`loaders.build.load_weights`), the store's writer and the quantizing stream
+(:func:`quant.convert.quantize_stream`) all take both. :func:`loaders.build.fuse_projections` stacks
+gate and up into ``gate_up`` (:func:`concat_experts`) when their schemes agree.
 """
 
 from __future__ import annotations
