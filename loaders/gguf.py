@@ -17,6 +17,7 @@ from localllm.loaders.checkpoint import rename
 from localllm.loaders.gguf_meta import read_metadata
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme, parse_scheme
+from localllm.quant.experts import expert_name, split_expert_name
 from localllm.quant.formats import GGUF_BLOCKS, gguf_scheme
 from localllm.quant.gguf_blocks import EXACT, exact_import, exact_scheme, to_canonical
 from localllm.runtime.config import ModelConfig, gguf_keys
@@ -40,7 +41,16 @@ _LAYER_MAP = {
     "attn_k_norm.weight": "attn.k_norm.weight",
     "post_attention_norm.weight": "post_attn_norm.weight",
     "post_ffw_norm.weight": "post_mlp_norm.weight",
+    # A MoE layer (runtime/moe.py): the router, and Qwen2-MoE's shared expert and its sigmoid gate.
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_shexp.weight": "mlp.shared.gate.weight",
+    "ffn_up_shexp.weight": "mlp.shared.up.weight",
+    "ffn_down_shexp.weight": "mlp.shared.down.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_gate.weight",
 }
+#: llama.cpp's stacked experts, (E, out, in) with the experts on the slowest axis -> the projection of
+#: ``layers.{i}.mlp.experts`` they fill (read one expert at a time: ``layers.{i}.mlp.experts.{e}.gate.weight``).
+_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
 #: Phi-3's fused tensors (our name of the first part -> every part, in row order): ``attn_qkv`` is
 #: q, k, v; its ``ffn_up`` holds gate then up (it has no ``ffn_gate``).
 _FUSED = {"attn_qkv.weight": ("attn.q.weight", "attn.k.weight", "attn.v.weight")}
@@ -59,10 +69,35 @@ def map_gguf_name(name: str) -> str | None:
     m = _LAYER_RE.match(name)
     if m and m.group(2) in _FUSED:
         return f"layers.{m.group(1)}.{_FUSED[m.group(2)][0]}"
+    if m and m.group(2) in _EXPERTS:
+        return f"layers.{m.group(1)}.mlp.experts.{_EXPERTS[m.group(2)]}.weight"
     if name in _ROPE_TENSORS:
         return None
     raise LocalLLMError(f"unexpected tensor '{name}' in the GGUF file",
-                        "is this a Llama, Mistral, Qwen2, Qwen3, Gemma 3 or Phi-3 model?")
+                        "is this a Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Gemma 3 or Phi-3 model?")
+
+
+def module_of(ours: str) -> str:
+    """The module a tensor of ours fills: one expert's (``layers.0.mlp.experts.5.gate.weight``) fills
+    its stacked projection (``layers.0.mlp.experts.gate``), the plan's name for it."""
+    split = split_expert_name(ours)
+    return (split[0] if split is not None else ours).rpartition(".")[0]
+
+
+def _expert_slices(t: gguf.ReaderTensor) -> list[gguf.ReaderTensor]:
+    """A stacked (E, out, in) tensor's experts as (out, in) tensors of their own (views of the same
+    bytes: each expert's rows are whole rows, so this holds for every type)."""
+    n = int(t.data.shape[0])
+    nbytes, nel = t.n_bytes // n, t.n_elements // n
+    return [t._replace(shape=t.shape[:2].copy(), n_elements=nel, n_bytes=nbytes,
+                       data_offset=t.data_offset + nbytes * e, data=t.data[e]) for e in range(n)]
+
+
+def _as_row(t: gguf.ReaderTensor) -> gguf.ReaderTensor:
+    """A (D,) or (1, D) tensor as one row (1, D): Qwen2-MoE's shared-expert gate, ``ffn_gate_inp_shexp``,
+    which llama.cpp's converter may write as a vector."""
+    shape = t.shape[:1].copy()
+    return t._replace(shape=np.append(shape, 1).astype(shape.dtype), data=t.data.reshape(1, -1))
 
 
 def _row_slices(t: gguf.ReaderTensor, rows: list[int]) -> list[gguf.ReaderTensor]:
@@ -107,6 +142,14 @@ def _shapes(tensors: list[gguf.ReaderTensor]) -> Iterator[tuple[str, str, tuple[
             ours = f"layers.{m.group(1)}.attn.qkv.weight"
         elif m is not None and m.group(2) == "ffn_up.weight" and f"blk.{m.group(1)}.ffn_gate.weight" not in names:
             ours = f"layers.{m.group(1)}.mlp.gate_up.weight"  # Phi-3: gate then up in one ffn_up
+        elif m is not None and m.group(2) in _EXPERTS and len(t.shape) == 3:
+            # stacked experts: the last expert's name (the count) and one expert's shape
+            yield expert_name(f"layers.{m.group(1)}.mlp.experts", int(t.shape[2]) - 1, _EXPERTS[m.group(2)],
+                              "weight"), t.name, (int(t.shape[1]), int(t.shape[0]))
+            continue
+        elif m is not None and m.group(2) == "ffn_gate_inp_shexp.weight":
+            yield ours, t.name, (1, int(t.shape[0]))  # a vector or one row: our (1, D)
+            continue
         yield ours, t.name, tuple(int(d) for d in reversed(t.shape))
 
 
@@ -208,8 +251,9 @@ class GGUFCheckpoint:
                                             rope_freq_factors=factors, longrope_factors=longrope)  # type: ignore[arg-type]
         # Before anything is built for it: the metadata against the tensors' shapes.
         check_tensors(self.config, _shapes(self.reader.tensors), "GGUF metadata", gguf_keys(self.metadata))
-        # llama.cpp permutes q/k only for its "llama" rope layout (Llama, Mistral); the others are left as is.
-        self._permuted = self.config.arch in ("llama", "mistral")
+        # llama.cpp permutes q/k only for its "llama" rope layout (Llama, Mistral, Mixtral); the others are
+        # left as is.
+        self._permuted = self.config.arch in ("llama", "mistral", "mixtral")
         # llama.cpp's converter stores Gemma's norm weights as 1 + w: ours are w (runtime.model.RMSNorm).
         self._norm_offset = self.config.norm_offset
 
@@ -229,6 +273,12 @@ class GGUFCheckpoint:
                 layer = ours.rsplit(".", 3)[0]
                 parts = _row_slices(t, [c.q_dim, c.kv_dim, c.kv_dim])
                 yield from ((f"{layer}.attn.{p}.weight", part) for p, part in zip("qkv", parts))
+            elif t.name.endswith(tuple(f".{n}" for n in _EXPERTS)):  # stacked experts: one at a time
+                experts, _, leaf = ours.rpartition(".")
+                experts, _, proj = experts.rpartition(".")
+                yield from ((expert_name(experts, e, proj, leaf), part) for e, part in enumerate(_expert_slices(t)))
+            elif t.name.endswith(".ffn_gate_inp_shexp.weight"):
+                yield ours, _as_row(t)
             elif ours.endswith("mlp.up.weight") and int(t.data.shape[0]) == 2 * c.intermediate_size:
                 layer = ours.rsplit(".", 3)[0]  # Phi-3: gate then up in one ffn_up
                 gate, up = _row_slices(t, [c.intermediate_size] * 2)
@@ -271,7 +321,7 @@ class GGUFCheckpoint:
         localllm cannot keep, which are dequantized rather than put on a coarser grid.
         :meth:`exact_plan` keeps each module's own tensor type exact in a mixed file."""
         types = Counter(t.tensor_type.name for t in self.reader.tensors if t.name.startswith("blk.") and
-                        t.name.endswith("weight") and len(t.shape) == 2)
+                        t.name.endswith("weight") and len(t.shape) in (2, 3))  # 3: a MoE's stacked experts
         main = types.most_common(1)[0][0] if types else "F32"
         if main == "Q8_0":
             return parse_scheme("int8", 32)
@@ -287,8 +337,7 @@ class GGUFCheckpoint:
         a Q6_K one in its blocks, an F16 one in a quantized file its F16 rows); a type localllm cannot
         keep is left out (float, dequantized), never re-rounded onto another grid. (A scheme the user
         names with ``--quant`` re-quantizes every module: that is asked for, not silent.)"""
-        types = {ours.rpartition(".")[0]: t.tensor_type.name for ours, t in self.raw_tensors()
-                 if ours.endswith(".weight")}
+        types = {module_of(ours): t.tensor_type.name for ours, t in self.raw_tensors() if ours.endswith(".weight")}
         if self.config.tie_embeddings:
             types.setdefault("output", types.get("embed", ""))
         exact: Plan = {}
@@ -309,7 +358,7 @@ class GGUFCheckpoint:
         became: Counter[tuple[str, str]] = Counter()
         for ours, t in self.raw_tensors():
             kind = t.tensor_type.name
-            module = ours.rpartition(".")[0]
+            module = module_of(ours)
             if ours == "embed.weight" and self.config.tie_embeddings and head_serves_embedding(plan.get("output")):
                 module = "output"  # the head's table (int8, or its blocks) serves as the embedding
             scheme = plan.get(module) if ours.endswith(".weight") else None
@@ -366,7 +415,7 @@ class GGUFCheckpoint:
         head = plan.get("output") if tied_head else None
         exact: list[tuple[str, str, gguf.ReaderTensor]] = []  # (module it fills, our name, tensor)
         for ours, t in self.raw_tensors():
-            module = ours.rpartition(".")[0]
+            module = module_of(ours)
             if module in plan and ours.endswith(".weight") and exact_import(t.tensor_type.name, plan[module]):
                 exact.append((module, ours, t))
             elif head is not None and ours == "embed.weight" and exact_import(t.tensor_type.name, head):
@@ -389,9 +438,11 @@ class GGUFCheckpoint:
                 raw = read_array(f, t.data_offset, t.data.shape, t.data.dtype, t.name)
                 canonical = to_canonical(t.tensor_type.name, raw, plan[module])
                 del raw
+                # one expert's tensors are named for its slice of the stack (layers.0.mlp.experts.5.gate.blocks)
+                prefix = ours.rpartition(".")[0] if split_expert_name(ours) is not None else module
                 while canonical:
                     k, v = canonical.popitem()
-                    yield f"{module}.{k}", torch.from_numpy(np.ascontiguousarray(self.fix_rows(ours, v.numpy())))
+                    yield f"{prefix}.{k}", torch.from_numpy(np.ascontiguousarray(self.fix_rows(ours, v.numpy())))
                     del v
             yield from quantize_stream(floats(), plan, tied_head and not head_exact)
 

@@ -59,6 +59,7 @@ from torch import nn
 
 from localllm import native
 from localllm.paths import home
+from localllm.quant.experts import QuantExperts, ReferenceExperts
 from localllm.runtime.build_failures import (FailedBuild, config_digest, eager_note, failure_marker, log_failure,
                                              read_failure, record_failure)
 from localllm.runtime.cache import QuantKV, key_rotation
@@ -105,6 +106,9 @@ def unsupported(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention |
         return "it needs localllm's paged attention kernel"
     if any(layer.attn.softcap is not None for layer in model.layers):
         return "soft-capped attention does not take the paged kernel"
+    if any(isinstance(m, QuantExperts) and m.kernel in (None, ReferenceExperts) for m in model.modules()):
+        # the reference loops over the experts a step routes to (data): one native call traces, by its fake
+        return "its Mixture-of-Experts layers run on the reference expert kernel"
     return None
 
 
@@ -190,7 +194,8 @@ def batch_ranges(model: Transformer) -> list[tuple[int, int]]:
     rows (``Kernel.row_limit`` of each layer: row kernels up to it, the panel GEMM above), a choice
     export bakes in; and a batch of one is a shape of its own to export. So: 1, then the spans
     between the thresholds."""
-    cuts = sorted({n for m in model.modules() if (k := getattr(m, "kernel", None)) is not None
+    cuts = sorted({n for m in model.modules() if not isinstance(m, QuantExperts)  # one path for any rows
+                   and (k := getattr(m, "kernel", None)) is not None
                    and isinstance(n := k.row_limit(m), int) and 1 <= n < MAX_BATCH})
     los = [1, 2, *(c + 1 for c in cuts if c >= 2)]
     his = [1, *(c for c in cuts if c >= 2), MAX_BATCH]

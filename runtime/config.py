@@ -24,6 +24,9 @@ MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 _NOT_YET = {"gpt_oss": "gpt-oss (MXFP4 experts, attention sinks, the harmony format) is not supported yet",
             "gptoss": "gpt-oss (MXFP4 experts, attention sinks, the harmony format) is not supported yet"}
 
+#: llama.cpp's ``general.architecture`` for the MoE families (its Mixtral is ``llama`` with experts).
+_GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+
 #: Other spellings of the same architectures: HF's text-only Gemma 3 ``model_type``.
 _ALIASES = {"gemma3_text": "gemma3"}
 
@@ -46,7 +49,9 @@ GGUF_KEYS = {"vocab_size": "vocab_size", "dim": "embedding_length", "n_layers": 
              "n_heads": "attention.head_count", "n_kv_heads": "attention.head_count_kv",
              "head_dim": "attention.key_length", "intermediate_size": "feed_forward_length",
              "max_seq_len": "context_length", "sliding_window": "attention.sliding_window",
-             "norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base"}
+             "norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+             "n_experts": "expert_count", "n_active": "expert_used_count", "expert_size": "expert_feed_forward_length",
+             "shared_expert_size": "expert_shared_feed_forward_length"}
 
 
 def hf_keys(hf: dict[str, Any]) -> dict[str, str]:
@@ -70,6 +75,8 @@ def gguf_keys(meta: dict[str, Any]) -> dict[str, str]:
         keys["head_dim"] = f"{arch}.embedding_length / {arch}.attention.head_count"
     if meta.get(keys["vocab_size"]) is None:
         keys["vocab_size"] = "the length of tokenizer.ggml.tokens"
+    if arch == "llama":  # Mixtral: its experts are its feed-forward size
+        keys["expert_size"] = f"{arch}.feed_forward_length"
     return keys
 
 
@@ -334,8 +341,9 @@ class ModelConfig:
         first is true when the file has no ``output.weight``, the second is the ``rope_freqs.weight``
         tensor's values, the third Phi-3's ``rope_factors_short.weight`` and ``rope_factors_long.weight``.
         """
-        arch = meta.get("general.architecture", "")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        arch = meta.get("general.architecture", "")  # the metadata's namespace; ``ours`` the family
+        ours = "mixtral" if arch == "llama" and meta.get("llama.expert_count") else _GGUF_ARCHS.get(arch, arch)
+        if ours not in SUPPORTED_ARCHITECTURES:
             raise _unsupported(f"'{arch}' in the GGUF", arch)
 
         def key(name: str, default: Any = None) -> Any:
@@ -392,8 +400,10 @@ class ModelConfig:
             extra["partial_rotary"] = rot / head_dim
         eos = [check_int(meta[k], k, 0, MAX_TOKEN_ID, "GGUF metadata")
                for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+        if ours in MOE_ARCHITECTURES:
+            extra.update(_gguf_moe(read, ns, ours))
         return cls(
-            arch=arch,
+            arch=ours,
             vocab_size=vocab,
             dim=dim,
             n_layers=n_layers,
@@ -407,14 +417,32 @@ class ModelConfig:
             rope_freq_factors=rope_freq_factors,
             max_seq_len=read.int(ns + "context_length", "max_seq_len", 4096),
             tie_embeddings=tie_embeddings,
-            attention_bias=arch == "qwen2",
+            attention_bias=ours in ("qwen2", "qwen2_moe"),
             sliding_window=read.int(ns + "attention.sliding_window", None, None,
                                     (0, INT_RANGES["sliding_window"][1])) or None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=list(dict.fromkeys(eos)),
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=ours in ("qwen3", "gemma3", "qwen3_moe"),
             **extra,
         )
+
+
+def _gguf_moe(read: FieldReader, ns: str, arch: str) -> dict[str, Any]:
+    """The MoE fields of a GGUF's metadata (``ns``: its ``{general.architecture}.``): experts, active
+    ones, their size (Mixtral's, written as llama, is its ``feed_forward_length``), Qwen2-MoE's shared
+    expert, and whether the top-k weights are renormalised (``expert_weights_norm`` where the converter
+    wrote it, else as the family does: Qwen3-MoE's released models and Mixtral yes, Qwen2-MoE no).
+    llama.cpp runs every layer of these families sparse."""
+    size_key = "feed_forward_length" if arch == "mixtral" else "expert_feed_forward_length"
+    out: dict[str, Any] = {
+        "n_experts": read.int(ns + "expert_count", "n_experts"),
+        "n_active": read.int(ns + "expert_used_count", "n_active"),
+        "expert_size": read.int(ns + size_key, "expert_size"),
+        "norm_topk_prob": bool(read.values.get(ns + "expert_weights_norm", arch != "qwen2_moe")),
+    }
+    if arch == "qwen2_moe":
+        out["shared_expert_size"] = read.int(ns + "expert_shared_feed_forward_length", "shared_expert_size")
+    return out
 
 
 def _hf_moe(read: FieldReader, hf: dict[str, Any], arch: str, n_layers: int) -> dict[str, Any]:
