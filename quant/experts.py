@@ -271,7 +271,7 @@ def _agrees(kernel: type[ExpertKernel], projs: list[QuantExperts], tensors: list
         try:
             for p, t in zip(projs, tensors):
                 for name, v in t.items():
-                    setattr(p, name, v)
+                    _put(p, name, v)
             got = kernel.ffn(x, ids, weights, gate_up, down, act).float()
         except RuntimeError as e:
             warn_once(f"expert kernel {kernel.name} fails here ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
@@ -280,11 +280,25 @@ def _agrees(kernel: type[ExpertKernel], projs: list[QuantExperts], tensors: list
             for p, s in zip(projs, saved):
                 for name, v in s.items():
                     if v is None:
-                        delattr(p, name)
+                        p._buffers.pop(name, None)
                     else:
-                        setattr(p, name, v)
+                        _put(p, name, v)
     err = (got - want).norm() / want.norm().clamp(min=1e-6)
     return bool(err < 2e-2)
+
+
+def _put(p: QuantExperts, name: str, v: torch.Tensor) -> None:
+    """Make ``v`` the projection's tensor ``name``: a kernel's layout is a buffer (in place of a float
+    expert's parameter too); a parameter put back stays one."""
+    if isinstance(v, nn.Parameter):
+        p._buffers.pop(name, None)
+        p._parameters[name] = v
+        return
+    p._parameters.pop(name, None)
+    if name in p._buffers:
+        p._buffers[name] = v
+    else:
+        p.register_buffer(name, v)
 
 
 def prepare_experts(gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts,
@@ -321,12 +335,8 @@ def prepare_experts(gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]",
         for name in set(p.canonical_names()) - set(t):
             delattr(p, name)  # the kernel's layout replaces it: never both
         for name, v in t.items():
-            if getattr(p, name, None) is v:
-                continue  # kept as it is (the reference's canonical tensors, a float parameter)
-            if name in p._buffers:
-                p._buffers[name] = v
-            else:
-                p.register_buffer(name, v)
+            if getattr(p, name, None) is not v:  # else kept as it is (the reference's canonical tensors)
+                _put(p, name, v)
         p.kernel = k
         p.act_dtype = act_dtype
     return k.name
