@@ -186,7 +186,8 @@ def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: s
     swap_experts(model, plan)
     tied_head = ckpt.config.tie_embeddings and "output" in plan
     share_tied_embedding(model)
-    if calibrates(ckpt, plan, calibration):
+    # AWQ's layer-by-layer calibration runs dense blocks only: a MoE's int4 is rounded to nearest
+    if calibrates(ckpt, plan, calibration) and not ckpt.config.is_moe:
         return model, calibrated_stream(ckpt, plan, tied_head, calibration), plan  # type: ignore[arg-type]
     return model, ckpt.iter_canonical(plan, tied_head), plan
 

@@ -311,3 +311,14 @@ def test_export_refuses_a_moe_model_in_one_line(family, tmp_path):
     with pytest.raises(LocalLLMError, match="cannot export a mixtral model"):
         export_hf_folder(family("mixtral")[1], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_int4_load_of_a_moe_rounds_to_nearest_without_calibration(family):
+    """``--quant int4`` from float weights calibrates dense models (AWQ); a MoE's int4 is rounded to
+    nearest, the same weights as the plain stream gives."""
+    _, folder = family("mixtral")
+    lm = load_model(str(folder), quant="int4", dtype="fp32")
+    assert lm.calibration is None
+    ids = tokens(12, seed=8)
+    with torch.inference_mode():
+        torch.testing.assert_close(lm.model(ids), _quantized(folder, "int4")(ids), atol=1e-4, rtol=1e-4)
