@@ -274,7 +274,8 @@ def _agrees(kernel: type[ExpertKernel], projs: list[QuantExperts], tensors: list
                     _put(p, name, v)
             got = kernel.ffn(x, ids, weights, gate_up, down, act).float()
         except RuntimeError as e:
-            warn_once(f"expert kernel {kernel.name} fails here ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            warn_once(f"expert kernel {kernel.name} fails here ({why})")
             return False
         finally:
             for p, s in zip(projs, saved):
