@@ -170,3 +170,25 @@ def test_awq_artifact_runs_on_every_int4_kernel(tmp_path_factory, kernel, dtype,
         got = lm(ids).float()
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < tol, rel
+
+
+def test_pull_options_carry_calibration(tmp_path, monkeypatch):
+    """``pull --calibration none`` reaches the conversion as round-to-nearest; ``run`` takes the flag too."""
+    from click.testing import CliRunner
+
+    import localllm.commands.store as store_cmd
+    from localllm.cli import main
+
+    seen = []
+
+    def fake_pull(source, options, store=None, notify=None):
+        seen.append(options.calibration)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(store_cmd, "pull_model", fake_pull)
+    folder = _folder(tmp_path, "llama")
+    for args, want in ((["--calibration", "none"], "none"), ([], "awq")):
+        result = CliRunner().invoke(main, ["pull", str(folder), "--quant", "int4", *args])
+        assert result.exit_code == 0, result.output
+    assert seen == ["none", "awq"]
+    assert "--calibration" in CliRunner().invoke(main, ["run", "--help"]).output
