@@ -101,6 +101,21 @@ def test_tool_round_trip(client) -> None:
                                     max_output_tokens=20, temperature=0)
     assert whole.output[0].type == "message" and whole.output_text
     assert whole.usage.input_tokens == follow.usage.input_tokens  # the stored conversation came first
+    listed = client.responses.input_items.list(whole.id, order="asc")
+    assert [i.type for i in listed.data] == ["message", "function_call", "function_call_output"]
+    asked, called, answered = listed.data
+    assert asked.role == "user" and asked.content[0].type == "input_text" and asked.content[0].text == WEATHER_ASK
+    assert asked.id.startswith("msg_") and called.id == call.id and called.arguments == call.arguments
+    assert answered.call_id == call.call_id and answered.output == "sunny, 21 degrees"
+    newest = client.responses.input_items.list(whole.id, limit=1)  # desc by default
+    assert [i.id for i in newest.data] == [answered.id] and newest.has_more
+    older = client.responses.input_items.list(whole.id, limit=5, after=answered.id)
+    assert [i.id for i in older.data] == [called.id, asked.id] and not older.has_more
+    (text,) = client.responses.input_items.list(follow.id).data  # its own input only, not the earlier turns'
+    assert text.type == "function_call_output" and text.call_id == call.call_id
+    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
+        bad = httpx.get(f"{client.base_url}responses/{whole.id}/input_items", params=query)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
 
 
 def test_stream_events_in_order(client) -> None:

@@ -1,5 +1,5 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (one JSON response, or its typed SSE events when
-``stream``), ``GET`` and ``DELETE /v1/responses/{id}``.
+``stream``), ``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``.
 
 A translation onto the chat pipeline that ``/v1/chat/completions`` runs: ``input`` items become chat
 messages for the model's template, function ``tools``, ``tool_choice`` and ``text.format`` become the
@@ -150,6 +150,29 @@ def input_messages(value: Any, earlier: list[dict[str, Any]] | None = None) -> l
     return messages(out, param="input")
 
 
+#: An input item's type -> the prefix of the id a listed item gets when its request gave none.
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_items(value: Any) -> list[dict[str, Any]]:
+    """``input`` (already checked by :func:`input_messages`) as ``input_items`` lists it: items with
+    ids and statuses, a string or a message's string content as one ``input_text`` part (an
+    assistant's as ``output_text``)."""
+    items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        listed = {"id": None, "type": kind, **item}
+        listed["id"] = listed["id"] or _new_id(_ITEM_IDS[kind])
+        if kind == "message" and isinstance(item["content"], str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            listed["content"] = [{"type": part, "text": item["content"]}]
+        if kind != "reasoning":
+            listed.setdefault("status", "completed")
+        out.append(listed)
+    return out
+
+
 def _tools(f: Fields) -> tuple[ToolAsk | None, list[dict[str, Any]]]:
     """Function ``tools`` in the Responses shape (flat: ``{"type": "function", "name", "description",
     "parameters", "strict"}``) and ``tool_choice``, checked by the chat routes' :func:`openai_tools`;
@@ -214,6 +237,7 @@ class Ask:
     grammar: Grammar | None
     tools: ToolAsk | None
     think: bool | None
+    items: list[dict[str, Any]]  # this request's input items, as input_items lists them
     echo: dict[str, Any] = field(default_factory=dict)  # request fields a response object repeats
 
     @property
@@ -274,7 +298,7 @@ def _ask(request: Request, f: Fields) -> Ask:
             "user": f.raw("user"), "store": f.boolean("store", True)}
     return Ask(model, conversation, instructions, params, f.integer("max_output_tokens", minimum=1),
                f.boolean("stream", False), f.boolean("store", True), grammar, offered,
-               None if effort is None else effort != "none", echo)
+               None if effort is None else effort != "none", listed_items(f.raw("input")), echo)
 
 
 # ---------------------------------------------------------------------------------------- the reply
@@ -344,7 +368,7 @@ class _Response:
             if calls:
                 reply["tool_calls"] = [{"type": "function", "id": c.id,
                                         "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
-            _store(request).put(body, self.ask.conversation + [reply])
+            _store(request).put(body, self.ask.conversation + [reply], self.ask.items)
         return body
 
 
@@ -504,8 +528,40 @@ async def delete_response(request: Request) -> Response:
     return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 
+@endpoint(OPENAI, "/v1/responses/{id}/input_items")
+async def list_input_items(request: Request) -> Response:
+    """A stored response's input items, a page at a time (``limit`` 1-100, default 20; ``order``
+    ``desc``, the default, or ``asc``; ``after`` / ``before`` an item id), as OpenAI's list object."""
+    rid = _stored_id(request)
+    stored = _store(request).get(rid)
+    if stored is None:
+        raise ApiError(404, f"no stored response {rid!r} (never stored, deleted, or evicted)", param="response_id")
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"'order' is {order!r}; use asc or desc", param="order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, f"'limit' is {query.get('limit')!r}; give an integer from 1 to 100", param="limit")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    ids = [item["id"] for item in items]
+    for key in ("after", "before"):
+        if key in query and query[key] not in ids:
+            raise ApiError(400, f"'{key}' is {query[key]!r}, which is no input item of response {rid!r}",
+                           param=key)
+    start = ids.index(query["after"]) + 1 if "after" in query else 0
+    end = ids.index(query["before"]) if "before" in query else len(items)
+    page = items[start:end][:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end})
+
+
 ROUTES = [
     Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
     Route("/v1/responses/{response_id}", get_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
 ]

@@ -3,7 +3,7 @@
 
 The store lives in the server's memory only (a restart forgets it) and is bounded two ways: at most
 :data:`MAX_RESPONSES` responses and at most :data:`MAX_BYTES` bytes of them (each counted as its
-response body's and its conversation's JSON size). Past either limit the oldest responses are evicted
+body's, its conversation's and its input items' JSON size). Past either limit the oldest are evicted
 first; a response larger than the whole byte budget is not stored at all. An evicted or never stored
 id is a 404, as an unknown one is.
 """
@@ -23,12 +23,13 @@ MAX_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class StoredResponse:
-    """A response as ``GET`` returns it, and the whole conversation it ended (chat messages: the
+    """A response as ``GET`` returns it, the whole conversation it ended (chat messages: the
     earlier turns, the input and the reply, without the instructions, which a continuation does not
-    inherit)."""
+    inherit), and its own request's input items as ``GET .../input_items`` lists them."""
 
     body: dict[str, Any]
     conversation: list[dict[str, Any]]
+    input_items: list[dict[str, Any]]
     size: int
 
 
@@ -45,13 +46,13 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
+    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]], input_items: list[dict[str, Any]]) -> bool:
         """Store ``body`` under its ``id``; False where it alone is over the byte budget (not stored)."""
-        size = len(json.dumps(body, ensure_ascii=False)) + len(json.dumps(conversation, ensure_ascii=False))
+        size = sum(len(json.dumps(part, ensure_ascii=False)) for part in (body, conversation, input_items))
         if size > self.max_bytes:
             return False
         self.delete(body["id"])
-        self._items[body["id"]] = StoredResponse(body, conversation, size)
+        self._items[body["id"]] = StoredResponse(body, conversation, input_items, size)
         self.bytes += size
         while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
             _, old = self._items.popitem(last=False)
