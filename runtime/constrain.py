@@ -58,10 +58,13 @@ CACHED_GRAMMARS = 64
 
 @dataclass(frozen=True)
 class Grammar:
-    """What a constrained reply must match: llguidance's grammar text, and ``summary`` for messages."""
+    """What a constrained reply must match: llguidance's grammar text, and ``summary`` for messages.
+    ``drafts``: whether speculation's drafts may be checked against it (masks computed over a draft,
+    then rolled back): llguidance cannot roll back a grammar whose lexemes are bounded in tokens."""
 
     text: str
     summary: str
+    drafts: bool = True
 
 
 def json_schema(schema: Mapping[str, Any] | bool, where: str = "schema") -> Grammar:
@@ -147,7 +150,7 @@ def after_thinking(grammar: Grammar, opened: bool, budget: int | None = None) ->
         start = ('start: thought "</think>" WS? @answer\n' if opened
                  else 'start: "<think>" thought "</think>" WS? @answer\n')
         wrapped = {**inner, "grammars": [{"lark_grammar": start + thought}, answer, *inner["grammars"][1:]]}
-        return Grammar(json.dumps(wrapped), grammar.summary)
+        return Grammar(json.dumps(wrapped), grammar.summary, drafts=False)  # max_tokens: no rollback
     thought = 'thought[lazy]: /(.|\\n)*<\\/think>/\nWS: /[ \\t\\n]+/\n'
     start = "start: thought WS? @answer\n" if opened else 'start: ("<think>" thought WS?)? @answer\n'
     wrapped = {**inner, "grammars": [{"lark_grammar": start + thought}, answer, *inner["grammars"][1:]]}
@@ -164,8 +167,10 @@ def _reason(error: str | None) -> str:
 class Constraint:
     """One sequence's grammar state (an llguidance matcher): its masks, and the tokens it has taken."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_words: int, stop_ids: Sequence[int] = ()) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_words: int, stop_ids: Sequence[int] = (),
+                 drafts: bool = True) -> None:
         self._m = matcher
+        self._drafts = drafts  # see Grammar.drafts
         self.words = vocab_words  # int32 words of one mask row: ceil(tokenizer vocabulary / 32)
         #: (word, bit mask) of each stop id: cleared from a row where the reply cannot end yet (a stop
         #: token whose text is ordinary bytes, "</s>" in a plain vocabulary, would pass inside a string)
@@ -182,8 +187,9 @@ class Constraint:
         return _reason(self._m.get_error()) if self._m.is_error() else None
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` the grammar would take next, in order (drafts are cut there)."""
-        return self._m.validate_tokens(list(tokens)) if tokens else 0
+        """How many of ``tokens`` the grammar would take next, in order (drafts are cut there); none
+        where the grammar cannot check drafts (:attr:`Grammar.drafts`)."""
+        return self._m.validate_tokens(list(tokens)) if tokens and self._drafts else 0
 
     def fill(self, out: torch.Tensor, draft: Sequence[int]) -> None:
         """Write the allowed-token bitmask of each row into ``out`` (1 + len(draft), words) int32 (CPU,
@@ -262,7 +268,7 @@ class Constraints:
                 self._compiled[grammar.text] = template
                 if len(self._compiled) > CACHED_GRAMMARS:
                     self._compiled.popitem(last=False)
-        return Constraint(matcher, (vocab.vocab_size + 31) // 32, self._stop_ids)
+        return Constraint(matcher, (vocab.vocab_size + 31) // 32, self._stop_ids, grammar.drafts)
 
 
 def apply_masks(logits: torch.Tensor, bits: torch.Tensor) -> None:

@@ -1,8 +1,9 @@
-"""Agents' API features on the tiny random-weight llama served on 127.0.0.1, through the ``openai`` and
-``ollama`` clients: thinking and tool calls with a Qwen3-style chat template written here (``<think>``
-blocks, ``tools`` in the system turn, ``<tool_call>`` blocks, ``enable_thinking``; a reply's thinking
-is split off into ``reasoning_content`` / ``thinking``, and a format or tool grammar holds only the
-answer after it); embeddings, equal to transformers' pooled hidden states."""
+"""Agents' API features on the tiny random-weight llama served on 127.0.0.1, through the ``openai``,
+``anthropic`` and ``ollama`` clients: thinking and tool calls with a Qwen3-style chat template written
+here (``<think>`` blocks, ``tools`` in the system turn, ``<tool_call>`` blocks, ``enable_thinking``; a
+reply's thinking is split off into ``reasoning_content`` / ``thinking`` / thinking blocks / reasoning
+items, a thinking budget holds the block, and a format or tool grammar holds only the answer after
+it); embeddings, equal to transformers' pooled hidden states."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import jsonschema
 import llguidance
 import pytest
 
-from localllm.runtime.constrain import Constraints, after_thinking, json_schema
+from localllm.runtime.constrain import Constraints, Grammar, after_thinking, json_schema
 from localllm.runtime.tools import CallSyntax, ReplySplitter, Tool, call_grammar
 from localllm.server.config import ServerConfig
 from localllm.server.replies import ReplyShape
@@ -46,6 +47,20 @@ def thinker(tiny_folder, tmp_path_factory) -> Path:
     (own / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN3_STYLE}))
     model = json.loads((own / "config.json").read_text())  # room for the tools' JSON, a byte a token
     (own / "config.json").write_text(json.dumps({**model, "max_position_embeddings": 1024}))
+    return own
+
+
+@pytest.fixture(scope="module")
+def opener(thinker: Path, tmp_path_factory) -> Path:
+    """The thinker with a template that opens the block itself (as Qwen3's thinking-only models do):
+    every reply starts inside ``<think>``."""
+    own = tmp_path_factory.mktemp("opener") / "opener"
+    shutil.copytree(thinker, own)
+    config = json.loads((own / "tokenizer_config.json").read_text())
+    template = QWEN3_STYLE.replace("<think>\n\n</think>\n\n{% endif %}", "<think>\n\n</think>\n\n{% else %}<think>\n"
+                                   "{% endif %}")
+    assert template != QWEN3_STYLE
+    (own / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     return own
 
 
@@ -81,9 +96,56 @@ def test_tool_calls_and_formats_with_thinking_off(server: ServerThread, thinker:
     assert not reply.message.thinking
 
 
+def test_anthropic_thinking_within_its_budget(server: ServerThread, thinker: Path) -> None:
+    """``thinking.budget_tokens`` through the ``anthropic`` client: the reply opens a thinking block
+    (the budget's grammar requires one), closes it within the budget, and comes back as a thinking
+    block before the answer, whole and streamed (thinking_delta events first)."""
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    ask = {"model": str(thinker), "max_tokens": 40, "messages": [{"role": "user", "content": "go"}],
+           "thinking": {"type": "enabled", "budget_tokens": 6},
+           "extra_body": {"temperature": 1.0}}  # the SDK's signature takes no sampling fields; the API does
+    r = client.messages.create(**ask)
+    assert r.content[0].type == "thinking" and r.content[0].thinking
+    assert len(r.content[0].thinking) <= 6  # the thinker's tokens are bytes: at most a character each
+    assert all(b.type == "text" for b in r.content[1:])
+    with client.messages.stream(**ask) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert kinds and kinds[0] == "thinking_delta" and "thinking_delta" not in kinds[kinds.index("thinking_delta")
+                                                                                   + kinds.count("thinking_delta"):]
+    assert final.content[0].type == "thinking"
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        client.messages.create(**{**ask, "thinking": {"type": "enabled", "budget_tokens": 40}})
+
+
+def test_responses_reasoning_items(server: ServerThread, opener: Path) -> None:
+    """A reply inside a thinking block the prompt opened comes back as a ``reasoning`` item (its text,
+    its tokens counted as reasoning), whole and streamed, through the ``openai`` client; effort
+    "none" writes the empty block instead and gives no reasoning item."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    r = client.responses.create(model=str(opener), input="go", reasoning={"effort": "high"}, max_output_tokens=8,
+                                temperature=1.0)
+    assert r.output[0].type == "reasoning" and r.output[0].content[0].text
+    if len(r.output) == 1:  # no "</think>" within 8 tokens: all of them thinking
+        assert r.status == "incomplete" and r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens
+    with client.responses.stream(model=str(opener), input="go", reasoning={"effort": "high"}, max_output_tokens=8,
+                                 temperature=1.0) as stream:
+        events = list(stream)  # get_final_response() wants response.completed; a cut one is incomplete
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and "response.reasoning_text.delta" in kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert events[-1].response.output[0].type == "reasoning"
+    plain = client.responses.create(model=str(opener), input="go", reasoning={"effort": "none"}, max_output_tokens=4,
+                                    temperature=1.0)
+    assert all(item.type != "reasoning" for item in plain.output)
+    assert plain.usage.output_tokens_details.reasoning_tokens == 0
+
+
 def matches(grammar_text: str, text: str, lm_tokenizer) -> bool:
     vocab = Constraints(lm_tokenizer, lm_tokenizer.eos_ids)
-    m = vocab.start(type("G", (), {"text": grammar_text, "summary": "test"})())._m  # noqa: SLF001
+    m = vocab.start(Grammar(grammar_text, "test"))._m  # noqa: SLF001
     ids = lm_tokenizer.encode(text, add_special=False)
     return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
 

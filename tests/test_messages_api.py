@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from localllm.runtime.constrain import FREE_TEXT, Constraints, after_thinking
+from localllm.runtime.constrain import FREE_TEXT, Constraints, Grammar, after_thinking
 from localllm.server.config import ServerConfig
 from tests.server_fixtures import ServerThread, running_server
 
@@ -189,7 +189,7 @@ def test_a_thinking_budget_closes_the_block(smollm2_path: Path) -> None:
     vocab = Constraints(tk, tk.eos_ids)
 
     def taken(grammar_text: str, text: str) -> tuple[int, int]:
-        m = vocab.start(type("G", (), {"text": grammar_text, "summary": "test"})())._m  # noqa: SLF001
+        m = vocab.start(Grammar(grammar_text, "test"))._m  # noqa: SLF001
         ids = tk.encode(text, add_special=False)
         n = 0
         while n < len(ids) and m.consume_token(ids[n]):  # one at a time: the token limit is checked so
@@ -203,5 +203,8 @@ def test_a_thinking_budget_closes_the_block(smollm2_path: Path) -> None:
     assert n < total  # thinking past the budget is refused
     n, total = taken(bounded, "<think> a b c d</think> the answer")
     assert n == total  # closed at the budget
+    ids = tk.encode("<think> a", add_special=False)
+    assert vocab.start(after_thinking(FREE_TEXT, opened=False, budget=4)).valid_prefix(ids) == 0  # no rollback
+    assert vocab.start(after_thinking(FREE_TEXT, opened=False)).valid_prefix(ids) == len(ids)
     opened = after_thinking(FREE_TEXT, opened=True, budget=4).text
     assert taken(opened, " a b</think> the answer")[0] == taken(opened, " a b</think> the answer")[1]
