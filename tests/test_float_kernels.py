@@ -151,5 +151,5 @@ def test_an_fp16_models_compiled_decode_step_gives_the_eager_logits(fp16_model, 
 @needs_compiler
 def test_an_int8_models_compiled_decode_step_gives_the_eager_logits(tied_folder, home):
     lm = load_model(str(tied_folder), quant="int8", device="cpu")
-    assert lm.kernels["int8-group-cpu"] > 0  # the row kernels, inside the step
+    assert "reference" not in lm.kernels and any(k.startswith("int8-") for k in lm.kernels)  # inside the step
     compiled_matches_eager(lm.model)
