@@ -96,7 +96,8 @@ async def level(url: str, route: str, model: str, concurrency: int, texts: list[
         async def worker() -> None:
             nonlocal total
             while queue:
-                total += await one(client, route, model, queue.pop(), max_tokens)
+                tokens = await one(client, route, model, queue.pop(), max_tokens)
+                total += tokens  # not `total += await ...`: that reads total before awaiting, losing the others' adds
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
