@@ -220,9 +220,9 @@ def _expected(config: Any, keys: Mapping[str, str]) -> dict[str, list[tuple[int,
             shared = (config.shared_expert_size, k("shared_expert_size"))
             out.update({"mlp.shared.gate.weight": [shared, dim], "mlp.shared.up.weight": [shared, dim],
                         "mlp.shared.down.weight": [dim, shared], "mlp.shared_gate.weight": [(1, "1"), dim]})
-    return out
     for norm in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
         out[f"{norm}.weight"] = [dim]
+    return out
 
 
 def check_tensors(config: Any, tensors: Iterable[tuple[str, str, tuple[int, ...]]], source: str,
