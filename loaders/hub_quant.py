@@ -266,6 +266,8 @@ class HubQuantCheckpoint(HFCheckpoint):
     def __init__(self, folder: Path, hub: HubQuant) -> None:
         self.hub = hub  # before the config check, which reads :meth:`_shapes`
         super().__init__(folder)
+        if self.config.is_moe:  # its experts are named one by one, the stacked projections are not
+            raise refuse(f"Mixture-of-Experts {hub.label()}", self.hf_config)
         self.packed = self._scan()
         if not self.packed:
             raise LocalLLMError(f"{folder}: config.json says {hub.label()}, but no tensor is quantized",
@@ -340,7 +342,7 @@ class HubQuantCheckpoint(HFCheckpoint):
     def default_scheme(self) -> QuantScheme | None:
         """The scheme most of the quantized linears land on (the others are the plan's overrides)."""
         schemes = list(self.module_schemes().values())
-        return max(set(schemes), key=schemes.count)
+        return max(dict.fromkeys(schemes), key=schemes.count)  # a tie: the first seen, never the set's order
 
     def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
         """A quantized head (GPTQ's ``lm_head: true``) keeps its grid; a float one stays float."""
@@ -419,12 +421,17 @@ def _read_bytes(path: Path, start: int, info: dict[str, Any]) -> bytes:
 def open_hf_folder(folder: Path) -> HFCheckpoint:
     """A Hugging Face model folder: float, or quantized in a Hub format its config names."""
     config = folder / "config.json"
-    hub = None
-    if config.is_file():
-        try:
-            hub = read_hub_quant(json.loads(config.read_text()))
-        except (OSError, ValueError):
-            hub = None  # HFCheckpoint names an unreadable config
+    try:
+        hf_config = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return HFCheckpoint(folder)  # which names a missing or unreadable config
+    if not isinstance(hf_config, dict):
+        return HFCheckpoint(folder)
+    try:
+        hub = read_hub_quant(hf_config)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:  # the fields' types are the file's
+        raise LocalLLMError(f"{folder}: config.json's quantization_config cannot be read ({e})",
+                            "the checkpoint is damaged: download it again") from None
     return HFCheckpoint(folder) if hub is None else HubQuantCheckpoint(folder, hub)
 
 

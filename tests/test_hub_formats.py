@@ -434,6 +434,17 @@ def test_unread_formats_are_refused_in_one_line_naming_them(qc, needle):
     assert "float repo (org/Model-7B" in e.value.hint
 
 
+def test_a_damaged_quantization_config_is_one_line(tmp_path):
+    """A field of the wrong type is the damaged checkpoint's one line, never a traceback or a float load."""
+    from localllm.loaders.hub_quant import open_hf_folder
+
+    for qc in ({"quant_method": "gptq", "bits": None, "group_size": 128}, {"quant_method": "gptq", "bits": "x"}):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": qc}))
+        with pytest.raises(LocalLLMError, match="quantization_config cannot be read") as e:
+            open_hf_folder(tmp_path)
+        assert "damaged" in e.value.hint
+
+
 # ============================================================================ whole models
 def _quantized_folder(folder: Path, fmt: str) -> tuple[Path, torch.nn.Module]:
     """The tiny Llama with every block linear in ``fmt``, and transformers' model holding the exact
@@ -573,6 +584,10 @@ def test_pulled_folder_round_trips_through_the_store(tmp_path, fmt, scheme_name)
     entry = pull_model(parse_source(str(folder)), PullOptions(), store).entry
     assert entry.manifest["quant"]["scheme"]["name"] == scheme_name
     assert entry.manifest["source"]["format"]["method"] == {"awq": "awq", "fp8": "fp8", "bnb": "bitsandbytes"}[fmt]
+    again = pull_model(parse_source(str(folder)), PullOptions(), store)  # its own grid is what it asks again
+    assert again.kept and again.entry.ref == entry.ref
+    if scheme_name == "int4z":  # --quant int4 keeps a 4-bit repo's own grid: the same entry
+        assert pull_model(parse_source(str(folder)), PullOptions("int4"), store).kept
     loaded = load_model(entry.ref, store=store, device="cpu", dtype="fp32")
     with torch.no_grad():  # a quantized entry stores its float tensors in bf16
         for name, p in ref.named_parameters():
