@@ -214,10 +214,28 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
     return PullResult(entry, False, fetched, quantize_s, freed)
 
 
+def _kept_for(entry: StoredModel, quant: str | None) -> bool:
+    """Whether ``entry`` is what a pull asking ``quant`` (None: nothing asked) writes: that scheme
+    (int4 by default), or the grid a quantized Hub repo keeps as its own (``int4z`` for int4; with
+    nothing asked, whichever it landed on)."""
+    own = bool((entry.manifest.get("source") or {}).get("format"))
+    if quant is None:
+        return entry.scheme == DEFAULT_PULL_SCHEME or own
+    return entry.scheme == quant or (own and entry.scheme == f"{quant}z")
+
+
+def _stored_for(store: Store, name: str, quant: str | None) -> StoredModel | None:
+    """The entry named ``name`` that a pull asking ``quant`` would have written, if one is stored."""
+    exact = store.get(name, quant or DEFAULT_PULL_SCHEME)
+    if exact is not None:
+        return exact
+    return next((e for e in store.list() if e.name == name and _kept_for(e, quant)), None)
+
+
 def _already_stored(store: Store, name: str, source: PullSource, options: PullOptions,
                     notify: Notify) -> StoredModel | None:
     """The stored entry if this pull has nothing to do; None when it must run."""
-    existing = store.get(name, options.quant or DEFAULT_PULL_SCHEME)
+    existing = _stored_for(store, name, options.quant)
     if existing is None or options.force:
         return None
     theirs = existing.manifest.get("source") or {}
@@ -377,8 +395,7 @@ def pull_if_missing(model: str, quant: str | None = None, group_size: int | None
     store = Store()
     asked = quant in PULL_SCHEMES  # else a quantized Hub repo keeps its own format (int4 for the others)
     for entry in entries_from_repo(store, source.ref):
-        own = not asked and bool(entry.manifest["source"].get("format"))
-        if (entry.scheme == scheme or own) and same_source(entry.manifest["source"], source):
+        if _kept_for(entry, scheme if asked else None) and same_source(entry.manifest["source"], source):
             return entry.ref
     notify(f"'{model}' is not stored yet: pulling it ({scheme if asked else 'its own format, else ' + scheme})")
     options = PullOptions(scheme if asked else None, group_size, calibration=calibration)
