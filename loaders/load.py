@@ -306,9 +306,13 @@ def load_model(
         if quant is not None and dtype not in ("auto", scheme.name):
             raise LocalLLMError(f"--quant {scheme.name} and --dtype {dtype} disagree", "give one of them")
         if dtype == "auto":  # a float checkpoint's own dtype, unless --dtype says otherwise
-            # but fp16 activations on the CPU, where torch's fp16 ops are slow: bf16 ones (the fp16
-            # weights stay as they are, and each product is summed in fp32)
-            dtype = "bf16" if scheme.name == "fp16" and dev.type == "cpu" else scheme.name
+            # but fp16 activations on the CPU, where torch's fp16 ops are slow: bf16 ones where every
+            # fp16 weight stays fp16 (the linears and a tied head serving as the embedding, each
+            # product summed in fp32). An untied embedding table or float experts would be held in
+            # the activations' dtype: bf16 would round their values, so those keep fp16.
+            config = ckpt.config
+            exact_in_bf16 = config.tie_embeddings and not config.is_moe
+            dtype = "bf16" if scheme.name == "fp16" and dev.type == "cpu" and exact_in_bf16 else scheme.name
         rows_scheme = scheme if dev.type == "cpu" and scheme.name in ROW_SCHEMES else None
         scheme = None
     tokenizer = load_tokenizer(ckpt)
