@@ -165,6 +165,13 @@ def activation_bytes(config: Any, tokens: int, concurrency: int, act_size: int) 
     attn = 3 * d + (q + 2 * kv) + (q + kv) + 2 * q
     mlp = 4 * d + 4 * inter
     per_token = max(attn, mlp) * act_size
+    if config.is_moe:  # a sparse layer: the router's fp32 logits and weights, the expert kernel's fp32
+        # gathered rows and results (k of each), their gate|up and activated product, the sum; beside
+        # the residual and its norm, and a shared expert's MLP
+        k, inter_e = config.n_active, config.expert_size
+        routed = 4 * (2 * config.n_experts + k * (2 * d + 3 * inter_e) + d)
+        shared = 4 * (config.shared_expert_size or 0) * act_size
+        per_token = max(per_token, 3 * d * act_size + routed + shared)
     scores = 0
     if config.attn_softcap is not None:
         scores = 2 * config.n_heads * tokens * tokens * 4

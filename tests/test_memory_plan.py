@@ -58,6 +58,16 @@ def test_kv_cache_counts_sliding_layers_by_their_window_and_the_kv_dtype() -> No
     assert a.fits and not plan_for(_footprint(full), 8192, available=(a.total - 1, "test")).fits
 
 
+def test_a_sparse_layers_expert_buffers_count() -> None:
+    """A MoE step's transient holds each row's k routed copies (fp32 in the expert kernel) and their
+    gate|up: with 8 active experts far more than the dense MLP of the same expert width."""
+    dense = ModelConfig(**{**TINY, "intermediate_size": 32})
+    moe = ModelConfig(**{**TINY, "intermediate_size": 32, "n_experts": 64, "n_active": 8, "expert_size": 32})
+    d, k = moe.dim, 8
+    routed = 4 * (2 * 64 + k * (2 * d + 3 * 32) + d)
+    assert activation_bytes(moe, 100, 1, 2) - activation_bytes(dense, 100, 1, 2) >= 100 * (routed - 8 * d * 2)
+
+
 def test_a_gpu_servers_kv_pool_takes_the_cards_free_memory() -> None:
     """``serve`` on a GPU without ``--kv-memory``: room for ``--parallel`` sequences of the context
     (capped at run's 4096) when the card has it; else the free memory less a step's activations and
