@@ -148,27 +148,34 @@ class Int4ZerosCPU(Int4GroupCPU):
             return "runs int4 weights with zero points only"
         if layer.scheme.group_size % 8:
             return f"needs a group that is a multiple of 8, not {layer.scheme.group_size}"
+        zeros = getattr(layer, "zeros", None)  # None once prepared: checked then
+        if zeros is not None and zeros.device.type == "cpu" and not torch.isfinite(
+                Int4ZerosCPU._offsets({"zeros": zeros, "scales": layer.scales}).half()).all():
+            return "its offsets (-zero x scale) are beyond fp16's range"
         return native_cpu_unsupported(target, act_dtype)
+
+    @staticmethod
+    def _offsets(c: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``-z * s`` (out, groups), exact in fp32."""
+        return -c["zeros"].float() * c["scales"].float()
 
     @staticmethod
     def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
         c = layer.canonical()
-        s = c["scales"].float()
-        offsets = -c["zeros"].float() * s  # (out, groups): exact in fp32
+        offsets = Int4ZerosCPU._offsets(c)
         half = offsets.half()
         tensors = Int4GroupCPU.pack({"qweight": c["qweight"], "scales": c["scales"], "offsets": half}, rows)
         residual = offsets - half.float()
-        if not torch.isfinite(half).all():
-            raise ValueError("int4 offsets beyond fp16's range")
         if residual.any():
             tensors["residual"] = residual
         return tensors
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
-        y = Int4GroupCPU.matmul(layer, x)
         residual = getattr(layer, "residual", None)
         if residual is None:
-            return y
-        sums = x.float().view(x.shape[0], residual.shape[1], -1).sum(-1)  # (M, groups)
-        return (y.float() + sums @ residual.t()).to(y.dtype)
+            return Int4GroupCPU.matmul(layer, x)
+        xf = x.float()  # the kernel's product and the remainder's summed in fp32, rounded once
+        y = Int4GroupCPU.matmul(layer, xf)
+        sums = xf.view(x.shape[0], residual.shape[1], -1).sum(-1)  # (M, groups)
+        return (y + sums @ residual.t()).to(x.dtype)
