@@ -23,7 +23,7 @@ from localllm.loaders.gguf import GGUFCheckpoint
 from localllm.loaders.hub_quant import open_hf_folder
 from localllm.loaders.spec import LoadSpec
 from localllm.loaders.store import MANIFEST, Store, read_entry
-from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme, parse_scheme
+from localllm.quant.formats import ALL_SCHEMES, FLOAT_SCHEMES, QuantScheme, parse_scheme
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.float_kernels import ROW_SCHEMES
 from localllm.quant.experts import experts_plan, swap_experts
@@ -148,6 +148,9 @@ def choose_scheme(ckpt: Checkpoint, quant: str | None, group_size: int | None) -
     own = ckpt.default_scheme()
     if quant is None:
         if group_size is not None and own is not None:
+            if own.name not in ALL_SCHEMES:  # a GGUF's blocks, an imported grid: no group to change
+                raise LocalLLMError(f"--group-size re-quantizes, and this model keeps its own {own.label()}",
+                                    "add --quant (int4, int8, ...) to re-quantize them, or leave out --group-size")
             return parse_scheme(own.name, group_size, own.symmetric)
         return own
     if group_size is None and own is not None and own.name in (quant, f"{quant}z"):

@@ -164,3 +164,19 @@ def test_fp32_activations_run_localllms_kernels_without_a_warning(tied_folder, t
     assert int4.kernels["int4-group-cpu"] == 8 and int4.kernels["int8-group-cpu"] == 1  # the head
     assert int8.kernels["int8-group-cpu"] == 9
     assert float_head.kernels["int4-tinygemm-cpu"] == 8
+
+
+def test_group_size_without_quant_on_a_grid_it_cannot_regroup_is_one_line():
+    """A GGUF's blocks (or an imported Hub grid) have no group to change: --group-size alone asks
+    for a re-quantization the user did not name, refused with the fix, never 'unknown scheme'."""
+    from localllm.loaders.load import choose_scheme
+    from localllm.quant.formats import gguf_scheme
+
+    class Own:  # a checkpoint as choose_scheme reads it: its own scheme
+        def default_scheme(self):
+            return gguf_scheme("Q4_K")
+
+    with pytest.raises(LocalLLMError, match="--group-size re-quantizes") as e:
+        choose_scheme(Own(), None, 64)
+    assert "--quant" in e.value.hint
+    assert choose_scheme(Own(), "int4", 64).group_size == 64
