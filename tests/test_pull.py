@@ -48,7 +48,7 @@ LIST_KEYS = {"name", "model", "scheme", "quant", "size", "modified", "source", "
 SHOW_KEYS = {"name", "path", "architecture", "parameters", "context_length", "embedding_length", "layers", "heads",
              "kv_heads", "head_dim", "vocab_size", "scheme", "quant", "quantized_modules", "weight_bytes",
              "kv_cache_bytes_per_token", "kv_cache_bytes_context", "sliding_window", "sliding_layers", "source",
-             "chat_template", "created", "memory_plan", "eager_steps"}
+             "chat_template", "created", "memory_plan", "eager_steps", "moe"}
 # Runs the CLI with every quantized tensor 50 ms slower, so that a test can interrupt the conversion.
 SLOW_QUANT_CLI = (
     # Ctrl-C as from a terminal, even under a suite run as a background job (SIGINT ignored, inherited)
@@ -301,7 +301,7 @@ def test_run_repo_id_pulls_it_first_then_answers(smol_env: dict[str, str], home:
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     # fp32 (the pulled int4 weights, dequantized): the answer's margins are checked in the end-to-end test.
     proc = cli_ok(smol_env, "run", REPO, FRANCE, "--temperature", "0", "-n", "12", "--quant", "fp32")
-    assert "Paris" in proc.stdout and "not stored yet: pulling it (int4)" in proc.stderr
+    assert "Paris" in proc.stdout and "not stored yet: pulling it (its own format, else int4)" in proc.stderr
     assert [e.ref for e in Store(home).list()] == [f"{NAME}:int4"]
     assert pull_if_missing(REPO) == f"{NAME}:int4"  # what the next `run REPO` loads: the stored copy...
     assert capsys.readouterr().err == ""  # ...without pulling again
