@@ -35,10 +35,10 @@ from localllm.runtime.config import ModelConfig
 from localllm.runtime.model import Block, rope_tables, round_to
 from localllm.runtime.tokenizer import Tokenizer
 
-#: The ``--calibration`` choices: ``awq`` (data-aware, the default for int4 from float weights) and
-#: ``none`` (round to nearest).
+#: The ``--calibration`` choices: ``awq`` (data-aware, for int4 from float weights) and
+#: ``none`` (round to nearest, the default until the calibration's memory is bounded as the stream's is).
 CALIBRATIONS = ("awq", "none")
-DEFAULT_CALIBRATION = "awq"
+DEFAULT_CALIBRATION = "none"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Unquantized parameters are stored (and run) in bf16 beside int4 blocks (loaders.convert): the next
 #: layer's calibration input is made with them rounded so.

