@@ -60,6 +60,23 @@ def save_hf_folder(model, folder: Path) -> Path:
     return folder
 
 
+def hf_folders(makers: dict, prefix: str, tmp_path_factory):
+    """arch -> (transformers model made by ``makers[arch]()``, its HF folder saved by
+    ``save_pretrained`` with a tiny tokenizer), each made once, on first use."""
+    made: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in made:
+            ref = makers[arch]()
+            folder = tmp_path_factory.mktemp(f"{prefix}-{arch}")
+            ref.save_pretrained(folder, safe_serialization=True)
+            write_tiny_tokenizer(folder, ref.config.vocab_size)
+            made[arch] = (ref, folder)
+        return made[arch]
+
+    return get
+
+
 def write_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer with no merges (259 ids): enough to encode any text."""
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders

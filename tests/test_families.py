@@ -15,7 +15,7 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import HFCheckpoint
 from localllm.runtime.config import ModelConfig
-from tests.conftest import TINY, write_tiny_tokenizer
+from tests.conftest import TINY, hf_folders
 from tests.engines import reference
 
 #: Logits tolerance against transformers (fp32): the tightest every family meets on any CPU.
@@ -75,18 +75,7 @@ FAMILIES = list(MAKERS)
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """arch -> (transformers model, its HF folder), made once per module."""
-    made: dict[str, tuple] = {}
-
-    def get(arch: str):
-        if arch not in made:
-            ref = MAKERS[arch]()
-            folder = tmp_path_factory.mktemp(f"fam-{arch}")
-            ref.save_pretrained(folder, safe_serialization=True)
-            write_tiny_tokenizer(folder, ref.config.vocab_size)
-            made[arch] = (ref, folder)
-        return made[arch]
-
-    return get
+    return hf_folders(MAKERS, "fam", tmp_path_factory)
 
 
 def ours_from(folder: Path, dtype: torch.dtype = torch.float32):

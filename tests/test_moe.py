@@ -17,7 +17,7 @@ from localllm.quant.experts import QuantExperts, ReferenceExperts, experts_ffn, 
 from localllm.quant.formats import dequantize, parse_scheme, quantize
 from localllm.runtime.config import ModelConfig
 from localllm.runtime.moe import MoE, prepare_moe
-from tests.conftest import TINY, write_tiny_tokenizer
+from tests.conftest import TINY, hf_folders
 
 ATOL = RTOL = 1e-4
 #: 8 experts of 64 (a size every int4 group and nf4 block divides), 2 active.
@@ -66,18 +66,7 @@ FAMILIES = list(MAKERS)
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     """arch -> (transformers model, its HF folder saved by ``save_pretrained``), made once per module."""
-    made: dict[str, tuple] = {}
-
-    def get(arch: str):
-        if arch not in made:
-            ref = MAKERS[arch]()
-            folder = tmp_path_factory.mktemp(f"moe-{arch}")
-            ref.save_pretrained(folder, safe_serialization=True)
-            write_tiny_tokenizer(folder, ref.config.vocab_size)
-            made[arch] = (ref, folder)
-        return made[arch]
-
-    return get
+    return hf_folders(MAKERS, "moe", tmp_path_factory)
 
 
 def tokens(n: int, seed: int = 1) -> torch.Tensor:
