@@ -9,8 +9,9 @@
 // decode rows, a prefill chunk). Work is shared among threads as (expert, 16 output rows) tasks,
 // claimed in turn (parallel_rows.h): first gate and up together (both read for the same output rows,
 // the activation applied as they finish), then down into one row a (token, slot); the slots of a token
-// are summed last, in slot order, so a row's result does not depend on the threads or on the other
-// rows of the call.
+// are summed last, in slot order, so a row's result does not depend on the threads; nor on the other
+// rows of the call while each expert has fewer than PANEL_ROWS rows (an expert with more takes the
+// panel GEMM, which sums in another order: equal then up to fp32 rounding).
 //
 // The products are gguf_blocks.h's row kernel (the one gguf_mm runs): each block decoded once for up
 // to eight rows of an expert, the exact weights gguf.quants.dequantize gives, fp32 accumulation. An
