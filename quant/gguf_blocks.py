@@ -1,8 +1,8 @@
 """GGUF tensors imported exactly: every type keeps the values its file defines.
 
 * Q4_0, Q4_1 and Q8_0 (32-wide blocks, fp16 scales) become canonical int4/int8 tensors with group 32.
-* Every other type of :data:`quant.formats.GGUF_BLOCKS` (Q5_0, Q5_1, IQ4_NL, the K-quants Q2_K..Q6_K,
-  and F16/BF16/F32 linear weights in a quantized file) keeps its file's block bytes as they are, in
+* Every other type of :data:`quant.formats.GGUF_BLOCKS` (Q5_0, Q5_1, IQ4_NL, MXFP4, the K-quants
+  Q2_K..Q6_K, and F16/BF16/F32 linear weights in a quantized file) keeps its file's block bytes as they are, in
   the ``gguf`` scheme: K-quants' scales are products of an fp16 super-block scale and a 4-8-bit
   sub-scale, exact only in fp32, so no 16-bit canonical grid could hold them; the kernel forms them in
   fp32 as it decodes (``quant/csrc/gguf_blocks_mm.cpp``). Memory is the file's bytes, 1.0x.
@@ -14,6 +14,11 @@ ggml block layouts (little-endian, one block = 32 consecutive weights of a row):
 * Q8_0: fp16 ``d``, 32 int8 codes;                ``w = q * d``
 
 In the 4-bit blocks byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+
+* MXFP4 (17 bytes, gpt-oss's experts): an E8M0 scale byte ``e``, 16 bytes of E2M1 codes (nibbles as
+  above); ``w = kvalues[q] * 2^(e - 128)`` with ggml's doubled E2M1 values ``kvalues`` (0, 1, 2, 3,
+  4, 6, 8, 12 and their negatives), exact in fp32. The HF checkpoint's ``*_blocks`` / ``*_scales``
+  repack into these blocks (:func:`quant.hub_formats.mxfp4_blocks`).
 
 Two more, whose integer codes the opt-in int8-activation kernels multiply (:func:`integer_grid`):
 

@@ -246,3 +246,25 @@ def fp8_canonical(weight: torch.Tensor, scale_inv: torch.Tensor, scheme: QuantSc
     if not torch.isfinite(scales).all():
         raise LocalLLMError(f"{what}: FP8 scales are not finite", "the checkpoint is damaged")
     return {"qweight": weight, "scales": scales.contiguous()}
+
+
+def mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor, what: str) -> torch.Tensor:
+    """The HF checkpoint's MXFP4 (gpt-oss's experts: ``*_blocks`` uint8 (..., rows, groups, 16),
+    ``*_scales`` uint8 (..., rows, groups)) -> GGUF MXFP4 blocks uint8 (..., rows, groups * 17), the
+    ``gguf`` scheme's ``MXFP4`` bytes: the same values, so one kernel multiplies both.
+
+    Each group is 32 consecutive input columns of a row. The checkpoint holds column 2j in byte j's low
+    nibble and 2j + 1 in its high one; a GGUF block holds column j low and j + 16 high, after its scale
+    byte. The scale byte is kept as it is: transformers' value is ``FP4_VALUES[q] * 2^(s - 127)`` and
+    ggml's ``kvalues_mxfp4[q] * 2^(e - 128)`` with code values doubled, the same product for e = s. (The
+    one difference: code 8 is -0.0 in transformers, +0.0 in ggml; they add the same to any sum.) Rows
+    stay whole rows of whole blocks, so any gather of rows (gpt-oss's interleaved gate and up) is exact."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise LocalLLMError(f"{what}: MXFP4 blocks and scales are {blocks.dtype} and {scales.dtype}, expected uint8",
+                            "the checkpoint is damaged")
+    if blocks.dim() < 2 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise LocalLLMError(f"{what}: MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)} "
+                            "(blocks must be (..., groups, 16) beside scales (..., groups))", "the checkpoint is damaged")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2)  # (..., groups, 32), column order
+    qs = codes[..., :16] | (codes[..., 16:] << 4)  # (..., groups, 16): column j low nibble, j + 16 high
+    return torch.cat([scales.unsqueeze(-1), qs], dim=-1).flatten(-2)  # (..., rows, groups * 17)

@@ -32,7 +32,7 @@ using localllm::fp32::load_int8;
 // ggml's type ids (gguf.GGMLQuantizationType).
 enum Type : int64_t {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
-  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, BF16 = 30,
+  Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, BF16 = 30, MXFP4 = 39,
 };
 
 struct Layout {
@@ -52,6 +52,7 @@ inline bool layout_of(int64_t type, Layout& l) {
     case Q5_1: l = {32, 24, 32}; return true;
     case Q8_0: l = {32, 34, 32}; return true;
     case IQ4_NL: l = {32, 18, 32}; return true;
+    case MXFP4: l = {32, 17, 32}; return true;
     case Q2_K: l = {256, 84, 16}; return true;
     case Q3_K: l = {256, 110, 16}; return true;
     case Q4_K: l = {256, 144, 32}; return true;
@@ -72,6 +73,33 @@ inline float f16(const uint8_t* p) {
 }
 
 constexpr int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4): code 8 is -0, here 0; the scale is halved to match.
+constexpr int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An E8M0 scale byte e as half its value, 2^(e - 128), in fp32 (ggml's GGML_E8M0_TO_FP32_HALF): the
+// bits of 2^(e - 128) are (e - 1) << 23 for e >= 2, and the subnormals 2^-128, 2^-127 below.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t{0x00200000} << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// 16 bytes of 4-bit indices (weight j in byte j's low nibble, j + 16 in its high one) -> q[0..31],
+// the int8 values of a 16-entry code book.
+inline void book_nibbles(const uint8_t* src, const int8_t* book_values, int8_t* q) {
+#if defined(__SSSE3__)
+  const __m128i book = _mm_loadu_si128(reinterpret_cast<const __m128i*>(book_values));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src)), mask = _mm_set1_epi8(0x0F);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_shuffle_epi8(book, _mm_and_si128(v, mask)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_shuffle_epi8(book, _mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+#else
+  for (int j = 0; j < 16; ++j) {
+    q[j] = book_values[src[j] & 0x0F];
+    q[j + 16] = book_values[src[j] >> 4];
+  }
+#endif
+}
 
 // Q4_K / Q5_K: eight 6-bit scales and mins packed in 12 bytes.
 inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
@@ -140,17 +168,13 @@ __attribute__((always_inline)) inline bool decode(int64_t type, const uint8_t* b
       return false;
     }
     case IQ4_NL: {  // d, 16 bytes of indices into a 16-value code book
-#if defined(__SSSE3__)
-      const __m128i book = _mm_loadu_si128(reinterpret_cast<const __m128i*>(IQ4_NL_VALUES));
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), mask = _mm_set1_epi8(0x0F);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_shuffle_epi8(book, _mm_and_si128(v, mask)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_shuffle_epi8(book, _mm_and_si128(_mm_srli_epi16(v, 4), mask)));
-#else
-      int8_t idx[32];
-      nibbles(b + 2, idx, 0);
-      for (int j = 0; j < 32; ++j) q[j] = IQ4_NL_VALUES[idx[j]];
-#endif
+      book_nibbles(b + 2, IQ4_NL_VALUES, q);
       scale[0] = f16(b);
+      return false;
+    }
+    case MXFP4: {  // E8M0 e, 16 bytes of E2M1 codes: w = MXFP4_VALUES[q] * 2^(e - 128), exact in fp32
+      book_nibbles(b + 1, MXFP4_VALUES, q);
+      scale[0] = e8m0_half(b[0]);
       return false;
     }
     case Q4_1: {  // d, m, 16 bytes
@@ -348,7 +372,7 @@ void row_blocks(const float* x, int64_t K, const float* xsum, int64_t nsub, cons
 // dispatchers below: X(T, B, BY, S) once per type.
 #define LOCALLLM_BLOCK_TYPES(X) \
   X(Q4_0, 32, 18, 32) X(Q4_1, 32, 20, 32) X(Q5_0, 32, 22, 32) X(Q5_1, 32, 24, 32) X(Q8_0, 32, 34, 32) \
-  X(IQ4_NL, 32, 18, 32) X(Q2_K, 256, 84, 16) X(Q3_K, 256, 110, 16) X(Q4_K, 256, 144, 32)          \
+  X(IQ4_NL, 32, 18, 32) X(MXFP4, 32, 17, 32) X(Q2_K, 256, 84, 16) X(Q3_K, 256, 110, 16) X(Q4_K, 256, 144, 32)          \
   X(Q5_K, 256, 176, 32) X(Q6_K, 256, 210, 16)
 
 // Columns [k0, k0 + kb) (whole blocks) of the ``valid`` weight rows at w (row_bytes apart) as fp32

@@ -1,0 +1,159 @@
+"""MXFP4 (gpt-oss's expert weights) kept exactly in its grid: GGUF's MXFP4 blocks (ggml type 39: an
+E8M0 scale byte and 16 bytes of E2M1 codes per 32 weights) import as they are and decode bit for bit as
+``gguf.quants.dequantize`` gives them; the native linear and the native expert op multiply the exact
+weights; the HF checkpoint's ``*_blocks`` / ``*_scales`` repack into the same blocks, equal to
+transformers' own dequantization (``convert_moe_packed_tensors``)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from localllm import native
+from localllm.quant import kernels
+from localllm.quant.experts import QuantExperts, ReferenceExperts
+from localllm.quant.formats import GGUF_BLOCKS, dequantize_weight, gguf_scheme
+from localllm.quant.gguf_blocks import exact_scheme, to_canonical
+from localllm.quant.hub_formats import mxfp4_blocks
+from localllm.quant.linear import QuantLinear
+from localllm.quant.native_ops import LIBRARY
+
+needs_native = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler for localllm's CPU kernels")
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
+
+
+def mxfp4_bytes(out: int, inp: int, seed: int = 0, exponents: tuple[int, int] = (119, 124)) -> np.ndarray:
+    """(out, inp / 32 * 17) uint8: random codes, scale bytes drawn from ``exponents`` (2^(e - 127) the
+    scale; 119..124: weights up to 6 * 2^-3, as a trained model's)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (out, inp // 32, 17), dtype=np.uint8)
+    raw[..., 0] = rng.integers(exponents[0], exponents[1] + 1, (out, inp // 32), dtype=np.uint8)
+    return raw.reshape(out, -1)
+
+
+def test_the_scheme_keeps_the_files_blocks():
+    assert GGUF_BLOCKS["MXFP4"] == (int(MXFP4), 32, 17)
+    scheme = exact_scheme("MXFP4")
+    assert scheme == gguf_scheme("MXFP4") and scheme.group_size == 32
+    raw = mxfp4_bytes(6, 64)
+    blocks = to_canonical("MXFP4", raw)["blocks"]
+    assert blocks.dtype == torch.uint8 and np.array_equal(blocks.numpy(), raw)
+    want = gguf.quants.dequantize(raw, MXFP4)
+    assert np.array_equal(dequantize_weight({"blocks": blocks}, scheme).numpy(), want)
+
+
+@needs_native
+def test_the_kernels_decoder_is_bit_exact():
+    """Every scale byte, row e's blocks scaled by byte e: the subnormal 2^-128 and 2^-127 of 0 and 1,
+    and the top ones whose large codes overflow to infinity (above 252; 255 is NaN in the OCP spec,
+    ggml reads it as 2^127), and blocks gguf's own quantizer wrote."""
+    raw = mxfp4_bytes(256, 64, seed=3)
+    raw.reshape(256, 2, 17)[:, :, 0] = np.arange(256, dtype=np.uint8)[:, None]
+    got = kernels.gguf_dequantize(torch.from_numpy(raw), "MXFP4", 64).numpy()
+    want = gguf.quants.dequantize(raw, MXFP4)
+    assert np.isfinite(want[:253]).all() and (want != 0).any(axis=1).all()
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(want[0][want[0] != 0]).min() == 2.0**-128  # scale byte 0: code 1 is 2^-128
+    w = np.random.default_rng(2).standard_normal((8, 256)).astype(np.float32)
+    written = gguf.quants.quantize(w, MXFP4).view(np.uint8).reshape(8, -1)
+    got = kernels.gguf_dequantize(torch.from_numpy(written), "MXFP4", 256).numpy()
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(written, MXFP4))
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])  # the block kernel up to 16 rows, the panel GEMM above
+def test_the_linear_is_x_times_the_exact_weight(rows):
+    out, inp = 48, 320
+    raw = mxfp4_bytes(out, inp, seed=rows)
+    layer = QuantLinear(inp, out, gguf_scheme("MXFP4"))
+    layer.blocks = torch.from_numpy(raw.copy())
+    assert layer.prepare(torch.float32) == "gguf-blocks-cpu"
+    w = torch.from_numpy(gguf.quants.dequantize(raw, MXFP4))  # (out, in)
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
+    with torch.inference_mode():
+        got = layer(x)
+    want = x.double() @ w.double().t()
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+E, D, F = 4, 128, 96
+
+
+def mxfp4_experts(out: int, inp: int, seed: int) -> QuantExperts:
+    p = QuantExperts(E, inp, out, gguf_scheme("MXFP4"))
+    p.blocks = torch.from_numpy(np.stack([mxfp4_bytes(out, inp, seed * 10 + e) for e in range(E)]))
+    return p
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 6, 64])  # 64 rows over 4 experts: the panel GEMM
+def test_the_native_expert_op_multiplies_mxfp4(rows):
+    """``localllm::moe_ffn`` (the native expert kernel's op, csrc/moe_mm.cpp) takes MXFP4 blocks through
+    gguf_blocks.h's row kernel: a layer's experts equal the reference's dequantized product."""
+    assert native.available(LIBRARY)
+    gate, up, down = mxfp4_experts(F, D, 1), mxfp4_experts(F, D, 2), mxfp4_experts(D, F, 3)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(rows)])
+    weights = torch.softmax(torch.randn(rows, 2, generator=g), -1)
+    want = ReferenceExperts.ffn(x, ids, weights, (gate, up), down, "silu")
+    t = int(MXFP4)
+    got = torch.ops.localllm.moe_ffn(x, ids, weights, gate.blocks, up.blocks, down.blocks, t, t, t, 0)
+    assert got.shape == want.shape
+    assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def hf_mxfp4(shape: tuple[int, ...], seed: int, exponents: tuple[int, int] = (0, 254)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The HF checkpoint's ``*_blocks`` (..., G, 16) and ``*_scales`` (..., G), random."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(exponents[0], exponents[1] + 1, shape, generator=g, dtype=torch.uint8)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_blocks_repack_equal_transformers_dequantization(dtype):
+    """The repacked blocks dequantize (ggml's decoder) to transformers' values, bit for bit, over every
+    scale byte but 255; transformers lays gpt-oss's experts out (E, in, out), ours are (E, out, in)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    Ex, R, G = 3, 10, 4
+    blocks, scales = hf_mxfp4((Ex, R, G), seed=1)
+    scales[0].view(-1)[:255] = torch.arange(255, dtype=torch.uint8)[: scales[0].numel()]
+    want = convert_moe_packed_tensors(blocks, scales, dtype=dtype).float()  # (E, G * 32, R)
+    ours = mxfp4_blocks(blocks, scales, "experts.gate_up_proj")  # (E, R, G * 17)
+    assert ours.shape == (Ex, R, G * 17) and ours.dtype == torch.uint8
+    got = gguf.quants.dequantize(ours.numpy(), MXFP4)  # (E, R, G * 32)
+    np.testing.assert_array_equal(got, want.transpose(1, 2).numpy())
+
+
+@needs_native
+def test_hf_experts_multiply_exactly_after_repack():
+    """The repacked checkpoint through the native linear: gpt-oss's gate and up are interleaved rows
+    (gate 0::2, up 1::2); a row gather of whole blocks keeps each its exact values."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = hf_mxfp4((2, 64, 4), seed=5, exponents=(118, 126))
+    dense = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)  # (E, 2F, in)
+    repacked = mxfp4_blocks(blocks, scales, "gate_up_proj")
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+    for e in range(2):
+        for rows in (slice(0, None, 2), slice(1, None, 2)):  # gate, up
+            layer = QuantLinear(128, 32, gguf_scheme("MXFP4"))
+            layer.blocks = repacked[e, rows].contiguous()
+            layer.prepare(torch.float32)
+            with torch.inference_mode():
+                got = layer(x)
+            torch.testing.assert_close(got.double(), x.double() @ dense[e, rows].double().t(), atol=1e-4, rtol=1e-5)
+
+
+def test_hf_blocks_that_do_not_fit_are_one_line():
+    from localllm.errors import LocalLLMError
+
+    blocks, scales = hf_mxfp4((2, 4, 3), seed=0)
+    with pytest.raises(LocalLLMError, match="do not fit"):
+        mxfp4_blocks(blocks, scales[:, :, :2], "down_proj")
+    with pytest.raises(LocalLLMError, match="expected uint8"):
+        mxfp4_blocks(blocks.to(torch.int8), scales, "down_proj")
