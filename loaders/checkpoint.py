@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ LAYER_MAP = {
     "self_attn.k_proj.bias": "attn.k.bias",
     "self_attn.v_proj.bias": "attn.v.bias",
     "self_attn.o_proj.weight": "attn.o.weight",
+    "self_attn.o_proj.bias": "attn.o.bias",
     "mlp.gate_proj.weight": "mlp.gate.weight",
     "mlp.up_proj.weight": "mlp.up.weight",
     "mlp.down_proj.weight": "mlp.down.weight",
@@ -50,7 +51,10 @@ _GEMMA3_MAP = {
 }
 #: Per-architecture layer tables (the others use LAYER_MAP).
 _ARCH_LAYER_MAPS = {"qwen3": {**LAYER_MAP, **_QK_NORM_MAP}, "qwen3_moe": {**LAYER_MAP, **_QK_NORM_MAP},
-                    "gemma3": _GEMMA3_MAP}
+                    "gemma3": _GEMMA3_MAP,
+                    # gpt-oss: attention sinks, a router with a bias
+                    "gpt_oss": {**LAYER_MAP, "self_attn.sinks": "attn.sinks", "mlp.router.weight": "mlp.router.weight",
+                                "mlp.router.bias": "mlp.router.bias"}}
 #: Phi-3's fused projections -> the parts they stack, in row order (split as they are read).
 FUSED = {"self_attn.qkv_proj.weight": ("attn.q.weight", "attn.k.weight", "attn.v.weight"),
          "mlp.gate_up_proj.weight": ("mlp.gate.weight", "mlp.up.weight")}
@@ -65,7 +69,10 @@ _MOE_MAP = {"mlp.gate.weight": "mlp.router.weight", "block_sparse_moe.gate.weigh
 _EXPERT_RE = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 #: transformers 5's fused experts, (E, 2F, D) gate then up, and (E, D, F): split into each expert's.
+#: gpt-oss's are transposed, (E, D, 2F) with gate and up in alternate columns and (E, F, D), and
+#: have biases (E, 2F) interleaved alike and (E, D): :func:`split_experts`.
 _FUSED_EXPERTS = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_OSS_EXPERT_BIAS = re.compile(r"^mlp\.experts\.(gate_up_proj_bias|down_proj_bias)$")
 # Buffers some checkpoints carry that we compute ourselves.
 _IGNORED_RE = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 # A multimodal Gemma 3 checkpoint: its language model's names under a prefix (transformers 4.x / 5.x),
@@ -124,9 +131,13 @@ def split_fused(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tu
     return [(f"layers.{m.group(1)}.{p}", t) for p, t in zip(parts, tensor.split(rows, dim=0))]
 
 
-def split_experts(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]] | None:
+def split_experts(name: str, tensor: torch.Tensor,
+                  config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]] | None:
     """transformers 5's fused experts (``mlp.experts.gate_up_proj`` (E, 2F, D), ``down_proj`` (E, D, F))
-    as each expert's projections (views, no copy); None for any other tensor."""
+    as each expert's projections (views, no copy); None for any other tensor. gpt-oss's go through
+    :func:`split_gpt_oss_experts`."""
+    if config.arch == "gpt_oss":
+        return split_gpt_oss_experts(name, tensor, config)
     m = _LAYER_RE.match(name)
     f = _FUSED_EXPERTS.match(m.group(2)) if m is not None and config.is_moe else None
     if f is None:
@@ -142,6 +153,39 @@ def split_experts(name: str, tensor: torch.Tensor, config: ModelConfig) -> list[
         return [(f"{prefix}.{e}.down.weight", tensor[e]) for e in range(E)]  # type: ignore[arg-type]
     return [(f"{prefix}.{e}.{p}.weight", t) for e in range(E)  # type: ignore[arg-type]
             for p, t in zip(("gate", "up"), tensor[e].split(F_, dim=0))]
+
+
+def split_gpt_oss_experts(name: str, tensor: torch.Tensor,
+                          config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """gpt-oss's float experts as localllm's: ``gate_up_proj`` (E, D, 2F), gate in the even columns and
+    up in the odd ones (``x @ W``: transposed against a linear's weight), -> each expert's ``gate`` and
+    ``up`` (F, D); ``down_proj`` (E, F, D) -> each expert's ``down`` (D, F); the biases
+    ``gate_up_proj_bias`` (E, 2F), interleaved alike, -> ``gate_bias`` and ``up_bias`` (E, F), and
+    ``down_proj_bias`` (E, D) -> ``down_bias``. Exact (a column selection), one expert's copy at a
+    time; None for any other tensor."""
+    m = _LAYER_RE.match(name)
+    if m is None:
+        return None
+    E, D, F_ = config.n_experts, config.dim, config.expert_size
+    prefix = f"layers.{m.group(1)}.mlp.experts"
+    b = _OSS_EXPERT_BIAS.match(m.group(2))
+    f = _FUSED_EXPERTS.match(m.group(2))
+    if b is None and f is None:
+        return None
+    gate_up = (b or f).group(1).startswith("gate_up")  # type: ignore[union-attr]
+    want = ((E, 2 * F_) if gate_up else (E, D)) if b is not None else (E, D, 2 * F_) if gate_up else (E, F_, D)  # type: ignore[operator]
+    if tuple(tensor.shape) != want:
+        raise LocalLLMError(f"tensor '{name}' has shape {tuple(tensor.shape)}, the config implies {want}",
+                            "the checkpoint does not match its config")
+    if b is not None:
+        if not gate_up:
+            return iter([(f"{prefix}.down_bias", tensor)])
+        return iter([(f"{prefix}.gate_bias", tensor[:, 0::2].contiguous()),
+                     (f"{prefix}.up_bias", tensor[:, 1::2].contiguous())])
+    if not gate_up:  # a generator: one expert's copy at a time
+        return ((f"{prefix}.{e}.down.weight", tensor[e].t().contiguous()) for e in range(E))  # type: ignore[arg-type]
+    return ((f"{prefix}.{e}.{p}.weight", tensor[e][:, j::2].t().contiguous())  # type: ignore[arg-type]
+            for e in range(E) for j, p in ((0, "gate"), (1, "up")))
 
 
 def _read_json(path: Path) -> dict:
@@ -197,6 +241,8 @@ class HFCheckpoint:
                 f = _FUSED_EXPERTS.match(m.group(2)) if m is not None else None
                 if f is not None and len(info["shape"]) == 3:  # fused experts: their count, each expert's shape
                     E, rows, cols = info["shape"]
+                    if self.config.arch == "gpt_oss":  # transposed: (E, D, 2F) and (E, F, D)
+                        rows, cols = cols, rows
                     proj, rows = ("gate", rows // 2) if f.group(1) == "gate_up_proj" else ("down", rows)
                     yield f"layers.{m.group(1)}.mlp.experts.{E - 1}.{proj}.weight", key, (rows, cols)
                     continue

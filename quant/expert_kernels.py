@@ -16,6 +16,9 @@ Layout (:meth:`MoEBlocksCPU.prepare`): one ``blocks`` uint8 (E, out, row bytes) 
 * ``int8`` per channel or with groups of a multiple of 32: Q8_0 blocks (``w = q * d``, d the fp16 scale).
 
 Either way the weights are the ones the reference dequantizes, bit for bit.
+
+gpt-oss's expert biases and clamped SwiGLU (:class:`quant.experts.ClampedSwiGLU`) are the op's
+optional bias tensors and its activation 2 (with the limit and alpha): the same one call a layer.
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ from collections.abc import Sequence
 
 import torch
 
-from localllm.quant.experts import EXPERT_KERNELS, ExpertKernel, QuantExperts, ReferenceExperts
+from localllm.quant.experts import (EXPERT_KERNELS, ClampedSwiGLU, ExpertBiases, ExpertKernel, QuantExperts,
+                                    ReferenceExperts)
 from localllm.quant.formats import GGUF_BLOCKS, parse_scheme, unpack_int4
 from localllm.quant.native_ops import native_cpu_unsupported
 from localllm.quant.target import Target
 
-#: The op's activation codes (``act`` argument of ``localllm::moe_ffn``).
+#: The op's activation codes (``act`` argument of ``localllm::moe_ffn``); a :class:`ClampedSwiGLU` is 2.
 ACT_CODES = {"silu": 0, "gelu_tanh": 1}
+CLAMPED_CODE = 2
 #: GGUF types the op multiplies (those with a block kernel in ``csrc/gguf_blocks.h``).
 BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -107,7 +112,8 @@ class MoEBlocksCPU(ExpertKernel):
 
     @staticmethod
     def ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts, act: str) -> torch.Tensor:
+            gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts,
+            act: "str | ClampedSwiGLU", biases: ExpertBiases | None = None) -> torch.Tensor:
         if isinstance(gate_up, tuple):
             gate, up = gate_up
             g, u, gt, ut = gate.blocks, up.blocks, block_type(gate), block_type(up)
@@ -116,9 +122,13 @@ class MoEBlocksCPU(ExpertKernel):
             g, u = gate_up.blocks[:, :f], gate_up.blocks[:, f:]
             gt = ut = block_type(gate_up)
         ids64 = ids if ids.dtype == torch.int64 else ids.long()
+        clamped = isinstance(act, ClampedSwiGLU)
+        code = CLAMPED_CODE if clamped else ACT_CODES[act]  # type: ignore[index]
+        limit, alpha = (act.limit, act.alpha) if clamped else (0.0, 0.0)  # type: ignore[union-attr]
+        gb, ub, db = biases if biases is not None else (None, None, None)
         return torch.ops.localllm.moe_ffn(
             x, ids64, weights.float(), g, u, down.blocks, GGUF_BLOCKS[gt][0], GGUF_BLOCKS[ut][0],  # type: ignore[index]
-            GGUF_BLOCKS[block_type(down)][0], ACT_CODES[act])  # type: ignore[index]
+            GGUF_BLOCKS[block_type(down)][0], code, gb, ub, db, limit, alpha)  # type: ignore[index]
 
 
 # The registry (quant.experts): before the reference.

@@ -22,7 +22,7 @@ intermediate size), as :func:`quant.linear.concat_linears` stacks a dense MLP's.
 The FFN contract
 ----------------
 
-``experts_ffn(x, ids, weights, gate_up, down, act) -> y``:
+``experts_ffn(x, ids, weights, gate_up, down, act, biases=None) -> y``:
 
 * ``x``        (N, D) activations in the kernel's activation dtype: every routed row of the step (prefill
   chunks, decode rows, verify rows of speculation alike; the caller flattens the batch);
@@ -32,7 +32,11 @@ The FFN contract
   by the router: the kernel only multiplies by it);
 * ``gate_up``  one fused :class:`QuantExperts` (E, 2F, D), or the pair ``(gate, up)`` each (E, F, D);
 * ``down``     :class:`QuantExperts` (E, D, F);
-* ``act``      ``"silu"`` (SwiGLU: Qwen-MoE, Mixtral, OLMoE) or ``"gelu_tanh"`` (GeGLU), on the gate;
+* ``act``      ``"silu"`` (SwiGLU: Qwen-MoE, Mixtral, OLMoE) or ``"gelu_tanh"`` (GeGLU), on the gate; or
+  a :class:`ClampedSwiGLU` (gpt-oss): ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``,
+  ``g = clamp(gate, max=l)`` in place of ``act(gate) * up``;
+* ``biases``   None, or an :class:`ExpertBiases` (gpt-oss): each expert's gate and up biases (E, F),
+  added before the activation, and down's (E, D), added to each expert's output before its weight;
 
 ``y[n] = sum_j weights[n, j] * down_e(act(gate_e(x[n])) * up_e(x[n]))`` with ``e = ids[n, j]``, (N, D) in
 ``x``'s dtype (the reference sums in fp32). The router, the top-k and any shared expert are not the
@@ -72,6 +76,8 @@ gate and up into ``gate_up`` (:func:`concat_experts`) when their schemes agree.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import re
 
@@ -84,7 +90,7 @@ from localllm.quant.kernels import warn_once
 from localllm.quant.reference import reference_linear
 from localllm.quant.target import Target
 
-#: The activations :func:`experts_ffn` takes on the gate.
+#: The activations :func:`experts_ffn` takes on the gate by name (and a :class:`ClampedSwiGLU`).
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
@@ -144,8 +150,28 @@ def projections(gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", dow
     return [*gate_up, down] if isinstance(gate_up, tuple) else [gate_up, down]
 
 
-def activate(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
-    """``act(gate) * up`` (gate and up (n, F))."""
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: gate clamped above at ``limit``, up to ``[-limit, limit]``, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)`` (transformers' ``GptOssExperts._apply_gate``)."""
+
+    limit: float
+    alpha: float = 1.702
+
+
+class ExpertBiases(NamedTuple):
+    """A layer's expert biases (gpt-oss), float: gate's and up's (E, F), down's (E, D)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def activate(gate: torch.Tensor, up: torch.Tensor, act: "str | ClampedSwiGLU") -> torch.Tensor:
+    """``act(gate) * up`` (gate and up (n, F)); gpt-oss's clamped form for a :class:`ClampedSwiGLU`."""
+    if isinstance(act, ClampedSwiGLU):
+        g = gate.clamp(max=act.limit)
+        return (up.clamp(-act.limit, act.limit) + 1) * (g * torch.sigmoid(g * act.alpha))
     if act == "silu":
         return F.silu(gate) * up
     if act == "gelu_tanh":
@@ -175,7 +201,8 @@ class ExpertKernel:
 
     @staticmethod
     def ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-            gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts, act: str) -> torch.Tensor:
+            gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts,
+            act: "str | ClampedSwiGLU", biases: ExpertBiases | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -206,7 +233,7 @@ class ReferenceExperts(ExpertKernel):
         return dict(proj.canonical())
 
     @staticmethod
-    def ffn(x, ids, weights, gate_up, down, act):  # type: ignore[no-untyped-def]
+    def ffn(x, ids, weights, gate_up, down, act, biases=None):  # type: ignore[no-untyped-def]
         N, D = x.shape
         order, rows, counts = route_order(ids, down.n_experts)
         w = weights.reshape(-1)[order].float()  # (N*k,) the sorted pairs' routing weights
@@ -222,7 +249,11 @@ class ReferenceExperts(ExpertKernel):
                 u = reference_linear(gate_up[1].expert(e), gate_up[1].scheme, xe)
             else:
                 g, u = reference_linear(gate_up.expert(e), gate_up.scheme, xe).chunk(2, dim=-1)
+            if biases is not None:
+                g, u = g + biases.gate[e].to(g.dtype), u + biases.up[e].to(u.dtype)
             h = reference_linear(down.expert(e), down.scheme, activate(g, u, act))  # (n, D)
+            if biases is not None:
+                h = h + biases.down[e].to(h.dtype)
             out.index_add_(0, rows[start : start + n], h.float() * w[start : start + n, None])
             start += n
         return out.to(x.dtype)
@@ -243,7 +274,7 @@ def by_name(name: str) -> type[ExpertKernel]:
 
 def experts_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts,
-                act: str = "silu") -> torch.Tensor:
+                act: "str | ClampedSwiGLU" = "silu", biases: ExpertBiases | None = None) -> torch.Tensor:
     """The layer's expert FFN over ``x`` (N, D) (see the module docstring), by the kernel
     :func:`prepare_experts` chose for it."""
     kernel = down.kernel
@@ -251,12 +282,14 @@ def experts_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise RuntimeError("experts used before prepare_experts()")
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
-    return kernel.ffn(x, ids, weights, gate_up, down, act)
+    if biases is None:  # a kernel that takes no biases is called as before
+        return kernel.ffn(x, ids, weights, gate_up, down, act)
+    return kernel.ffn(x, ids, weights, gate_up, down, act, biases)
 
 
 def _agrees(kernel: type[ExpertKernel], projs: list[QuantExperts], tensors: list[dict[str, torch.Tensor]],
             gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts,
-            act_dtype: torch.dtype, act: str) -> bool:
+            act_dtype: torch.dtype, act: "str | ClampedSwiGLU", biases: ExpertBiases | None = None) -> bool:
     """``kernel`` with its prepared ``tensors`` against the reference on 5 random rows routed to a
     spread of experts; True when they agree closely."""
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -266,13 +299,14 @@ def _agrees(kernel: type[ExpertKernel], projs: list[QuantExperts], tensors: list
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(n)]).to(down.device)
     weights = torch.rand(n, k, generator=g).to(down.device)
     with torch.no_grad():
-        want = ReferenceExperts.ffn(x.float(), ids, weights, gate_up, down, act).float()
+        want = ReferenceExperts.ffn(x.float(), ids, weights, gate_up, down, act, biases).float()
         saved = [{name: getattr(p, name, None) for name in t} for p, t in zip(projs, tensors)]
         try:
             for p, t in zip(projs, tensors):
                 for name, v in t.items():
                     _put(p, name, v)
-            got = kernel.ffn(x, ids, weights, gate_up, down, act).float()
+            got = (kernel.ffn(x, ids, weights, gate_up, down, act) if biases is None else
+                   kernel.ffn(x, ids, weights, gate_up, down, act, biases)).float()
         except RuntimeError as e:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             warn_once(f"expert kernel {kernel.name} fails here ({why})")
@@ -304,7 +338,8 @@ def _put(p: QuantExperts, name: str, v: torch.Tensor) -> None:
 
 def prepare_experts(gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]", down: QuantExperts,
                     act_dtype: torch.dtype, kernel: str | None = None, target: Target | None = None,
-                    check: bool = True, act: str = "silu", verdicts: dict[tuple, bool] | None = None) -> str:
+                    check: bool = True, act: "str | ClampedSwiGLU" = "silu", verdicts: dict[tuple, bool] | None = None,
+                    biases: ExpertBiases | None = None) -> str:
     """Choose the expert kernel for this layer's projections on ``target`` (default: their device) with
     ``act_dtype`` activations (the one ``kernel`` names where it can run them), lay out each projection's
     tensors for it, and return its name. ``verdicts`` carries the check against the reference across
@@ -322,9 +357,10 @@ def prepare_experts(gate_up: "QuantExperts | tuple[QuantExperts, QuantExperts]",
         tensors = [k.prepare(p) for p in projs]
         if k is ReferenceExperts or not check:
             break
-        key = (k.name, tuple((p.scheme, p.out_features, p.in_features, p.n_experts) for p in projs), act_dtype, target)
+        key = (k.name, tuple((p.scheme, p.out_features, p.in_features, p.n_experts) for p in projs), act_dtype, target,
+               act, biases is not None)
         if key not in verdicts:
-            verdicts[key] = _agrees(k, projs, tensors, gate_up, down, act_dtype, act)
+            verdicts[key] = _agrees(k, projs, tensors, gate_up, down, act_dtype, act, biases)
         if verdicts[key]:
             break
         warn_once(f"expert kernel {k.name} disagrees with the reference here; the experts take the next kernel")

@@ -3,9 +3,9 @@
 The model hands each layer's queries, new keys and values to :func:`attend` with its view of the step
 (:class:`runtime.paged.PagedLayer`), and knows no kernel. Its implementations:
 
-* :func:`reference`: softmax attention through SDPA (written out for soft-capped scores), over one
-  whole sequence (a forward without a step) or keys/values gathered out of the paged pool: the tested
-  reference, and what soft-capped scores always take;
+* :func:`reference`: softmax attention through SDPA (written out for soft-capped scores and for sinks),
+  over one whole sequence (a forward without a step) or keys/values gathered out of the paged pool:
+  the tested reference, and what soft-capped scores and sinks always take;
 * the step's paged kernels, reading the pool's blocks in place: on the CPU the decode kernel for single
   queries and the chunk kernel for prefill chunks (:mod:`runtime.cpu_attention`); on CUDA the span
   kernel for every row (:mod:`runtime.cuda_attention`). :class:`runtime.paged.PagedStep` says which
@@ -13,6 +13,13 @@ The model hands each layer's queries, new keys and values to :func:`attend` with
 
 New keys and values are written to their slots of the pool (quantized for an int8 pool) before any
 query attends.
+
+Sinks (gpt-oss): a learned logit per query head joins each query's softmax as one more column, whose
+probability is then dropped: ``out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``. No paged
+kernel takes them yet (each would equal ``out_plain * sigmoid(lse - sink)`` with its log-sum-exp, which
+the kernels do not return): a sink model's layers attend through :func:`reference` over gathered keys
+on every device, and the compiled step and CUDA graphs refuse such a model
+(:attr:`runtime.model.Attention.takes_kernels`).
 """
 
 from __future__ import annotations
@@ -34,13 +41,14 @@ def attend(
     q_prescale: float = 1.0,  # what q is multiplied by before a kernel that scales by hd ** -0.5
     scale: float | None = None,  # None: hd ** -0.5
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (H,) each head's sink logit (gpt-oss), or None
 ) -> torch.Tensor:
     """Attention of a layer -> (B, T, H * hd): over the step's paged pool (:func:`paged`), or, without a
     step, over the sequence's own keys from position 0 (:func:`reference`)."""
     if kv is not None:
-        return paged(q, k, v, kv, q_prescale, scale, softcap)
+        return paged(q, k, v, kv, q_prescale, scale, softcap, sinks)
     B, H, T, hd = q.shape
-    y = reference(q, k, v, window_mask(T, window, q.device), scale, softcap)  # (B, H, T, hd)
+    y = reference(q, k, v, window_mask(T, window, q.device), scale, softcap, sinks)  # (B, H, T, hd)
     return y.transpose(1, 2).reshape(B, T, H * hd)
 
 
@@ -51,21 +59,28 @@ def reference(
     mask: torch.Tensor | None,  # (T, L) bool, True = attend; None: causal from 0 (T > 1) / all (T == 1)
     scale: float | None,  # None: hd ** -0.5
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # (H,) sink logits, or None
 ) -> torch.Tensor:
-    """Softmax attention -> (B, H, T, hd): SDPA, or written out when the scores are soft-capped."""
+    """Softmax attention -> (B, H, T, hd): SDPA, or written out when the scores are soft-capped or
+    have sinks (a sink is one more column of each head's softmax, dropped after it)."""
     H, KV, T = q.shape[1], k.shape[1], q.shape[2]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                               scale=scale, enable_gqa=H != KV)
     if H != KV:
         k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
     scores = (q @ k.transpose(-1, -2)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap  # (B, H, T, L)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap  # (B, H, T, L)
     if mask is None and T > 1:
-        mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril()
+        mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - T)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(-1).to(v.dtype) @ v
+    if sinks is None:
+        return scores.softmax(-1).to(v.dtype) @ v
+    sink = sinks.float().view(1, H, 1, 1).expand(scores.shape[0], H, T, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]  # (B, H, T, L): the sink's dropped
+    return probs.to(v.dtype) @ v
 
 
 def window_mask(T: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -86,6 +101,7 @@ def paged(
     q_prescale: float = 1.0,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a flattened batch over the paged pool -> (1, N, H * hd).
 
@@ -95,22 +111,23 @@ def paged(
     has one, the rest through SDPA over keys/values gathered from their blocks. In a sliding-window
     layer a sequence whose context the window cuts reads only the blocks that hold its window (the pool
     has given back the blocks before them: :mod:`runtime.kv_pool`); SDPA takes a mask there.
-    Soft-capped scores (Gemma 2 style) never take a kernel.
+    Soft-capped scores (Gemma 2 style) and sinks (gpt-oss) never take a kernel.
     """
     if isinstance(layer.k, QuantKV):  # an int8 pool holds keys rotated (runtime.cache.key_rotation)
         out_dtype = q.dtype
         q, k = rotate_qk(q, k, layer.step.rotation)  # fp32: attention over an int8 pool runs in fp32
-        return _paged(q, k, v, layer, q_prescale, scale, softcap).to(out_dtype)
-    return _paged(q, k, v, layer, q_prescale, scale, softcap)
+        return _paged(q, k, v, layer, q_prescale, scale, softcap, sinks).to(out_dtype)
+    return _paged(q, k, v, layer, q_prescale, scale, softcap, sinks)
 
 
 def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer, q_prescale: float,
-                     scale: float | None, softcap: float | None) -> torch.Tensor:
+           scale: float | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The paged attention once q and k are as the pool's keys want them -> (1, N, H * hd) in q's dtype."""
     step = layer.step
-    use_kernel = softcap is None and step.tables is not None  # soft-capped scores never take a kernel
-    if softcap is not None and not step.spans:
-        raise ValueError("soft-capped attention needs the step's spans: a decode-only step has none")
+    plain = softcap is None and sinks is None  # soft-capped scores and sinks never take a kernel
+    use_kernel = plain and step.tables is not None
+    if not plain and not step.spans:
+        raise ValueError("soft-capped or sink attention needs the step's spans: a decode-only step has none")
     _, H, N, hd = q.shape
     KV = k.shape[1]
     kp, vp = layer.k, layer.v  # (n_blocks, KV, block, hd), or int8 codes + (n_blocks, KV, block) scales
@@ -135,7 +152,7 @@ def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer,
     if decode is not None:
         y.index_copy_(0, step.kernel_rows, decode.reshape(-1, H, hd))
     # the step's chunk kernel reads float pools in place for fp32 queries (SDPA rounds 16-bit ones its own way)
-    chunk = step.chunk if softcap is None and isinstance(kp, torch.Tensor) and q.dtype == torch.float32 else None
+    chunk = step.chunk if plain and isinstance(kp, torch.Tensor) and q.dtype == torch.float32 else None
     for span in (step.sdpa_spans if use_kernel else step.spans):
         first = step.first_block(span, layer.window)  # blocks before it hold no key the queries see
         if chunk is not None:
@@ -147,12 +164,12 @@ def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer,
         ks, vs = gather(kp, vp, span.blocks[first:], span.context - first * step.pool.block_size, q.dtype)
         qs = q[:, :, span.row : span.row + span.length]  # (1, H, n, hd)
         mask = step.mask(span, layer.window, first)
-        if span.length == 1 and mask is None and softcap is None:
+        if span.length == 1 and mask is None and plain:
             # one query: fold each kv group's heads into the query axis (no expanded keys)
             ys = F.scaled_dot_product_attention(qs.reshape(1, KV, H // KV, hd), ks, vs, scale=scale)  # (1, KV, G, hd)
             y[span.row] = ys.reshape(H, hd)
         else:
-            ys = reference(qs, ks, vs, mask, scale, softcap)  # (1, H, n, hd)
+            ys = reference(qs, ks, vs, mask, scale, softcap, sinks)  # (1, H, n, hd)
             y[span.row : span.row + span.length] = ys[0].transpose(0, 1)
     return y.view(1, N, H * hd)
 

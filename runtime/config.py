@@ -14,15 +14,19 @@ from localllm.runtime.config_checks import (INT_RANGES, MAX_TOKEN_ID, FieldReade
 #: block: RMSNorm, RoPE, grouped-query attention, a gated MLP; they differ only in config fields
 #: (Qwen3 and Gemma 3 add per-head q/k norms, Gemma 3 four norms per block, GeGLU, local layers;
 #: Phi-3 partial rotary and longrope).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral",
+                           "gpt_oss")
 
 #: The Mixture-of-Experts families among them: their sparse layers route each token to
-#: ``n_active`` of ``n_experts`` gated MLPs (:mod:`runtime.moe`); Qwen2-MoE adds a shared expert.
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+#: ``n_active`` of ``n_experts`` gated MLPs (:mod:`runtime.moe`); Qwen2-MoE adds a shared expert;
+#: gpt-oss biases its router and experts, clamps its SwiGLU and adds attention sinks.
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 
 #: Architectures localllm knows it cannot run yet, and why (said in the one line that refuses them).
-_NOT_YET = {"gpt_oss": "gpt-oss (MXFP4 experts, attention sinks, the harmony format) is not supported yet",
-            "gptoss": "gpt-oss (MXFP4 experts, attention sinks, the harmony format) is not supported yet"}
+_NOT_YET = {arch: "gpt-oss from a GGUF is not supported yet (its Hub safetensors are)" for arch in ("gptoss", "gpt-oss")}
+
+#: Expert activations besides a dense MLP's: gpt-oss's clamped SwiGLU (:attr:`ModelConfig.swiglu_limit`).
+CLAMPED_SWIGLU = "swiglu_clamped"
 
 #: llama.cpp's ``general.architecture`` for the MoE families (its Mixtral is ``llama`` with experts).
 _GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
@@ -34,7 +38,7 @@ _ALIASES = {"gemma3_text": "gemma3"}
 SLIDING, FULL = "sliding", "full"
 
 #: Rope scalings :func:`runtime.model.rope_inv_freq` applies.
-ROPE_SCALINGS = ("llama3", "linear", "longrope")
+ROPE_SCALINGS = ("llama3", "linear", "longrope", "yarn")
 
 
 #: ``ModelConfig`` fields -> the ``config.json`` keys they are read from (for messages).
@@ -62,7 +66,7 @@ def hf_keys(hf: dict[str, Any]) -> dict[str, str]:
         keys["head_dim"] = "hidden_size / num_attention_heads"
     if inner.get("model_type") == "mixtral" or "num_experts" not in inner:
         keys["n_experts"] = "num_local_experts"
-    if inner.get("model_type") == "mixtral":
+    if inner.get("model_type") in ("mixtral", "gpt_oss"):
         keys["expert_size"] = "intermediate_size"
     return keys
 
@@ -150,6 +154,20 @@ class ModelConfig:
     #: The sparse layers' indices (the others have a dense MLP of :attr:`intermediate_size`); None:
     #: every layer, on a MoE model.
     moe_layers: list[int] | None = None
+    #: gpt-oss: a bias on the attention output projection (its ``attention_bias`` covers o_proj too).
+    o_bias: bool = False
+    #: gpt-oss: a learned logit per query head that joins each softmax's denominator (then dropped).
+    attn_sinks: bool = False
+    #: gpt-oss: the router's linear has a bias, and the routing weights are the softmax over the top-k
+    #: logits (not the top-k of a softmax over all).
+    router_bias: bool = False
+    topk_softmax: bool = False
+    #: gpt-oss: biases on the experts' gate/up and down projections.
+    expert_bias: bool = False
+    #: gpt-oss's clamped SwiGLU (:data:`CLAMPED_SWIGLU`): gate clamped above, up both sides at this limit,
+    #: ``(up + 1) * gate * sigmoid(alpha * gate)``.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         self.arch = _ALIASES.get(self.arch, self.arch)
@@ -162,7 +180,10 @@ class ModelConfig:
                 raise damaged("config", "gives layer types that are not a list of 'sliding' and 'full'")
             if len(types) != self.n_layers:
                 raise damaged("config", f"gives {len(types)} layer types for {self.n_layers} layers")
-        if self.mlp_act not in ("silu", "gelu_tanh"):
+        if self.mlp_act == CLAMPED_SWIGLU and (self.swiglu_limit is None or self.n_experts is None
+                                               or self.moe_layers is not None):
+            raise damaged("config", "gives a clamped SwiGLU without its limit, or dense layers beside it")
+        elif self.mlp_act not in ("silu", "gelu_tanh", CLAMPED_SWIGLU):
             raise LocalLLMError(f"unsupported MLP activation '{self.mlp_act}'",
                                 "localllm runs SwiGLU (silu) and GeGLU (gelu_pytorch_tanh) MLPs")
         if self.n_kv_heads is None:
@@ -228,6 +249,7 @@ class ModelConfig:
             + (4 if self.post_norms else 2) * self.dim
             + (2 * self.head_dim if self.qk_norm else 0)  # type: ignore[operator]
             + (self.q_dim + 2 * self.kv_dim if self.attention_bias else 0)
+            + (self.dim if self.o_bias else 0) + (self.n_heads if self.attn_sinks else 0)
         )
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return self.vocab_size * self.dim + self.n_layers * per_layer + mlps + self.dim + head
@@ -237,7 +259,8 @@ class ModelConfig:
         if not self.is_moe_layer(layer):
             return 3 * self.dim * self.intermediate_size
         shared = 3 * self.dim * self.shared_expert_size + self.dim if self.shared_expert_size else 0
-        return self.n_experts * (3 * self.dim * self.expert_size + self.dim) + shared  # type: ignore[operator]
+        biases = (2 * self.expert_size + self.dim if self.expert_bias else 0) + (1 if self.router_bias else 0)
+        return self.n_experts * (3 * self.dim * self.expert_size + self.dim + biases) + shared  # type: ignore[operator]
 
     def active_parameters(self) -> int:
         """Parameters a token works with: a MoE layer's routed experts only (all, on a dense model)."""
@@ -284,9 +307,9 @@ class ModelConfig:
                 i = check_int(i, "eos_token_id", 0, MAX_TOKEN_ID, "config.json")
                 if i not in eos:
                     eos.append(i)
-        gemma = arch == "gemma3"
-        layer_types = _hf_layer_types(hf, n_layers) if gemma else None
-        if gemma:
+        gemma, oss = arch == "gemma3", arch == "gpt_oss"
+        layer_types = _hf_layer_types(hf, n_layers, 2 if oss else 6) if gemma or oss else None
+        if gemma or oss:
             sliding = read.int("sliding_window", "sliding_window", 4096 if "sliding_window" not in hf else None)
         elif arch == "phi3" or hf.get("use_sliding_window", arch in ("mistral", "mixtral")):
             sliding = read.int("sliding_window", "sliding_window", None, (0, INT_RANGES["sliding_window"][1])) or None
@@ -294,6 +317,12 @@ class ModelConfig:
             sliding = None
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
         moe = _hf_moe(read, hf, arch, n_layers) if arch in MOE_ARCHITECTURES else {}
+        if oss:  # its experts and routing (runtime.moe), its attention's output bias and sinks
+            act = CLAMPED_SWIGLU
+            moe.update(o_bias=bool(hf.get("attention_bias", True)), attn_sinks=True, router_bias=True,
+                       topk_softmax=True, expert_bias=True,
+                       swiglu_limit=read.float("swiglu_limit", None, 7.0),
+                       swiglu_alpha=read.float("swiglu_alpha", None, 1.702))
         return cls(
             arch=arch,
             vocab_size=read.int("vocab_size", "vocab_size"),
@@ -449,19 +478,19 @@ def _hf_moe(read: FieldReader, hf: dict[str, Any], arch: str, n_layers: int) -> 
     """The MoE fields of a Qwen3-MoE, Qwen2-MoE or Mixtral ``config.json``: experts
     (``num_experts`` / ``num_local_experts``), active ones, their sizes, and which layers are sparse
     (``decoder_sparse_step``, ``mlp_only_layers``: as transformers places them)."""
-    key = "num_local_experts" if arch == "mixtral" or "num_experts" not in hf else "num_experts"
+    key = "num_local_experts" if arch in ("mixtral", "gpt_oss") or "num_experts" not in hf else "num_experts"
     out: dict[str, Any] = {
         "n_experts": read.int(key, "n_experts"),
         "n_active": read.int("num_experts_per_tok", "n_active"),
         # Mixtral's experts are its intermediate_size; Qwen's have their own.
-        "expert_size": read.int("intermediate_size" if arch == "mixtral" else "moe_intermediate_size",
+        "expert_size": read.int("intermediate_size" if arch in ("mixtral", "gpt_oss") else "moe_intermediate_size",
                                 "expert_size"),
         # Mixtral renormalises the top-k (a softmax over the chosen logits); Qwen by its config.
-        "norm_topk_prob": True if arch == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        "norm_topk_prob": True if arch in ("mixtral", "gpt_oss") else bool(hf.get("norm_topk_prob", False)),
     }
     if arch == "qwen2_moe":
         out["shared_expert_size"] = read.int("shared_expert_intermediate_size", "shared_expert_size")
-    if arch != "mixtral":
+    if arch not in ("mixtral", "gpt_oss"):
         step = read.int("decoder_sparse_step", None, 1, (1, 1 << 20))
         dense = hf.get("mlp_only_layers") or []
         if not isinstance(dense, list):
@@ -473,15 +502,15 @@ def _hf_moe(read: FieldReader, hf: dict[str, Any], arch: str, n_layers: int) -> 
     return out
 
 
-def _hf_layer_types(hf: dict[str, Any], n_layers: int) -> list[str]:
-    """Gemma 3's per-layer kinds: ``layer_types`` when the config lists them, else every
-    ``sliding_window_pattern``-th layer (default 6) is global."""
+def _hf_layer_types(hf: dict[str, Any], n_layers: int, every: int = 6) -> list[str]:
+    """Gemma 3's and gpt-oss's per-layer kinds: ``layer_types`` when the config lists them, else every
+    ``sliding_window_pattern``-th layer (default ``every``: Gemma 3's 6, gpt-oss's 2) is global."""
     named = hf.get("layer_types")
     if named:
         if not isinstance(named, list):
             raise damaged("config.json", "gives layer_types that are not a list")
         return [SLIDING if t == "sliding_attention" else FULL for t in named]
-    pattern = check_int(hf.get("sliding_window_pattern") or 6, "sliding_window_pattern", 1, 1 << 20, "config.json")
+    pattern = check_int(hf.get("sliding_window_pattern") or every, "sliding_window_pattern", 1, 1 << 20, "config.json")
     return [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
 
 
@@ -513,10 +542,15 @@ def _hf_rope(hf: dict[str, Any], arch: str) -> tuple[float, float | None, dict[s
         return float(theta), local_theta, None
     if kind not in ROPE_SCALINGS:
         raise LocalLLMError(f"unsupported rope scaling '{kind}'",
-                            "localllm supports llama3, linear and longrope rope scaling")
+                            "localllm supports llama3, linear, longrope and yarn rope scaling")
     scaling["rope_type"] = kind
     if kind == "longrope":
         scaling.setdefault("original_max_position_embeddings",
                            hf.get("original_max_position_embeddings") or hf.get("max_position_embeddings"))
         scaling.setdefault("max_position_embeddings", hf.get("max_position_embeddings"))
+    if kind == "yarn":
+        if scaling.get("original_max_position_embeddings") is None:
+            raise damaged("config.json", "gives yarn rope scaling without original_max_position_embeddings")
+        if scaling.get("factor") is None:
+            scaling["factor"] = float(hf["max_position_embeddings"]) / scaling["original_max_position_embeddings"]
     return float(theta), local_theta, scaling

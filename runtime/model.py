@@ -7,7 +7,8 @@ Parameter names (the checkpoint loaders map to these)::
     layers.{i}.attn_norm.weight
     layers.{i}.attn.{q,k,v}.weight  (+ .bias when config.attention_bias)
     layers.{i}.attn.{q,k}_norm.weight  (config.qk_norm: Qwen3, Gemma 3)
-    layers.{i}.attn.o.weight
+    layers.{i}.attn.o.weight  (+ .bias when config.o_bias: gpt-oss)
+    layers.{i}.attn.sinks      (H,) config.attn_sinks (gpt-oss): each head's sink logit, fp32
     layers.{i}.post_attn_norm.weight   (config.post_norms: Gemma 3)
     layers.{i}.mlp_norm.weight
     layers.{i}.mlp.{gate,up,down}.weight  (a sparse layer's router and experts: see runtime/moe.py)
@@ -95,6 +96,8 @@ def rope_inv_freq(config: ModelConfig, local: bool = False, max_seq: int | None 
         return inv.float()
     if s["rope_type"] == "linear":
         return (inv / float(s["factor"])).float()
+    if s["rope_type"] == "yarn":
+        return yarn_inv_freq(config)
     if s["rope_type"] == "longrope":
         long = max_seq is not None and max_seq > int(s["original_max_position_embeddings"])
         factors = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float64)
@@ -111,9 +114,44 @@ def rope_inv_freq(config: ModelConfig, local: bool = False, max_seq: int | None 
     return torch.where(mid, blended, out).float()
 
 
-def rope_attention_factor(config: ModelConfig) -> float:
-    """The factor longrope multiplies cos and sin by (1 for every other RoPE)."""
+def yarn_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """YaRN's inverse frequencies (rotary_dim/2,) fp32, as transformers computes them (in fp32): the
+    high frequencies kept (extrapolated), the low ones divided by ``factor`` (interpolated), a linear
+    ramp between the dims that make ``beta_fast`` and ``beta_slow`` turns over the original context
+    (the ramp's ends floored/ceiled unless ``truncate`` is false)."""
     s = config.rope_scaling
+    assert s is not None
+    dim, base = config.rotary_dim, config.rope_theta
+    factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(turns: float) -> float:
+        return (dim * math.log(original / (turns * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # (rot/2,) 1: keep the frequency, 0: interpolate it
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor longrope and YaRN multiply cos and sin by (1 for every other RoPE)."""
+    s = config.rope_scaling
+    if s is not None and s["rope_type"] == "yarn":
+        if s.get("attention_factor") is not None:
+            return float(s["attention_factor"])
+        factor, mscale, mscale_all = float(s["factor"]), s.get("mscale"), s.get("mscale_all_dim")
+
+        def get_mscale(m: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        return get_mscale(mscale) / get_mscale(mscale_all) if mscale and mscale_all else get_mscale()
     if s is None or s["rope_type"] != "longrope":
         return 1.0
     if s.get("attention_factor") is not None:
@@ -161,7 +199,7 @@ class Attention(nn.Module):
         self.q = Linear(config.dim, config.q_dim, bias=bias)
         self.k = Linear(config.dim, config.kv_dim, bias=bias)
         self.v = Linear(config.dim, config.kv_dim, bias=bias)
-        self.o = Linear(config.q_dim, config.dim, bias=False)
+        self.o = Linear(config.q_dim, config.dim, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset) if config.qk_norm else None
         #: q, k and v as one matmul, set by loaders.build.fuse_projections (then q, k, v are removed).
@@ -175,6 +213,15 @@ class Attention(nn.Module):
         #: What q is multiplied by before a kernel that scales by head_dim ** -0.5 (1.0: nothing).
         self.q_prescale = (self.scale / default) if self.scale is not None else 1.0
         self.softcap = config.attn_softcap
+        #: gpt-oss's sink logits (H,): each joins its head's softmax denominator (runtime.attention).
+        self.sinks = nn.Parameter(torch.empty(config.n_heads, dtype=torch.float32), requires_grad=False) \
+            if config.attn_sinks else None
+
+    @property
+    def takes_kernels(self) -> bool:
+        """Whether the paged attention kernels can run this layer: not with soft-capped scores or sinks
+        (those take the reference path over gathered keys: :func:`runtime.attention.paged`)."""
+        return self.softcap is None and self.sinks is None
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -205,7 +252,8 @@ class Attention(nn.Module):
         sin: torch.Tensor,  # (T, rot)
     ) -> torch.Tensor:
         q, k, v = self._project(x, cos, sin)
-        return self.o(attention.attend(q, k, v, kv, self.window, self.q_prescale, self.scale, self.softcap))
+        return self.o(attention.attend(q, k, v, kv, self.window, self.q_prescale, self.scale, self.softcap,
+                                       self.sinks))
 
 
 def round_to(value: float, dtype: torch.dtype) -> float:

@@ -4,11 +4,17 @@ Mixtral).
 
 Parameter names (beside a dense block's, in place of its ``mlp.{gate,up,down}``)::
 
-    layers.{i}.mlp.router.weight                 (E, D), float: never quantized
+    layers.{i}.mlp.router.weight                 (E, D), float: never quantized (+ .bias (E,): gpt-oss)
     layers.{i}.mlp.experts.{gate,up}.<tensors>   (E, F, ...) stacked experts (quant.experts.QuantExperts)
     layers.{i}.mlp.experts.down.<tensors>        (E, D, ...)
     layers.{i}.mlp.shared.{gate,up,down}.weight  Qwen2-MoE's shared expert (a dense MLP)
     layers.{i}.mlp.shared_gate.weight            (1, D), its sigmoid gate, float
+    layers.{i}.mlp.experts.{gate,up}_bias        (E, F) gpt-oss's expert biases, float
+    layers.{i}.mlp.experts.down_bias             (E, D)
+
+gpt-oss routes by a softmax over the top-k logits (``config.topk_softmax``: the same weights as a
+softmax over all, top-k and renormalised, up to rounding) and runs its experts' clamped SwiGLU
+(:class:`quant.experts.ClampedSwiGLU`) with their biases, in the same one call.
 
 Routing works on the flattened rows of the step (prefill chunks, decode rows, speculation's verify
 rows alike): nothing here knows about sequences. The router's logits are computed in the activation
@@ -24,21 +30,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from localllm.quant.experts import QuantExperts, experts_ffn, prepare_experts
+from localllm.quant.experts import ClampedSwiGLU, ExpertBiases, QuantExperts, experts_ffn, prepare_experts
 from localllm.quant.formats import QuantScheme
 from localllm.quant.target import Target
-from localllm.runtime.config import ModelConfig
+from localllm.runtime.config import CLAMPED_SWIGLU, ModelConfig
 
 
 class Router(nn.Module):
-    """The router's (E, D) weight; not an ``nn.Linear``, so no quantization plan takes it."""
+    """The router's (E, D) weight (and gpt-oss's (E,) bias); not an ``nn.Linear``, so no quantization
+    plan takes it."""
 
-    def __init__(self, dim: int, n_experts: int) -> None:
+    def __init__(self, dim: int, n_experts: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(n_experts), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Experts(nn.Module):
@@ -53,7 +61,21 @@ class Experts(nn.Module):
         self.up: QuantExperts | None = QuantExperts(E, D, F_, placeholder)  # type: ignore[arg-type]
         self.down = QuantExperts(E, F_, D, placeholder)  # type: ignore[arg-type]
         self.gate_up: QuantExperts | None = None
-        self.act = config.mlp_act
+        self.act: str | ClampedSwiGLU = config.mlp_act
+        if config.mlp_act == CLAMPED_SWIGLU:
+            self.act = ClampedSwiGLU(float(config.swiglu_limit), float(config.swiglu_alpha))  # type: ignore[arg-type]
+        #: gpt-oss's biases, float (never quantized): gate's and up's (E, F), down's (E, D).
+        self.gate_bias = self.up_bias = self.down_bias = None
+        if config.expert_bias:
+            self.gate_bias = nn.Parameter(torch.empty(E, F_), requires_grad=False)  # type: ignore[arg-type]
+            self.up_bias = nn.Parameter(torch.empty(E, F_), requires_grad=False)  # type: ignore[arg-type]
+            self.down_bias = nn.Parameter(torch.empty(E, D), requires_grad=False)  # type: ignore[arg-type]
+
+    def biases(self) -> ExpertBiases | None:
+        """What :func:`quant.experts.experts_ffn` takes as ``biases`` (None: the experts have none)."""
+        if self.gate_bias is None:
+            return None
+        return ExpertBiases(self.gate_bias, self.up_bias, self.down_bias)  # type: ignore[arg-type]
 
     def projections(self) -> QuantExperts | tuple[QuantExperts, QuantExperts]:
         """What :func:`quant.experts.experts_ffn` takes as ``gate_up``."""
@@ -63,10 +85,11 @@ class Experts(nn.Module):
 
     def prepare(self, act_dtype: torch.dtype, kernel: str | None = None, target: Target | None = None,
                 check: bool = True, verdicts: dict[tuple, bool] | None = None) -> str:
-        return prepare_experts(self.projections(), self.down, act_dtype, kernel, target, check, self.act, verdicts)
+        return prepare_experts(self.projections(), self.down, act_dtype, kernel, target, check, self.act, verdicts,
+                               self.biases())
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return experts_ffn(x, ids, weights, self.projections(), self.down, self.act)
+        return experts_ffn(x, ids, weights, self.projections(), self.down, self.act, self.biases())
 
 
 class MoE(nn.Module):
@@ -78,9 +101,10 @@ class MoE(nn.Module):
 
         self.n_active = config.n_active
         self.norm_topk_prob = config.norm_topk_prob
+        self.topk_softmax = config.topk_softmax
         #: Qwen rounds the routing weights to the activation dtype before the experts use them.
         self.round_weights = config.arch != "mixtral"
-        self.router = Router(config.dim, config.n_experts)  # type: ignore[arg-type]
+        self.router = Router(config.dim, config.n_experts, config.router_bias)  # type: ignore[arg-type]
         self.experts = Experts(config)
         self.shared: nn.Module | None = None
         self.shared_gate: Router | None = None
@@ -90,6 +114,9 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (N, D) -> the chosen experts (N, k) int64 and their weights (N, k) fp32."""
+        if self.topk_softmax:  # gpt-oss: the k largest logits, then a softmax over them alone
+            logits, ids = torch.topk(self.router(x).float(), self.n_active, dim=-1)  # (N, k)
+            return ids, torch.softmax(logits, dim=-1).to(x.dtype).float()
         probs = torch.softmax(self.router(x).float(), dim=-1)  # (N, E)
         weights, ids = torch.topk(probs, self.n_active, dim=-1)  # (N, k)
         if self.norm_topk_prob:

@@ -58,7 +58,7 @@ class ModelRunner:
         #: Decode-only steps replayed from CUDA graphs (on a real GPU with the paged kernel).
         self.graphs: GraphedDecode | None = None
         if (cuda_graphs and self.kernel is not None and device.type == "cuda" and torch.cuda.is_available()
-                and all(layer.attn.softcap is None for layer in model.layers)
+                and all(layer.attn.takes_kernels for layer in model.layers)
                 and not model.config.is_moe):  # the experts' routing reads back each expert's rows
             self.graphs = GraphedDecode(model, pool, self.kernel, self.cos, self.sin, max_running)
         #: The last :meth:`load_compiled` found a package this engine wants not built (``localllm

@@ -18,6 +18,10 @@
 // expert with many rows (a long prefill) takes the fp32 panel GEMM of panel_gemm.h instead: its 16
 // output rows decoded once a panel for all its rows. localllm's canonical int4 and int8 come here as
 // Q4_1 and Q8_0 blocks holding the same values (quant/expert_kernels.py makes them).
+//
+// gpt-oss: optional fp32 biases (gate's and up's (E, I), added before the activation; down's (E, D),
+// added to each (token, slot) row before its weight) and its clamped SwiGLU (act 2, with `limit` and
+// `alpha`): g = min(gate, limit), u = clamp(up, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,7 +47,7 @@ using namespace localllm::gguf_blocks;
 constexpr int64_t CHUNK = 16;       // output rows a task (a panel's width)
 constexpr int64_t PANEL_ROWS = 32;  // an expert's rows from which its products take the panel GEMM
 
-enum Act : int64_t { SILU = 0, GELU_TANH = 1 };
+enum Act : int64_t { SILU = 0, GELU_TANH = 1, SWIGLU_CLAMPED = 2 };
 
 // One projection of every expert: E experts of N output rows of K inputs in GGML type `type`, expert
 // e's rows from w + e * expert_bytes (a fused gate_up's gate and up are two views of one tensor).
@@ -134,12 +138,27 @@ std::vector<float> sub_sums(const float* x, int64_t M, int64_t K, int64_t sub) {
   return s;
 }
 
-inline float activate(float g, int64_t act) {
+// act(g) * u; gpt-oss's clamped form for SWIGLU_CLAMPED.
+inline float activate(float g, float u, int64_t act, float limit, float alpha) {
+  if (act == SWIGLU_CLAMPED) {
+    g = std::min(g, limit);
+    u = std::min(std::max(u, -limit), limit);
+    return (u + 1.f) * (g / (1.f + std::exp(-alpha * g)));
+  }
   if (act == GELU_TANH) {
     const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-    return 0.5f * g * (1.f + std::tanh(k * (g + 0.044715f * g * g * g)));
+    return 0.5f * g * (1.f + std::tanh(k * (g + 0.044715f * g * g * g))) * u;
   }
-  return g / (1.f + std::exp(-g));
+  return g / (1.f + std::exp(-g)) * u;
+}
+
+// An optional bias (E, n) fp32, checked; nullptr when absent.
+const float* checked_bias(const c10::optional<at::Tensor>& b, int64_t E, int64_t n, const char* name,
+                          at::Tensor& keep) {
+  if (!b.has_value() || !b->defined()) return nullptr;
+  TORCH_CHECK(b->dim() == 2 && b->size(0) == E && b->size(1) == n, "moe_ffn: ", name, " must be (", E, ", ", n, ")");
+  keep = b->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
 }
 
 Proj checked_proj(const at::Tensor& t, int64_t type, int64_t E, int64_t K, const char* name) {
@@ -156,9 +175,12 @@ Proj checked_proj(const at::Tensor& t, int64_t type, int64_t E, int64_t K, const
 
 at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate,
                    const at::Tensor& up, const at::Tensor& down, int64_t gate_type, int64_t up_type,
-                   int64_t down_type, int64_t act) {
+                   int64_t down_type, int64_t act, const c10::optional<at::Tensor>& gate_bias,
+                   const c10::optional<at::Tensor>& up_bias, const c10::optional<at::Tensor>& down_bias,
+                   double limit, double alpha) {
   TORCH_CHECK(x.dim() == 2, "moe_ffn: x must be (rows, hidden)");
-  TORCH_CHECK(act == SILU || act == GELU_TANH, "moe_ffn: activation ", act, " is not 0 (SiLU) or 1 (GELU tanh)");
+  TORCH_CHECK(act == SILU || act == GELU_TANH || act == SWIGLU_CLAMPED, "moe_ffn: activation ", act,
+              " is not 0 (SiLU), 1 (GELU tanh) or 2 (clamped SwiGLU)");
   const int64_t T = x.size(0), D = x.size(1);
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == at::kLong, "moe_ffn: ids must be int64 (",
               T, ", k)");
@@ -170,6 +192,11 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
   const Proj pu = checked_proj(up, up_type, E, D, "up");
   const Proj pd = checked_proj(down, down_type, E, I, "down");
   TORCH_CHECK(pu.N == I && pd.N == D, "moe_ffn: up must have ", I, " rows a expert and down ", D);
+  at::Tensor gb_keep, ub_keep, db_keep;
+  const float* gb = checked_bias(gate_bias, E, I, "gate_bias", gb_keep);
+  const float* ub = checked_bias(up_bias, E, I, "up_bias", ub_keep);
+  const float* db = checked_bias(down_bias, E, D, "down_bias", db_keep);
+  const float lim = static_cast<float>(limit), alp = static_cast<float>(alpha);
 
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor idc = ids.contiguous();
@@ -246,7 +273,11 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
           rows_dispatch(pu, e, xe, usp + r0 * (D / pu.L.sub), M, n0, n1, u.data() - n0, CHUNK);
         }
         for (int64_t m = 0; m < M; ++m)
-          for (int64_t j = n0; j < n1; ++j) hg[m * I + j] = activate(hg[m * I + j], act) * u[m * CHUNK + j - n0];
+          for (int64_t j = n0; j < n1; ++j) {
+            const float g = hg[m * I + j] + (gb ? gb[e * I + j] : 0.f);
+            const float v = u[m * CHUNK + j - n0] + (ub ? ub[e * I + j] : 0.f);
+            hg[m * I + j] = activate(g, v, act, lim, alp);
+          }
       }
     });
   }
@@ -267,6 +298,9 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
         } else {
           rows_dispatch(pd, e, h.data() + r0 * I, hsum.data() + r0 * (I / pd.L.sub), M, n0, n1, yg.data() + r0 * D, D);
         }
+        if (db)
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t j = n0; j < n1; ++j) yg[(r0 + m) * D + j] += db[e * D + j];
       }
     });
   }
@@ -293,7 +327,8 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& ids, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def(
       "moe_ffn(Tensor x, Tensor ids, Tensor weights, Tensor gate, Tensor up, Tensor down, int gate_type, "
-      "int up_type, int down_type, int act) -> Tensor");
+      "int up_type, int down_type, int act, Tensor? gate_bias=None, Tensor? up_bias=None, Tensor? down_bias=None, "
+      "float limit=0., float alpha=0.) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) { m.impl("moe_ffn", &moe_ffn); }
