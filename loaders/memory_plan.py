@@ -18,7 +18,12 @@ A plan has five parts (bytes):
 ``available`` is the device's free memory: the CPU's available RAM (``psutil``) plus what this process
 already holds of its own runtime, or CUDA's free memory (``torch.cuda.mem_get_info``).
 ``LOCALLLM_AVAILABLE_MEMORY`` (bytes, or a size like ``2GB``, ``1.5GiB``) replaces the probe: a cap for
-a user who wants one, and how tests force each branch.
+a user who wants one, and how tests force each branch (on a GPU run it caps the CPU's RAM too).
+
+On a GPU, a Mixture-of-Experts model's experts may stay in CPU RAM (:mod:`loaders.placement`): the
+plan puts everything else on the GPU first, then as many layers' experts as fit (or as
+``--n-cpu-moe`` / ``--cpu-moe`` say); ``host_weights`` are the experts left in CPU RAM, which the
+CPU's available memory must hold beside the process (``host_available``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.format import human_size
+from localllm.loaders.placement import ExpertChoice, Placement, expert_layer_bytes
 from localllm.loaders.spec import LoadSpec
 from localllm.quant.target import Target
 from localllm.runtime.cache import DEFAULT_KV_DTYPE, check_kv_dtype
@@ -91,24 +97,48 @@ class MemoryPlan:
     available: int
     #: Where ``available`` came from: "psutil", "cuda", or the environment variable's name.
     available_source: str
+    #: Of ``weights``, the experts kept in CPU RAM on a GPU run (:mod:`loaders.placement`), and the
+    #: CPU's available memory they are checked against (0: nothing placed there).
+    host_weights: int = 0
+    host_available: int = 0
+    #: Where each part lives (None: a dense model, or a CPU run).
+    placement: Placement | None = None
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations + self.overhead + self.runtime
+        """What the run needs on its device (experts in CPU RAM not counted)."""
+        return self.weights - self.host_weights + self.kv_cache + self.activations + self.overhead + self.runtime
+
+    @property
+    def host_total(self) -> int:
+        """What a GPU run with experts in CPU RAM needs there: those experts and the process itself."""
+        return self.host_weights + RUNTIME_BYTES["cpu"] if self.host_weights else 0
+
+    @property
+    def n_cpu_moe(self) -> int:
+        """How many first layers' experts are in CPU RAM (0: none)."""
+        return self.placement.n_cpu_moe if self.placement is not None and self.placement.split else 0
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.available
+        return self.total <= self.available and self.host_total <= self.host_available
 
     def breakdown(self) -> str:
         """``int4 weights 97 MB + KV cache 191 MB for ctx 4096 + activations 139 MB + runtime 307 MB``."""
         seqs = f" x {self.concurrency} sequences" if self.concurrency > 1 else ""
-        return (f"{self.scheme} weights {human_size(self.weights)} + KV cache {human_size(self.kv_cache)} for ctx "
-                f"{self.ctx}{seqs} + activations {human_size(self.activations)} + runtime "
-                f"{human_size(self.runtime + self.overhead)}")
+        text = (f"{self.scheme} weights {human_size(self.weights - self.host_weights)} + KV cache "
+                f"{human_size(self.kv_cache)} for ctx {self.ctx}{seqs} + activations {human_size(self.activations)} "
+                f"+ runtime {human_size(self.runtime + self.overhead)}")
+        if self.host_weights:
+            text += (f" on {self.device}; experts of {len(self.placement.host_layers) if self.placement else 0} "
+                     f"layers {human_size(self.host_weights)} + runtime {human_size(RUNTIME_BYTES['cpu'])} in CPU RAM "
+                     f"({human_size(self.host_available)} available)")
+        return text
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "total": self.total, "fits": self.fits}
+        out = {**asdict(self), "total": self.total, "fits": self.fits}
+        out["placement"] = self.placement.describe() if self.placement is not None else None
+        return out
 
 
 # --------------------------------------------------------------------------- sizes and the probe
@@ -208,6 +238,8 @@ class Footprint:
     weights: int
     act_dtype: torch.dtype
     device: torch.device
+    #: Each block's experts' bytes (0: a dense block; empty: a dense model), for their placement.
+    expert_bytes: tuple[int, ...] = ()
 
 
 def meta_weight_bytes(model: torch.nn.Module, act_dtype: torch.dtype) -> int:
@@ -249,18 +281,23 @@ def footprint(ckpt: Any, spec: LoadSpec) -> Footprint:
                             float_tables=scheme is not None and keeps_float_tables(model))
     fuse_projections(model)
     label = scheme.name if scheme is not None else dtype_name(act)
-    return Footprint(ckpt.config, label, meta_weight_bytes(model, act), act, dev)
+    return Footprint(ckpt.config, label, meta_weight_bytes(model, act), act, dev, expert_layer_bytes(model, act))
 
 
 def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = DEFAULT_KV_DTYPE,
-             prefill_tokens: int | None = None, available: tuple[int, str] | None = None) -> MemoryPlan:
-    """The plan of a footprint at ``ctx`` (cheap: no model is built)."""
+             prefill_tokens: int | None = None, available: tuple[int, str] | None = None,
+             experts: ExpertChoice = ExpertChoice(), host_available: tuple[int, str] | None = None) -> MemoryPlan:
+    """The plan of a footprint at ``ctx`` (cheap: no model is built).
+
+    On a GPU, a MoE model's experts are placed (:mod:`loaders.placement`) as ``experts`` says; automatic:
+    the fewest first layers' experts in CPU RAM whose plan fits the GPU (all of them when none does).
+    ``host_available``: the CPU's memory those are checked against (default: probed)."""
     config, act_size = fp.config, fp.act_dtype.itemsize
     kv_dtype = check_kv_dtype(kv_dtype)
     tokens = min(prefill_tokens if prefill_tokens is not None else ctx, ctx)
     avail, source = available if available is not None else available_memory(fp.device)
     dev = fp.device.type
-    return MemoryPlan(
+    plan = MemoryPlan(
         scheme=fp.scheme, ctx=ctx, concurrency=concurrency, kv_dtype=kv_dtype, device=str(fp.device),
         dtype=str(fp.act_dtype).removeprefix("torch."),
         weights=fp.weights,
@@ -270,6 +307,25 @@ def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = D
         runtime=RUNTIME_BYTES.get(dev, 0),
         available=avail, available_source=source,
     )
+    if dev != "cuda" or not any(fp.expert_bytes):
+        return plan  # a CPU run (every part in RAM already), or a dense model: placed whole
+    host, _ = host_available if host_available is not None else available_memory(torch.device("cpu"))
+    n_layers = len(fp.expert_bytes)
+
+    def placed(n: int, chosen_by: str) -> MemoryPlan:
+        where = Placement(str(fp.device), fp.expert_bytes, n, chosen_by, avail)
+        return replace(plan, host_weights=where.host_bytes, host_available=host, placement=where)
+
+    if not experts.automatic:
+        n = experts.layers(n_layers)
+        return placed(n, experts.flag(n, n_layers))
+    for n in range(n_layers + 1):  # the GPU first: the fewest first layers' experts in CPU RAM that fit
+        if n and not fp.expert_bytes[n - 1]:
+            continue  # a dense layer: nothing more moves
+        best = placed(n, "automatic")
+        if best.total <= best.available:
+            return best
+    return best
 
 
 def plan_memory(spec: LoadSpec | str, quant: str | None = None, ctx: int | None = None, *, concurrency: int = 1,
@@ -280,7 +336,8 @@ def plan_memory(spec: LoadSpec | str, quant: str | None = None, ctx: int | None 
     spec = LoadSpec.of(spec, **options, **({"quant": quant} if quant is not None else {}))
     fp = footprint(_open(spec.ref), spec)
     ctx = ctx if ctx is not None else min(fp.config.max_seq_len, RUN_DEFAULT_CTX)
-    return plan_for(fp, ctx, concurrency=concurrency, kv_dtype=spec.kv_dtype, prefill_tokens=prefill_tokens)
+    return plan_for(fp, ctx, concurrency=concurrency, kv_dtype=spec.kv_dtype, prefill_tokens=prefill_tokens,
+                    experts=ExpertChoice(spec.cpu_moe, spec.n_cpu_moe))
 
 
 def _open(ref: str) -> Any:
@@ -305,10 +362,20 @@ def largest_fitting_ctx(fp: Footprint, ctx: int, available: tuple[int, str], **k
 
 
 def cheapest_fix(ckpt: Any, plan: MemoryPlan, fp: Footprint, spec: LoadSpec, *, kv_cache_flag: bool = False) -> str:
-    """The cheapest change that fits: a smaller ``--ctx``, else a smaller ``--quant``, else an int8 KV
-    cache (when ``kv_cache_flag``: the flag exists), else the smallest scheme at the smallest context."""
+    """The cheapest change that fits: more layers' experts in CPU RAM (``--n-cpu-moe``, where the user
+    gave fewer), else a smaller ``--ctx``, else a smaller ``--quant``, else an int8 KV cache (when
+    ``kv_cache_flag``: the flag exists), else the smallest scheme at the smallest context."""
     avail = (plan.available, plan.available_source)
     kw: dict[str, Any] = dict(concurrency=plan.concurrency, kv_dtype=plan.kv_dtype)
+    where = plan.placement
+    if where is not None:
+        kw["host_available"] = (plan.host_available, plan.available_source)
+        if where.chosen_by != "automatic":
+            kw["experts"] = ExpertChoice(n_cpu_moe=where.n_cpu_moe)
+            auto = plan_for(fp, plan.ctx, available=avail, **{**kw, "experts": ExpertChoice()})
+            if auto.fits and auto.placement is not None and auto.placement.n_cpu_moe > where.n_cpu_moe:
+                n_layers = len(where.expert_bytes)
+                return f"use {ExpertChoice().flag(auto.placement.n_cpu_moe, n_layers)}, or free memory"
     ctx = largest_fitting_ctx(fp, plan.ctx, avail, **kw)
     if ctx is not None:
         return f"use --ctx {ctx} (or less), or free memory"
@@ -336,14 +403,20 @@ def check_memory(spec: LoadSpec, ctx: int | None = None, *, concurrency: int = 1
     ckpt = _open(spec.ref)
     fp = footprint(ckpt, spec)
     ctx = ctx if ctx is not None else min(fp.config.max_seq_len, RUN_DEFAULT_CTX)
-    plan = plan_for(fp, ctx, concurrency=concurrency, kv_dtype=spec.kv_dtype)
+    plan = plan_for(fp, ctx, concurrency=concurrency, kv_dtype=spec.kv_dtype,
+                    experts=ExpertChoice(spec.cpu_moe, spec.n_cpu_moe))
     if plan.fits:
         return plan
-    raise LocalLLMError(
-        f"{spec.ref} needs {human_size(plan.total)} ({plan.breakdown()}), {human_size(plan.available)} available"
-        + (f" ({AVAILABLE_ENV})" if plan.available_source == AVAILABLE_ENV else ""),
-        cheapest_fix(ckpt, plan, fp, spec, kv_cache_flag=kv_cache_flag),
-    )
+    raise LocalLLMError(refusal(spec.ref, plan), cheapest_fix(ckpt, plan, fp, spec, kv_cache_flag=kv_cache_flag))
+
+
+def refusal(ref: str, plan: MemoryPlan) -> str:
+    """The line a plan that does not fit is refused with: what it needs, and what there is."""
+    source = f" ({AVAILABLE_ENV})" if plan.available_source == AVAILABLE_ENV else ""
+    text = f"{ref} needs {human_size(plan.total)} ({plan.breakdown()}), {human_size(plan.available)} available{source}"
+    if plan.host_weights and plan.host_total > plan.host_available:
+        text += f"; in CPU RAM {human_size(plan.host_total)}, {human_size(plan.host_available)} available{source}"
+    return text
 
 
 def show_plans(ckpt: Any, quant: str | None = None) -> list[dict[str, Any]]:

@@ -39,6 +39,10 @@ class LoadSpec:
     kv_dtype: str = DEFAULT_KV_DTYPE
     #: int4 from float weights: ``awq`` (data-aware, :mod:`loaders.calibrate`) or ``none`` (round to nearest).
     calibration: str = DEFAULT_CALIBRATION
+    #: On a GPU, a MoE model's experts in CPU RAM (:mod:`loaders.placement`): all of them (``--cpu-moe``),
+    #: the first N layers' (``--n-cpu-moe N``), or as the memory plan decides (neither given).
+    cpu_moe: bool = False
+    n_cpu_moe: int | None = None
 
     @classmethod
     def of(cls, spec: LoadSpec | str, **options: Any) -> LoadSpec:

@@ -1,0 +1,99 @@
+"""Placing a MoE model's experts between GPU and CPU memory (loaders.placement, loaders.memory_plan):
+which layers' experts stay in CPU RAM for given byte budgets, the flags, a CPU run, and the refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localllm.loaders.memory_plan import RUNTIME_BYTES, Footprint, cheapest_fix, plan_for, refusal
+from localllm.loaders.placement import ExpertChoice, Placement, host_expert_modules
+from localllm.runtime.config import ModelConfig
+
+GPU, CPU = torch.device("cuda"), torch.device("cpu")
+MB = 10**6
+#: 6 layers, layer 2 dense (its MLP is not sparse: no experts to place).
+CONFIG = ModelConfig(vocab_size=384, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, intermediate_size=192,
+                     max_seq_len=4096, n_experts=8, n_active=2, expert_size=32)
+EXPERTS = (10 * MB, 10 * MB, 0, 10 * MB, 10 * MB, 10 * MB)
+LOTS = (10**12, "test")
+
+
+def footprint(device: torch.device = GPU) -> Footprint:
+    return Footprint(CONFIG, "int4", 80 * MB, torch.bfloat16, device, EXPERTS)
+
+
+def plan(available: int, device: torch.device = GPU, host: int = 10**12, **choice) -> object:
+    return plan_for(footprint(device), 1024, available=(available, "test"), host_available=(host, "test"),
+                    experts=ExpertChoice(**choice))
+
+
+def test_automatic_placement_keeps_the_fewest_first_layers_experts_in_cpu_ram() -> None:
+    whole = plan(10**12)
+    assert whole.placement.n_cpu_moe == 0 and whole.host_weights == 0 and whole.fits
+    everything = whole.total  # all on the GPU
+    # 20 MB short: the experts of layers 0 and 1 go to CPU RAM; 25 MB short: layer 2 is dense, so layer 3's too
+    for short, layers in [(1, (0,)), (20 * MB, (0, 1)), (20 * MB + 1, (0, 1, 3)), (35 * MB, (0, 1, 3, 4))]:
+        p = plan(everything - short)
+        assert p.placement.host_layers == layers, short
+        assert p.host_weights == 10 * MB * len(layers) and p.total == everything - p.host_weights
+        assert p.fits and p.placement.chosen_by == "automatic" and p.n_cpu_moe == p.placement.n_cpu_moe
+        assert p.host_total == p.host_weights + RUNTIME_BYTES["cpu"]
+    # nothing fits even with every expert in CPU RAM: all of them there, and it does not fit
+    p = plan(everything - 60 * MB)
+    assert p.placement.host_layers == (0, 1, 3, 4, 5) and not p.fits
+    # the CPU's RAM must hold them
+    assert not plan(everything - 20 * MB, host=20 * MB + RUNTIME_BYTES["cpu"] - 1).fits
+    assert plan(everything - 20 * MB, host=20 * MB + RUNTIME_BYTES["cpu"]).fits
+
+
+def test_the_flags_place_what_they_say() -> None:
+    p = plan(10**12, n_cpu_moe=3)  # layers 0-2, of which 2 is dense
+    assert p.placement.host_layers == (0, 1) and p.placement.chosen_by == "--n-cpu-moe 3"
+    assert p.host_weights == 20 * MB
+    p = plan(10**12, cpu_moe=True)
+    assert p.placement.host_layers == (0, 1, 3, 4, 5) and p.placement.chosen_by == "--cpu-moe"
+    assert plan(10**12, n_cpu_moe=99).placement.host_layers == (0, 1, 3, 4, 5)
+    assert plan(10**12, n_cpu_moe=0).host_weights == 0
+    assert host_expert_modules(4, EXPERTS) == {"layers.0.mlp.experts", "layers.1.mlp.experts", "layers.3.mlp.experts"}
+
+
+def test_a_cpu_run_or_a_dense_model_is_placed_whole() -> None:
+    for choice in ({}, {"cpu_moe": True}, {"n_cpu_moe": 2}):
+        p = plan(10**12, device=CPU, **choice)
+        assert p.placement is None and p.host_weights == 0 and p.n_cpu_moe == 0
+    dense = Footprint(CONFIG, "int4", 80 * MB, torch.bfloat16, GPU, ())
+    assert plan_for(dense, 1024, available=LOTS, experts=ExpertChoice(cpu_moe=True)).placement is None
+
+
+def test_where_each_part_lives_is_said_with_the_reason() -> None:
+    everything = plan(10**12).total
+    lines = plan(everything - 20 * MB).placement.describe()
+    assert lines[0] == "embeddings, attention, norms, routers, shared experts, head, KV cache on cuda"
+    assert lines[1].startswith("experts of layers 0-1 in CPU RAM, run on the CPU (20 MB; automatic; cuda memory: ")
+    assert lines[1].endswith("free, experts 10 MB a layer)")
+    assert lines[2] == "experts of layers 3-5 on cuda"
+    assert plan(10**12, cpu_moe=True).placement.describe()[1].startswith("experts of layers 0-1, 3-5 in CPU RAM")
+    assert Placement("cpu", EXPERTS, 0, "cpu").describe() == ["all parts in CPU RAM (a CPU run)"]
+
+
+def test_a_plan_that_does_not_fit_names_its_numbers_and_the_cheapest_change() -> None:
+    everything = plan(10**12).total
+    short = plan(everything - 20 * MB, n_cpu_moe=1)  # layer 0's experts are not enough
+    assert not short.fits
+    assert cheapest_fix(None, short, footprint(), None) == "use --n-cpu-moe 2, or free memory"
+    message = refusal("qwen3-moe", short)
+    assert message.startswith("qwen3-moe needs ") and "in CPU RAM" in message and "experts of 1 layers 10 MB" in message
+    # every expert in CPU RAM and still short: a shorter context (the plan places the experts again)
+    tight = plan(everything - 50 * MB - 1)
+    assert not tight.fits and tight.placement.host_layers == (0, 1, 3, 4, 5)
+    fix = cheapest_fix(None, tight, footprint(), None)
+    assert fix.startswith("use --ctx ") and int(fix.split()[2]) < 1024
+    # the CPU's RAM too small for the experts: said beside the GPU's numbers
+    ram = plan(everything - 20 * MB, host=MB)
+    assert not ram.fits and "; in CPU RAM " in refusal("m", ram)
+
+
+@pytest.mark.parametrize("n,layers", [(0, "--n-cpu-moe 0"), (3, "--n-cpu-moe 3"), (6, "--cpu-moe")])
+def test_the_flag_named_for_a_count(n: int, layers: str) -> None:
+    assert ExpertChoice().flag(n, 6) == layers
