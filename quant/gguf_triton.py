@@ -1,5 +1,6 @@
 """GGUF blocks multiplied on CUDA: a Triton kernel that decodes each block of the file's bytes in
-registers as it multiplies (``x @ W^T``), for the types a Q4_K_M / Q5_K_M / Q6_K file holds.
+registers as it multiplies (``x @ W^T``), for the types a Q4_K_M / Q5_K_M / Q6_K file holds and
+gpt-oss's MXFP4 experts.
 
 Without it a GGUF's K-quant layers on a GPU went through the reference: the layer's blocks copied to
 the host, decoded by numpy and sent back at every call. Here the bytes stay where they are loaded
@@ -23,6 +24,8 @@ ggml layouts (little-endian), element ``e`` of a block:
   ``32 (e // 64) + e % 32``, high nibble in odd sub-blocks). Q5_K (176 B): the same plus 32 B of fifth
   bits before the codes (bit ``e // 32`` of byte ``e % 32``).
 * Q6_K (210 B): 128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales (one per 16), fp16 d last.
+* MXFP4 (17 B): an E8M0 byte e, 16 B of E2M1 codes as Q4_0's: ggml's doubled value (0, 1, 2, 3, 4, 6,
+  8, 12, the top bit the sign) times ``2^(e - 128)``, exact in fp32.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ if available():  # only on CUDA (and in the interpreter's checks): the CPU path 
     import triton.language as tl
 
 #: The block types this kernel decodes (the others stay on the reference).
-TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 _CODE = {name: i for i, name in enumerate(TYPES)}
 
 
@@ -103,7 +106,7 @@ def _gguf_mm(
                 bits = tl.load(B + base + 16 + (e % 32)[None, :], mask=ok, other=0).to(tl.int32)
                 q = q | (((bits >> j) & 1) << 4)
             w = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
-        else:  # Q6_K
+        elif QTYPE == 7:  # Q6_K
             half = (e // 128)[None, :]
             part = ((e % 128) // 32)[None, :]
             l = (e % 32)[None, :]
@@ -118,6 +121,14 @@ def _gguf_mm(
             hi = tl.load(B + base + 209, mask=ok, other=0).to(tl.uint16)
             d = (lo | (hi << 8)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             w = (d * sc) * q.to(tl.float32)
+        else:  # MXFP4: E8M0 e, then the codes as Q4_0's; ggml's doubled E2M1 value times 2^(e - 128)
+            e8 = tl.load(B + base, mask=ok, other=0).to(tl.int32)  # (BLOCK_N, 1)
+            d = tl.where(e8 < 2, 0x00200000 << e8, (e8 - 1) << 23).to(tl.float32, bitcast=True)
+            byte = tl.load(B + base + 1 + (e % 16)[None, :], mask=ok, other=0)
+            q = ((byte >> (4 * (e // 16))[None, :]) & 15).to(tl.int32)
+            mag = q & 7  # 0, 1, 2, 3, then 4, 6, 8, 12: (2 or 3) << 1 or 2
+            mag = tl.where(mag < 4, mag, (2 + (mag & 1)) << ((mag >> 1) - 1))
+            w = tl.where(q >= 8, -mag, mag).to(tl.float32) * d
         x = tl.load(X + m[:, None] * sxm + blk * QK + e[None, :], mask=m_ok[:, None], other=0.0)  # (BM, QK)
         if WIDEN:  # bf16 in Triton's interpreter: the same rounded values, multiplied in fp32
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(X.dtype.element_ty).to(tl.float32)),

@@ -19,7 +19,7 @@ on_cpu = pytest.mark.skipif(not triton_kernels.available() or not triton_kernels
 
 #: Where each type keeps its fp16 scales (byte offsets in a block): set to finite values.
 HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-          "Q5_K": (0, 2), "Q6_K": (208,)}
+          "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": ()}
 
 
 def random_blocks(qtype: str, out: int, inp: int, seed: int) -> torch.Tensor:
@@ -30,6 +30,8 @@ def random_blocks(qtype: str, out: int, inp: int, seed: int) -> torch.Tensor:
     for at in HALVES[qtype]:
         scales = (rng.standard_normal((out, inp // qk)) * 0.02).astype(np.float16)
         raw[:, :, at : at + 2] = scales.view(np.uint8).reshape(out, inp // qk, 2)
+    if qtype == "MXFP4":  # E8M0 scale bytes: 2^-8 .. 2^-3, as a trained model's
+        raw[:, :, 0] = rng.integers(119, 125, size=(out, inp // qk), dtype=np.uint8)
     return torch.from_numpy(raw.reshape(out, -1).copy())
 
 
