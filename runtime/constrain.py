@@ -134,17 +134,39 @@ def _find_value(schema: Any, key: str, value: str, where: str) -> str | None:
 FREE_TEXT = Grammar("start: /(.|\\n)*/\n", "text")
 
 
-def after_thinking(grammar: Grammar, opened: bool, budget: int | None = None) -> Grammar:
+def harmony_final(grammar: Grammar) -> Grammar:
+    """``grammar`` as the text of harmony's final message (gpt-oss: ``<|channel|>final<|message|>``
+    before it), for :func:`after_thinking` with ``harmony``."""
+    text = grammar.text
+    inner = json.loads(text) if text.lstrip().startswith("{") else {"grammars": [{"lark_grammar": text}]}
+    body = {**inner["grammars"][0], "name": "final_text"}
+    head = {"lark_grammar": 'start: <|channel|> "final" <|message|> @final_text\n'}
+    return Grammar(json.dumps({**inner, "grammars": [head, body, *inner["grammars"][1:]]}), grammar.summary,
+                   grammar.drafts)
+
+
+def after_thinking(grammar: Grammar, opened: bool, budget: int | None = None, harmony: bool = False) -> Grammar:
     """``grammar`` held to the answer only: a thinking block (``<think>…</think>``, as Qwen3 and
     DeepSeek-R1 write it) may come first, free, then the answer must match. ``opened``: the prompt
     already opened the block (the reply starts inside it, and must close it).
 
     ``budget``: the block is required and closed after that many tokens at most (``</think>`` is then
     the only token allowed). llguidance's lexer does not backtrack, so a bounded block cannot hold
-    ``<`` (or it could not tell the closing tag from thinking text)."""
+    ``<`` (or it could not tell the closing tag from thinking text).
+
+    ``harmony`` (gpt-oss): the thinking is a message on the analysis channel, ended by ``<|end|>`` (a
+    special token, which thinking text cannot hold), and ``grammar`` holds the messages after it
+    with their headers (:func:`harmony_final`, or the tools' call grammar)."""
     text = grammar.text  # llguidance's JSON form, or a Lark grammar as it is
     inner = json.loads(text) if text.lstrip().startswith("{") else {"grammars": [{"lark_grammar": text}]}
     answer = {**inner["grammars"][0], "name": "answer"}
+    if harmony:
+        bound = "" if budget is None else f"[max_tokens={budget}]"
+        block = '<|channel|> "analysis" <|message|> thought <|end|> <|start|> "assistant"'
+        start = f"start: {block} @answer\n" if budget is not None else f"start: ({block})? @answer\n"
+        wrapped = {**inner, "grammars": [{"lark_grammar": f"{start}thought{bound}: /(.|\\n)*/\n"}, answer,
+                                         *inner["grammars"][1:]]}
+        return Grammar(json.dumps(wrapped), grammar.summary, drafts=budget is None and grammar.drafts)
     if budget is not None:
         thought = f'thought[max_tokens={budget}]: /[^<]*/\nWS: /[ \\t\\n]+/\n'
         start = ('start: thought "</think>" WS? @answer\n' if opened

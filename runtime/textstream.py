@@ -64,12 +64,22 @@ class ThinkingSplitter:
     """
 
     OPEN, CLOSE = "<think>", "</think>"
+    #: Harmony's (gpt-oss) message tokens: ``[<|start|>ROLE]<|channel|>CHANNEL[ to=RECIPIENT][ TYPE]<|message|>``
+    #: then the message, ended by one of :attr:`ENDS`.
+    START, CHANNEL, MESSAGE, ENDS = "<|start|>", "<|channel|>", "<|message|>", ("<|end|>", "<|call|>", "<|return|>")
 
-    def __init__(self, opened: bool = False) -> None:
+    def __init__(self, opened: bool = False, harmony: bool = False) -> None:
+        """``harmony``: the reply is harmony's messages (:func:`template_channels`): the analysis
+        channel is thinking, final and commentary the answer (their headers left out), and a message
+        with a recipient (a call) passes on whole as answer, from ``<|start|>assistant`` (which its
+        header is given when the reply opens with it) to its end token, for the call parser."""
         self._held = ""
+        self._harmony = harmony
         self._state = "thinking" if opened else "start"  # start -> thinking -> after -> answer, or start -> answer
 
     def feed(self, piece: str) -> list[tuple[str, str]]:
+        if self._harmony:
+            return self._feed_messages(piece)
         text = self._held + piece
         self._held = ""
         out: list[tuple[str, str]] = []
@@ -108,17 +118,79 @@ class ThinkingSplitter:
             break
         return out
 
+    def _feed_messages(self, piece: str) -> list[tuple[str, str]]:
+        """Harmony: states "start" (a header, held until ``<|message|>`` decides it), then "thinking",
+        "answer" or "call" (a message's body, up to its end token)."""
+        text = self._held + piece
+        self._held = ""
+        out: list[tuple[str, str]] = []
+        while text:
+            if self._state == "start":
+                head = next((h for h in (self.START, self.CHANNEL) if text.startswith(h) or h.startswith(text)), None)
+                if head is None:  # no header: text of the answer's
+                    self._state = "answer"
+                    continue
+                at = text.find(self.MESSAGE)
+                if at < 0:
+                    self._held = text  # a header still being written
+                    break
+                header, text = text[:at], text[at + len(self.MESSAGE):]
+                if " to=" in header:
+                    self._state = "call"
+                    start = "" if header.startswith(self.START) else self.START + "assistant"
+                    out.append(("answer", start + header + self.MESSAGE))
+                else:
+                    channel = header.partition(self.CHANNEL)[2].split(" ", 1)[0]
+                    self._state = "thinking" if channel == "analysis" else "answer"
+                continue
+            ends = [(i, e) for e in self.ENDS if (i := text.find(e)) >= 0]
+            if ends:
+                at, end = min(ends)
+                body = text[: at + len(end)] if self._state == "call" else text[:at]
+                if body:
+                    out.append(("thinking" if self._state == "thinking" else "answer", body))
+                self._state, text = "start", text[at + len(end):]
+                continue
+            keep = next((n for n in range(min(len(text), max(map(len, self.ENDS)) - 1), 0, -1)
+                         if any(e.startswith(text[-n:]) for e in self.ENDS)), 0)
+            if len(text) > keep:
+                out.append(("thinking" if self._state == "thinking" else "answer", text[: len(text) - keep]))
+            self._held = text[len(text) - keep:]
+            break
+        return _merged(out)
+
     def flush(self) -> list[tuple[str, str]]:
-        """What is held back, at the end of the stream (an unclosed block stays thinking)."""
+        """What is held back, at the end of the stream (an unclosed block stays thinking; harmony: a
+        header never finished is no text)."""
         held, self._held = self._held, ""
-        if not held:
+        if not held or (self._harmony and self._state == "start"):
             return []
         return [("thinking" if self._state == "thinking" else "answer", held)]
 
 
+def _merged(parts: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Adjacent parts of one kind as one."""
+    out: list[tuple[str, str]] = []
+    for kind, text in parts:
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1] + text)
+        else:
+            out.append((kind, text))
+    return out
+
+
+def template_channels(template: str | None) -> bool:
+    """Whether a chat template is harmony's (gpt-oss): its replies are messages on channels, whose
+    headers are special tokens, so a reply is decoded with its special tokens (and split by
+    :class:`ThinkingSplitter` in its harmony mode)."""
+    text = template or ""
+    return ThinkingSplitter.CHANNEL in text and ThinkingSplitter.MESSAGE in text
+
+
 def template_thinks(template: str | None) -> bool:
-    """Whether a chat template is a thinking model's (it writes or reads ``<think>`` blocks)."""
-    return bool(template) and ThinkingSplitter.OPEN in template  # type: ignore[operator]
+    """Whether a chat template is a thinking model's (it writes or reads ``<think>`` blocks, or
+    harmony's analysis channel)."""
+    return ThinkingSplitter.OPEN in (template or "") or template_channels(template)
 
 
 def prompt_opens_thinking(tokenizer: Any, ids: Sequence[int]) -> bool:

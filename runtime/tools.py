@@ -6,7 +6,12 @@ The call syntax comes from the model's chat template (what the model was trained
 * ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block per call (Qwen2.5,
   Qwen3, Hermes); also the generic form below;
 * ``llama3``: the reply is ``{"name": ..., "parameters": {...}}`` (Llama 3.1-3.3);
-* ``mistral``: the ``[TOOL_CALLS]`` token, then ``[{"name": ..., "arguments": {...}}, ...]``.
+* ``mistral``: the ``[TOOL_CALLS]`` token, then ``[{"name": ..., "arguments": {...}}, ...]``;
+* ``harmony`` (gpt-oss): a message of its own on the commentary channel addressed to the function,
+  ``<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``;
+  ``<|call|>`` ends the reply, so a reply holds one call (the template renders one per message).
+  Its channels (analysis: thinking; final and commentary: the answer) are told apart by
+  :class:`runtime.textstream.ThinkingSplitter`, which passes a message with a recipient on whole.
 
 A template that takes no ``tools`` (SmolLM2's, Gemma 3's) gets the **generic** form: the tools are
 described in a system message (:func:`tools_system_prompt`) and calls are written in the hermes form.
@@ -27,8 +32,13 @@ from typing import Any
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.constrain import JSON_WHITESPACE, Grammar, json_schema
+from localllm.runtime.textstream import template_channels
 
-HERMES, LLAMA3, MISTRAL = "hermes", "llama3", "mistral"
+HERMES, LLAMA3, MISTRAL, HARMONY = "hermes", "llama3", "mistral", "harmony"
+#: Harmony's message tokens (special tokens: a reply in it is decoded with them, see
+#: :func:`runtime.textstream.template_channels`).
+START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN = (
+    "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>", "<|call|>", "<|return|>")
 
 
 @dataclass(frozen=True)
@@ -63,13 +73,20 @@ class CallSyntax:
 
     @property
     def opener(self) -> str:
-        """Text a reply that calls starts with (as decoded, special tokens left out)."""
-        return {HERMES: "<tool_call>", LLAMA3: "{", MISTRAL: "["}[self.kind]
+        """Text a call starts with (as decoded: special tokens left out, but for harmony's)."""
+        return {HERMES: "<tool_call>", LLAMA3: "{", MISTRAL: "[", HARMONY: START + "assistant"}[self.kind]
+
+    @property
+    def inline(self) -> bool:
+        """Whether a call may follow text (its opener is a token of its own), not only open the reply."""
+        return self.kind in (HERMES, HARMONY)
 
 
 def call_syntax(template: str | None, token_to_id: Any) -> CallSyntax:
     """The syntax ``template`` (the model's chat template source) trains its model to call in."""
     text = template or ""
+    if template_channels(text) and token_to_id(CHANNEL) is not None:
+        return CallSyntax(HARMONY)
     if "[TOOL_CALLS]" in text and token_to_id("[TOOL_CALLS]") is not None:
         return CallSyntax(MISTRAL, marker_id=token_to_id("[TOOL_CALLS]"))
     if "<tool_call>" in text:
@@ -77,6 +94,15 @@ def call_syntax(template: str | None, token_to_id: Any) -> CallSyntax:
     if "<|python_tag|>" in text or ("ipython" in text and "parameters" in text):
         return CallSyntax(LLAMA3)
     return CallSyntax(HERMES, generic=True)
+
+
+def reply_stop_ids(syntax: CallSyntax, token_to_id: Any) -> list[int]:
+    """Tokens that end a reply in ``syntax`` beside the model's end tokens: harmony's ``<|return|>``
+    (after the final answer) and ``<|call|>`` (after a call), not ``<|end|>`` (which ends one of the
+    reply's messages: its thinking, a preamble)."""
+    if syntax.kind != HARMONY:
+        return []
+    return [i for i in (token_to_id(RETURN), token_to_id(CALL)) if i is not None]
 
 
 def tools_system_prompt(tools: Sequence[Tool]) -> str:
@@ -120,6 +146,8 @@ def call_grammar(syntax: CallSyntax, tools: Sequence[Tool], choice: str | None, 
     allowed = [t for t in tools if t.name == choice] if choice not in ("auto", "required") else list(tools)
     for t in allowed:  # a schema llguidance cannot enforce is refused by name, not left loose
         json_schema(t.parameters, where=f"tools[{tools.index(t)}].function.parameters")
+    if syntax.kind == HARMONY:
+        return _compiled(_harmony_lark(allowed, choice))
     body = json.dumps(_body_schema(syntax, allowed))
     if syntax.kind == HERMES:
         calls = 'call (WS? call)*' if parallel else 'call'
@@ -134,7 +162,23 @@ def call_grammar(syntax: CallSyntax, tools: Sequence[Tool], choice: str | None, 
         rules = f"calls: marker WS? %json {json.dumps(array)}\nmarker: <[{syntax.marker_id}]>\n"
         text = r"/[^\[](.|\n)*/"
     start = "start: calls\n" if choice != "auto" else "start: TEXT | calls\n"
-    lark = f"{start}{rules}body: %json {body}\nTEXT: {text}\nWS: /[ \\t\\n]+/\n"
+    return _compiled(f"{start}{rules}body: %json {body}\nTEXT: {text}\nWS: /[ \\t\\n]+/\n")
+
+
+def _harmony_lark(tools: Sequence[Tool], choice: str | None) -> str:
+    """Harmony's reply after its thinking (:func:`runtime.constrain.after_thinking` puts that first):
+    one call, a message to the function on the commentary channel with its arguments held to the
+    schema (``<|call|>`` then ends the reply), or for "auto" also a final message of free text."""
+    space = {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}}
+    names = [f'call{i}: {CHANNEL} {json.dumps(f"commentary to=functions.{t.name} ")} {CONSTRAIN} "json" {MESSAGE} '
+             f'%json {json.dumps({**closed({"type": "object", **t.parameters}), **space})}'
+             for i, t in enumerate(tools)]
+    calls = "calls: " + " | ".join(f"call{i}" for i in range(len(tools)))
+    start = "start: calls\n" if choice != "auto" else f'start: final | calls\nfinal: {CHANNEL} "final" {MESSAGE} TEXT\n'
+    return start + calls + "\n" + "\n".join(names) + "\nTEXT: /(.|\\n)*/\n"
+
+
+def _compiled(lark: str) -> Grammar:
     from llguidance import LLMatcher
 
     grammar = LLMatcher.grammar_from_lark(lark)
@@ -155,6 +199,8 @@ def parse_calls(syntax: CallSyntax, text: str, cut: bool = False) -> tuple[str |
     that is closed but does not hold a call, and text that never opened one, stay text."""
     if syntax.kind == HERMES:
         return _parse_hermes(text, cut, syntax.opener)
+    if syntax.kind == HARMONY:
+        return _parse_harmony(text, cut, syntax.opener)
     body = text.strip()
     if syntax.kind == LLAMA3:
         body = body.removeprefix("<|python_tag|>").strip()
@@ -195,6 +241,34 @@ def _parse_hermes(text: str, cut: bool, opener: str) -> tuple[str | None, list[T
     elif cut:
         tail = tail[: len(tail) - _opener_prefix(tail, opener)]
     rest.append(tail)
+    content = "".join(rest).strip()
+    return (content or None), calls
+
+
+def _parse_harmony(text: str, cut: bool, opener: str) -> tuple[str | None, list[ToolCall]]:
+    """Each message from ``opener`` on is a call: ``HEADER<|message|>ARGUMENTS`` up to ``<|call|>`` or
+    ``<|end|>`` (or the reply's end: ``<|call|>`` is a stop token, never decoded). Its recipient
+    ``to=functions.NAME`` names the function; a header never finished, arguments that are not one
+    whole JSON object, and a recipient that is not a function (a built-in tool's) are left out, never
+    text. Text after a message's end is text (a final answer after a call)."""
+    pieces = text.split(opener)
+    rest, calls = [pieces[0]], []
+    for piece in pieces[1:]:
+        header, marked, body = piece.partition(MESSAGE)
+        ends = [at for at in (body.find(END), body.find(CALL)) if at >= 0]
+        end = min(ends) if ends else len(body)
+        after = body[end + len(CALL if body.startswith(CALL, end) else END):] if ends else ""
+        name = re.search(r"\bto=functions\.([^\s<]+)", header)
+        if marked and name:
+            try:
+                args = json.loads(body[:end])
+            except json.JSONDecodeError:
+                args = None
+            if isinstance(args, dict):
+                calls.append(ToolCall(name.group(1), args))
+        rest.append(after)
+    if cut:
+        rest[-1] = rest[-1][: len(rest[-1]) - _opener_prefix(rest[-1], opener)]
     content = "".join(rest).strip()
     return (content or None), calls
 
@@ -288,6 +362,36 @@ def generic_history(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool]
     return out
 
 
+def one_call_each(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """A conversation as harmony's template takes it: an assistant message with several calls as one
+    message per call, each followed by its result (the template renders a message's first call only,
+    and names a tool result after the call before it). Results are matched to calls by
+    ``tool_call_id`` where they carry one, else in order."""
+    out: list[Mapping[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        calls = m.get("tool_calls") or []
+        if m["role"] != "assistant" or len(calls) < 2:
+            out.append(m)
+            i += 1
+            continue
+        j = i + 1
+        while j < len(messages) and messages[j]["role"] == "tool":
+            j += 1
+        results = list(messages[i + 1 : j])
+        for k, call in enumerate(calls):
+            out.append({**m, "content": m.get("content") if k == 0 else "", "tool_calls": [call]})
+            match = next((r for r in results if call.get("id") is not None and r.get("tool_call_id") == call.get("id")),
+                         results[0] if results else None)
+            if match is not None:
+                results.remove(match)
+                out.append(match)
+        out += results
+        i = j
+    return out
+
+
 def encode_tool_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool],
                      syntax: CallSyntax, **extra: Any) -> list[int]:
     """A conversation's token ids with ``tools`` offered: through the template's own ``tools`` where it
@@ -297,6 +401,8 @@ def encode_tool_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tool
 
     if syntax.generic:
         return encode_chat(tokenizer, generic_history(messages, tools), **extra)
+    if syntax.kind == HARMONY:
+        messages = one_call_each(messages)
     return encode_chat(tokenizer, messages, tools=[t.spec() for t in tools] or None, **extra)
 
 
@@ -318,7 +424,7 @@ class ReplySplitter:
     def feed(self, text: str) -> str:
         """The part of ``text`` to show now."""
         opener = self.syntax.opener
-        if self.mode == "text" and self.syntax.kind != HERMES:
+        if self.mode == "text" and not self.syntax.inline:
             return text
         self.held += text
         if self.mode == "calls":
@@ -331,7 +437,7 @@ class ReplySplitter:
                 self.mode = "calls"
                 return ""
             self.mode = "text"
-            if self.syntax.kind != HERMES:
+            if not self.syntax.inline:
                 out, self.held = self.held, ""
                 return out
         found = self.held.find(opener)  # text, where a call may still follow

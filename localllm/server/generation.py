@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from localllm.runtime.batch import RequestHandle, TokenLogprob
-from localllm.runtime.textstream import StopStringFilter
+from localllm.runtime.textstream import StopStringFilter, template_channels
 from localllm.runtime.tokenizer import Tokenizer
 
 #: Text pieces handed to the event loop and not yet taken by the client's response (see the module's doc).
@@ -94,7 +94,8 @@ class Generation:
         return not self._cancelled.is_set() and self._put(Piece(piece, entries))
 
     def _pump(self) -> None:
-        decoder = self._tokenizer.stream(skip_special=True)
+        # harmony's replies (gpt-oss) are messages whose headers are special tokens: kept, to be split
+        decoder = self._tokenizer.stream(skip_special=not template_channels(self._tokenizer.chat_template))
         cut = StopStringFilter(self._stop)
         reason: str | None = None
         error: BaseException | None = None

@@ -36,6 +36,7 @@ from localllm.runtime.batch import DEFAULT_KV_BUDGET, BatchEngine
 from localllm.runtime.constrain import Constraint, Constraints, Grammar
 from localllm.runtime.sampling import SamplingParams
 from localllm.runtime.scheduler import EngineBusy
+from localllm.runtime.tools import call_syntax, reply_stop_ids
 from localllm.server.config import ServerConfig
 from localllm.server.generation import Generation
 from localllm.server.metrics import Metrics
@@ -391,7 +392,9 @@ class ModelManager:
                          "on after the server stops (output in %s); the next load of %s uses it",
                          name, build_log(), name)
         engine.start()
-        stop_ids = list(dict.fromkeys([*lm.tokenizer.eos_ids, *lm.config.eos_token_ids]))
+        tk = lm.tokenizer  # harmony's <|return|> and <|call|> end a reply whatever the files list
+        ends = reply_stop_ids(call_syntax(tk.chat_template, tk.token_to_id), tk.token_to_id)
+        stop_ids = list(dict.fromkeys([*tk.eos_ids, *lm.config.eos_token_ids, *ends]))
         return ModelSlot(name, lm, engine, stop_ids, lm.weight_bytes + engine.plan.bytes,
                          time.perf_counter() - t0, cfg.keep_alive_s)
 

@@ -1,5 +1,6 @@
-"""A reply as the APIs show it: its thinking block apart (Qwen3's and DeepSeek-R1's ``<think>``), its
-answer, and its tool calls, told apart as the text streams and from the whole text alike."""
+"""A reply as the APIs show it: its thinking block apart (Qwen3's and DeepSeek-R1's ``<think>``,
+gpt-oss's analysis channel), its answer, and its tool calls, told apart as the text streams and from
+the whole text alike."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import Any
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.batch import TokenLogprob
-from localllm.runtime.constrain import FREE_TEXT, Grammar, after_thinking
+from localllm.runtime.constrain import FREE_TEXT, Grammar, after_thinking, harmony_final
 from localllm.runtime.textstream import ThinkingSplitter, prompt_opens_thinking, template_thinks
-from localllm.runtime.tools import ReplySplitter, ToolCall, call_grammar, call_syntax, encode_tool_chat
+from localllm.runtime.tools import (HARMONY, ReplySplitter, ToolCall, call_grammar, call_syntax,
+                                    encode_tool_chat)
 from localllm.server.errors import ApiError
 from localllm.server.generation import Generation
 from localllm.server.tool_calls import ToolAsk
@@ -27,9 +29,10 @@ class ReplyShape:
     opened: bool = False
     calls: ReplySplitter | None = None
     found: list[ToolCall] = field(default_factory=list)  # the calls, once :func:`stream_parts` has ended
+    harmony: bool = False  # the reply is harmony's channels (gpt-oss): split whether or not it thinks
 
     def __post_init__(self) -> None:
-        self._thinking = ThinkingSplitter(self.opened) if self.thinks else None
+        self._thinking = ThinkingSplitter(self.opened, self.harmony) if self.thinks or self.harmony else None
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         """("thinking" or "answer", text) pairs to show now."""
@@ -80,29 +83,46 @@ def end_reason(finish_reason: str, calls: list[ToolCall]) -> str:
     return "tool_calls" if calls else "stop"
 
 
+def reasoning_effort(think: bool | None, effort: str | None) -> str | None:
+    """Harmony's ``reasoning_effort`` (low, medium, high) for a request's thinking: its effort where it
+    names one, "low" for thinking off or minimal (gpt-oss always thinks: low is the least), None
+    (the template's default, medium) for neither."""
+    if effort in ("low", "medium", "high"):
+        return effort
+    return "low" if think is False or effort in ("none", "minimal") else None
+
+
 def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolAsk | None, grammar: Grammar | None,
-                 think: bool | None, budget: int | None = None) -> tuple[list[int], Grammar | None, ReplyShape]:
+                 think: bool | None, budget: int | None = None,
+                 effort: str | None = None) -> tuple[list[int], Grammar | None, ReplyShape]:
     """A chat's prompt ids (the tools offered through the model's template, or the generic form;
-    ``think`` as the template's ``enable_thinking``, None: its default), the grammar the reply is held
-    to (the format's or the tools'; after a thinking block where the model thinks), and how to read
-    the reply; ``budget``: the most thinking tokens, where the model thinks. Runs on a worker thread
-    (templates, schemas)."""
+    ``think`` as the template's ``enable_thinking``, None: its default; for harmony's template ``think``
+    and ``effort`` as its ``reasoning_effort``), the grammar the reply is held to (the format's or the
+    tools'; after a thinking block where the model thinks), and how to read the reply; ``budget``: the
+    most thinking tokens, where the model thinks. Runs on a worker thread (templates, schemas)."""
     syntax = call_syntax(tokenizer.chat_template, tokenizer.token_to_id)
-    extra = {} if think is None else {"enable_thinking": think}
+    harmony = syntax.kind == HARMONY
+    if harmony:
+        level = reasoning_effort(think, effort)
+        extra = {} if level is None else {"reasoning_effort": level}
+    else:
+        extra = {} if think is None else {"enable_thinking": think}
     ids = encode_tool_chat(tokenizer, messages, tools.tools if tools is not None else [], syntax, **extra)
     if tools is not None:
         try:
             grammar = call_grammar(syntax, tools.tools, tools.choice, tools.parallel)
         except LocalLLMError as e:
             raise ApiError(400, e.one_line(), param="tools") from None
-    thinks = think is not False and template_thinks(tokenizer.chat_template)
-    opened = thinks and prompt_opens_thinking(tokenizer, ids)
+    elif harmony and (grammar is not None or budget is not None):  # the format holds the final message
+        grammar = harmony_final(grammar or FREE_TEXT)
+    thinks = harmony or (think is not False and template_thinks(tokenizer.chat_template))
+    opened = thinks and not harmony and prompt_opens_thinking(tokenizer, ids)
     if budget is not None and thinks:
-        grammar = after_thinking(grammar or FREE_TEXT, opened, budget)
+        grammar = after_thinking(grammar or FREE_TEXT, opened, budget, harmony)
     elif grammar is not None and thinks:  # the format holds the answer, not the thinking before it
-        grammar = after_thinking(grammar, opened)
+        grammar = after_thinking(grammar, opened, harmony=harmony)
     calls = None if tools is None else ReplySplitter(syntax, tools.forced)
-    return ids, grammar, ReplyShape(thinks, opened, calls)
+    return ids, grammar, ReplyShape(thinks, opened, calls, harmony=harmony)
 
 
 async def stream_parts(gen: Generation, shape: ReplyShape | None) -> AsyncIterator[tuple[str, str, list[TokenLogprob]]]:
