@@ -87,6 +87,7 @@ def load_weights(
     source: str,
     kernel: str | None = None,
     check: bool = True,
+    host: frozenset[str] = frozenset(),
 ) -> Transformer:
     """Assign each (name, tensor) to ``model`` in ``dtype`` on ``device``, checking names and shapes.
 
@@ -102,10 +103,14 @@ def load_weights(
     can run it) as soon as its tensors are complete, so its canonical tensors live only that long.
     ``device`` may be a :class:`quant.target.Target` (the device with a CUDA device's capability, as
     the caller resolved it: kernels are chosen for it); ``check=False`` skips the kernels' check
-    against the reference (:meth:`QuantLinear.prepare`).
+    against the reference (:meth:`QuantLinear.prepare`). ``host`` names modules (a MoE layer's
+    ``layers.3.mlp.experts``) whose tensors go to CPU RAM instead (:mod:`loaders.placement`).
     """
     where = Target.of(device)
     device = where.device
+
+    def device_of(target: _Target) -> torch.device:
+        return torch.device("cpu") if any(target.name.startswith(f"{m}.") for m in host) else device
     tied = model.config.tie_embeddings and isinstance(model.output, nn.Linear)
     shared_embedding = isinstance(getattr(model, "embed", None), TiedHeadEmbedding)
     targets, slices = _targets(model, dtype)
@@ -159,13 +164,13 @@ def load_weights(
                 "the checkpoint does not match its config",
             )
         if whole not in slices and expert is None:
-            _assign(target, t.to(device=device, dtype=target.dtype))
+            _assign(target, t.to(device=device_of(target), dtype=target.dtype))
             unfilled.discard(name)
             complete(target)
             continue
         current = getattr(target.module, target.leaf)
         if current.device.type == "meta":
-            current = torch.empty(target.shape, dtype=target.dtype, device=device)
+            current = torch.empty(target.shape, dtype=target.dtype, device=device_of(target))
             if target.leaf == "bias":
                 current.zero_()  # a part without bias contributes zeros
             _assign(target, current)

@@ -21,6 +21,7 @@ from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from localllm.loaders.gguf import GGUFCheckpoint
 from localllm.loaders.hub_quant import open_hf_folder
+from localllm.loaders.placement import Placement, host_expert_modules
 from localllm.loaders.spec import LoadSpec
 from localllm.loaders.store import MANIFEST, Store, read_entry
 from localllm.quant.formats import ALL_SCHEMES, FLOAT_SCHEMES, QuantScheme, parse_scheme
@@ -230,6 +231,8 @@ class LoadedModel:
     pooling: str = "last"
     #: The data-aware int4 calibration this load ran (None: none ran).
     calibration: Calibration | None = None
+    #: Where a MoE model's experts live on a GPU run (None: a CPU run or a dense model).
+    placement: Placement | None = None
 
     @property
     def scheme_label(self) -> str:
@@ -333,10 +336,13 @@ def load_model(
     imported = ckpt.tensor_import(plan, dtype_name(act)) if isinstance(ckpt, GGUFCheckpoint) else {}
     if fuse:
         fuse_projections(model)  # on meta: the stream fills the fused tensors' row slices
-    model = load_weights(model, tensors, target, act, source, kernel, check_kernels)
+    placement = place_experts(model, spec, target, act) if dev.type == "cuda" and config.is_moe else None
+    host = host_expert_modules(placement.n_cpu_moe, placement.expert_bytes) if placement is not None else frozenset()
+    model = load_weights(model, tensors, target, act, source, kernel, check_kernels, host)
     del tensors, ckpt  # the reader, its metadata and its file
     used = prepare_model(model, act, kernel, target=target, check=check_kernels)  # prepared as they arrived: counted
-    used.update(prepare_moe(model, act, target=target, check=check_kernels))  # a MoE's experts, a layer at a time
+    # a MoE's experts, a layer at a time; those placed in CPU RAM run there
+    used.update(prepare_moe(model, act, target=target, check=check_kernels, host=Target(torch.device("cpu"))))
     release_freed_memory()
     if attention_kernel and dev.type == "cpu":
         from localllm.runtime import cpu_attention
@@ -349,5 +355,20 @@ def load_model(
         if cuda_attention.span_kernel() is not None:  # compiled by Triton at the first step
             used["attention-cuda"] = len(model.layers)
     return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme or rows_scheme,
-                       used, dequantized_from, imported, pooling, calibration if calibration.ran else None)
+                       used, dequantized_from, imported, pooling, calibration if calibration.ran else None,
+                       placement)
+
+
+def place_experts(model: Transformer, spec: LoadSpec, target: Target, act: torch.dtype) -> Placement:
+    """Which layers' experts of a MoE ``model`` (on ``meta``) load into CPU RAM on a GPU ``target``: as
+    ``spec`` says (``--cpu-moe``, ``--n-cpu-moe``), else as the memory plan places them for ``run``'s
+    default context (:func:`loaders.memory_plan.plan_for`)."""
+    from localllm.loaders.memory_plan import RUN_DEFAULT_CTX, Footprint, meta_weight_bytes, plan_for
+    from localllm.loaders.placement import ExpertChoice, expert_layer_bytes
+
+    fp = Footprint(model.config, "", meta_weight_bytes(model, act), act, target.device, expert_layer_bytes(model, act))
+    plan = plan_for(fp, min(model.config.max_seq_len, RUN_DEFAULT_CTX), kv_dtype=spec.kv_dtype,
+                    experts=ExpertChoice(spec.cpu_moe, spec.n_cpu_moe))
+    assert plan.placement is not None  # a MoE on a GPU is always placed
+    return plan.placement
 

@@ -89,7 +89,15 @@ class Experts(nn.Module):
                                self.biases())
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return experts_ffn(x, ids, weights, self.projections(), self.down, self.act, self.biases())
+        home = self.down.device
+        if x.device == home:
+            return experts_ffn(x, ids, weights, self.projections(), self.down, self.act, self.biases())
+        # Experts kept in CPU RAM (loaders.placement) while the hidden states are on the GPU: the rows,
+        # their routed ids and weights go to the host (the copies wait for the router: the one sync),
+        # the experts' kernel runs there, and the sum comes back without blocking.
+        y = experts_ffn(x.to(home), ids.to(home), weights.to(home), self.projections(), self.down, self.act,
+                        self.biases())  # (N, D) on the host
+        return y.to(x.device, non_blocking=True)
 
 
 class MoE(nn.Module):
@@ -136,12 +144,17 @@ class MoE(nn.Module):
 
 
 def prepare_moe(model: nn.Module, act_dtype: torch.dtype, kernel: str | None = None, target: Target | None = None,
-                check: bool = True) -> Counter[str]:
+                check: bool = True, host: Target | None = None) -> Counter[str]:
     """Choose and lay out the expert kernel of every MoE layer not prepared yet; how many layers use
-    each (for ``--verbose``). ``kernel`` names an expert kernel to prefer (where it can run them)."""
+    each (for ``--verbose``). ``kernel`` names an expert kernel to prefer (where it can run them).
+    Experts the loader placed on ``host`` (CPU RAM on a GPU run) get ``host``'s kernel and are counted
+    apart (``experts-moe-blocks-cpu on cpu``)."""
     used: Counter[str] = Counter()
     verdicts: dict[tuple, bool] = {}
     for module in model.modules():
         if isinstance(module, Experts):
-            used[f"experts-{module.prepare(act_dtype, kernel, target, check, verdicts)}"] += 1
+            apart = host is not None and target is not None and host.device != target.device \
+                and module.down.device == host.device
+            name = module.prepare(act_dtype, kernel, host if apart else target, check, verdicts)
+            used[f"experts-{name}" + (f" on {host.device}" if apart and host is not None else "")] += 1
     return used

@@ -751,3 +751,69 @@ def test_the_dry_run_catches_a_tinygemm_layout_the_cuda_kernel_refuses(fake, mon
         model(tokens, last_only=True)  # the meta kernels alone: no complaint
         with pytest.raises(AssertionError, match="int4mm: scales"), Audit().during("whole"):
             model(tokens, last_only=True)
+
+
+# --------------------------------------------------------------------------- MoE experts in CPU RAM
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    """A tiny Qwen3-MoE's HF folder (3 layers, the middle one dense: tests/test_moe.py's)."""
+    from tests.conftest import hf_folders
+    from tests.test_moe import qwen3_moe_model
+
+    return hf_folders({"qwen3_moe": qwen3_moe_model}, "dryrun-moe", tmp_path_factory)("qwen3_moe")[1]
+
+
+def _experts_devices(model) -> dict[int, set[str]]:
+    """Each sparse layer's experts' tensors' devices."""
+    return {i: {str(t.device) for t in [*layer.mlp.experts.parameters(), *layer.mlp.experts.buffers()]}
+            for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "experts")}
+
+
+def _gpu_parts(model) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor but the experts': embeddings, attention, norms, routers, head."""
+    return [(n, t) for n, t in model_tensors_of(model) if ".mlp.experts." not in n]
+
+
+@pytest.mark.parametrize("choice", ["cpu_moe", "n_cpu_moe", "automatic"])
+def test_moe_experts_placed_in_cpu_ram_cross_to_the_host_and_back(choice, moe_folder, fake, host_checkpoints,
+                                                                 monkeypatch):
+    """A tiny Qwen3-MoE (sparse layers 0 and 2) in int4 on the fake GPU with its experts placed by
+    ``--cpu-moe``, ``--n-cpu-moe 1`` or the plan (the GPU's memory forced to leave room for all but
+    layer 0's experts): the experts placed in CPU RAM are there, on the native CPU expert kernel, and
+    everything else is on the GPU. With every expert in CPU RAM a forward sends each sparse layer's
+    rows, routed ids and weights to the host (3 copies down), runs ``localllm::moe_ffn`` there on host
+    tensors alone, and sends the sum back without blocking: no other read, no blocking upload."""
+    from localllm.loaders.memory_plan import AVAILABLE_ENV, footprint, plan_for
+    from localllm.loaders.spec import LoadSpec
+
+    ckpt = load_module.open_checkpoint(str(moe_folder))
+    fp = footprint(ckpt, LoadSpec(str(moe_folder), device=GPU, quant="int4"))
+    assert fp.expert_bytes[1] == 0 and fp.expert_bytes[0] == fp.expert_bytes[2] > 0
+    whole = plan_for(fp, min(fp.config.max_seq_len, 4096), available=(10**12, "t"), host_available=(10**12, "t"))
+    # the GPU short of half a layer's experts: the plan keeps layer 0's in CPU RAM
+    monkeypatch.setenv(AVAILABLE_ENV, str(whole.total - fp.expert_bytes[0] // 2))
+    options = {"cpu_moe": {"cpu_moe": True}, "n_cpu_moe": {"n_cpu_moe": 1}, "automatic": {}}[choice]
+    with fake:
+        lm = load_model(str(moe_folder), device=GPU, quant="int4", check_kernels=False, **options)
+        model = lm.model
+        assert_on_device(_gpu_parts(model))
+        host = {0, 2} if choice == "cpu_moe" else {0}
+        assert _experts_devices(model) == {i: {"cpu"} if i in host else {"cuda:0"} for i in (0, 2)}
+        assert lm.placement is not None and lm.placement.host_layers == tuple(sorted(host))
+        assert lm.placement.chosen_by == {"cpu_moe": "--cpu-moe", "n_cpu_moe": "--n-cpu-moe 1",
+                                          "automatic": "automatic"}[choice]
+        assert lm.kernels["experts-moe-blocks-cpu on cpu"] == len(host)
+        for i in host:
+            assert model.layers[i].mlp.experts.down.kernel.name == "moe-blocks-cpu"
+        if choice != "cpu_moe":
+            return  # the GPU's experts run the reference, whose counts are read back: not this test's
+        audit, tokens = Audit(), torch.tensor([PROMPTS[0]], device="cuda")
+        with audit.during("whole"), torch.inference_mode():
+            logits = model(tokens)
+    assert logits.shape == (1, 12, model.config.vocab_size) and logits.device.type == "cuda"
+    kinds = audit.kinds("whole")
+    assert set(kinds) <= {"op", "host", "h2d-async", "d2h"}, kinds
+    assert kinds["d2h"] == 3 * 2  # each sparse layer: its rows, ids and weights
+    host_ops = audit.of("host", "whole")
+    assert host_ops.count("localllm.moe_ffn.default") == 2, host_ops
+    assert len(audit.of("h2d-async", "whole")) == 2 + 1  # the sums come back (and the RoPE frequencies go up)
