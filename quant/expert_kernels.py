@@ -125,7 +125,9 @@ class MoEBlocksCPU(ExpertKernel):
         clamped = isinstance(act, ClampedSwiGLU)
         code = CLAMPED_CODE if clamped else ACT_CODES[act]  # type: ignore[index]
         limit, alpha = (act.limit, act.alpha) if clamped else (0.0, 0.0)  # type: ignore[union-attr]
-        gb, ub, db = biases if biases is not None else (None, None, None)
+        # the biases where the experts run (no copy when they are there already: the loader's placement
+        # keeps them beside the expert projections)
+        gb, ub, db = (b.to(x.device, torch.float32) for b in biases) if biases is not None else (None, None, None)
         return torch.ops.localllm.moe_ffn(
             x, ids64, weights.float(), g, u, down.blocks, GGUF_BLOCKS[gt][0], GGUF_BLOCKS[ut][0],  # type: ignore[index]
             GGUF_BLOCKS[block_type(down)][0], code, gb, ub, db, limit, alpha)  # type: ignore[index]

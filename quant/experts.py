@@ -250,10 +250,10 @@ class ReferenceExperts(ExpertKernel):
             else:
                 g, u = reference_linear(gate_up.expert(e), gate_up.scheme, xe).chunk(2, dim=-1)
             if biases is not None:
-                g, u = g + biases.gate[e].to(g.dtype), u + biases.up[e].to(u.dtype)
+                g, u = g + biases.gate[e].to(g), u + biases.up[e].to(u)
             h = reference_linear(down.expert(e), down.scheme, activate(g, u, act))  # (n, D)
             if biases is not None:
-                h = h + biases.down[e].to(h.dtype)
+                h = h + biases.down[e].to(h)
             out.index_add_(0, rows[start : start + n], h.float() * w[start : start + n, None])
             start += n
         return out.to(x.dtype)

@@ -15,10 +15,10 @@ New keys and values are written to their slots of the pool (quantized for an int
 query attends.
 
 Sinks (gpt-oss): a learned logit per query head joins each query's softmax as one more column, whose
-probability is then dropped: ``out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``. No paged
-kernel takes them yet (each would equal ``out_plain * sigmoid(lse - sink)`` with its log-sum-exp, which
-the kernels do not return): a sink model's layers attend through :func:`reference` over gathered keys
-on every device, and the compiled step and CUDA graphs refuse such a model
+probability is then dropped: ``out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``. The CPU decode
+kernel takes them (a kernel with ``takes_sinks``: the sink joins its softmax's max and sum); the chunk
+kernel and CUDA's span kernel do not, so prefill chunks (and every row on CUDA) attend through
+:func:`reference` over gathered keys; the compiled step and CUDA graphs refuse such a model
 (:attr:`runtime.model.Attention.takes_kernels`).
 """
 
@@ -124,9 +124,11 @@ def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer,
            scale: float | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The paged attention once q and k are as the pool's keys want them -> (1, N, H * hd) in q's dtype."""
     step = layer.step
-    plain = softcap is None and sinks is None  # soft-capped scores and sinks never take a kernel
-    use_kernel = plain and step.tables is not None
-    if not plain and not step.spans:
+    plain = softcap is None and sinks is None  # the chunk kernel takes neither soft-capped scores nor sinks
+    # a decode kernel with ``takes_sinks`` takes sinks (its span kind, CUDA's, does not)
+    sink_kernel = sinks is not None and step.tiles is None and getattr(step.kernel, "takes_sinks", False)
+    use_kernel = (plain or (softcap is None and sink_kernel)) and step.tables is not None
+    if not use_kernel and not plain and not step.spans:
         raise ValueError("soft-capped or sink attention needs the step's spans: a decode-only step has none")
     _, H, N, hd = q.shape
     KV = k.shape[1]
@@ -145,7 +147,11 @@ def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer,
         qd = qt if step.kernel_rows is None else qt.index_select(0, step.kernel_rows)  # (S_d, H, hd)
         if q_prescale != 1.0:
             qd = qd * q_prescale
-        decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, step.tables, step.lens, layer.window)
+        if sinks is None:
+            decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, step.tables, step.lens, layer.window)
+        else:
+            decode = step.kernel(qd.reshape(-1, KV, H // KV, hd), kp, vp, step.tables, step.lens, layer.window,
+                                 sinks=sinks.float())  # type: ignore[call-arg]
         if step.kernel_rows is None:
             return decode.reshape(1, N, H * hd)  # (S_d, KV, G, hd), S_d == N: every row in order
     y = q.new_empty(N, H, hd)

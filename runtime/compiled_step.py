@@ -107,7 +107,7 @@ def unsupported(model: Transformer, pool: KVPool, kernel: PagedDecodeAttention |
     if any(layer.attn.softcap is not None for layer in model.layers):
         return "soft-capped attention does not take the paged kernel"
     if any(layer.attn.sinks is not None for layer in model.layers):
-        return "attention with sinks (gpt-oss) does not take the paged kernel yet"
+        return "attention with sinks (gpt-oss) is not traced through the paged kernel yet"
     if any(isinstance(m, QuantExperts) and m.kernel in (None, ReferenceExperts) for m in model.modules()):
         # the reference loops over the experts a step routes to (data): one native call traces, by its fake
         return "its Mixture-of-Experts layers run on the reference expert kernel"

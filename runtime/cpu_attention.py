@@ -35,13 +35,14 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("localllm::paged_decode_attention")
     def _paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+               context_lens: torch.Tensor, scale: float, window: int = 0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("localllm::paged_decode_attention_q8")
     def _paged_q8(q: torch.Tensor, k_pool: torch.Tensor, k_scale: torch.Tensor, v_pool: torch.Tensor,
                   v_scale: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                  scale: float, window: int = 0) -> torch.Tensor:
+                  scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("localllm::paged_chunk_attention")
@@ -65,20 +66,25 @@ CHUNK_HEAD_DIM = 16
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor | QuantKV, v_pool: torch.Tensor | QuantKV,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           window: int | None = None) -> torch.Tensor:
+                           window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence over the paged pool: q (S, KV, G, hd), the G query heads that share each
     kv head; k_pool, v_pool (n_blocks, KV, block, hd), or an int8 pool's QuantKV (scales (n_blocks, KV,
     block)); block_tables (S, max_blocks) int32, sequence s's keys being the first ``context_lens[s]``
     rows of its blocks in table order; context_lens (S,) int32. With a ``window``, sequence s's query
     (at position ``context_lens[s] - 1``) sees only the last ``window`` of those keys, and table entries
     before them are not read (a sliding-window group's given-back blocks). Returns (S, KV, G, hd) in
-    q's dtype, as SDPA over the gathered (dequantized) rows does."""
+    q's dtype, as SDPA over the gathered (dequantized) rows does. ``sinks`` (KV * G,) fp32: each query
+    head's sink logit (gpt-oss), which joins its softmax's max and sum and carries no value."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     w = window or 0
     if isinstance(k_pool, QuantKV) and isinstance(v_pool, QuantKV):
         return torch.ops.localllm.paged_decode_attention_q8(
-            q, k_pool.codes, k_pool.scales, v_pool.codes, v_pool.scales, block_tables, context_lens, scale, w)
-    return torch.ops.localllm.paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, w)
+            q, k_pool.codes, k_pool.scales, v_pool.codes, v_pool.scales, block_tables, context_lens, scale, w, sinks)
+    return torch.ops.localllm.paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, w, sinks)
+
+
+#: The decode kernel takes a model's attention sinks (``sinks=``): :func:`runtime.attention.paged` asks.
+paged_decode_attention.takes_sinks = True  # type: ignore[attr-defined]
 
 
 def paged_kernel(cache_dir: Path | None = None) -> PagedDecodeAttention | None:

@@ -245,3 +245,37 @@ def test_stored_int4_loads_as_pulled_and_bf16_runs(oss, tmp_path):
     kl = torch.nn.functional.kl_div(half[0].log_softmax(-1), fp32[0].log_softmax(-1), log_target=True,
                                     reduction="batchmean")
     assert kl < 0.01, kl
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+@pytest.mark.parametrize("lens, window", [([1, 15, 16, 17, 53, 200], None), ([1, 15, 53, 200], 37),
+                                          ([700], None)])  # one long stream: its task split across threads
+def test_decode_kernel_with_sinks_equals_the_reference(dtype, lens, window):
+    """The CPU decode kernel with sinks (the sink joins each head's softmax max and sum) against the
+    reference over the gathered keys, scattered blocks, a window, float and int8 pools; the sinks move
+    the result (some above every score, some below)."""
+    from localllm.runtime import attention, cpu_attention
+    from localllm.runtime.cache import quantize_kv
+    from localllm.runtime.kv_pool import gather
+    from tests.test_cpu_attention import _released, random_batch
+
+    kv, g, hd, bs = 2, 3, 64, 16
+    real = torch.float32 if dtype == "int8" else dtype
+    q, k_pool, v_pool, tables, table, ctx = random_batch(real, kv, g, hd, bs, lens, n_blocks=60, seed=3)
+    sinks = torch.tensor([-3.0, 0.0, 1.5, 4.0, 9.0, -20.0])  # (KV * G,)
+    pools = (quantize_kv(k_pool), quantize_kv(v_pool)) if dtype == "int8" else (k_pool, v_pool)
+    got = cpu_attention.paged_decode_attention(q, *pools, _released(table, lens, bs, window), ctx, window, sinks=sinks)
+    plain = cpu_attention.paged_decode_attention(q, *pools, _released(table, lens, bs, window), ctx, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, n in enumerate(lens):
+        if dtype == "int8":
+            k, v = gather(pools[0], pools[1], tables[i], n, torch.float32)
+        else:
+            k, v = gather(k_pool, v_pool, tables[i], n)  # (1, KV, n, hd)
+        first = 0 if window is None else max(0, n - window)
+        k, v = k[:, :, first:].float(), v[:, :, first:].float()
+        qi = q[i].reshape(1, kv * g, 1, hd).float()  # the query heads, kv head by kv head
+        want = attention.reference(qi, k, v, None, None, None, sinks)[0, :, 0].reshape(kv, g, hd)
+        assert (got[i].float() - want).abs().max() <= tol * max(1.0, want.abs().max().item()), i
+    assert (got.float() - plain.float()).abs().max() > 0.1

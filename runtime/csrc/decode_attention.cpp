@@ -313,12 +313,15 @@ inline void weigh_rows(const float* p, int64_t G, const KT* vb, int64_t vs, int6
   weigh<KT, NV>(p, G, vb, vs, L, hd, hv, acc, ld, add, vsc, vss);
 }
 
-// Softmax numerators exp(s - max) in place over one row of L scores; returns their fp32 sum.
+// Softmax numerators exp(s - max) in place over one row of L scores; returns their fp32 sum. With a
+// sink (gpt-oss: a learned logit of the head, finite), it joins the max and the sum, and has no value.
 template <typename T>
-inline float softmax_row(float* sj, int64_t L) {
-  const float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sj, L);
+inline float softmax_row(float* sj, int64_t L, const float* sink = nullptr) {
+  float mx = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, sj, L);
+  if (sink != nullptr) mx = std::max(mx, *sink);
   at::vec::map<float>([mx](Vec x) { return (x - Vec(mx)).exp_u20(); }, sj, sj, L);
-  const float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sj, L);
+  float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sj, L);
+  if (sink != nullptr) sum += std::exp(*sink - mx);
   // rounded to the input dtype, as the flash kernel's second GEMM reads them
   if constexpr (!std::is_same_v<T, float>) {
     for (const auto l : c10::irange(L)) sj[l] = static_cast<float>(static_cast<T>(sj[l]));
@@ -410,7 +413,8 @@ inline void weigh_rows_any(int64_t dn, const float* p, int64_t G, const KT* vb, 
 // the bits depend neither on the split nor on the number of threads.
 template <typename T, typename KT, int NV>
 void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
-                  const at::Tensor& lens, double scale, int64_t window, at::Tensor& y, const RowScales& rs) {
+                  const at::Tensor& lens, double scale, int64_t window, at::Tensor& y, const RowScales& rs,
+                  const float* sinks) {
   // q (S, KV, G, hd) with unit stride on hd; pools with unit stride on hd (T, or int8 codes with rs's
   // scales (n_blocks, KV, block)); y (S, KV, G, hd) contiguous.
   const int64_t S = q.size(0), KV = q.size(1), G = q.size(2), hd = q.size(3), bs = kp.size(2);
@@ -507,11 +511,12 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
                           ksc ? rs.ks[2] : 0, buf);
     }
   };
-  // Each row's softmax over its own keys; sums (Q) their fp32 sums.
-  const auto softmax = [&](const Chunk& k, float* s, float* sums) {
+  // Each row's softmax over its own keys (and kv head h's query head's sink); sums (Q) their fp32 sums.
+  const auto softmax = [&](const Chunk& k, int64_t h, float* s, float* sums) {
     for (const auto r : c10::irange(k.R)) {
       for (const auto j : c10::irange(G)) {
-        sums[r * G + j] = softmax_row<T>(s + (r * G + j) * k.keys + (lo_of(k, r) - k.start), hi_of(k, r) - lo_of(k, r));
+        sums[r * G + j] = softmax_row<T>(s + (r * G + j) * k.keys + (lo_of(k, r) - k.start), hi_of(k, r) - lo_of(k, r),
+                                         sinks == nullptr ? nullptr : sinks + h * G + j);
       }
     }
   };
@@ -571,7 +576,8 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
                      s.data() + t * G * max_scores, buf.data());
       }
     });
-    for (const auto t : c10::irange(tasks)) softmax(chunk(t / KV), s.data() + t * G * max_scores, sums.data() + t * GR);
+    for (const auto t : c10::irange(tasks))
+      softmax(chunk(t / KV), t % KV, s.data() + t * G * max_scores, sums.data() + t * GR);
     at::parallel_for(0, tasks * dparts, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(GR * hd), buf(buf_size);
       for (const auto u : c10::irange(begin, end)) {
@@ -593,7 +599,7 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
       const int64_t h = t % KV;
       load_queries(k, h, qf.data());
       score_blocks(k, h, k.i0, k.nb, true, qf.data(), s.data(), buf.data());
-      softmax(k, s.data(), sums.data());
+      softmax(k, h, s.data(), sums.data());
       weigh_out(k, h, 0, hd, true, s.data(), sums.data(), acc.data(), buf.data());
     }
   });
@@ -602,17 +608,18 @@ void attend_paged(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& v
 // The usual head sizes (a whole number of vectors up to 32: hd 256 on AVX2) with rows held in registers.
 template <typename T, typename KT = T>
 void attend_paged_any(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& vp, const at::Tensor& tables,
-                      const at::Tensor& lens, double scale, int64_t window, at::Tensor& y, const RowScales& rs = {}) {
+                      const at::Tensor& lens, double scale, int64_t window, at::Tensor& y, const RowScales& rs = {},
+                      const float* sinks = nullptr) {
   const int64_t hd = q.size(3);
-  if (hd % VS != 0) return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, window, y, rs);
+  if (hd % VS != 0) return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, window, y, rs, sinks);
   switch (hd / VS) {
-    case 1: return attend_paged<T, KT, 1>(q, kp, vp, tables, lens, scale, window, y, rs);
-    case 2: return attend_paged<T, KT, 2>(q, kp, vp, tables, lens, scale, window, y, rs);
-    case 4: return attend_paged<T, KT, 4>(q, kp, vp, tables, lens, scale, window, y, rs);
-    case 8: return attend_paged<T, KT, 8>(q, kp, vp, tables, lens, scale, window, y, rs);
-    case 16: return attend_paged<T, KT, 16>(q, kp, vp, tables, lens, scale, window, y, rs);
-    case 32: return attend_paged<T, KT, 32>(q, kp, vp, tables, lens, scale, window, y, rs);
-    default: return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, window, y, rs);
+    case 1: return attend_paged<T, KT, 1>(q, kp, vp, tables, lens, scale, window, y, rs, sinks);
+    case 2: return attend_paged<T, KT, 2>(q, kp, vp, tables, lens, scale, window, y, rs, sinks);
+    case 4: return attend_paged<T, KT, 4>(q, kp, vp, tables, lens, scale, window, y, rs, sinks);
+    case 8: return attend_paged<T, KT, 8>(q, kp, vp, tables, lens, scale, window, y, rs, sinks);
+    case 16: return attend_paged<T, KT, 16>(q, kp, vp, tables, lens, scale, window, y, rs, sinks);
+    case 32: return attend_paged<T, KT, 32>(q, kp, vp, tables, lens, scale, window, y, rs, sinks);
+    default: return attend_paged<T, KT, 0>(q, kp, vp, tables, lens, scale, window, y, rs, sinks);
   }
 }
 
@@ -643,6 +650,15 @@ void check_paged(const char* op, const at::Tensor& q, const at::Tensor& k_pool, 
   }
 }
 
+// Optional sinks: fp32 (KV * G,), one per query head, kept alive in `keep`; nullptr when absent.
+const float* checked_sinks(const char* op, const at::Tensor& q, const c10::optional<at::Tensor>& sinks, at::Tensor& keep) {
+  if (!sinks.has_value() || !sinks->defined()) return nullptr;
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1) * q.size(2), op, ": sinks must be (", q.size(1) * q.size(2),
+              ",), one per query head");
+  keep = sinks->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
 // An int8 cache's scales: fp32 (.., L) beside codes (.., L, hd).
 void check_scales(const char* op, const at::Tensor& codes, const at::Tensor& scales, const char* name) {
   TORCH_CHECK(codes.scalar_type() == at::kChar, op, ": ", name, " codes must be int8");
@@ -652,24 +668,26 @@ void check_scales(const char* op, const at::Tensor& codes, const at::Tensor& sca
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                  int64_t window) {
+                                  int64_t window, const c10::optional<at::Tensor>& sinks) {
   const char* op = "paged_decode_attention";
   const bool half_pool = q.scalar_type() == at::kFloat && k_pool.scalar_type() == at::kHalf;  // an fp16 pool
   TORCH_CHECK((q.scalar_type() == k_pool.scalar_type() || half_pool) && k_pool.scalar_type() == v_pool.scalar_type(),
               op, ": q, k_pool, v_pool must share a dtype (or float32 q over float16 pools)");
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   check_paged(op, q, k_pool, v_pool, tables, lens, window);
+  at::Tensor sink_keep;
+  const float* sp = checked_sinks(op, q, sinks, sink_keep);
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return y;
   if (half_pool) {
-    attend_paged_any<float, at::Half>(qc, k_pool, v_pool, tables, lens, scale, window, y);
+    attend_paged_any<float, at::Half>(qc, k_pool, v_pool, tables, lens, scale, window, y, {}, sp);
     return y;
   }
   switch (q.scalar_type()) {
-    case at::kFloat: attend_paged_any<float>(qc, k_pool, v_pool, tables, lens, scale, window, y); break;
-    case at::kBFloat16: attend_paged_any<at::BFloat16>(qc, k_pool, v_pool, tables, lens, scale, window, y); break;
-    case at::kHalf: attend_paged_any<at::Half>(qc, k_pool, v_pool, tables, lens, scale, window, y); break;
+    case at::kFloat: attend_paged_any<float>(qc, k_pool, v_pool, tables, lens, scale, window, y, {}, sp); break;
+    case at::kBFloat16: attend_paged_any<at::BFloat16>(qc, k_pool, v_pool, tables, lens, scale, window, y, {}, sp); break;
+    case at::kHalf: attend_paged_any<at::Half>(qc, k_pool, v_pool, tables, lens, scale, window, y, {}, sp); break;
     default: TORCH_CHECK(false, op, ": dtype ", q.scalar_type(), " is not float, bfloat16 or half");
   }
   return y;
@@ -678,20 +696,22 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
 at::Tensor paged_decode_attention_q8(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& k_scale,
                                      const at::Tensor& v_pool, const at::Tensor& v_scale,
                                      const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                                     int64_t window) {
+                                     int64_t window, const c10::optional<at::Tensor>& sinks) {
   const char* op = "paged_decode_attention_q8";
   const at::Tensor tables = block_tables.contiguous(), lens = context_lens.contiguous();
   check_paged(op, q, k_pool, v_pool, tables, lens, window);
   check_scales(op, k_pool, k_scale, "k");
   check_scales(op, v_pool, v_scale, "v");
+  at::Tensor sink_keep;
+  const float* sp = checked_sinks(op, q, sinks, sink_keep);
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   const RowScales rs{k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), k_scale.strides(), v_scale.strides()};
   at::Tensor y = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.size(0) == 0) return y;
   switch (q.scalar_type()) {
-    case at::kFloat: attend_paged_any<float, int8_t>(qc, k_pool, v_pool, tables, lens, scale, window, y, rs); break;
-    case at::kBFloat16: attend_paged_any<at::BFloat16, int8_t>(qc, k_pool, v_pool, tables, lens, scale, window, y, rs); break;
-    case at::kHalf: attend_paged_any<at::Half, int8_t>(qc, k_pool, v_pool, tables, lens, scale, window, y, rs); break;
+    case at::kFloat: attend_paged_any<float, int8_t>(qc, k_pool, v_pool, tables, lens, scale, window, y, rs, sp); break;
+    case at::kBFloat16: attend_paged_any<at::BFloat16, int8_t>(qc, k_pool, v_pool, tables, lens, scale, window, y, rs, sp); break;
+    case at::kHalf: attend_paged_any<at::Half, int8_t>(qc, k_pool, v_pool, tables, lens, scale, window, y, rs, sp); break;
     default: TORCH_CHECK(false, op, ": dtype ", q.scalar_type(), " is not float, bfloat16 or half");
   }
   return y;
@@ -702,9 +722,9 @@ at::Tensor paged_decode_attention_q8(const at::Tensor& q, const at::Tensor& k_po
 // window: the attention window of the layer (0: none): a query at position p sees keys p - window + 1 .. p.
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-        "Tensor context_lens, float scale, int window=0) -> Tensor");
+        "Tensor context_lens, float scale, int window=0, Tensor? sinks=None) -> Tensor");
   m.def("paged_decode_attention_q8(Tensor q, Tensor k_pool, Tensor k_scale, Tensor v_pool, Tensor v_scale, "
-        "Tensor block_tables, Tensor context_lens, float scale, int window=0) -> Tensor");
+        "Tensor block_tables, Tensor context_lens, float scale, int window=0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) {
