@@ -143,16 +143,20 @@ class ThinkingSplitter:
                     channel = header.partition(self.CHANNEL)[2].split(" ", 1)[0]
                     self._state = "thinking" if channel == "analysis" else "answer"
                 continue
-            ends = [(i, e) for e in self.ENDS if (i := text.find(e)) >= 0]
+            # a message ends at its end token, or where the next one starts (a model that left it out)
+            ends = [(i, e) for e in (*self.ENDS, self.START) if (i := text.find(e)) >= 0]
             if ends:
                 at, end = min(ends)
-                body = text[: at + len(end)] if self._state == "call" else text[:at]
+                taken = len(end) if end != self.START else 0  # the next message's start stays its own
+                # a call passes on with its end (<|end|> where it had none) for the call parser
+                body = text[:at] + (text[at : at + taken] or self.ENDS[0]) if self._state == "call" else text[:at]
                 if body:
                     out.append(("thinking" if self._state == "thinking" else "answer", body))
-                self._state, text = "start", text[at + len(end):]
+                self._state, text = "start", text[at + taken:]
                 continue
-            keep = next((n for n in range(min(len(text), max(map(len, self.ENDS)) - 1), 0, -1)
-                         if any(e.startswith(text[-n:]) for e in self.ENDS)), 0)
+            bounds = (*self.ENDS, self.START)
+            keep = next((n for n in range(min(len(text), max(map(len, bounds)) - 1), 0, -1)
+                         if any(e.startswith(text[-n:]) for e in bounds)), 0)
             if len(text) > keep:
                 out.append(("thinking" if self._state == "thinking" else "answer", text[: len(text) - keep]))
             self._held = text[len(text) - keep:]

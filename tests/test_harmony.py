@@ -169,6 +169,10 @@ def test_a_reply_splits_into_thinking_text_and_calls():
     assert whole(FINAL, cut=False) == (THINKING, "It is 21 C.", [])
     assert whole(FINAL, cut=False, tools=False) == (THINKING, "It is 21 C.", [])
     assert whole("Plain words.", cut=False) == ("", "Plain words.", [])  # no header: the answer's text
+    # a message whose end token the model left out ends where the next one starts
+    assert whole(FINAL.replace("<|end|>", ""), cut=False) == (THINKING, "It is 21 C.", [])
+    assert whole(REPLY.replace("<|call|>", "") + "<|start|>assistant<|channel|>final<|message|>Done.", cut=False) \
+        == (THINKING, "Checking.Done.", [("get_weather", "Paris"), ("get_weather", "Rome")])
     content, calls = parse_calls(SYNTAX, '<|start|>assistant to=functions.get_time<|channel|>commentary json'
                                          '<|message|>{"utc": true}<|call|>After.')
     assert content == "After." and [(c.name, c.arguments) for c in calls] == [("get_time", {"utc": True})]
