@@ -420,8 +420,10 @@ def refusal(ref: str, plan: MemoryPlan) -> str:
 
 
 def show_plans(ckpt: Any, quant: str | None = None) -> list[dict[str, Any]]:
-    """``show``'s plans: the checkpoint's own scheme on the CPU at a few context lengths and its own."""
-    fp = footprint(ckpt, LoadSpec(ckpt.describe(), device="cpu", quant=quant))
+    """``show``'s plans: the checkpoint's own scheme on the CPU at a few context lengths and its own;
+    a MoE model's on the GPU where one is visible, with its experts placed (:mod:`loaders.placement`)."""
+    device = "cuda" if ckpt.config.is_moe and torch.cuda.is_available() else "cpu"
+    fp = footprint(ckpt, LoadSpec(ckpt.describe(), device=device, quant=quant))
     top = fp.config.max_seq_len
     contexts = [c for c in SHOW_CONTEXTS if c < top] + [top]
     avail = available_memory(fp.device)

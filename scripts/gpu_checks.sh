@@ -6,7 +6,8 @@
 # (scripts/linear_gpu.py: $OUT/linears.txt), then the 7B-shape bench: per scheme load, peak memory against
 # the plan, TTFT of a 2,000-token prompt, decode tok/s and its share of the bandwidth measured in the
 # same run (decode steps replayed from CUDA graphs); then the serving bench at 1, 8 and 16 streams on
-# int4. One JSON ($OUT/bench/bench.json) and one table ($OUT/bench/table.txt), within 8 minutes.
+# int4; then a MoE with its experts all on the GPU, half and all in CPU RAM (scripts/moe_gpu.py). One JSON
+# ($OUT/bench/bench.json) and one table ($OUT/bench/table.txt), within 12 minutes.
 # Figures and logs go to $OUT (default results/gpu).
 #
 #   bash scripts/gpu_checks.sh            # on a CUDA machine, from any folder
@@ -43,6 +44,9 @@ timeout 300 "$PY" -m pytest tests -m "cuda or cuda_dryrun" -q -rfE -p no:cachepr
 tail -40 "$OUT/pytest-cuda.txt"
 # Each int4/int8 kernel against F.linear on the 7B layer shapes (which one a scheme should take).
 timeout 120 "$PY" scripts/linear_gpu.py --out "$OUT" 2>&1 | tee "$OUT/linears.log" | tail -20 || status=1
+# A MoE (random Qwen3-MoE, int4) with its experts all on the GPU, half in CPU RAM (--n-cpu-moe), all there
+# (--cpu-moe): prefill and decode tok/s of each ($OUT/moe.json).
+timeout 240 "$PY" scripts/moe_gpu.py --out "$OUT" 2>&1 | tee "$OUT/moe.log" | tail -12 || status=1
 timeout 300 "$PY" scripts/bench_gpu.py --quant "$schemes" --runs 3 --prompt-tokens 2000 --serving 1,8,16 \
   --out "$OUT/bench" 2>&1 \
   | tee "$OUT/bench.log" | tail -30 || status=1

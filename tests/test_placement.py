@@ -97,3 +97,27 @@ def test_a_plan_that_does_not_fit_names_its_numbers_and_the_cheapest_change() ->
 @pytest.mark.parametrize("n,layers", [(0, "--n-cpu-moe 0"), (3, "--n-cpu-moe 3"), (6, "--cpu-moe")])
 def test_the_flag_named_for_a_count(n: int, layers: str) -> None:
     assert ExpertChoice().flag(n, 6) == layers
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory):
+    from tests.conftest import hf_folders
+    from tests.test_moe import qwen3_moe_model
+
+    return hf_folders({"qwen3_moe": qwen3_moe_model}, "placement-moe", tmp_path_factory)("qwen3_moe")[1]
+
+
+def test_run_takes_the_flags_and_a_cpu_run_ignores_them(moe_folder) -> None:
+    """``--cpu-moe`` / ``--n-cpu-moe`` are accepted by ``run``; on the CPU every part is in RAM already,
+    so the run is the same as without them (no placement lines)."""
+    from click.testing import CliRunner
+
+    from localllm.cli import main
+
+    for flags in (["--cpu-moe"], ["--n-cpu-moe", "1"]):
+        result = CliRunner().invoke(main, ["run", str(moe_folder), "hello", "--raw", "-n", "2", "--no-compile",
+                                           "--temperature", "0", "--device", "cpu", "--verbose", *flags])
+        assert result.exit_code == 0, result.output
+        assert "placement:" not in result.output and "eval count" in result.output
+    result = CliRunner().invoke(main, ["run", str(moe_folder), "hello", "--n-cpu-moe", "-1"])
+    assert result.exit_code != 0 and "-1" in result.output

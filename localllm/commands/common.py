@@ -42,3 +42,16 @@ def quant_head_option(default: str) -> Callable[[Any], Any]:
         "--quant-head", type=click.Choice([*QUANT_SCHEMES, "none"]),
         callback=lambda ctx, param, value: False if value == "none" else value,
         help="Scheme of the output head (int8 also serves a tied embedding table); none = 16-bit. " + default)
+
+
+def moe_placement_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--cpu-moe`` and ``--n-cpu-moe N`` (llama.cpp's names): a MoE model's experts in CPU RAM on a GPU."""
+    command = click.option(
+        "--n-cpu-moe", "n_cpu_moe", type=click.IntRange(0), metavar="N",
+        help="On a GPU: keep the experts of the first N layers of a Mixture-of-Experts model in CPU RAM and run "
+             "them there. Default: as many layers' experts on the GPU as its memory holds beside the rest of "
+             "the model. No effect on a CPU run or a dense model.")(command)
+    return click.option(
+        "--cpu-moe", is_flag=True,
+        help="On a GPU: keep every expert of a Mixture-of-Experts model in CPU RAM and run them there "
+             "(attention, routers, shared experts and the KV cache stay on the GPU).")(command)

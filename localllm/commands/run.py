@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from localllm.commands.common import (calibration_option, kv_cache_option, note, quant_head_option, speculate_option,
-                                      threads_option)
+from localllm.commands.common import (calibration_option, kv_cache_option, moe_placement_options, note,
+                                      quant_head_option, speculate_option, threads_option)
 from localllm.commands.compile_step import build_after
 from localllm.errors import LocalLLMError
 from localllm.loaders.spec import LoadSpec
@@ -188,6 +188,7 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
                    "`localllm compile`), else run eagerly. --compile builds it now if needed (about a minute once, "
                    "on the CPU); --no-compile always runs eagerly.")
 @kv_cache_option
+@moe_placement_options
 @speculate_option
 @click.option("--format", "format_", metavar="json|SCHEMA",
               help="Hold the reply to JSON: 'json' (any object), or a JSON Schema (a file, or written inline) "
@@ -225,6 +226,8 @@ def run(
     kernel: str | None,
     compile_: bool | None,
     kv_cache: str,
+    cpu_moe: bool,
+    n_cpu_moe: int | None,
     speculate: str,
     format_: str | None,
     logprobs: int | None,
@@ -265,7 +268,8 @@ def run(
         click.echo(NOT_UTF8, err=True)
 
     model = pull_if_missing(model, quant, group_size, notify=note, calibration=calibration)  # a Hub repo id: pulled
-    spec = LoadSpec(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache, calibration)
+    spec = LoadSpec(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache, calibration, cpu_moe,
+                    n_cpu_moe)
     # Before anything is loaded: does it fit? If not, the plan's numbers and the cheapest change that does.
     check_memory(spec, ctx, kv_cache_flag=True)
     lm = load_model(spec)
@@ -282,6 +286,11 @@ def run(
         click.echo(f"compiled in {engine.compile_s:.1f} s ({engine.step_kind})", err=True)
     if verbose:
         describe_model(lm, ctx, spec.kv_dtype)
+        if lm.placement is not None:  # a MoE on a GPU: where its experts live, and why
+            for line in lm.placement.describe():
+                click.echo(f"placement: {line}", err=True)
+            click.echo("placement: CUDA graphs off for MoE models (the routing reads back each expert's rows, and "
+                       "a step with experts in CPU RAM cannot be captured)", err=True)
         click.echo(f"decode step: {engine.step_kind}", err=True)
         if engine.batch.compile_note:  # which steps run eagerly although compiled ones were asked for, and why
             click.echo(f"  {engine.batch.compile_note}", err=True)

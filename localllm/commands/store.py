@@ -195,10 +195,11 @@ def _memory_plan_section(facts: dict[str, Any]) -> dict[str, list[tuple[str, str
     title = f"Memory plan ({first['device']}, {first['scheme']}, {human_size(first['available'])} available)"
     rows = []
     for p in plans:
-        parts = (f"weights {human_size(p['weights'])} + KV cache {human_size(p['kv_cache'])} + activations "
+        parts = (f"weights {human_size(p['weights'] - p.get('host_weights', 0))} + KV cache {human_size(p['kv_cache'])} + activations "
                  f"{human_size(p['activations'])} + runtime {human_size(p['runtime'] + p['overhead'])}")
         verdict = "fits" if p["fits"] else "does not fit"
         rows.append((f"ctx {p['ctx']}", f"{human_size(p['total']):>7} = {parts}  {verdict}"))
+        rows += [("", line) for line in (p.get("placement") or [])]  # a MoE on a GPU: where its parts live
     return {title: rows}
 
 
