@@ -8,7 +8,9 @@ Read: GPTQ (``quant_method: gptq``: 4 and 8 bits, any group or per channel, symm
 and bitsandbytes' serialized 4-bit NormalFloat (``load_in_4bit``, nf4, its absmax double-quantized or not:
 onto the ``nf4`` scheme, whose kernel is bitsandbytes' own) and FP8 (``quant_method: fp8``, e4m3 with
 128x128-block, per-channel or per-tensor ``weight_scale_inv``: onto the ``fp8`` scheme, its values and
-scales as they are, multiplied by the reference kernel one slice of a layer at a time).
+scales as they are, multiplied by the reference kernel one slice of a layer at a time) and MXFP4
+(``quant_method: mxfp4``, gpt-oss's experts: repacked exactly into GGUF's MXFP4 blocks, the ``gguf``
+scheme's, by :class:`MXFP4Checkpoint`).
 The grid each lands on is :mod:`quant.hub_formats`' (int4, int8, or int4 / int8 with integer zero
 points). Refused, with one line naming the format and what to pull instead: EXL2, EXL3, HQQ,
 bitsandbytes fp4 and 8-bit, FP8 with static activation scales, activation-quantized or sparse compressed-tensors, other GPTQ / AWQ packings, and
@@ -21,6 +23,7 @@ Which linears are quantized is read from the tensors themselves (a module with a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,13 +35,13 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.checkpoint import FUSED, HFCheckpoint, map_hf_name, split_fused
 from localllm.loaders.safetensors_stream import iter_safetensors, read_header
 from localllm.quant.convert import Plan, quantize_stream
-from localllm.quant.formats import QuantScheme, dequantize_weight, fp8_scheme, parse_scheme
+from localllm.quant.formats import QuantScheme, dequantize_weight, fp8_scheme, gguf_scheme, parse_scheme
 from localllm.quant import hub_formats
 
 #: quant_method values localllm refuses, as their users know them.
 REFUSED = {"exl2": "EXL2", "exl3": "EXL3", "hqq": "HQQ",
            "fbgemm_fp8": "FP8 (fbgemm)", "aqlm": "AQLM", "quanto": "quanto", "eetq": "EETQ",
-           "higgs": "HIGGS", "vptq": "VPTQ", "torchao": "torchao", "mxfp4": "MXFP4", "spqr": "SpQR",
+           "higgs": "HIGGS", "vptq": "VPTQ", "torchao": "torchao", "spqr": "SpQR",
            "bitnet": "BitNet", "gptqmodel": "GPTQModel"}
 #: The tensors of one quantized linear, by format (the first names the module as quantized).
 LEAVES = {"gptq": ("qweight", "qzeros", "scales", "g_idx"), "awq": ("qweight", "qzeros", "scales"),
@@ -93,6 +96,8 @@ class HubQuant:
         """``GPTQ 4-bit, group 128, symmetric, act order (v1 zeros)``."""
         if self.method == "fp8":
             return f"FP8 e4m3, {f'{self.block_rows}x{self.group} blocks' if self.group else 'per tensor or channel'}"
+        if self.method == "mxfp4":
+            return "MXFP4 experts (E2M1 in blocks of 32, E8M0 scales)"
         if self.method == "bitsandbytes":
             return f"bitsandbytes 4-bit NormalFloat{', double-quantized absmax' if self.double_quant else ''}"
         name = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors"}[self.method]
@@ -110,6 +115,8 @@ class HubQuant:
         """The localllm scheme a linear of ``in_features`` inputs lands on exactly."""
         if self.method == "fp8":
             return fp8_scheme(self.group)
+        if self.method == "mxfp4":
+            return gguf_scheme("MXFP4")
         return hub_formats.int_scheme(self.bits, self.group, self.symmetric, in_features, self.act_order)
 
 
@@ -132,6 +139,8 @@ def read_hub_quant(hf_config: dict[str, Any]) -> HubQuant | None:
         return _bitsandbytes(qc, hf_config)
     if method == "fp8":
         return _fp8(qc, hf_config)
+    if method == "mxfp4":
+        return HubQuant("mxfp4", 4, 32, True, False, "e2m1")
     if method in REFUSED:
         raise refuse(REFUSED[method], hf_config)
     raise refuse(f"'{method or 'unnamed'}'-quantized (a format localllm does not know)", hf_config)
@@ -410,6 +419,108 @@ class HubQuantCheckpoint(HFCheckpoint):
                 yield f"{ours}.weight", dequantize_weight(part, scheme)  # exact, in fp32
 
 
+#: gpt-oss's MXFP4 experts, after ``model.layers.N.``: (projection, tensor) of ``*_blocks`` / ``*_scales``.
+_MXFP4_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales)$")
+
+
+class MXFP4Checkpoint(HFCheckpoint):
+    """gpt-oss as OpenAI publishes it (``quant_method: mxfp4``): each layer's experts in MXFP4,
+    ``mlp.experts.gate_up_proj_blocks`` uint8 (E, 2F, D / 32, 16) with ``_scales`` (E, 2F, D / 32), gate
+    and up interleaved by row (gate the even rows, up the odd ones), and ``down_proj_blocks`` (E, D,
+    F / 32, 16); every other tensor (attention, router, biases, sinks) bf16, read as a float
+    checkpoint's. The experts are repacked exactly into GGUF's MXFP4 blocks (the ``gguf`` scheme's,
+    :func:`quant.hub_formats.mxfp4_blocks`): one expert's rows at a time, gate and up a gather of
+    whole rows, so the native block kernels multiply the checkpoint's own values. An expert planned
+    in another scheme (``--quant int4``) is quantized from those exact values."""
+
+    def __init__(self, folder: Path, hub: HubQuant) -> None:
+        self.hub = hub
+        super().__init__(folder)
+        if self.config.arch != "gpt_oss":
+            raise refuse(f"{hub.label()} in a {self.config.arch} model", self.hf_config)
+        self.scheme = gguf_scheme("MXFP4")
+
+    def _shapes(self) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+        """The float tensors' shapes, and each expert projection's (out, in) from its blocks' shape."""
+        for ours, key, shape in super()._shapes():
+            yield ours, key, shape
+        for path in self.files:
+            header, _ = read_header(path)
+            for key, info in header.items():
+                m = _MXFP4_EXPERTS.match(key)
+                if m is None or m.group(3) != "blocks" or len(info["shape"]) != 4:
+                    continue
+                E, rows, groups, _ = info["shape"]
+                proj, rows = ("gate", rows // 2) if m.group(2) == "gate_up_proj" else ("down", rows)
+                yield f"layers.{m.group(1)}.mlp.experts.{E - 1}.{proj}.weight", key, (rows, groups * 32)
+
+    def expert_modules(self) -> list[str]:
+        """Our stacked expert projections (``layers.0.mlp.experts.gate``), the plan's names for them."""
+        return [f"layers.{i}.mlp.experts.{p}" for i in range(self.config.n_layers) for p in ("gate", "up", "down")]
+
+    # -------------------------------------------------------------- the Checkpoint interface
+    def default_scheme(self) -> QuantScheme | None:
+        """The experts' own MXFP4 blocks; every other linear stays in its float dtype."""
+        return self.scheme
+
+    def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
+        """gpt-oss's head is bf16: it stays float."""
+        return None
+
+    def exact_plan(self, plan: Plan) -> Plan:
+        """The experts in MXFP4 blocks where the plan has them; every other module float."""
+        return {m: self.scheme for m in plan if m in set(self.expert_modules())}
+
+    def iter_tensors(self, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
+        """(our name, tensor) pairs, each expert's projections as their exact fp32 weights."""
+        return self._stream({}, keep)
+
+    def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Experts planned in MXFP4 as their blocks, in another scheme quantized from their exact
+        values; everything else as a float checkpoint's."""
+        return quantize_stream(self._stream(plan), plan, tied_head)
+
+    def _stream(self, plan: Plan, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        float_keep = (lambda k: _MXFP4_EXPERTS.match(k) is None and (keep is None or keep(k)))
+        yield from super().iter_tensors(float_keep)
+        pending: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        for path in self.files:
+            for key, tensor in iter_safetensors(path, lambda k: _MXFP4_EXPERTS.match(k) is not None and
+                                                (keep is None or keep(k))):
+                m = _MXFP4_EXPERTS.match(key)
+                parts = pending.setdefault((m.group(1), m.group(2)), {})  # type: ignore[union-attr]
+                parts[m.group(3)] = tensor  # type: ignore[union-attr]
+                del tensor
+                if len(parts) == 2:
+                    yield from self._experts(m.group(1), m.group(2), pending.pop((m.group(1), m.group(2))), plan)  # type: ignore[union-attr]
+        if pending:
+            layer, proj = next(iter(pending))
+            raise LocalLLMError(f"{self.folder}: layer {layer}'s {proj} lacks its MXFP4 blocks or scales",
+                                "download the model again")
+
+    def _experts(self, layer: str, proj: str, t: dict[str, torch.Tensor], plan: Plan) -> Iterator[tuple[str, torch.Tensor]]:
+        """One layer's stacked projection -> each expert's gate and up (or down), blocks or fp32."""
+        c = self.config
+        gate_up = proj == "gate_up_proj"
+        rows, width = (2 * c.expert_size, c.dim) if gate_up else (c.dim, c.expert_size)  # type: ignore[operator]
+        want = (c.n_experts, rows, width // 32, 16)
+        what = f"model.layers.{layer}.mlp.experts.{proj}"
+        if tuple(t["blocks"].shape) != want:
+            raise LocalLLMError(f"{what}_blocks has shape {tuple(t['blocks'].shape)}, the config implies {want}",
+                                "the checkpoint does not match its config")
+        parts = (("gate", slice(0, None, 2)), ("up", slice(1, None, 2))) if gate_up else (("down", slice(None)),)
+        for e in range(c.n_experts):  # type: ignore[arg-type]
+            blocks = hub_formats.mxfp4_blocks(t["blocks"][e], t["scales"][e], what)  # (rows, width / 32 * 17)
+            for name, sel in parts:
+                ours = f"layers.{layer}.mlp.experts.{e}.{name}"
+                held = blocks[sel].contiguous()
+                if plan.get(f"layers.{layer}.mlp.experts.{name}") == self.scheme:
+                    yield f"{ours}.blocks", held
+                else:
+                    yield f"{ours}.weight", dequantize_weight({"blocks": held}, self.scheme)  # exact, fp32
+            del blocks
+
+
 def _read_bytes(path: Path, start: int, info: dict[str, Any]) -> bytes:
     """One small tensor's bytes, read from the file (a quant state's JSON)."""
     begin, end = info["data_offsets"]
@@ -432,10 +543,12 @@ def open_hf_folder(folder: Path) -> HFCheckpoint:
     except (TypeError, ValueError, KeyError, AttributeError) as e:  # the fields' types are the file's
         raise LocalLLMError(f"{folder}: config.json's quantization_config cannot be read ({e})",
                             "the checkpoint is damaged: download it again") from None
-    return HFCheckpoint(folder) if hub is None else HubQuantCheckpoint(folder, hub)
+    if hub is None:
+        return HFCheckpoint(folder)
+    return MXFP4Checkpoint(folder, hub) if hub.method == "mxfp4" else HubQuantCheckpoint(folder, hub)
 
 
 def source_format(ckpt: Any) -> dict[str, Any]:
     """``{"format": {...}}`` for a Hub-quantized checkpoint (what a manifest's ``source`` records:
     method, bits, group, symmetric, act order, variant, label), else nothing."""
-    return {"format": ckpt.hub.to_dict()} if isinstance(ckpt, HubQuantCheckpoint) else {}
+    return {"format": ckpt.hub.to_dict()} if isinstance(ckpt, (HubQuantCheckpoint, MXFP4Checkpoint)) else {}

@@ -157,3 +157,91 @@ def test_hf_blocks_that_do_not_fit_are_one_line():
         mxfp4_blocks(blocks, scales[:, :, :2], "down_proj")
     with pytest.raises(LocalLLMError, match="expected uint8"):
         mxfp4_blocks(blocks.to(torch.int8), scales, "down_proj")
+
+
+def gguf_to_hf(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF MXFP4 blocks (..., rows, G * 17) -> the HF checkpoint's ``_blocks`` (..., rows, G, 16) and
+    ``_scales`` (..., rows, G): the inverse of :func:`mxfp4_blocks`."""
+    b = raw.reshape(*raw.shape[:-1], -1, 17)
+    qs = b[..., 1:]
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # (..., G, 32) column order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), b[..., 0].contiguous()
+
+
+def mxfp4_gpt_oss_folder(tmp_path):
+    """A tiny gpt-oss saved as OpenAI publishes it: experts in MXFP4 (``*_blocks`` / ``*_scales``,
+    quantized by gguf's MXFP4 quantizer), the rest float, ``quantization_config: mxfp4``; and the
+    transformers model holding transformers' own dequantization of those experts."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tests.conftest import write_tiny_tokenizer
+    from tests.test_gpt_oss import gpt_oss_model
+
+    ref = gpt_oss_model()
+    packed = {}
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            for proj in ("gate_up_proj", "down_proj"):
+                p = getattr(layer.mlp.experts, proj)  # (E, in, out): x @ W
+                rows = p.transpose(1, 2).contiguous().numpy()  # (E, out, in)
+                raw = torch.from_numpy(gguf.quants.quantize(rows.reshape(-1, rows.shape[-1]), MXFP4))
+                blocks, scales = gguf_to_hf(raw.view(rows.shape[0], rows.shape[1], -1))
+                assert torch.equal(mxfp4_blocks(blocks, scales, proj), raw.view(rows.shape[0], rows.shape[1], -1))
+                p.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                packed[f"model.layers.{i}.mlp.experts.{proj}_blocks"] = blocks
+                packed[f"model.layers.{i}.mlp.experts.{proj}_scales"] = scales
+    folder = tmp_path / "oss-mxfp4"
+    ref.save_pretrained(folder)
+    write_tiny_tokenizer(folder, ref.config.vocab_size)
+    (shard,) = folder.glob("*.safetensors")
+    tensors = {k: v for k, v in load_file(shard).items()
+               if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    save_file({**tensors, **packed}, shard, metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return ref, folder
+
+
+def test_hf_mxfp4_checkpoint_loads_its_experts_exactly(tmp_path):
+    """Read from ``quantization_config``; each expert's gate, up (de-interleaved rows) and down are the
+    checkpoint's blocks repacked, and the logits equal transformers' on its own dequantized experts."""
+    from localllm.loaders.hub_quant import MXFP4Checkpoint, open_hf_folder, source_format
+    from localllm.loaders.load import load_model
+    from tests.conftest import write_tiny_tokenizer
+    from tests.test_gpt_oss import tokens
+
+    ref, folder = mxfp4_gpt_oss_folder(tmp_path)
+    ckpt = open_hf_folder(folder)
+    assert isinstance(ckpt, MXFP4Checkpoint) and ckpt.default_scheme() == gguf_scheme("MXFP4")
+    assert source_format(ckpt)["format"]["method"] == "mxfp4"
+    lm = load_model(str(folder), dtype="fp32")  # the float modules' activations as transformers' here
+    experts = lm.model.layers[1].mlp.experts
+    f = experts.down.in_features
+    for name, cols in (("gate", slice(0, None, 2)), ("up", slice(1, None, 2)), ("down", slice(None))):
+        p = experts.down if name == "down" else getattr(experts, name, None) or experts.gate_up
+        rows = slice(None)
+        if p is experts.gate_up:  # gate's rows, then up's, of each expert
+            rows = slice(0, f) if name == "gate" else slice(f, 2 * f)
+        assert p.scheme == gguf_scheme("MXFP4")
+        hf = getattr(ref.model.layers[1].mlp.experts, "down_proj" if name == "down" else "gate_up_proj")
+        for e in range(p.blocks.shape[0]):
+            got = gguf.quants.dequantize(p.canonical()["blocks"][e, rows].numpy(), MXFP4)
+            np.testing.assert_array_equal(got, hf[e][:, cols].t().detach().numpy())
+    ids = tokens(12)
+    with torch.no_grad():
+        want = ref(ids).logits
+    with torch.inference_mode():
+        got = lm.model(ids).float()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # --quant int4: re-quantized from the exact values, as the float checkpoint of those values is
+    dense = tmp_path / "oss-dense"
+    ref.save_pretrained(dense)
+    write_tiny_tokenizer(dense, ref.config.vocab_size)
+    with torch.inference_mode():
+        int4 = load_model(str(folder), quant="int4", dtype="fp32").model(ids)
+        torch.testing.assert_close(int4, load_model(str(dense), quant="int4", dtype="fp32").model(ids), atol=1e-6, rtol=0)
