@@ -16,8 +16,8 @@ query attends.
 
 Sinks (gpt-oss): a learned logit per query head joins each query's softmax as one more column, whose
 probability is then dropped: ``out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))``. The CPU decode
-kernel takes them (a kernel with ``takes_sinks``: the sink joins its softmax's max and sum); the chunk
-kernel and CUDA's span kernel do not, so prefill chunks (and every row on CUDA) attend through
+and chunk kernels take them (kernels with ``takes_sinks``: the sink joins the softmax's max and sum, or
+starts the online softmax); CUDA's span kernel does not, so on CUDA every row attends through
 :func:`reference` over gathered keys; the compiled step and CUDA graphs refuse such a model
 (:attr:`runtime.model.Attention.takes_kernels`).
 """
@@ -158,14 +158,16 @@ def _paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: PagedLayer,
     if decode is not None:
         y.index_copy_(0, step.kernel_rows, decode.reshape(-1, H, hd))
     # the step's chunk kernel reads float pools in place for fp32 queries (SDPA rounds 16-bit ones its own way)
-    chunk = step.chunk if plain and isinstance(kp, torch.Tensor) and q.dtype == torch.float32 else None
+    chunk = step.chunk if (plain or (softcap is None and getattr(step.chunk, "takes_sinks", False))) and \
+        isinstance(kp, torch.Tensor) and q.dtype == torch.float32 else None
     for span in (step.sdpa_spans if use_kernel else step.spans):
         first = step.first_block(span, layer.window)  # blocks before it hold no key the queries see
         if chunk is not None:
             rows = qt[span.row : span.row + span.length].reshape(span.length, KV, H // KV, hd)
             y[span.row : span.row + span.length] = chunk(
                 rows, kp, vp, span.blocks[first:], first, span.context - span.length, layer.window,
-                scale if scale is not None else hd ** -0.5).view(span.length, H, hd)
+                scale if scale is not None else hd ** -0.5,
+                *(() if sinks is None else (sinks.float(),))).view(span.length, H, hd)
             continue
         ks, vs = gather(kp, vp, span.blocks[first:], span.context - first * step.pool.block_size, q.dtype)
         qs = q[:, :, span.row : span.row + span.length]  # (1, H, n, hd)

@@ -47,7 +47,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("localllm::paged_chunk_attention")
     def _chunk(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor, first_pos: int,
-               q_pos: int, window: int, scale: float) -> torch.Tensor:
+               q_pos: int, window: int, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -95,15 +95,21 @@ def paged_kernel(cache_dir: Path | None = None) -> PagedDecodeAttention | None:
 
 
 def paged_chunk_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
-                          first: int, q_pos: int, window: int | None, scale: float) -> torch.Tensor:
+                          first: int, q_pos: int, window: int | None, scale: float,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of one sequence over its keys where they lie in the pool: q (n, KV, G, hd) fp32, row i at
     position ``q_pos + i`` and seeing the keys up to its own (under a ``window``, only its last
     ``window``); k_pool, v_pool (n_blocks, KV, block, hd) fp32, fp16 or bf16, every key up to the last
     row's already written; blocks (nb,) long: the sequence's block table from its block ``first`` on
     (those before hold no key a row sees: :meth:`runtime.paged.PagedStep.first_block`); ``scale`` the
-    scores'. Returns (n, KV, G, hd) fp32: SDPA's values over the gathered keys, to fp32 rounding."""
+    scores'. Returns (n, KV, G, hd) fp32: SDPA's values over the gathered keys, to fp32 rounding. ``sinks``
+    (KV * G,) fp32: each query head's sink logit (gpt-oss), where each row's online softmax starts."""
     bs = k_pool.shape[2]
-    return torch.ops.localllm.paged_chunk_attention(q, k_pool, v_pool, blocks, first * bs, q_pos, window or 0, scale)
+    return torch.ops.localllm.paged_chunk_attention(q, k_pool, v_pool, blocks, first * bs, q_pos, window or 0, scale,
+                                                    sinks)
+
+
+paged_chunk_attention.takes_sinks = True  # type: ignore[attr-defined]
 
 
 def chunk_kernel(head_dim: int, cache_dir: Path | None = None) -> PagedChunkAttention | None:

@@ -279,3 +279,33 @@ def test_decode_kernel_with_sinks_equals_the_reference(dtype, lens, window):
         want = attention.reference(qi, k, v, None, None, None, sinks)[0, :, 0].reshape(kv, g, hd)
         assert (got[i].float() - want).abs().max() <= tol * max(1.0, want.abs().max().item()), i
     assert (got.float() - plain.float()).abs().max() > 0.1
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,q_pos,window", [(1, 0, None), (40, 0, None), (30, 100, None), (50, 60, 24)])
+def test_chunk_kernel_with_sinks_equals_the_reference(dtype, n, q_pos, window):
+    """The CPU chunk kernel with sinks (each row's online softmax starts at its head's sink) against
+    float64 attention with the sink column over the gathered keys; the sinks move the result."""
+    import math
+
+    from localllm.runtime import cpu_attention
+    from localllm.runtime.kv_pool import gather
+    from tests.test_cpu_attention import chunk_case
+
+    kv, g, hd, bs = 2, 3, 32, 16
+    q, k_pool, v_pool, blocks, first = chunk_case(dtype, kv, g, hd, bs, n, q_pos, window, seed=n)
+    sinks = torch.tensor([-3.0, 0.0, 1.5, 4.0, 9.0, -20.0])
+    got = cpu_attention.paged_chunk_attention(q, k_pool, v_pool, blocks, first, q_pos, window, hd ** -0.5, sinks)
+    plain = cpu_attention.paged_chunk_attention(q, k_pool, v_pool, blocks, first, q_pos, window, hd ** -0.5)
+    ks, vs = gather(k_pool, v_pool, blocks, q_pos + n - first * bs, torch.float32)  # (1, KV, L, hd)
+    keys = torch.arange(first * bs, q_pos + n)[None, :]
+    rows = torch.arange(q_pos, q_pos + n)[:, None]
+    seen = (keys <= rows) & (keys > rows - window if window is not None else True)  # (n, L)
+    s = torch.einsum("nkgd,kld->kgnl", q.double(), ks[0].double()) / math.sqrt(hd)
+    s = s.masked_fill(~seen, float("-inf"))
+    sink = sinks.double().view(kv, g, 1, 1).expand(kv, g, n, 1)
+    p = torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
+    want = torch.einsum("kgnl,kld->nkgd", p, vs[0].double())
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
+    assert (got - plain).abs().max() > 0.1

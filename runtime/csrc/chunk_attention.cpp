@@ -155,11 +155,12 @@ struct Shape {
 };
 
 // One tile: rows r0 .. r1 - 1 of the chunk, the G heads of kv head h (query vector i = row r0 + i / G,
-// head i % G), over their keys chunk by chunk.
+// head i % G), over their keys chunk by chunk. With sinks (gpt-oss: a logit per query head, KV * G),
+// each row's running maximum and sum start at its head's sink (exp(0) = 1, no value), not at -inf and 0.
 template <typename T>
 void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64_t first_pos, int64_t q_pos,
           int64_t window, float scale, const Shape& S, int64_t h, int64_t r0, int64_t r1, float* out,
-          std::vector<float>& buf) {
+          std::vector<float>& buf, const float* sinks) {
   const int64_t G = S.G, hd = S.hd, bs = S.bs, Q = (r1 - r0) * G;
   buf.resize(2 * Q * hd + Q * KC + 2 * KC * hd + 2 * Q);
   float* qs = buf.data();        // (Q, hd): the queries, times the scale
@@ -176,6 +177,11 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
   std::fill(acc, acc + Q * hd, 0.f);
   std::fill(m, m + Q, -std::numeric_limits<float>::infinity());
   std::fill(l, l + Q, 0.f);
+  if (sinks != nullptr)
+    for (int64_t i = 0; i < Q; ++i) {
+      m[i] = sinks[h * G + i % G];
+      l[i] = 1.f;
+    }
   Vec idx[NC];
   for (int64_t c = 0; c < NC; ++c) {
     alignas(64) float lanes[VS];
@@ -229,7 +235,7 @@ void tile(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64
 
 template <typename T>
 void run(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64_t first_pos, int64_t q_pos,
-         int64_t window, float scale, const Shape& S, float* out) {
+         int64_t window, float scale, const Shape& S, float* out, const float* sinks) {
   // Tiles of about eight register tiles of query vectors; the heaviest (latest rows: most keys) first.
   const int64_t rows = std::max<int64_t>(1, 8 * MR / S.G);
   const int64_t tiles = (S.n + rows - 1) / rows, tasks = tiles * S.KV;
@@ -238,14 +244,14 @@ void run(const float* q, const T* kp, const T* vp, const int64_t* blocks, int64_
     for (int64_t t = claim(); t < tasks; t = claim()) {
       const int64_t tl = tiles - 1 - t / S.KV, h = t % S.KV;
       tile<T>(q, kp, vp, blocks, first_pos, q_pos, window, scale, S, h, tl * rows, std::min(S.n, (tl + 1) * rows),
-              out, buf);
+              out, buf, sinks);
     }
   });
 }
 
 at::Tensor paged_chunk_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                  const at::Tensor& blocks, int64_t first_pos, int64_t q_pos, int64_t window,
-                                 double scale) {
+                                 double scale, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "paged_chunk_attention: q must be (n, KV, G, hd) float32");
   TORCH_CHECK(k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes() && k_pool.scalar_type() == v_pool.scalar_type(),
               "paged_chunk_attention: k_pool, v_pool must be (n_blocks, KV, block, hd) alike");
@@ -267,14 +273,22 @@ at::Tensor paged_chunk_attention(const at::Tensor& q, const at::Tensor& k_pool, 
   for (int64_t b = (oldest - first_pos) / S.bs; b <= (q_pos + S.n - 1 - first_pos) / S.bs; ++b)
     TORCH_CHECK(bp[b] >= 0 && bp[b] < kc.size(0), "paged_chunk_attention: block id ", bp[b], " is not in the pool of ",
                 kc.size(0), " blocks");
+  at::Tensor sink_keep;
+  const float* sp = nullptr;
+  if (sinks.has_value() && sinks->defined()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == S.KV * S.G, "paged_chunk_attention: sinks must be (",
+                S.KV * S.G, ",), one per query head");
+    sink_keep = sinks->to(at::kFloat).contiguous();
+    sp = sink_keep.data_ptr<float>();
+  }
   const float* qp = qc.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   float* op = out.data_ptr<float>();
   switch (kc.scalar_type()) {
-    case at::kFloat: run<float>(qp, kc.data_ptr<float>(), vc.data_ptr<float>(), bp, first_pos, q_pos, window, sc, S, op); break;
-    case at::kHalf: run<at::Half>(qp, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), bp, first_pos, q_pos, window, sc, S, op); break;
+    case at::kFloat: run<float>(qp, kc.data_ptr<float>(), vc.data_ptr<float>(), bp, first_pos, q_pos, window, sc, S, op, sp); break;
+    case at::kHalf: run<at::Half>(qp, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), bp, first_pos, q_pos, window, sc, S, op, sp); break;
     case at::kBFloat16:
-      run<at::BFloat16>(qp, kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(), bp, first_pos, q_pos, window, sc, S, op);
+      run<at::BFloat16>(qp, kc.data_ptr<at::BFloat16>(), vc.data_ptr<at::BFloat16>(), bp, first_pos, q_pos, window, sc, S, op, sp);
       break;
     default: TORCH_CHECK(false, "paged_chunk_attention: pools of ", kc.scalar_type(), " are not supported");
   }
@@ -285,7 +299,7 @@ at::Tensor paged_chunk_attention(const at::Tensor& q, const at::Tensor& k_pool, 
 
 TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("paged_chunk_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor blocks, int first_pos, int q_pos, "
-        "int window, float scale) -> Tensor");
+        "int window, float scale, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(localllm, CPU, m) { m.impl("paged_chunk_attention", &paged_chunk_attention); }
