@@ -245,3 +245,37 @@ def test_hf_mxfp4_checkpoint_loads_its_experts_exactly(tmp_path):
     with torch.inference_mode():
         int4 = load_model(str(folder), quant="int4", dtype="fp32").model(ids)
         torch.testing.assert_close(int4, load_model(str(dense), quant="int4", dtype="fp32").model(ids), atol=1e-6, rtol=0)
+
+
+def test_mxfp4_experts_in_a_gguf_import_bit_for_bit(tmp_path):
+    """A MoE GGUF whose stacked experts are MXFP4 (as llama.cpp writes gpt-oss's; here a Qwen3-MoE,
+    the family the GGUF loader reads): each expert keeps its blocks, and the logits equal transformers'
+    on the experts' MXFP4 values."""
+    from localllm.loaders.load import load_model
+    from tests.test_gguf_moe import moe_model, tokens, write_moe_gguf
+
+    ref = moe_model("qwen3_moe")
+    with torch.no_grad():  # the reference holds the values the file will: gguf's quantizer, dequantized
+        for layer in ref.model.layers:
+            for name in ("gate_up_proj", "down_proj"):
+                p = getattr(layer.mlp.experts, name)
+                flat = p.detach().reshape(-1, p.shape[-1]).numpy()
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(flat, MXFP4), MXFP4)).view_as(p))
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):  # Q8_0, the file's most common type
+                p = getattr(layer.self_attn, name).weight
+                q8 = gguf.GGMLQuantizationType.Q8_0
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.detach().numpy(), q8), q8)))
+    types = {"_exps.weight": "MXFP4", **{f"{n}.weight": "Q8_0" for n in ("attn_q", "attn_k", "attn_v", "attn_output")}}
+    path = write_moe_gguf(ref, tmp_path / "mxfp4.gguf", types)
+    lm = load_model(str(path), dtype="fp32")
+    files = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    experts = lm.model.layers[0].mlp.experts
+    held = experts.down.canonical()["blocks"]
+    assert experts.down.scheme == gguf_scheme("MXFP4")
+    assert np.array_equal(held.numpy(), np.asarray(files["blk.0.ffn_down_exps.weight"].data))
+    ids = tokens(9)
+    with torch.no_grad():
+        want = ref(ids).logits
+    with torch.inference_mode():
+        got = lm.model(ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
