@@ -183,6 +183,8 @@ def mxfp4_gpt_oss_folder(tmp_path):
     ref = gpt_oss_model()
     packed = {}
     with torch.no_grad():
+        for p in ref.parameters():  # bf16 values, as OpenAI's non-expert weights (and the store's float rule)
+            p.copy_(p.bfloat16().float())
         for i, layer in enumerate(ref.model.layers):
             for proj in ("gate_up_proj", "down_proj"):
                 p = getattr(layer.mlp.experts, proj)  # (E, in, out): x @ W
@@ -279,3 +281,29 @@ def test_mxfp4_experts_in_a_gguf_import_bit_for_bit(tmp_path):
     with torch.inference_mode():
         got = lm.model(ids)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_stored_mxfp4_keeps_its_blocks_and_names_its_format(tmp_path):
+    """Written to the store as pull writes a Hub-quantized repo (its own grid, the source's format in the
+    manifest; float weights in 16 bits, lossless for the checkpoint's bf16) and loaded back: the
+    experts' blocks as they were, the direct load's logits."""
+    from localllm.loaders.convert import convert_to_store
+    from localllm.loaders.hub_quant import open_hf_folder, source_format
+    from localllm.loaders.load import load_model
+    from localllm.loaders.store import Store
+    from tests.test_gpt_oss import tokens
+
+    _, folder = mxfp4_gpt_oss_folder(tmp_path)
+    ckpt = open_hf_folder(folder)
+    store = Store(tmp_path / "store")
+    entry, _ = convert_to_store(ckpt, ckpt.default_scheme(), "tiny-oss", store,
+                                {"path": str(folder), **source_format(ckpt)})
+    assert entry.manifest["source"]["format"]["label"] == "MXFP4 experts (E2M1 in blocks of 32, E8M0 scales)"
+    stored = load_model(entry.ref, store=store, dtype="fp32")
+    direct = load_model(str(folder), dtype="fp32")
+    a, b = stored.model.layers[2].mlp.experts, direct.model.layers[2].mlp.experts
+    assert a.down.scheme == gguf_scheme("MXFP4")
+    assert torch.equal(a.down.canonical()["blocks"], b.down.canonical()["blocks"])
+    ids = tokens(10, seed=3)
+    with torch.inference_mode():
+        torch.testing.assert_close(stored.model(ids), direct.model(ids), atol=1e-6, rtol=0)
