@@ -437,7 +437,8 @@ class MXFP4Checkpoint(HFCheckpoint):
         self.hub = hub
         super().__init__(folder)
         if self.config.arch != "gpt_oss":
-            raise refuse(f"{hub.label()} in a {self.config.arch} model", self.hf_config)
+            raise LocalLLMError(f"{folder}: MXFP4 experts are read for gpt-oss only, not in a {self.config.arch} model",
+                                _instead(self.hf_config))
         self.scheme = gguf_scheme("MXFP4")
 
     def _shapes(self) -> Iterator[tuple[str, str, tuple[int, ...]]]:

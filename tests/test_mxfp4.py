@@ -307,3 +307,27 @@ def test_stored_mxfp4_keeps_its_blocks_and_names_its_format(tmp_path):
     ids = tokens(10, seed=3)
     with torch.inference_mode():
         torch.testing.assert_close(stored.model(ids), direct.model(ids), atol=1e-6, rtol=0)
+
+
+def test_mxfp4_config_is_read_and_other_architectures_refused(tmp_path):
+    """``quant_method: mxfp4`` names the format (never refused as unknown); on an architecture whose
+    experts are not gpt-oss's, one line."""
+    import json
+
+    import transformers
+
+    from localllm.errors import LocalLLMError
+    from localllm.loaders.hub_quant import open_hf_folder, read_hub_quant
+    from tests.conftest import TINY, write_tiny_tokenizer
+
+    hub = read_hub_quant({"quantization_config": {"quant_method": "mxfp4"}})
+    assert hub is not None and hub.method == "mxfp4" and hub.scheme(64) == gguf_scheme("MXFP4")
+    assert "MXFP4" in hub.label()
+    torch.manual_seed(0)
+    folder = tmp_path / "qwen3"
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY)).save_pretrained(folder)
+    write_tiny_tokenizer(folder, TINY["vocab_size"])
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(LocalLLMError, match="MXFP4 experts are read for gpt-oss only, not in a qwen3 model"):
+        open_hf_folder(folder)
