@@ -6,9 +6,11 @@ tokens are held (tokens x dim, fp32), one layer's float weights are read from th
 linears' inputs are recorded, :func:`quant.awq.apply_awq` rewrites the layer (scales searched,
 their inverse folded into the norms and into v's and up's rows, weight groups clipped), the layer is
 quantized to canonical int4 and yielded, and the QUANTIZED layer's output becomes the next layer's
-input (so each layer's scales see the error of the layers before, as AWQ does). Memory: the hidden
-states, one layer's float weights and its recorded inputs (or their Gram matrices), beside the
-embedding while the first inputs are made.
+input (so each layer's scales see the error of the layers before, as AWQ does). The layer runs one
+calibration sequence at a time, each linear's input added to its statistics as it comes. Memory: the
+hidden states, one layer's fp32 weights, one sequence's activations and the inputs' statistics (the
+tokens, or their Gram matrices when there are more tokens than channels), beside the embedding
+while the first inputs are made.
 
 Only int4 from float weights (a Hugging Face folder of float safetensors) is calibrated; GGUF files
 and stored or otherwise quantized sources keep their values (``--calibration none`` is plain
@@ -28,7 +30,7 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.loaders.checkpoint import HFCheckpoint
-from localllm.quant.awq import Fold, InputStats, ScaleGroup, apply_awq
+from localllm.quant.awq import Fold, ScaleGroup, StatsAccumulator, apply_awq
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme, dequantize, quantize
 from localllm.runtime.config import ModelConfig
@@ -36,7 +38,8 @@ from localllm.runtime.model import Block, rope_tables, round_to
 from localllm.runtime.tokenizer import Tokenizer
 
 #: The ``--calibration`` choices: ``awq`` (data-aware, for int4 from float weights) and
-#: ``none`` (round to nearest, the default until the calibration's memory is bounded as the stream's is).
+#: ``none`` (round to nearest, the default while the calibration's peak memory is well above the
+#: stream's where one layer is a large part of the model: docs/quantization.md).
 CALIBRATIONS = ("awq", "none")
 DEFAULT_CALIBRATION = "none"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -87,9 +90,17 @@ class Calibration:
 
 def calibrates(ckpt: object, plan: Plan, calibration: Calibration | None) -> bool:
     """Whether this load or conversion runs the data-aware path: asked for, float weights from a
-    Hugging Face folder, and int4 blocks in the plan."""
+    Hugging Face folder of a dense model (the layer-by-layer calibration runs dense blocks only: a
+    MoE's int4 is rounded to nearest), and int4 blocks in the plan."""
     return (calibration is not None and calibration.method == "awq" and isinstance(ckpt, HFCheckpoint)
-            and ckpt.default_scheme() is None and any(s.name == "int4" for s in plan.values()))
+            and ckpt.default_scheme() is None and not ckpt.config.is_moe
+            and any(s.name == "int4" for s in plan.values()))
+
+
+def calibrates_to(ckpt: object, scheme: QuantScheme, method: str) -> bool:
+    """:func:`calibrates` for a conversion of ``ckpt`` to ``scheme`` with ``--calibration method``
+    (what a pull says before it starts)."""
+    return calibrates(ckpt, {"": scheme}, Calibration(method))
 
 
 def _layer_of(key: str) -> int | None:
@@ -136,21 +147,32 @@ def _tokens(tokenizer: Tokenizer, calibration: Calibration, max_seq_len: int) ->
 
 
 def _block(config: ModelConfig, layer: int, tensors: dict[str, torch.Tensor]) -> Block:
-    """A float (fp32) decoder block holding ``tensors`` (its own names)."""
-    block = Block(config, layer)
-    block.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    """A float (fp32) decoder block over ``tensors`` (fp32, its own names), sharing them (no copy)."""
+    with torch.device("meta"):
+        block = Block(config, layer)
+    block.load_state_dict(tensors, strict=True, assign=True)
     return block.eval().requires_grad_(False)
 
 
-def _record_inputs(block: Block, names: list[str]) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    """Forward pre-hooks that keep the input of each named linear (last call wins)."""
-    seen: dict[str, torch.Tensor] = {}
+def _record_inputs(block: Block, names: list[str], n_tokens: int) -> tuple[dict[str, StatsAccumulator], list[Any]]:
+    """Forward pre-hooks that add the input of each named linear to its statistics, call after call."""
+    seen: dict[str, StatsAccumulator] = {}
     handles = []
     for name in names:
+        module = block.get_submodule(name)
+        seen[name] = StatsAccumulator(n_tokens, module.weight.shape[1])
+
         def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...], name: str = name) -> None:
-            seen[name] = args[0].detach()
-        handles.append(block.get_submodule(name).register_forward_pre_hook(hook))
+            seen[name].add(args[0].detach())
+        handles.append(module.register_forward_pre_hook(hook))
     return seen, handles
+
+
+def _forward_inplace(block: Block, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``x`` (B, T, D) replaced by the block's output, one sequence at a time: the block's activations
+    (attention's scores, the MLP's intermediate) are those of one sequence, not of all B."""
+    for b in range(x.shape[0]):
+        x[b:b + 1] = block(x[b:b + 1], None, *rope)
 
 
 def calibrated_stream(ckpt: HFCheckpoint, plan: Plan, tied_head: bool,
@@ -174,8 +196,7 @@ def calibrated_stream(ckpt: HFCheckpoint, plan: Plan, tied_head: bool,
     for i in range(config.n_layers):
         prefix = f"layers.{i}."
         raw = {name[len(prefix):]: t for name, t in ckpt.iter_tensors(keep=lambda key, i=i: _layer_of(key) == i)}
-        out, x = _calibrate_layer(config, i, raw, x, rope, plan, calibration, errors)
-        del raw
+        out = _calibrate_layer(config, i, raw, x, rope, plan, calibration, errors)  # empties raw, updates x
         yield from ((prefix + name, t) for name, t in out)
         del out
     calibration.tokens = B * T
@@ -186,19 +207,25 @@ def calibrated_stream(ckpt: HFCheckpoint, plan: Plan, tied_head: bool,
 @torch.no_grad()
 def _calibrate_layer(config: ModelConfig, i: int, raw: dict[str, torch.Tensor], x: torch.Tensor,
                      rope: dict[bool, tuple[torch.Tensor, torch.Tensor]], plan: Plan, calibration: Calibration,
-                     errors: list[float]) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
-    """Layer ``i`` (its float tensors ``raw`` by their names in the block) made data-aware and
-    quantized: its artifact tensors (block names), and its output for the inputs ``x`` (B, T, D)."""
+                     errors: list[float]) -> list[tuple[str, torch.Tensor]]:
+    """Layer ``i`` (its float tensors ``raw`` by their names in the block, taken out of the dict as
+    they are widened to fp32) made data-aware and quantized: returns its artifact tensors (block
+    names) and replaces the inputs ``x`` (B, T, D) by the quantized layer's outputs.
+
+    Held at once: the layer's fp32 weights, ``x``, one sequence's activations and each group's input
+    statistics (tokens x width, or width x width when there are more tokens than channels)."""
     prefix = f"layers.{i}."
     groups = scale_groups(config, plan, prefix)
-    block = _block(config, i, raw)
-    seen, handles = _record_inputs(block, [g.input for g in groups])
-    block(x, None, *rope[block.attn.local_rope])
+    tensors = {k: raw.pop(k).float() for k in list(raw)}
+    block = _block(config, i, tensors)
+    rope_i = rope[block.attn.local_rope]
+    seen, handles = _record_inputs(block, [g.input for g in groups], x.shape[0] * x.shape[1])
+    for b in range(x.shape[0]):
+        block(x[b:b + 1], None, *rope_i)
     for h in handles:
         h.remove()
-    stats = {name: InputStats.of(t) for name, t in seen.items()}
+    stats = {name: acc.stats() for name, acc in seen.items()}
     del seen, block
-    tensors = {k: v.float() for k, v in raw.items()}
     if groups:
         results = apply_awq(tensors, groups, stats, plan[prefix + groups[0].linears[0]], calibration.clip)
         for name, r in results.items():
@@ -220,8 +247,8 @@ def _calibrate_layer(config: ModelConfig, i: int, raw: dict[str, torch.Tensor], 
         else:
             stored[name] = w.to(_STORED_FLOAT).float()
             out.append((name, w))
-    block = _block(config, i, stored)
-    return out, block(x, None, *rope[block.attn.local_rope])
+    _forward_inplace(_block(config, i, stored), x, rope_i)
+    return out
 
 
 def _popping(d: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

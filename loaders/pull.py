@@ -25,7 +25,7 @@ from filelock import Timeout
 
 from localllm.errors import LocalLLMError, disk_errors
 from localllm.quant.formats import ALL_SCHEMES
-from localllm.loaders.calibrate import DEFAULT_CALIBRATION
+from localllm.loaders.calibrate import DEFAULT_CALIBRATION, calibrates_to
 from localllm.loaders.store import (
     Store,
     StoredModel,
@@ -196,7 +196,8 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
             return PullResult(kept, kept=True)
         hub_format = source_format(fetched.ckpt)  # a Hub-quantized repo's format, for the manifest
         if not hub_format:
-            notify(f"quantizing to {scheme.label()}...")
+            awq = calibrates_to(fetched.ckpt, scheme, options.calibration)
+            notify(f"quantizing to {scheme.label()}{' with data-aware scales (awq)' if awq else ''}...")
         elif scheme == fetched.ckpt.default_scheme():
             notify(f"storing its {hub_format['format']['label']} weights as {scheme.label()}, exactly...")
         else:

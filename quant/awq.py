@@ -29,6 +29,8 @@ from localllm.quant.formats import QuantScheme, dequantize, quantize
 SCALE_GRID = 20
 CLIP_GRID = 10
 CLIP_SHRINK = 0.5
+#: Output rows a search step quantizes and measures at once (bounds its temporaries).
+ROWS = 256
 
 
 @dataclass
@@ -41,11 +43,10 @@ class InputStats:
 
     @classmethod
     def of(cls, x: torch.Tensor) -> "InputStats":
-        x = x.reshape(-1, x.shape[-1]).float()  # (N, in)
-        mean_abs = x.abs().mean(0)
-        if x.shape[0] <= x.shape[1]:
-            return cls(mean_abs, x, None)
-        return cls(mean_abs, None, x.T @ x)
+        x = x.reshape(-1, x.shape[-1])  # (N, in)
+        acc = StatsAccumulator(x.shape[0], x.shape[1])
+        acc.add(x)
+        return acc.stats()
 
     def error(self, dw: torch.Tensor) -> float:
         """Squared output error ``||x dw^T||^2`` summed over the tokens, for a weight error dw (out, in)."""
@@ -53,17 +54,26 @@ class InputStats:
             return float((self.x @ dw.T).square().sum())
         return float(((dw @ self.gram) * dw).sum())
 
+    def quant_error(self, w: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> float:
+        """The output error of ``w`` (out, in) quantized as ``w * s`` with inputs ``x / s``, ROWS output
+        rows at a time (the rows' errors add up; the temporaries stay a few row blocks)."""
+        return sum(self.error(fake_quant(rows * s, scheme).div_(s).sub_(rows)) for rows in w.split(ROWS))
+
+    def blocks(self, group: int) -> torch.Tensor:
+        """(in/group, group, group): the Gram matrix's diagonal blocks, one per group of input channels."""
+        inp = self.mean_abs.shape[0]
+        n = inp // group
+        if self.gram is not None:
+            return self.gram.view(n, group, n, group).diagonal(dim1=0, dim2=2).permute(2, 0, 1).contiguous()
+        xg = self.x.view(-1, n, group)  # type: ignore[union-attr]  # (N, n, g)
+        return torch.einsum("tni,tnj->nij", xg, xg)
+
     def group_errors(self, dw: torch.Tensor, group: int) -> torch.Tensor:
         """(out, in/group): each group's part of the squared output error, ``d^T H_jj d`` with H_jj the
         Gram matrix's diagonal block of that group's input channels."""
         out, inp = dw.shape
-        n = inp // group
-        if self.gram is not None:
-            blocks = self.gram.view(n, group, n, group).diagonal(dim1=0, dim2=2).permute(2, 0, 1)  # (n, g, g)
-        else:
-            xg = self.x.view(-1, n, group)  # type: ignore[union-attr]  # (N, n, g)
-            blocks = torch.einsum("tni,tnj->nij", xg, xg)
-        d = dw.view(out, n, group)
+        blocks = self.blocks(group)
+        d = dw.view(out, inp // group, group)
         return torch.einsum("oni,nij,onj->on", d, blocks, d)
 
     def scaled(self, s: torch.Tensor) -> "InputStats":
@@ -71,6 +81,56 @@ class InputStats:
         if self.x is not None:
             return InputStats(self.mean_abs / s, self.x / s, None)
         return InputStats(self.mean_abs / s, None, self.gram / s[:, None] / s[None, :])
+
+
+@dataclass
+class GroupBlocks:
+    """What clipping needs of an input: the diagonal blocks of its Gram matrix (in/group, group, group),
+    a small fraction of the tokens or of the whole Gram matrix, kept per group until the layer is clipped."""
+
+    diag: torch.Tensor
+    group: int
+
+    @classmethod
+    def of(cls, stats: InputStats, s: torch.Tensor, group: int) -> "GroupBlocks":
+        """The blocks of ``x / s``: those of ``x`` divided by ``s_i s_j``."""
+        sg = s.view(-1, group)  # (n, g)
+        return cls(stats.blocks(group) / sg[:, :, None] / sg[:, None, :], group)
+
+    def group_errors(self, dw: torch.Tensor, group: int) -> torch.Tensor:
+        """As :meth:`InputStats.group_errors`."""
+        if group != self.group:
+            raise ValueError(f"blocks of group {self.group} asked for group {group}")
+        out, inp = dw.shape
+        d = dw.view(out, inp // group, group)
+        return torch.einsum("oni,nij,onj->on", d, self.diag, d)
+
+
+class StatsAccumulator:
+    """:class:`InputStats` of ``n_tokens`` tokens of width ``width`` that arrive a chunk at a time (one
+    calibration sequence after another), so a layer's inputs are never all materialised at once
+    beside what the statistics keep: the tokens themselves (N, in) when N <= in, else ``X^T X`` (in, in)."""
+
+    def __init__(self, n_tokens: int, width: int) -> None:
+        self.width = width
+        self.n = 0
+        self.sum_abs = torch.zeros(width)  # (in,)
+        self.x = torch.empty(n_tokens, width) if n_tokens <= width else None  # (N, in)
+        self.gram = None if self.x is not None else torch.zeros(width, width)  # (in, in)
+
+    def add(self, x: torch.Tensor) -> None:
+        """Add the tokens ``x`` (..., in)."""
+        x = x.reshape(-1, self.width).float()  # (n, in)
+        self.sum_abs += x.abs().sum(0)
+        if self.x is not None:
+            self.x[self.n:self.n + x.shape[0]] = x
+        else:
+            self.gram.addmm_(x.T, x)  # type: ignore[union-attr]
+        self.n += x.shape[0]
+
+    def stats(self) -> InputStats:
+        x = self.x[:self.n] if self.x is not None else None
+        return InputStats(self.sum_abs / max(self.n, 1), x, self.gram)
 
 
 @dataclass(frozen=True)
@@ -160,7 +220,7 @@ def search_scale(weights: list[torch.Tensor], stats: InputStats, scheme: QuantSc
         s = x_mean.pow(alpha).clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
         full = _expand(s, heads)
-        err = sum(stats.error(fake_quant(w * full, scheme) / full - w) for w in weights)
+        err = sum(stats.quant_error(w, full, scheme) for w in weights)
         if i == 0:
             rtn = err
         if best is None or err < best[0]:
@@ -172,11 +232,21 @@ def search_scale(weights: list[torch.Tensor], stats: InputStats, scheme: QuantSc
     return s, GroupResult(alpha, rtn, err)
 
 
-def search_clip(w: torch.Tensor, stats: InputStats, scheme: QuantScheme,
+def search_clip(w: torch.Tensor, stats: InputStats | GroupBlocks, scheme: QuantScheme,
                 grid: int = CLIP_GRID, shrink: float = CLIP_SHRINK) -> torch.Tensor:
     """``w`` (out, in) with each group's range [min, max] shrunk by the ratio (1 down to 1 - shrink)
     that gives that group's part of the output the least error after round-to-nearest (ratio 1, no
     clipping, is a candidate: never worse on the calibration data)."""
+    if isinstance(stats, InputStats):
+        stats = GroupBlocks.of(stats, torch.ones(w.shape[1]), scheme.group_size)  # type: ignore[arg-type]
+    result = torch.empty_like(w)
+    for rows, dst in zip(w.split(ROWS), result.split(ROWS)):  # each row's groups are independent
+        dst.copy_(_clip_rows(rows, stats, scheme, grid, shrink))
+    return result
+
+
+def _clip_rows(w: torch.Tensor, stats: InputStats | GroupBlocks, scheme: QuantScheme, grid: int, shrink: float) -> torch.Tensor:
+    """:func:`search_clip` on some rows ``w`` (rows, in)."""
     out, inp = w.shape
     g = scheme.group_size
     n = inp // g  # type: ignore[operator]
@@ -218,17 +288,19 @@ def apply_awq(tensors: dict[str, torch.Tensor], groups: list[ScaleGroup], stats:
     linear, v's rows for o, is accounted for here). Returns each group's choice by its input's name.
     """
     results: dict[str, GroupResult] = {}
-    scaled: dict[str, InputStats] = {}
+    scaled: dict[str, GroupBlocks] = {}
     for group in groups:
         weights = [tensors[f"{n}.weight"].float() for n in group.linears]
         st = stats[group.input]
         s, result = search_scale(weights, st, scheme, group.fold.heads)
         results[group.input] = result
         full = _expand(s, group.fold.heads)
-        for n, w in zip(group.linears, weights):
-            tensors[f"{n}.weight"] = w * full
+        del weights
+        for n in group.linears:  # one scaled copy at a time
+            tensors[f"{n}.weight"] = tensors[f"{n}.weight"].float() * full
         fold_inverse(tensors, group.fold, s)
-        scaled[group.input] = st.scaled(full)
+        if clip and group.clip:
+            scaled[group.input] = GroupBlocks.of(st, full, scheme.group_size)  # type: ignore[arg-type]
     if clip:
         for group in groups:
             for n in group.clip:

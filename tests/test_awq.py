@@ -16,7 +16,7 @@ from localllm.loaders.convert import convert_to_store, storage_layout
 from localllm.loaders.load import load_model, model_tensors
 from localllm.loaders.safetensors_stream import write_safetensors
 from localllm.loaders.store import Store
-from localllm.quant.awq import InputStats, apply_awq, fake_quant
+from localllm.quant.awq import GroupBlocks, InputStats, StatsAccumulator, apply_awq, fake_quant, search_clip
 from localllm.quant.convert import quantize_stream
 from localllm.quant.formats import dequantize, parse_scheme, quantize
 from localllm.quant.linear import QuantLinear
@@ -50,6 +50,50 @@ def test_fake_quant_is_the_stored_values(symmetric):
     w = torch.randn(48, 128) * torch.rand(48, 1)
     scheme = parse_scheme("int4", 32, symmetric)
     assert torch.equal(fake_quant(w, scheme), dequantize(quantize(w, scheme), scheme))
+
+
+@pytest.mark.parametrize("tokens, width", [(96, 128), (300, 64)])  # tokens kept; a Gram matrix kept
+def test_statistics_arrive_a_sequence_at_a_time(tokens, width):
+    """The calibration adds a layer's inputs one sequence at a time: the statistics equal those of all
+    the tokens at once (the tokens when fewer than the channels, else X^T X), and so do the errors."""
+    torch.manual_seed(0)
+    x = torch.randn(tokens, width) * torch.rand(width) * 4
+    whole = InputStats.of(x)
+    acc = StatsAccumulator(tokens, width)
+    for part in x.split(37):
+        acc.add(part[None])  # (1, t, width), as a hook sees one sequence
+    parts = acc.stats()
+    assert (parts.x is None) == (tokens > width) and (parts.gram is None) == (tokens <= width)
+    torch.testing.assert_close(parts.mean_abs, x.abs().mean(0))
+    dw = torch.randn(40, width) * 0.01
+    want = float((x @ dw.T).square().sum())
+    assert parts.error(dw) == pytest.approx(want, rel=1e-4)
+    assert whole.error(dw) == pytest.approx(want, rel=1e-4)
+    torch.testing.assert_close(parts.group_errors(dw, 32).sum(), GroupBlocks.of(parts, torch.ones(width), 32)
+                               .group_errors(dw, 32).sum())
+
+
+def test_clip_search_by_row_blocks_is_the_whole_search():
+    """Clipping searches ROWS output rows at a time: each row's choice is its own, so the result is
+    the one a whole-matrix search gives; and its blocks of ``x / s`` are those of the scaled tokens."""
+    import localllm.quant.awq as awq
+
+    torch.manual_seed(0)
+    x = torch.randn(200, 128) * torch.rand(128) * 3
+    w = torch.randn(96, 128)
+    s = torch.rand(128) + 0.5
+    stats = InputStats.of(x)
+    blocks = GroupBlocks.of(stats, s, 32)
+    torch.testing.assert_close(blocks.diag, InputStats.of(x / s).blocks(32), rtol=1e-4, atol=1e-3)
+    whole = search_clip(w, stats, SCHEME)
+    old, awq.ROWS = awq.ROWS, 7
+    try:
+        by_rows = search_clip(w, stats, SCHEME)
+    finally:
+        awq.ROWS = old
+    # the same choice for each weight group (a near-tie of two ratios may fall either way in fp32)
+    assert (whole != by_rows).any(-1).float().mean() < 0.02
+    assert not torch.equal(whole, w)  # something was clipped
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -192,3 +236,13 @@ def test_pull_options_carry_calibration(tmp_path, monkeypatch):
         assert result.exit_code == 0, result.output
     assert seen == ["awq", "none"]  # round to nearest by default, until the calibration's memory is bounded
     assert "--calibration" in CliRunner().invoke(main, ["run", "--help"]).output
+
+
+def test_pull_says_when_it_calibrates(tmp_path):
+    """The pull's "quantizing to ..." line names awq exactly when the conversion will calibrate."""
+    from localllm.loaders.calibrate import calibrates_to
+
+    ckpt = HFCheckpoint(_folder(tmp_path, "llama"))
+    assert calibrates_to(ckpt, SCHEME, "awq")
+    assert not calibrates_to(ckpt, SCHEME, "none")
+    assert not calibrates_to(ckpt, parse_scheme("int8"), "awq")
