@@ -121,3 +121,27 @@ def test_run_takes_the_flags_and_a_cpu_run_ignores_them(moe_folder) -> None:
         assert "placement:" not in result.output and "eval count" in result.output
     result = CliRunner().invoke(main, ["run", str(moe_folder), "hello", "--n-cpu-moe", "-1"])
     assert result.exit_code != 0 and "-1" in result.output
+
+
+def test_run_on_a_gpu_is_refused_with_the_placement_that_fits(moe_folder, monkeypatch) -> None:
+    """``run``'s check on a GPU target (no GPU needed: the plan builds on ``meta``): with room for all but
+    layer 0's and part of layer 2's experts, ``--n-cpu-moe 1`` does not fit and the fix is ``--cpu-moe``
+    (layers 0 and 2 are the sparse ones); the automatic plan takes that placement by itself."""
+    from localllm.errors import LocalLLMError
+    from localllm.loaders.memory_plan import check_memory, footprint
+    from localllm.loaders.load import open_checkpoint
+    from localllm.loaders.spec import LoadSpec
+    from localllm.quant.target import Target
+
+    gpu = Target(GPU, (8, 9))
+    spec = LoadSpec(str(moe_folder), device=gpu, quant="int4")
+    fp = footprint(open_checkpoint(str(moe_folder)), spec)
+    whole = plan_for(fp, 256, available=LOTS, host_available=LOTS)
+    room = whole.total - fp.expert_bytes[0] - fp.expert_bytes[2] // 2
+    monkeypatch.setattr("localllm.loaders.memory_plan.available_memory",  # the GPU's free memory; the CPU's
+                        lambda device: (room, "test") if device.type == "cuda" else (10**12, "test"))
+    with pytest.raises(LocalLLMError) as e:
+        check_memory(LoadSpec(str(moe_folder), device=gpu, quant="int4", n_cpu_moe=1))
+    assert e.value.hint == "use --cpu-moe, or free memory" and "experts of 1 layers" in e.value.one_line()
+    plan = check_memory(spec)
+    assert plan.fits and plan.placement.host_layers == (0, 2) and plan.placement.chosen_by == "automatic"
