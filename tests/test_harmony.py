@@ -373,3 +373,41 @@ def test_openai_forced_calls_through_the_server(gpt_oss_style, tmp_path_factory)
                         assert choice.finish_reason == "length" and not choice.message.tool_calls, choice
                 assert whole.finish_reason == streamed.finish_reason
             assert made >= 2  # a call needs the thinking to end (measured: 70-180 characters, at seeds 0-3)
+
+
+def test_requests_effort_levels_reach_the_template(gpt_oss_style, tmp_path_factory):
+    """Chat completions' reasoning_effort, Ollama's think level and Responses' reasoning.effort reach
+    harmony's template as its ``Reasoning:`` line: each reply's prompt is as long as the prompt the
+    template renders with that level (never the default's, medium, which true/false would give)."""
+    openai = pytest.importorskip("openai")
+    import httpx
+
+    from localllm.server.config import ServerConfig
+    from tests.server_fixtures import running_server
+
+    tok = Tokenizer.from_folder(gpt_oss_style)
+    chat = [{"role": "user", "content": "Weather in Oslo?"}]
+    rendered = {level: prepare_chat(tok, chat, None, None, None, effort=level)[0]
+                for level in ("low", "medium", "high")}
+    assert "Reasoning: low" in tok.decode(rendered["low"])
+    sizes = {level: len(ids) for level, ids in rendered.items()}
+    assert sizes["low"] != sizes["medium"] != sizes["high"], sizes  # else the counts below tell nothing
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("harmony-home")))
+        with running_server(ServerConfig(parallel=1, kv_memory=16 << 20, quant="fp32", device="cpu",
+                                         allow_local_paths=True)) as server:
+            model = str(gpt_oss_style)
+            # Ollama's first: its prompt_eval_count leaves out the prefix cached by earlier requests
+            ollama = httpx.post(f"{server.url}/api/chat", timeout=120, json={
+                "model": model, "messages": chat, "think": "high", "stream": False, "options": {"num_predict": 1}})
+            assert ollama.status_code == 200, ollama.text
+            assert ollama.json()["prompt_eval_count"] == sizes["high"]
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+            reply = client.chat.completions.create(model=model, messages=chat, reasoning_effort="low", max_tokens=1)
+            assert reply.usage.prompt_tokens == sizes["low"]
+            responses = httpx.post(f"{server.url}/v1/responses", timeout=120, json={
+                "model": model, "input": chat, "reasoning": {"effort": "high"}, "max_output_tokens": 1})
+            assert responses.status_code == 200, responses.text
+            assert responses.json()["usage"]["input_tokens"] == sizes["high"]
+            off = client.chat.completions.create(model=model, messages=chat, reasoning_effort="none", max_tokens=1)
+            assert off.usage.prompt_tokens == sizes["low"]  # gpt-oss always thinks: the least is low

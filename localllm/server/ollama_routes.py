@@ -75,6 +75,7 @@ class Run:
     logprobs: int | None  # alternatives each token's entry lists ("top_logprobs"); None: no entries
     tools: ToolAsk | None  # /api/chat's tools (None: none)
     think: bool | None  # the template's enable_thinking (None: its default)
+    effort: str | None  # "think" as a level (low, medium, high): harmony's template takes it
 
 
 def _run(f: Fields) -> Run:
@@ -125,7 +126,8 @@ def _run(f: Fields) -> Run:
     if think is not None and not isinstance(think, bool) and think not in ("low", "medium", "high"):
         raise ApiError(400, "'think' must be true, false, \"low\", \"medium\" or \"high\"", param="think")
     return Run(model, params, max_tokens, num_ctx, stop, f.boolean("stream", True), keep_alive,
-               grammar, logprobs, tools, None if think is None else think is not False)
+               grammar, logprobs, tools, None if think is None else think is not False,
+               think if isinstance(think, str) else None)
 
 
 def _stats(o: Outcome, started: float, load_s: float) -> dict[str, Any]:
@@ -173,7 +175,7 @@ async def _generate(request: Request, run: Run, prompt: Any, chat: bool) -> Resp
         grammar = run.grammar
         if isinstance(prompt, list):
             ids, grammar, shape = await anyio.to_thread.run_sync(prepare_chat, tok, prompt, run.tools, grammar,
-                                                                 run.think)
+                                                                 run.think, None, run.effort)
         else:
             ids = await anyio.to_thread.run_sync(tok.encode, prompt)
         ctx = check_prompt(ids, lease.slot, run.num_ctx, param="messages" if chat else "prompt")

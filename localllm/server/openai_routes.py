@@ -55,6 +55,7 @@ class Ask:
     logprobs: int | None  # alternatives each token's log-probability entry lists; None: no entries
     tools: ToolAsk | None = None  # chat: the tools offered and tool_choice (None: none)
     think: bool | None = None  # chat: the template's enable_thinking (None: its default)
+    effort: str | None = None  # chat: reasoning_effort as asked (harmony's template takes its level)
 
 
 def _logprobs(f: Fields, chat: bool) -> int | None:
@@ -122,7 +123,7 @@ async def _start(request: Request, ask: Ask, prompt: Any, chat: bool) -> tuple[L
         grammar = ask.grammar
         if chat:
             ids, grammar, shape = await anyio.to_thread.run_sync(prepare_chat, tok, prompt, ask.tools, grammar,
-                                                                 ask.think)
+                                                                 ask.think, None, ask.effort)
         elif isinstance(prompt, str):
             ids = await anyio.to_thread.run_sync(tok.encode, prompt)
         else:
@@ -253,14 +254,16 @@ async def chat_completions(request: Request) -> Response:
     if offered is not None and ask.grammar is not None:
         raise ApiError(400, "'response_format' and 'tools' cannot be combined: a reply is either calls or the "
                        "format", param="response_format")
-    ask = dataclasses.replace(ask, tools=offered, think=_think(f))
+    think, effort = _think(f)
+    ask = dataclasses.replace(ask, tools=offered, think=think, effort=effort)
     lease, shape = await _start(request, ask, msgs, chat=True)
     return await _respond(request, ask, lease, chat=True, shape=shape)
 
 
-def _think(f: Fields) -> bool | None:
+def _think(f: Fields) -> tuple[bool | None, str | None]:
     """Thinking on or off: ``reasoning_effort`` ("none" is off), or ``chat_template_kwargs``'
-    ``enable_thinking`` (as vLLM takes it); None: the template's default."""
+    ``enable_thinking`` (as vLLM takes it); None: the template's default. Also the effort itself, for
+    a template with levels (harmony's ``reasoning_effort``)."""
     effort = f.string("reasoning_effort")
     if effort is not None and effort not in ("none", "minimal", "low", "medium", "high"):
         raise ApiError(400, f"'reasoning_effort' is {effort!r}; use none, minimal, low, medium or high",
@@ -269,7 +272,7 @@ def _think(f: Fields) -> bool | None:
     kwargs = f.obj("chat_template_kwargs")
     if kwargs is not None and kwargs.has("enable_thinking"):
         think = kwargs.boolean("enable_thinking", True)
-    return think
+    return think, effort
 
 
 @endpoint(OPENAI, "/v1/completions")

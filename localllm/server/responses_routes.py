@@ -4,9 +4,10 @@
 A translation onto the chat pipeline that ``/v1/chat/completions`` runs: ``input`` items become chat
 messages for the model's template, function ``tools``, ``tool_choice`` and ``text.format`` become the
 same ToolAsk and grammars (:mod:`tool_calls`, :mod:`structured`), ``reasoning.effort`` the template's
-thinking switch, and the reply is read by the same :class:`ReplyShape` into reasoning, message and
-``function_call`` output items. Stored responses (``store``, default true as OpenAI's) live in a
-bounded in-memory :class:`ResponseStore`; ``previous_response_id`` continues one's conversation.
+thinking switch (harmony's level), and the reply is read by the same :class:`ReplyShape` into
+reasoning, message and ``function_call`` output items. Stored responses (``store``, default true as
+OpenAI's) live in a bounded in-memory :class:`ResponseStore`; ``previous_response_id`` continues one's
+conversation.
 
 Fields that would change a reply's meaning and that this server cannot honour (built-in tools,
 ``background``, ``conversation``, reusable ``prompt``, ``truncation: "auto"``, log-probabilities) are
@@ -237,6 +238,7 @@ class Ask:
     grammar: Grammar | None
     tools: ToolAsk | None
     think: bool | None
+    effort: str | None  # reasoning.effort as asked: harmony's template takes its level
     items: list[dict[str, Any]]  # this request's input items, as input_items lists them
     echo: dict[str, Any] = field(default_factory=dict)  # request fields a response object repeats
 
@@ -298,7 +300,7 @@ def _ask(request: Request, f: Fields) -> Ask:
             "user": f.raw("user"), "store": f.boolean("store", True)}
     return Ask(model, conversation, instructions, params, f.integer("max_output_tokens", minimum=1),
                f.boolean("stream", False), f.boolean("store", True), grammar, offered,
-               None if effort is None else effort != "none", listed_items(f.raw("input")), echo)
+               None if effort is None else effort != "none", effort, listed_items(f.raw("input")), echo)
 
 
 # ---------------------------------------------------------------------------------------- the reply
@@ -310,7 +312,7 @@ async def _start(request: Request, ask: Ask) -> tuple[Lease, ReplyShape]:
     async def prepare(lease: Lease) -> None:
         nonlocal shape
         ids, grammar, shape = await anyio.to_thread.run_sync(prepare_chat, lease.slot.lm.tokenizer, ask.chat,
-                                                             ask.tools, ask.grammar, ask.think)
+                                                             ask.tools, ask.grammar, ask.think, None, ask.effort)
         check_prompt(ids, lease.slot, param="input")
         lease.submit(ids, ask.params, ask.max_tokens, [], await lease.constraint(grammar))
 
