@@ -20,13 +20,14 @@ from typing import Any
 from localllm.runtime.batch import BatchEngine, GenerationStats, TokenLogprob
 from localllm.runtime.cache import DEFAULT_KV_DTYPE
 from localllm.runtime.chat import encode_chat
-from localllm.runtime.constrain import Constraints, Grammar, after_thinking
+from localllm.runtime.constrain import Constraints, Grammar, after_thinking, harmony_final
 from localllm.runtime.kv_pool import layer_groups, sequence_pool_bytes
 from localllm.runtime.model import Transformer
 from localllm.runtime.sampling import SamplingParams
 from localllm.runtime.scheduler import check_prompt
-from localllm.runtime.textstream import StopStringFilter, prompt_opens_thinking, template_thinks
+from localllm.runtime.textstream import StopStringFilter, prompt_opens_thinking, template_channels, template_thinks
 from localllm.runtime.tokenizer import Tokenizer
+from localllm.runtime.tools import call_syntax, reply_stop_ids
 
 
 def sequence_engine(model: Transformer, ctx: int, compile: bool | str = False, kv_dtype: str = DEFAULT_KV_DTYPE,
@@ -64,8 +65,12 @@ class Engine:
         self.batch = sequence_engine(model, ctx, compile, kv_dtype, speculate=speculate)
         if compile is True and self.batch.compile_note:
             warnings.warn(self.batch.compile_note)
-        # Stop on the tokenizer's end tokens and the model config's (generation_config.json's).
-        self.stop_ids = list(dict.fromkeys([*tokenizer.eos_ids, *model.config.eos_token_ids]))
+        # Stop on the tokenizer's end tokens and the model config's (generation_config.json's), and
+        # harmony's <|return|> and <|call|> (gpt-oss) whatever the files list.
+        ends = reply_stop_ids(call_syntax(tokenizer.chat_template, tokenizer.token_to_id), tokenizer.token_to_id)
+        self.stop_ids = list(dict.fromkeys([*tokenizer.eos_ids, *model.config.eos_token_ids, *ends]))
+        #: harmony's replies (gpt-oss) are messages whose headers are special tokens: decoded with them
+        self.harmony = template_channels(tokenizer.chat_template)
         self.constraints = Constraints(tokenizer, self.stop_ids)
         self.stats = GenerationStats(prompt_tokens=0)
         """Figures of the last (or current) generation."""
@@ -132,8 +137,9 @@ class Engine:
         grammar: Grammar | None = None,
         logprobs: int | None = None,
     ) -> Iterator[str]:
-        """Text pieces generated after ``prompt_ids``, as soon as each is printable."""
-        decoder = self.tokenizer.stream(skip_special=True)
+        """Text pieces generated after ``prompt_ids``, as soon as each is printable (with a harmony
+        template's special tokens: its messages' headers, for :class:`ThinkingSplitter` to read)."""
+        decoder = self.tokenizer.stream(skip_special=not self.harmony)
         cut = StopStringFilter(stop)
         tokens = self.generate_ids(prompt_ids, params, max_tokens, grammar=grammar, logprobs=logprobs)
         try:
@@ -172,13 +178,17 @@ class Engine:
         ``think``: the template's ``enable_thinking`` (Qwen3: False writes an empty thinking block into
         the prompt); None leaves the template's default. The reply's own ``<think>`` block is part of
         the text (:class:`runtime.textstream.ThinkingSplitter` separates it); a ``grammar`` holds the
-        answer after it (:func:`runtime.constrain.after_thinking`).
+        answer after it (:func:`runtime.constrain.after_thinking`). A harmony template's reply (gpt-oss)
+        is its messages with their headers (``ThinkingSplitter(harmony=True)`` reads them); a
+        ``grammar`` holds its final message, after an optional analysis one.
 
         Calling again with the same history plus new turns reuses the cached keys/values of the
         shared prefix, so a multi-turn chat only processes what is new.
         """
         extra = {} if think is None else {"enable_thinking": think}
         ids = encode_chat(self.tokenizer, messages, **extra)
-        if grammar is not None and think is not False and template_thinks(self.tokenizer.chat_template):
+        if grammar is not None and self.harmony:  # the final message, after an optional analysis one
+            grammar = after_thinking(harmony_final(grammar), False, harmony=True)
+        elif grammar is not None and think is not False and template_thinks(self.tokenizer.chat_template):
             grammar = after_thinking(grammar, prompt_opens_thinking(self.tokenizer, ids))  # holds the answer
         return self.stream_ids(ids, params, max_tokens, stop, grammar, logprobs)

@@ -411,3 +411,47 @@ def test_requests_effort_levels_reach_the_template(gpt_oss_style, tmp_path_facto
             assert responses.json()["usage"]["input_tokens"] == sizes["high"]
             off = client.chat.completions.create(model=model, messages=chat, reasoning_effort="none", max_tokens=1)
             assert off.usage.prompt_tokens == sizes["low"]  # gpt-oss always thinks: the least is low
+
+
+def test_run_shows_harmony_thinking_on_stderr_and_the_final_message_alone(capsys):
+    """``localllm run``'s answer_only with a harmony template: the analysis message between
+    "Thinking..." lines on stderr, the final message's text alone on stdout, at every cut."""
+    from localllm.commands.run import answer_only
+
+    reply = FINAL + "<|return|>"
+    for cut in range(len(reply) + 1):
+        answer = "".join(answer_only(iter([reply[:cut], reply[cut:]]), True, harmony=True))
+        err = capsys.readouterr().err
+        assert answer == "It is 21 C.", (cut, answer)
+        assert err == f"Thinking...\n{THINKING}\n...done thinking.\n\n", (cut, err)
+
+
+def test_the_engine_decodes_harmony_headers_and_holds_a_format_to_the_final_message(gpt_oss_style):
+    """Engine.chat (``localllm run``) with a harmony template: the reply keeps its headers (special
+    tokens), <|return|> and <|call|> end it, and a format holds the final message (after an optional
+    analysis one); the answer read from it has no header."""
+    from localllm.commands.run import answer_only
+    from localllm.loaders.load import load_model
+    from localllm.runtime.constrain import json_schema
+    from localllm.runtime.engine import Engine
+    from localllm.runtime.sampling import SamplingParams
+
+    lm = load_model(str(gpt_oss_style), quant="fp32")
+    engine = Engine(lm.model, lm.tokenizer, ctx=1024)
+    tok = lm.tokenizer
+    assert engine.harmony and {tok.token_to_id("<|return|>"), tok.token_to_id("<|call|>")} <= set(engine.stop_ids)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    chat = [{"role": "user", "content": "A number?"}]
+    finals = 0
+    for seed in range(6):  # a seed may think past max_tokens (measured: 2 of seeds 0-2 reach the final)
+        pieces = list(engine.chat(chat, SamplingParams(temperature=1.0, seed=seed), 120, grammar=json_schema(schema)))
+        raw = "".join(pieces)
+        assert raw.startswith("<|channel|>"), raw  # decoded with its special tokens, held to a message
+        answer = "".join(answer_only(iter(pieces), False, engine.harmony))
+        assert "<|" not in answer and "final" not in answer, raw
+        head = "<|channel|>final<|message|>"
+        if head in raw:
+            finals += 1
+            assert answer == raw.split(head, 1)[1], raw
+    assert finals, "no seed reached the final message"

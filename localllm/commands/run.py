@@ -45,13 +45,14 @@ def _stream(pieces: Iterator[str]) -> str:
     return "".join(out)
 
 
-def answer_only(pieces: Iterator[str], show_thinking: bool) -> Iterator[str]:
-    """The reply's answer; its thinking block (``<think>…</think>``) goes to stderr between Ollama's
+def answer_only(pieces: Iterator[str], show_thinking: bool, harmony: bool = False) -> Iterator[str]:
+    """The reply's answer; its thinking block (``<think>…</think>``, or with ``harmony`` gpt-oss's
+    analysis message, its final message's header left out) goes to stderr between Ollama's
     "Thinking..." and "...done thinking." lines, or nowhere with ``show_thinking=False``. stdout
     keeps the answer alone, for pipes."""
     from localllm.runtime.textstream import ThinkingSplitter
 
-    splitter = ThinkingSplitter()
+    splitter = ThinkingSplitter(harmony=harmony)
     thinking = False
 
     def route(parts: list[tuple[str, str]]) -> Iterator[str]:
@@ -306,7 +307,7 @@ def run(
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
         pieces = answer_only(engine.chat(messages, params, max_tokens, stop, think, grammar, logprobs),
-                             not hide_thinking)
+                             not hide_thinking, engine.harmony)
     _stream(pieces)
     _write("\n")
     if logprobs is not None:
@@ -383,7 +384,7 @@ def _chat(engine, params, system, max_tokens, stop: Sequence[str], verbose,  # t
         reply: list[str] = []
         try:
             for piece in answer_only(engine.chat(messages, params, max_tokens, stop, think, grammar, logprobs),
-                                     show_thinking):
+                                     show_thinking, engine.harmony):
                 _write(piece)
                 reply.append(piece)
         except KeyboardInterrupt:
