@@ -6,6 +6,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -272,8 +273,12 @@ def run(
     spec = LoadSpec(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache, calibration, cpu_moe,
                     n_cpu_moe)
     # Before anything is loaded: does it fit? If not, the plan's numbers and the cheapest change that does.
-    check_memory(spec, ctx, kv_cache_flag=True)
-    lm = load_model(spec)
+    plan = check_memory(spec, ctx, kv_cache_flag=True)
+    # a MoE on a GPU: its experts placed as the plan for this context placed them
+    where = plan.placement if not (spec.cpu_moe or spec.n_cpu_moe is not None) else None
+    lm = load_model(replace(spec, n_cpu_moe=where.n_cpu_moe) if where is not None else spec)
+    if where is not None:
+        lm.placement = where  # chosen automatically, for this context: said so by --verbose
     if lm.calibration is not None:
         note(lm.calibration.summary())
     ctx = ctx if ctx is not None else min(lm.config.max_seq_len, 4096)
