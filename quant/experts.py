@@ -411,14 +411,9 @@ def split_expert_name(name: str) -> tuple[str, int] | None:
 
 
 def experts_plan(model: nn.Module, scheme: QuantScheme) -> dict[str, QuantScheme]:
-    """Every expert projection of ``model`` -> ``scheme`` (a plan's entries beside its linears'), after
-    checking the scheme can hold them: one line naming why not."""
-    plan = {}
-    for name, m in model.named_modules():
-        if isinstance(m, QuantExperts):
-            scheme.check_layer(name, m.in_features)
-            plan[name] = scheme
-    return plan
+    """Every expert projection of ``model`` -> ``scheme`` (a plan's entries beside its linears'); each is
+    checked against its final scheme when it is swapped (a GGUF's own types replace ``scheme``'s)."""
+    return {name: scheme for name, m in model.named_modules() if isinstance(m, QuantExperts)}
 
 
 def swap_experts(model: nn.Module, plan: dict[str, QuantScheme]) -> list[str]:
@@ -427,6 +422,7 @@ def swap_experts(model: nn.Module, plan: dict[str, QuantScheme]) -> list[str]:
     for name, m in list(model.named_modules()):
         if name not in plan or not isinstance(m, QuantExperts):
             continue
+        plan[name].check_layer(name, m.in_features)  # one line naming why the scheme cannot hold them
         parent_name, _, child = name.rpartition(".")
         with torch.device("meta"):
             q = QuantExperts(m.n_experts, m.in_features, m.out_features, plan[name])

@@ -180,6 +180,31 @@ def _stacked_blocks(type_name: str, shape: tuple[int, int, int]) -> np.ndarray:
     return np.stack([random_blocks(type_name, out, inp, seed=17 * e + out) for e in range(E)])
 
 
+def test_experts_narrower_than_the_files_main_block_load_in_their_own_type(models, tmp_path):
+    """llama-quantize's Q4_K_M of experts 384 wide writes their down projections in Q8_0 (a K-quant's
+    super-block of 256 does not divide 384): the file's main type (Q4_K) must not be asked to hold them."""
+    ref = models("qwen3_moe", hidden_size=256, moe_intermediate_size=384)
+
+    def blocks_of(type_name: str):
+        return lambda value: (type_name, _stacked_blocks(type_name, value.shape))
+
+    types = {"ffn_down_exps.weight": blocks_of("Q8_0"), "_exps.weight": blocks_of("Q4_K"),
+             **{f"{n}.weight": lambda v: ("Q4_K", random_blocks("Q4_K", *v.shape)) for n in ("attn_q", "attn_k", "attn_v")}}
+    path = write_moe_gguf(ref, tmp_path / "q4km.gguf", types)
+    assert GGUFCheckpoint(path).default_scheme().gguf_type == "Q4_K"  # the file's main type, as in a Q4_K_M
+    reader = gguf.GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down_exps.weight")
+    want = gguf.quants.dequantize(t.data, t.tensor_type)  # (E, D, 384) fp32
+    lm = load_model(str(path), check_kernels=True)
+    down = lm.model.layers[0].mlp.experts.down
+    assert down.in_features == 384 and down.kernel is MoEBlocksCPU
+    held = gguf.GGMLQuantizationType[block_type(down)]  # the blocks the kernel multiplies
+    for e in range(want.shape[0]):
+        np.testing.assert_array_equal(gguf.quants.dequantize(down.blocks[e].numpy(), held), want[e])
+    with torch.inference_mode():
+        assert torch.isfinite(lm.model(tokens(9))).all()
+
+
 @pytest.mark.parametrize("kinds", [("Q4_K", "Q6_K"), ("Q8_0", "Q5_0"), ("Q4_0", "Q5_1")])
 def test_quantized_experts_import_bit_for_bit(models, kinds, tmp_path):
     """A file's expert tensors of each type the MoE GGUFs use keep their blocks: each expert of the loaded
