@@ -37,7 +37,7 @@ from localllm.quant.target import Target
 ACT_CODES = {"silu": 0, "gelu_tanh": 1}
 CLAMPED_CODE = 2
 #: GGUF types the op multiplies (those with a block kernel in ``csrc/gguf_blocks.h``).
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def block_type(proj: QuantExperts) -> str | None:

@@ -254,6 +254,7 @@ def test_mxfp4_experts_in_a_gguf_import_bit_for_bit(tmp_path):
     the family the GGUF loader reads): each expert keeps its blocks, and the logits equal transformers'
     on the experts' MXFP4 values."""
     from localllm.loaders.load import load_model
+    from localllm.quant.expert_kernels import MoEBlocksCPU
     from tests.test_gguf_moe import moe_model, tokens, write_moe_gguf
 
     ref = moe_model("qwen3_moe")
@@ -274,6 +275,7 @@ def test_mxfp4_experts_in_a_gguf_import_bit_for_bit(tmp_path):
     experts = lm.model.layers[0].mlp.experts
     held = experts.down.canonical()["blocks"]
     assert experts.down.scheme == gguf_scheme("MXFP4")
+    assert experts.down.kernel is MoEBlocksCPU  # the native expert kernel, not the reference
     assert np.array_equal(held.numpy(), np.asarray(files["blk.0.ffn_down_exps.weight"].data))
     ids = tokens(9)
     with torch.no_grad():
