@@ -167,16 +167,20 @@ HF_BASE = {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "interme
            "num_hidden_layers": 2, "num_attention_heads": 4}
 
 
-@pytest.mark.parametrize("extra", [
-    {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
-    {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
-    {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},  # transformers 5
-], ids=["yarn", "dynamic", "yarn-v5"])
-def test_unsupported_hf_rope_scaling_is_refused(extra):
-    kind = next(iter(extra.values())).get("rope_type") or next(iter(extra.values()))["type"]
-    with pytest.raises(LocalLLMError, match=f"unsupported rope scaling '{kind}'") as e:
-        ModelConfig.from_hf({**HF_BASE, **extra})
-    assert "llama3, linear and longrope" in str(e.value)
+def test_unsupported_hf_rope_scaling_is_refused():
+    with pytest.raises(LocalLLMError, match="unsupported rope scaling 'dynamic'") as e:
+        ModelConfig.from_hf({**HF_BASE, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    assert "llama3, linear, longrope and yarn" in str(e.value)
+
+
+def test_hf_yarn_rope_scaling_is_read_or_refused_in_one_line():
+    """YaRN in either spelling (transformers 4's ``rope_scaling`` with ``type``, 5's ``rope_parameters``);
+    without its original context it cannot be computed: the config is damaged, said in one line."""
+    c = ModelConfig.from_hf({**HF_BASE, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32}})
+    assert (c.rope_scaling["rope_type"], c.rope_scaling["factor"]) == ("yarn", 4.0)
+    with pytest.raises(LocalLLMError, match="yarn rope scaling without original_max_position_embeddings"):
+        ModelConfig.from_hf({**HF_BASE, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}})
 
 
 def _one_line_error(path: Path) -> str:
