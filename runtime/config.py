@@ -310,7 +310,9 @@ class ModelConfig:
         gemma, oss = arch == "gemma3", arch == "gpt_oss"
         layer_types = _hf_layer_types(hf, n_layers, 2 if oss else 6) if gemma or oss else None
         if gemma or oss:
-            sliding = read.int("sliding_window", "sliding_window", 4096 if "sliding_window" not in hf else None)
+            # transformers' defaults where a config leaves the window out: Gemma 3's 4096, gpt-oss's 128
+            sliding = read.int("sliding_window", "sliding_window",
+                               (128 if oss else 4096) if "sliding_window" not in hf else None)
         elif arch == "phi3" or hf.get("use_sliding_window", arch in ("mistral", "mixtral")):
             sliding = read.int("sliding_window", "sliding_window", None, (0, INT_RANGES["sliding_window"][1])) or None
         else:
@@ -339,8 +341,9 @@ class ModelConfig:
             tie_embeddings=bool(hf.get("tie_word_embeddings", outer.get("tie_word_embeddings", gemma))),
             # Qwen2 always has q/k/v bias, Qwen2-MoE by its qkv_bias; Llama and Qwen3 configs say so
             # with attention_bias.
+            # attention_bias, gpt-oss's default True as transformers' (its output projection's too).
             attention_bias=bool(hf.get("qkv_bias", True) if arch == "qwen2_moe" else
-                                hf.get("attention_bias", arch == "qwen2")),
+                                hf.get("attention_bias", arch in ("qwen2", "gpt_oss"))),
             sliding_window=sliding,
             bos_token_id=hf.get("bos_token_id", outer.get("bos_token_id")),
             eos_token_ids=eos,
@@ -552,5 +555,9 @@ def _hf_rope(hf: dict[str, Any], arch: str) -> tuple[float, float | None, dict[s
         if scaling.get("original_max_position_embeddings") is None:
             raise damaged("config.json", "gives yarn rope scaling without original_max_position_embeddings")
         if scaling.get("factor") is None:
-            scaling["factor"] = float(hf["max_position_embeddings"]) / scaling["original_max_position_embeddings"]
+            longest, original = hf.get("max_position_embeddings"), scaling["original_max_position_embeddings"]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (longest, original)):
+                raise damaged("config.json", "gives yarn rope scaling without a factor, and no positive "
+                                             "max_position_embeddings / original_max_position_embeddings to derive it")
+            scaling["factor"] = float(longest) / float(original)
     return float(theta), local_theta, scaling
