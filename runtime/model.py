@@ -8,7 +8,7 @@ Parameter names (the checkpoint loaders map to these)::
     layers.{i}.attn.{q,k,v}.weight  (+ .bias when config.attention_bias)
     layers.{i}.attn.{q,k}_norm.weight  (config.qk_norm: Qwen3, Gemma 3)
     layers.{i}.attn.o.weight  (+ .bias when config.o_bias: gpt-oss)
-    layers.{i}.attn.sinks      (H,) config.attn_sinks (gpt-oss): each head's sink logit, fp32
+    layers.{i}.attn.sinks      (H,) config.attn_sinks (gpt-oss): each head's sink logit (activation dtype)
     layers.{i}.post_attn_norm.weight   (config.post_norms: Gemma 3)
     layers.{i}.mlp_norm.weight
     layers.{i}.mlp.{gate,up,down}.weight  (a sparse layer's router and experts: see runtime/moe.py)

@@ -85,6 +85,9 @@ class Experts(nn.Module):
 
     def prepare(self, act_dtype: torch.dtype, kernel: str | None = None, target: Target | None = None,
                 check: bool = True, verdicts: dict[tuple, bool] | None = None) -> str:
+        for bias in (self.gate_bias, self.up_bias, self.down_bias):
+            if bias is not None and bias.dtype != torch.float32 and bias.device.type != "meta":
+                bias.data = bias.data.float()  # as the kernels add them: once here, not a copy every step
         return prepare_experts(self.projections(), self.down, act_dtype, kernel, target, check, self.act, verdicts,
                                self.biases())
 
