@@ -130,6 +130,24 @@ def _brief(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def reasoning_effort(think: bool | None, effort: str | None) -> str | None:
+    """Harmony's ``reasoning_effort`` (low, medium, high) for a request's thinking: its effort where it
+    names one, "low" for thinking off or minimal (gpt-oss always thinks: low is the least), None
+    (the template's default, medium) for neither."""
+    if effort in ("low", "medium", "high"):
+        return effort
+    return "low" if think is False or effort in ("none", "minimal") else None
+
+
+def thinking_variables(harmony: bool, think: bool | None, effort: str | None = None) -> dict[str, Any]:
+    """The chat template's variables for a request's thinking: harmony's (gpt-oss) ``reasoning_effort``
+    (:func:`reasoning_effort`), else ``enable_thinking`` (Qwen3's and others'); none for the defaults."""
+    if harmony:
+        level = reasoning_effort(think, effort)
+        return {} if level is None else {"reasoning_effort": level}
+    return {} if think is None else {"enable_thinking": think}
+
+
 def render_chat(
     template: str,
     messages: Sequence[Mapping[str, Any]],

@@ -19,7 +19,7 @@ from typing import Any
 
 from localllm.runtime.batch import BatchEngine, GenerationStats, TokenLogprob
 from localllm.runtime.cache import DEFAULT_KV_DTYPE
-from localllm.runtime.chat import encode_chat
+from localllm.runtime.chat import encode_chat, thinking_variables
 from localllm.runtime.constrain import Constraints, Grammar, after_thinking, harmony_final
 from localllm.runtime.kv_pool import layer_groups, sequence_pool_bytes
 from localllm.runtime.model import Transformer
@@ -185,8 +185,7 @@ class Engine:
         Calling again with the same history plus new turns reuses the cached keys/values of the
         shared prefix, so a multi-turn chat only processes what is new.
         """
-        extra = {} if think is None else {"enable_thinking": think}
-        ids = encode_chat(self.tokenizer, messages, **extra)
+        ids = encode_chat(self.tokenizer, messages, **thinking_variables(self.harmony, think))
         if grammar is not None and self.harmony:  # the final message, after an optional analysis one
             grammar = after_thinking(harmony_final(grammar), False, harmony=True)
         elif grammar is not None and think is not False and template_thinks(self.tokenizer.chat_template):

@@ -455,3 +455,23 @@ def test_the_engine_decodes_harmony_headers_and_holds_a_format_to_the_final_mess
             finals += 1
             assert answer == raw.split(head, 1)[1], raw
     assert finals, "no seed reached the final message"
+
+
+def test_run_no_think_asks_a_harmony_template_for_its_lowest_effort(gpt_oss_style, monkeypatch):
+    """``run --no-think`` on gpt-oss: its template takes no ``enable_thinking``; thinking off is
+    ``reasoning_effort: low``, as the server sends it (one mapping, runtime.chat.thinking_variables)."""
+    from localllm.loaders.load import load_model
+    from localllm.runtime.chat import encode_chat
+    from localllm.runtime.engine import Engine
+    from localllm.runtime.sampling import SamplingParams
+
+    lm = load_model(str(gpt_oss_style), quant="fp32")
+    engine = Engine(lm.model, lm.tokenizer, ctx=1024)
+    seen: list[list[int]] = []
+    monkeypatch.setattr(engine, "stream_ids", lambda ids, *a, **k: seen.append(list(ids)) or iter(()))
+    chat = [{"role": "user", "content": "Hi"}]
+    for think in (False, None, True):
+        list(engine.chat(chat, SamplingParams(temperature=0), 4, think=think))
+    low, default, on = seen
+    assert low == encode_chat(lm.tokenizer, chat, reasoning_effort="low") and low != default
+    assert on == default == encode_chat(lm.tokenizer, chat)  # thinking on: the template's default (medium)

@@ -11,6 +11,7 @@ from typing import Any
 
 from localllm.errors import LocalLLMError
 from localllm.runtime.batch import TokenLogprob
+from localllm.runtime.chat import thinking_variables
 from localllm.runtime.constrain import FREE_TEXT, Grammar, after_thinking, harmony_final
 from localllm.runtime.textstream import ThinkingSplitter, prompt_opens_thinking, template_thinks
 from localllm.runtime.tools import (HARMONY, ReplySplitter, ToolCall, call_grammar, call_syntax,
@@ -83,15 +84,6 @@ def end_reason(finish_reason: str, calls: list[ToolCall]) -> str:
     return "tool_calls" if calls else "stop"
 
 
-def reasoning_effort(think: bool | None, effort: str | None) -> str | None:
-    """Harmony's ``reasoning_effort`` (low, medium, high) for a request's thinking: its effort where it
-    names one, "low" for thinking off or minimal (gpt-oss always thinks: low is the least), None
-    (the template's default, medium) for neither."""
-    if effort in ("low", "medium", "high"):
-        return effort
-    return "low" if think is False or effort in ("none", "minimal") else None
-
-
 def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolAsk | None, grammar: Grammar | None,
                  think: bool | None, budget: int | None = None,
                  effort: str | None = None) -> tuple[list[int], Grammar | None, ReplyShape]:
@@ -102,11 +94,7 @@ def prepare_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolAsk 
     most thinking tokens, where the model thinks. Runs on a worker thread (templates, schemas)."""
     syntax = call_syntax(tokenizer.chat_template, tokenizer.token_to_id)
     harmony = syntax.kind == HARMONY
-    if harmony:
-        level = reasoning_effort(think, effort)
-        extra = {} if level is None else {"reasoning_effort": level}
-    else:
-        extra = {} if think is None else {"enable_thinking": think}
+    extra = thinking_variables(harmony, think, effort)
     ids = encode_tool_chat(tokenizer, messages, tools.tools if tools is not None else [], syntax, **extra)
     if tools is not None:
         try:
