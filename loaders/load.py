@@ -364,9 +364,10 @@ def place_experts(model: Transformer, spec: LoadSpec, target: Target, act: torch
     ``spec`` says (``--cpu-moe``, ``--n-cpu-moe``), else as the memory plan places them for ``run``'s
     default context (:func:`loaders.memory_plan.plan_for`)."""
     from localllm.loaders.memory_plan import RUN_DEFAULT_CTX, Footprint, meta_weight_bytes, plan_for
-    from localllm.loaders.placement import ExpertChoice, expert_layer_bytes
+    from localllm.loaders.placement import ExpertChoice, expert_layer_bytes, experts_run_on_host
 
-    fp = Footprint(model.config, "", meta_weight_bytes(model, act), act, target.device, expert_layer_bytes(model, act))
+    fp = Footprint(model.config, "", meta_weight_bytes(model, act), act, target.device, expert_layer_bytes(model, act),
+                   experts_run_on_host(model))
     plan = plan_for(fp, min(model.config.max_seq_len, RUN_DEFAULT_CTX), kv_dtype=spec.kv_dtype,
                     experts=ExpertChoice(spec.cpu_moe, spec.n_cpu_moe))
     assert plan.placement is not None  # a MoE on a GPU is always placed

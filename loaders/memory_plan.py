@@ -37,7 +37,7 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.format import human_size
-from localllm.loaders.placement import ExpertChoice, Placement, expert_layer_bytes
+from localllm.loaders.placement import ExpertChoice, Placement, expert_layer_bytes, experts_run_on_host
 from localllm.loaders.spec import LoadSpec
 from localllm.quant.target import Target
 from localllm.runtime.cache import DEFAULT_KV_DTYPE, check_kv_dtype
@@ -240,6 +240,8 @@ class Footprint:
     device: torch.device
     #: Each block's experts' bytes (0: a dense block; empty: a dense model), for their placement.
     expert_bytes: tuple[int, ...] = ()
+    #: The experts run on the CPU's kernel only (GGUF blocks: :func:`loaders.placement.experts_run_on_host`).
+    experts_on_host: bool = False
 
 
 def meta_weight_bytes(model: torch.nn.Module, act_dtype: torch.dtype) -> int:
@@ -281,7 +283,8 @@ def footprint(ckpt: Any, spec: LoadSpec) -> Footprint:
                             float_tables=scheme is not None and keeps_float_tables(model))
     fuse_projections(model)
     label = scheme.name if scheme is not None else dtype_name(act)
-    return Footprint(ckpt.config, label, meta_weight_bytes(model, act), act, dev, expert_layer_bytes(model, act))
+    return Footprint(ckpt.config, label, meta_weight_bytes(model, act), act, dev, expert_layer_bytes(model, act),
+                     experts_run_on_host(model))
 
 
 def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = DEFAULT_KV_DTYPE,
@@ -319,6 +322,8 @@ def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = D
     if not experts.automatic:
         n = experts.layers(n_layers)
         return placed(n, experts.flag(n, n_layers))
+    if fp.experts_on_host:
+        return placed(n_layers, "automatic: no GPU kernel multiplies GGUF-block experts yet, the CPU's does")
     for n in range(n_layers + 1):  # the GPU first: the fewest first layers' experts in CPU RAM that fit
         if n and not fp.expert_bytes[n - 1]:
             continue  # a dense layer: nothing more moves

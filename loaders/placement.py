@@ -7,7 +7,8 @@ KV cache and the activations. The memory plan (:mod:`loaders.memory_plan`) puts 
 first, then as many layers' experts as fit; the experts of the first layers go to the CPU, as
 llama.cpp's ``--n-cpu-moe N`` does (its first ``N`` layers), so the flags mean the same in both:
 
-* automatic (no flag): the smallest ``N`` whose plan fits the GPU's free memory;
+* automatic (no flag): the smallest ``N`` whose plan fits the GPU's free memory; every layer's when the
+  experts hold GGUF blocks, which no GPU expert kernel multiplies yet (:func:`experts_run_on_host`);
 * ``--n-cpu-moe N``: the experts of layers ``0 .. N-1`` in CPU RAM;
 * ``--cpu-moe``: every layer's experts in CPU RAM.
 
@@ -125,6 +126,15 @@ def expert_layer_bytes(model: nn.Module, act_dtype: torch.dtype) -> tuple[int, .
         n += sum(b.numel() * b.element_size() for b in mlp.experts.buffers())
         sizes.append(n)
     return tuple(sizes)
+
+
+def experts_run_on_host(model: nn.Module) -> bool:
+    """Whether ``model``'s experts hold GGUF blocks (a MoE GGUF's, gpt-oss's MXFP4): only the CPU's expert
+    kernel multiplies those in place, while on a GPU the reference would decode every active expert's
+    blocks through the host at every step, so the automatic placement keeps them in CPU RAM."""
+    from localllm.quant.experts import QuantExperts
+
+    return any(isinstance(m, QuantExperts) and m.scheme.name == "gguf" for m in model.modules())
 
 
 def host_expert_modules(n_cpu_moe: int, expert_bytes: tuple[int, ...]) -> frozenset[str]:

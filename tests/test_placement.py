@@ -47,6 +47,25 @@ def test_automatic_placement_keeps_the_fewest_first_layers_experts_in_cpu_ram() 
     assert plan(everything - 20 * MB, host=20 * MB + RUNTIME_BYTES["cpu"]).fits
 
 
+def test_gguf_block_experts_stay_in_cpu_ram_unless_a_flag_says_otherwise() -> None:
+    """No GPU kernel multiplies GGUF-block experts in place (the reference would decode them through the
+    host every step): the automatic plan keeps all of them in CPU RAM, even where the GPU holds them."""
+    from dataclasses import replace
+
+    from localllm.loaders.placement import experts_run_on_host
+    from localllm.quant.experts import QuantExperts
+    from localllm.quant.formats import gguf_scheme, parse_scheme
+
+    blocks = replace(footprint(), experts_on_host=True)
+    p = plan_for(blocks, 1024, available=LOTS, host_available=LOTS)
+    assert p.placement.host_layers == (0, 1, 3, 4, 5) and p.placement.chosen_by.startswith("automatic: no GPU kernel")
+    assert plan_for(blocks, 1024, available=LOTS, host_available=LOTS,
+                    experts=ExpertChoice(n_cpu_moe=0)).placement.host_layers == ()  # a flag still decides
+    with torch.device("meta"):
+        assert experts_run_on_host(torch.nn.ModuleList([QuantExperts(4, 256, 64, gguf_scheme("Q4_K"))]))
+        assert not experts_run_on_host(torch.nn.ModuleList([QuantExperts(4, 256, 64, parse_scheme("int4"))]))
+
+
 def test_the_flags_place_what_they_say() -> None:
     p = plan(10**12, n_cpu_moe=3)  # layers 0-2, of which 2 is dense
     assert p.placement.host_layers == (0, 1) and p.placement.chosen_by == "--n-cpu-moe 3"

@@ -395,7 +395,8 @@ class ModelManager:
         tk = lm.tokenizer  # harmony's <|return|> and <|call|> end a reply whatever the files list
         ends = reply_stop_ids(call_syntax(tk.chat_template, tk.token_to_id), tk.token_to_id)
         stop_ids = list(dict.fromkeys([*tk.eos_ids, *lm.config.eos_token_ids, *ends]))
-        return ModelSlot(name, lm, engine, stop_ids, lm.weight_bytes + engine.plan.bytes,
+        host = lm.placement.host_bytes if lm.placement is not None and lm.placement.split else 0  # experts in CPU RAM
+        return ModelSlot(name, lm, engine, stop_ids, lm.weight_bytes - host + engine.plan.bytes,
                          time.perf_counter() - t0, cfg.keep_alive_s)
 
     async def _make_room(self, need: int, keep: ModelSlot | None) -> None:
