@@ -84,11 +84,14 @@ async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, max_tok
             "itl": [b - a for a, b in zip(stamps, stamps[1:])], "tokens": usage["completion_tokens"] if usage else 0}
 
 
-async def http_level(url: str, model: str, concurrency: int, texts: list[str], max_tokens: int) -> dict[str, float]:
+async def http_level(url: str, model: str, concurrency: int, texts: list[str], max_tokens: int,
+                     keepalive: bool = True) -> dict[str, float]:
+    """``keepalive=False``: a connection per request (a server that closes kept-alive connections
+    after a few requests, as llama-server's HTTP library does, would otherwise drop a reused one)."""
     queue = list(texts)
     results: list[dict[str, object]] = []
-    async with httpx.AsyncClient(base_url=url, timeout=600,
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=None if keepalive else 0)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def worker() -> None:
             while queue:
                 results.append(await one_stream(client, model, queue.pop(), max_tokens))
