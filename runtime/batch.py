@@ -154,7 +154,7 @@ class BatchEngine:
         config = model.config
         self.device = model.device
         self.plan: PoolPlan = plan_pool(config, kv_budget_bytes, model.dtype, block_size, kv_dtype)
-        self.pool = KVPool.allocate(config, self.plan, self.device)
+        self.pool = KVPool.allocate(config, self.plan, model.layer_devices())  # a CPU block's KV in CPU RAM
         self.blocks = BlockManager(self.plan.n_blocks, block_size, prefix_cache, self.plan.windows)
         self.scheduler = Scheduler(self.blocks, max_waiting, max_running, chunk_tokens)
         self.max_seq_len = min(max_seq_len or config.max_seq_len, self.scheduler.capacity_tokens)

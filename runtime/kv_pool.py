@@ -28,6 +28,7 @@ and the activations' dtype.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -145,11 +146,12 @@ def cache_bytes(config: ModelConfig, tokens: int, dtype: torch.dtype, kv_dtype: 
 
 
 def sequence_bytes(config: ModelConfig, tokens: int, dtype: torch.dtype, kv_dtype: str = DEFAULT_KV_DTYPE,
-                   batch: int = 1) -> int:
+                   batch: int = 1, layers: Collection[int] | None = None) -> int:
     """As :func:`cache_bytes`, a sliding layer holding at most its window (the pool gives its other
     blocks back, give or take a partial block at each end): what ``batch`` sequences of ``tokens``
-    positions keep."""
-    per_layer = [min(tokens, w) if (w := config.layer_window(i)) else tokens for i in range(config.n_layers)]
+    positions keep; ``layers``: in those layers alone (a split model's CPU blocks)."""
+    which = range(config.n_layers) if layers is None else layers
+    per_layer = [min(tokens, w) if (w := config.layer_window(i)) else tokens for i in which]
     return 2 * sum(per_layer) * row_bytes(config, dtype, kv_dtype) * batch
 
 
@@ -203,19 +205,28 @@ class KVPool:
         self.group_of = group_of or [0] * len(k)
 
     @classmethod
-    def allocate(cls, config: ModelConfig, plan: PoolPlan, device: torch.device) -> "KVPool":
+    def allocate(cls, config: ModelConfig, plan: PoolPlan, device: torch.device | Sequence[torch.device]) -> "KVPool":
         """Zeroed tensors for ``plan`` on ``device`` (zeros: a block's unused rows are never read,
-        but stay finite should a kernel touch them)."""
+        but stay finite should a kernel touch them). ``device`` may name each layer's device (a model
+        whose first blocks live in CPU RAM: :meth:`runtime.model.Transformer.layer_devices`): each
+        layer's keys and values are then on its own device, a slot that layers on both devices share
+        having a tensor on each."""
         shape = (plan.n_blocks, config.n_kv_heads, plan.block_size, config.head_dim)
         groups = plan.groups or (LayerGroup(tuple(range(config.n_layers)), None),)
-        slots = len(groups[0].layers)
-        ks = [empty_kv(shape, plan.kv_dtype, plan.dtype, device) for _ in range(slots)]
-        vs = [empty_kv(shape, plan.kv_dtype, plan.dtype, device) for _ in range(slots)]
+        devices = [device] * config.n_layers if isinstance(device, torch.device) else list(device)
         slot_of, group_of = [0] * config.n_layers, [0] * config.n_layers
         for g, group in enumerate(groups):
             for j, layer in enumerate(group.layers):
                 slot_of[layer], group_of[layer] = j, g
-        return cls(plan, [ks[j] for j in slot_of], [vs[j] for j in slot_of], group_of)
+        ks: dict[tuple[int, torch.device], torch.Tensor | QuantKV] = {}
+        vs: dict[tuple[int, torch.device], torch.Tensor | QuantKV] = {}
+        for layer in range(config.n_layers):  # a slot's tensor on each device its layers live on
+            key = (slot_of[layer], devices[layer])
+            if key not in ks:
+                ks[key] = empty_kv(shape, plan.kv_dtype, plan.dtype, devices[layer])
+                vs[key] = empty_kv(shape, plan.kv_dtype, plan.dtype, devices[layer])
+        keys = [(slot_of[i], devices[i]) for i in range(config.n_layers)]
+        return cls(plan, [ks[k] for k in keys], [vs[k] for k in keys], group_of)
 
     @property
     def n_blocks(self) -> int:

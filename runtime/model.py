@@ -30,6 +30,7 @@ writes nothing outside the call (perplexity windows, the transformers comparison
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 
@@ -322,6 +323,16 @@ class Transformer(nn.Module):
         """The activation dtype (that of the norms, which are never quantized)."""
         return self.norm.weight.dtype
 
+    def layer_devices(self) -> list[torch.device]:
+        """Each block's device: the model's, but for the first blocks of a model split by
+        ``--gpu-layers`` (:mod:`loaders.placement`), which live and compute in CPU RAM."""
+        return [layer.attn_norm.weight.device for layer in self.layers]
+
+    @property
+    def split(self) -> bool:
+        """Whether some blocks live on another device than the head (their KV cache with them)."""
+        return any(d != self.device for d in self.layer_devices())
+
     def tie_weights(self) -> None:
         """Make the output head share the embedding's tensor (no copy)."""
         self.output.weight = self.embed.weight
@@ -348,12 +359,20 @@ class Transformer(nn.Module):
 
     def _layers(self, tokens: torch.Tensor) -> torch.Tensor:
         T = tokens.shape[1]
-        cos, sin = cache_rope_tables(self.config, T, tokens.device)
-        rope = self._split_rope(cos.to(self.dtype), sin.to(self.dtype))  # (T, rot) each
-        x = self._embed(tokens)  # (B, T, D)
-        for layer in self.layers:
-            x = layer(x, None, *rope[layer.attn.local_rope])
-        return x
+        ropes: dict[torch.device, dict[bool, tuple[torch.Tensor, torch.Tensor]]] = {}
+        x = self._embed(tokens.to(self._embed_device()))  # (B, T, D)
+        for layer, device in zip(self.layers, self.layer_devices()):
+            x = _to(x, device)  # a split model's hidden state crosses between its devices
+            if device not in ropes:
+                cos, sin = cache_rope_tables(self.config, T, device)
+                ropes[device] = self._split_rope(cos.to(self.dtype), sin.to(self.dtype))  # (T, rot) each
+            x = layer(x, None, *ropes[device][layer.attn.local_rope])
+        return _to(x, self.device)
+
+    def _embed_device(self) -> torch.device:
+        """Where the embedding table is: with the first block of a split model, unless it is the head's."""
+        table = next(itertools.chain(self.embed.parameters(), self.embed.buffers()), None)
+        return table.device if table is not None else self.device
 
     def _split_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """local? -> (cos, sin) from tables that carry the local ones beside the global ones."""
@@ -381,9 +400,23 @@ class Transformer(nn.Module):
         every linear layer runs once over all N rows, attention per sequence (:func:`runtime.attention.attend`).
         Each layer attends with its own window and RoPE rows (the step carries rows of
         :func:`cache_rope_tables`: the local layers' beside the global ones)."""
-        x = self._embed(tokens)  # (1, N, D)
-        rope = self._split_rope(step.cos, step.sin)  # rows of cache_rope_tables: the local ones beside
-        for i, layer in enumerate(self.layers):
-            x = layer(x, step.layer(i, layer.attn.window), *rope[layer.attn.local_rope])
-        x = x[:, step.logits_rows]  # (1, S_out, D)
+        embed = self._embed_device()
+        x = self._embed(tokens if embed == tokens.device else step.on(embed).ids)  # (1, N, D)
+        ropes: dict[torch.device, dict[bool, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for i, (layer, device) in enumerate(zip(self.layers, self.layer_devices())):
+            # a split model's CPU blocks read the step's host copy (its pool tensors, kernels, tables)
+            s = step.on(device)
+            x = _to(x, device)  # the hidden state crosses to the GPU once, at the boundary
+            if device not in ropes:
+                ropes[device] = self._split_rope(s.cos, s.sin)  # rows of cache_rope_tables: the local ones beside
+            x = layer(x, s.layer(i, layer.attn.window), *ropes[device][layer.attn.local_rope])
+        x = _to(x, self.device)[:, step.logits_rows]  # (1, S_out, D)
         return self._head(x)
+
+
+def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device``: up to a GPU without blocking (the stream orders it before its readers); down to
+    the host blocking, since a non-blocking copy there may be read before it lands."""
+    if x.device == device:
+        return x
+    return x.to(device, non_blocking=device.type != "cpu")

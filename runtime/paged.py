@@ -127,6 +127,14 @@ class PagedStep:
     #: An int8 pool's key rotation (:func:`runtime.cache.key_rotation`), when the step is handed it
     #: as a tensor (the compiled step: a traced step may not make it); None: looked up.
     rotation: torch.Tensor | None = None
+    #: A model whose first blocks live in CPU RAM (``--gpu-layers``): the same step built on the host
+    #: (its tables, the CPU's kernels), and its input ids (1, N) there (:meth:`runtime.runner.ModelRunner.forward`).
+    host: "PagedStep | None" = None
+    ids: torch.Tensor | None = None
+
+    def on(self, device: torch.device) -> "PagedStep":
+        """This step as the layers on ``device`` read it: its host copy for the CPU's, where it has one."""
+        return self.host if self.host is not None and device.type == "cpu" else self
 
     def __init__(
         self,

@@ -8,6 +8,11 @@ takes it:
    single queries, where its packages are built;
 2. CUDA graphs captured per batch-size bucket (:mod:`runtime.cuda_graphs`), the same steps on a GPU;
 3. the eager forward, which takes every step (prefill chunks too).
+
+A model whose first blocks live in CPU RAM (``--gpu-layers N``: :mod:`loaders.placement`) runs eagerly
+(neither a compiled step nor CUDA graphs take a model on two devices: :attr:`ModelRunner.eager_reason`):
+each step is built twice from the same chunks, once on the host with the CPU's attention kernels and
+RoPE tables, which the CPU blocks read, and once uploaded (one non-blocking copy) for the GPU's.
 """
 
 from __future__ import annotations
@@ -54,10 +59,26 @@ class ModelRunner:
             from localllm.runtime import cuda_attention
 
             self.kernel = cuda_attention.span_kernel()
+        #: A split model's host side (:meth:`forward`): RoPE tables and the CPU's attention kernels.
+        self.host: tuple[torch.Tensor, torch.Tensor, PagedDecodeAttention | PagedSpanAttention | None,
+                         PagedChunkAttention | None] | None = None
+        #: Why every step runs eagerly (None: the paths above may take them).
+        self.eager_reason: str | None = None
+        if model.split:
+            host_cos, host_sin = self.cos.cpu(), self.sin.cpu()  # once: the tables' copy the CPU blocks read
+            host_kernel = host_chunk = None
+            if attention == "auto":
+                from localllm.runtime import cpu_attention
+
+                host_kernel, host_chunk = cpu_attention.paged_kernel(), cpu_attention.chunk_kernel(model.config.head_dim)
+            self.host = (host_cos, host_sin, host_kernel, host_chunk)
+            self.eager_reason = ("steps run eagerly: the first blocks live in CPU RAM (--gpu-layers), and neither "
+                                 "CUDA graphs nor a compiled step take a model on two devices")
         self.compiled: CompiledDecode | None = None
         #: Decode-only steps replayed from CUDA graphs (on a real GPU with the paged kernel).
         self.graphs: GraphedDecode | None = None
         if (cuda_graphs and self.kernel is not None and device.type == "cuda" and torch.cuda.is_available()
+                and self.host is None
                 and all(layer.attn.takes_kernels for layer in model.layers)
                 and not model.config.is_moe):  # the experts' routing reads back each expert's rows
             self.graphs = GraphedDecode(model, pool, self.kernel, self.cos, self.sin, max_running)
@@ -73,6 +94,8 @@ class ModelRunner:
         """Find the compiled decode step's packages (build the missing ones with ``build``): those of
         :func:`runtime.compiled_step.wanted_batch` rows; packages built for more rows serve too, up
         to a verify step's with speculation."""
+        if self.host is not None:
+            return  # a split model runs eagerly (eager_reason)
         rows = max_running * (1 + MAX_DRAFT) if speculate else max_running
         found = find_step(self.model, self.pool, self.kernel, max_running, build, load_batch=rows,  # type: ignore[arg-type]
                           want_batch=wanted_batch(max_running, speculate))
@@ -83,6 +106,10 @@ class ModelRunner:
     def forward(self, chunks: Sequence[Chunk]) -> torch.Tensor:
         """One forward over ``chunks`` -> the logits (S_out, vocab) of each sampling chunk's rows, in order."""
         step, ids = PagedStep.build(self.pool, chunks, self.cos, self.sin, self.kernel, self.chunk)
+        if self.host is not None:  # the same step on the host, for the CPU blocks: built there, no transfer
+            host, host_ids = PagedStep.build(self.pool, chunks, *self.host)
+            step.host, host.ids = host, host_ids
+            return self.model(ids, step)[0]
         if self.compiled is not None and self.compiled.takes(step):
             return self.compiled(ids, step)
         if self.graphs is not None and self.graphs.takes(step):
