@@ -104,7 +104,8 @@ def load_weights(
     ``device`` may be a :class:`quant.target.Target` (the device with a CUDA device's capability, as
     the caller resolved it: kernels are chosen for it); ``check=False`` skips the kernels' check
     against the reference (:meth:`QuantLinear.prepare`). ``host`` names modules (a MoE layer's
-    ``layers.3.mlp.experts``) whose tensors go to CPU RAM instead (:mod:`loaders.placement`).
+    ``layers.3.mlp.experts``, a block ``layers.0`` below ``--gpu-layers``) whose tensors go to CPU RAM
+    instead (:mod:`loaders.placement`), their layers prepared for the CPU's kernels.
     """
     where = Target.of(device)
     device = where.device
@@ -128,8 +129,9 @@ def load_weights(
     def complete(target: _Target) -> None:
         left = waiting[id(target.module)]
         left.discard(target.name)
-        if not left and isinstance(target.module, QuantLinear):
-            target.module.prepare(dtype, kernel, verdicts, where, check)
+        if not left and isinstance(target.module, QuantLinear):  # a layer in CPU RAM takes the CPU's kernels
+            on_host = device_of(target).type == "cpu" and device.type != "cpu"
+            target.module.prepare(dtype, kernel, verdicts, Target(torch.device("cpu")) if on_host else where, check)
 
     for name, t in tensors:
         here = name[: name.index(".", 7) + 1] if name.startswith("layers.") else ""

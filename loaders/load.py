@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from localllm.loaders.gguf import GGUFCheckpoint
 from localllm.loaders.hub_quant import open_hf_folder
-from localllm.loaders.placement import Placement, host_expert_modules
+from localllm.loaders.placement import Placement
 from localllm.loaders.spec import LoadSpec
 from localllm.loaders.store import MANIFEST, Store, read_entry
 from localllm.quant.formats import ALL_SCHEMES, FLOAT_SCHEMES, QuantScheme, parse_scheme
@@ -231,7 +232,8 @@ class LoadedModel:
     pooling: str = "last"
     #: The data-aware int4 calibration this load ran (None: none ran).
     calibration: Calibration | None = None
-    #: Where a MoE model's experts live on a GPU run (None: a CPU run or a dense model).
+    #: Where a MoE model's experts and a split model's blocks live on a GPU run (None: a CPU run, or a
+    #: dense model whole on its GPU).
     placement: Placement | None = None
 
     @property
@@ -336,8 +338,8 @@ def load_model(
     imported = ckpt.tensor_import(plan, dtype_name(act)) if isinstance(ckpt, GGUFCheckpoint) else {}
     if fuse:
         fuse_projections(model)  # on meta: the stream fills the fused tensors' row slices
-    placement = place_experts(model, spec, target, act) if dev.type == "cuda" and config.is_moe else None
-    host = host_expert_modules(placement.n_cpu_moe, placement.expert_bytes) if placement is not None else frozenset()
+    placement = place_parts(model, spec, target, act) if dev.type == "cuda" else None
+    host = placement.host_modules() if placement is not None else frozenset()
     model = load_weights(model, tensors, target, act, source, kernel, check_kernels, host)
     del tensors, ckpt  # the reader, its metadata and its file
     used = prepare_model(model, act, kernel, target=target, check=check_kernels)  # prepared as they arrived: counted
@@ -359,17 +361,22 @@ def load_model(
                        placement)
 
 
-def place_experts(model: Transformer, spec: LoadSpec, target: Target, act: torch.dtype) -> Placement:
-    """Which layers' experts of a MoE ``model`` (on ``meta``) load into CPU RAM on a GPU ``target``: as
-    ``spec`` says (``--cpu-moe``, ``--n-cpu-moe``), else as the memory plan places them for ``run``'s
-    default context (:func:`loaders.memory_plan.plan_for`)."""
-    from localllm.loaders.memory_plan import RUN_DEFAULT_CTX, Footprint, meta_weight_bytes, plan_for
-    from localllm.loaders.placement import ExpertChoice, expert_layer_bytes, experts_run_on_host
+def place_parts(model: Transformer, spec: LoadSpec, target: Target, act: torch.dtype) -> Placement | None:
+    """Which blocks and which layers' experts of ``model`` (on ``meta``) load into CPU RAM on a GPU
+    ``target``: as ``spec`` says (``--cpu-moe``, ``--n-cpu-moe``, ``--gpu-layers``), else as the memory
+    plan places them for ``run``'s default context (:func:`loaders.memory_plan.plan_for`). None: a
+    dense model that fits whole."""
+    from localllm.loaders.memory_plan import AVAILABLE_ENV, RUN_DEFAULT_CTX, Footprint, meta_weight_bytes, plan_for
+    from localllm.loaders.placement import (ExpertChoice, LayerChoice, expert_layer_bytes, experts_run_on_host,
+                                            layer_bytes, own_embed_bytes)
+
+    if not model.config.is_moe and spec.gpu_layers is None and AVAILABLE_ENV not in os.environ \
+            and not torch.cuda.is_available():
+        return None  # a Target decided without a GPU to ask (the CUDA dry run): a dense model placed whole
 
     fp = Footprint(model.config, "", meta_weight_bytes(model, act), act, target.device, expert_layer_bytes(model, act),
-                   experts_run_on_host(model))
+                   experts_run_on_host(model), layer_bytes(model, act), own_embed_bytes(model, act))
     plan = plan_for(fp, min(model.config.max_seq_len, RUN_DEFAULT_CTX), kv_dtype=spec.kv_dtype,
-                    experts=ExpertChoice(spec.cpu_moe, spec.n_cpu_moe))
-    assert plan.placement is not None  # a MoE on a GPU is always placed
+                    experts=ExpertChoice(spec.cpu_moe, spec.n_cpu_moe), layers=LayerChoice(spec.gpu_layers))
     return plan.placement
 

@@ -24,6 +24,10 @@ On a GPU, a Mixture-of-Experts model's experts may stay in CPU RAM (:mod:`loader
 plan puts everything else on the GPU first, then as many layers' experts as fit (or as
 ``--n-cpu-moe`` / ``--cpu-moe`` say); ``host_weights`` are the experts left in CPU RAM, which the
 CPU's available memory must hold beside the process (``host_available``).
+
+A model that does not fit the GPU whole keeps its first blocks in CPU RAM (``--gpu-layers N``, llama.cpp's
+``-ngl``: :mod:`loaders.placement`): those blocks' weights (and the embedding table with them) count in
+``host_weights`` and their share of the KV cache in ``host_kv``, both beside the process in CPU RAM.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.format import human_size
-from localllm.loaders.placement import ExpertChoice, Placement, expert_layer_bytes, experts_run_on_host
+from localllm.loaders.placement import (ExpertChoice, LayerChoice, Placement, blocks, expert_layer_bytes,
+                                        experts_run_on_host, layer_bytes, own_embed_bytes)
 from localllm.loaders.spec import LoadSpec
 from localllm.quant.target import Target
 from localllm.runtime.cache import DEFAULT_KV_DTYPE, check_kv_dtype
@@ -101,23 +106,33 @@ class MemoryPlan:
     #: CPU's available memory they are checked against (0: nothing placed there).
     host_weights: int = 0
     host_available: int = 0
-    #: Where each part lives (None: a dense model, or a CPU run).
+    #: Where each part lives (None: a CPU run, or a dense model placed whole without a flag).
     placement: Placement | None = None
+    #: Of ``kv_cache``, the CPU blocks' share, in CPU RAM (``--gpu-layers``: :mod:`loaders.placement`).
+    host_kv: int = 0
 
     @property
     def total(self) -> int:
-        """What the run needs on its device (experts in CPU RAM not counted)."""
-        return self.weights - self.host_weights + self.kv_cache + self.activations + self.overhead + self.runtime
+        """What the run needs on its device (weights and KV cache in CPU RAM not counted)."""
+        return (self.weights - self.host_weights + self.kv_cache - self.host_kv + self.activations + self.overhead
+                + self.runtime)
 
     @property
     def host_total(self) -> int:
-        """What a GPU run with experts in CPU RAM needs there: those experts and the process itself."""
-        return self.host_weights + RUNTIME_BYTES["cpu"] if self.host_weights else 0
+        """What a GPU run with parts in CPU RAM needs there: those weights, the CPU blocks' KV cache and
+        the process itself."""
+        return self.host_weights + self.host_kv + RUNTIME_BYTES["cpu"] if self.host_weights or self.host_kv else 0
 
     @property
     def n_cpu_moe(self) -> int:
         """How many first layers' experts are in CPU RAM (0: none)."""
         return self.placement.n_cpu_moe if self.placement is not None and self.placement.split else 0
+
+    @property
+    def n_gpu_layers(self) -> int | None:
+        """How many last blocks are on the GPU (None: all of them, or a CPU run)."""
+        where = self.placement
+        return where.n_gpu_layers if where is not None and where.split and where.cpu_layers else None
 
     @property
     def fits(self) -> bool:
@@ -127,10 +142,15 @@ class MemoryPlan:
         """``int4 weights 97 MB + KV cache 191 MB for ctx 4096 + activations 139 MB + runtime 307 MB``."""
         seqs = f" x {self.concurrency} sequences" if self.concurrency > 1 else ""
         text = (f"{self.scheme} weights {human_size(self.weights - self.host_weights)} + KV cache "
-                f"{human_size(self.kv_cache)} for ctx {self.ctx}{seqs} + activations {human_size(self.activations)} "
+                f"{human_size(self.kv_cache - self.host_kv)} for ctx {self.ctx}{seqs} + activations {human_size(self.activations)} "
                 f"+ runtime {human_size(self.runtime + self.overhead)}")
-        if self.host_weights:
-            text += (f" on {self.device}; experts of {len(self.placement.host_layers) if self.placement else 0} "
+        where = self.placement
+        if self.host_weights and where is not None and where.cpu_layers:
+            text += (f" on {self.device}; {blocks(where.cpu_layers)} {human_size(self.host_weights)} + their "
+                     f"KV cache {human_size(self.host_kv)} + runtime {human_size(RUNTIME_BYTES['cpu'])} in CPU RAM "
+                     f"({human_size(self.host_available)} available)")
+        elif self.host_weights:
+            text += (f" on {self.device}; experts of {len(where.host_layers) if where else 0} "
                      f"layers {human_size(self.host_weights)} + runtime {human_size(RUNTIME_BYTES['cpu'])} in CPU RAM "
                      f"({human_size(self.host_available)} available)")
         return text
@@ -242,6 +262,10 @@ class Footprint:
     expert_bytes: tuple[int, ...] = ()
     #: The experts run on the CPU's kernel only (GGUF blocks: :func:`loaders.placement.experts_run_on_host`).
     experts_on_host: bool = False
+    #: Each block's bytes, and the embedding table's when it is a table of its own (it goes to CPU RAM
+    #: with the first block: :func:`loaders.placement.own_embed_bytes`), for ``--gpu-layers``.
+    layer_bytes: tuple[int, ...] = ()
+    embed_bytes: int = 0
 
 
 def meta_weight_bytes(model: torch.nn.Module, act_dtype: torch.dtype) -> int:
@@ -284,16 +308,20 @@ def footprint(ckpt: Any, spec: LoadSpec) -> Footprint:
     fuse_projections(model)
     label = scheme.name if scheme is not None else dtype_name(act)
     return Footprint(ckpt.config, label, meta_weight_bytes(model, act), act, dev, expert_layer_bytes(model, act),
-                     experts_run_on_host(model))
+                     experts_run_on_host(model), layer_bytes(model, act), own_embed_bytes(model, act))
 
 
 def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = DEFAULT_KV_DTYPE,
              prefill_tokens: int | None = None, available: tuple[int, str] | None = None,
-             experts: ExpertChoice = ExpertChoice(), host_available: tuple[int, str] | None = None) -> MemoryPlan:
+             experts: ExpertChoice = ExpertChoice(), host_available: tuple[int, str] | None = None,
+             layers: LayerChoice = LayerChoice()) -> MemoryPlan:
     """The plan of a footprint at ``ctx`` (cheap: no model is built).
 
     On a GPU, a MoE model's experts are placed (:mod:`loaders.placement`) as ``experts`` says; automatic:
     the fewest first layers' experts in CPU RAM whose plan fits the GPU (all of them when none does).
+    Then the blocks, as ``layers`` says (``--gpu-layers N``: the last N on the GPU); automatic: all of
+    them when that fits, else the most last blocks that fit (none when even that does not); with the
+    experts placed by a flag, all of them.
     ``host_available``: the CPU's memory those are checked against (default: probed)."""
     config, act_size = fp.config, fp.act_dtype.itemsize
     kv_dtype = check_kv_dtype(kv_dtype)
@@ -310,25 +338,49 @@ def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = D
         runtime=RUNTIME_BYTES.get(dev, 0),
         available=avail, available_source=source,
     )
-    if dev != "cuda" or not any(fp.expert_bytes):
-        return plan  # a CPU run (every part in RAM already), or a dense model: placed whole
+    if dev != "cuda":
+        return plan  # a CPU run: every part in RAM already
+    if not any(fp.expert_bytes) and layers.automatic and plan.fits:
+        return plan  # a dense model that fits: placed whole
     host, _ = host_available if host_available is not None else available_memory(torch.device("cpu"))
-    n_layers = len(fp.expert_bytes)
+    n_layers = config.n_layers
+    experts_of = fp.expert_bytes or (0,) * n_layers
 
-    def placed(n: int, chosen_by: str) -> MemoryPlan:
-        where = Placement(str(fp.device), fp.expert_bytes, n, chosen_by, avail)
-        return replace(plan, host_weights=where.host_bytes, host_available=host, placement=where)
+    def placed(n: int, chosen_by: str, gpu_layers: int | None = None, layers_by: str = "automatic") -> MemoryPlan:
+        where = Placement(str(fp.device), experts_of, n, chosen_by, avail,
+                          None if gpu_layers is None or gpu_layers >= n_layers else gpu_layers,
+                          fp.layer_bytes, fp.embed_bytes, layers_by)
+        cpu = set(where.cpu_layers)
+        host_kv = sequence_bytes(config, ctx, fp.act_dtype, kv_dtype, concurrency, cpu) if cpu else 0
+        return replace(plan, host_weights=where.host_bytes, host_available=host, placement=where, host_kv=host_kv)
+
+    def fits_gpu(p: MemoryPlan) -> bool:
+        return p.total <= p.available
 
     if not experts.automatic:
         n = experts.layers(n_layers)
-        return placed(n, experts.flag(n, n_layers))
-    if fp.experts_on_host:
-        return placed(n_layers, "automatic: no GPU kernel multiplies GGUF-block experts yet, the CPU's does")
-    for n in range(n_layers + 1):  # the GPU first: the fewest first layers' experts in CPU RAM that fit
-        if n and not fp.expert_bytes[n - 1]:
-            continue  # a dense layer: nothing more moves
-        best = placed(n, "automatic")
-        if best.total <= best.available:
+        best = placed(n, experts.flag(n, n_layers))
+    elif fp.experts_on_host:
+        best = placed(n_layers, "automatic: no GPU kernel multiplies GGUF-block experts yet, the CPU's does")
+    else:
+        for n in range(n_layers + 1):  # the GPU first: the fewest first layers' experts in CPU RAM that fit
+            if n and not experts_of[n - 1]:
+                continue  # a dense layer: nothing more moves
+            best = placed(n, "automatic")
+            if fits_gpu(best) or not any(experts_of):
+                break
+    assert best.placement is not None
+    if len(fp.layer_bytes) != n_layers:
+        return best  # blocks' sizes not known (a footprint made by hand): every block on the GPU
+    moe = (best.placement.n_cpu_moe, best.placement.chosen_by)
+    if not layers.automatic:
+        n = layers.layers(n_layers)
+        return placed(*moe, n, f"--gpu-layers {layers.gpu_layers}")
+    if fits_gpu(best) or not experts.automatic:
+        return best  # (experts placed by a flag: blocks move only by --gpu-layers, cheaper fixes first)
+    for n in range(n_layers - 1, -1, -1):  # the most last blocks on the GPU that fit beside the head
+        best = placed(*moe, n)
+        if fits_gpu(best):
             return best
     return best
 
@@ -342,7 +394,7 @@ def plan_memory(spec: LoadSpec | str, quant: str | None = None, ctx: int | None 
     fp = footprint(_open(spec.ref), spec)
     ctx = ctx if ctx is not None else min(fp.config.max_seq_len, RUN_DEFAULT_CTX)
     return plan_for(fp, ctx, concurrency=concurrency, kv_dtype=spec.kv_dtype, prefill_tokens=prefill_tokens,
-                    experts=ExpertChoice(spec.cpu_moe, spec.n_cpu_moe))
+                    experts=ExpertChoice(spec.cpu_moe, spec.n_cpu_moe), layers=LayerChoice(spec.gpu_layers))
 
 
 def _open(ref: str) -> Any:
@@ -368,19 +420,26 @@ def largest_fitting_ctx(fp: Footprint, ctx: int, available: tuple[int, str], **k
 
 def cheapest_fix(ckpt: Any, plan: MemoryPlan, fp: Footprint, spec: LoadSpec, *, kv_cache_flag: bool = False) -> str:
     """The cheapest change that fits: more layers' experts in CPU RAM (``--n-cpu-moe``, where the user
-    gave fewer), else a smaller ``--ctx``, else a smaller ``--quant``, else an int8 KV cache (when
+    gave fewer), else fewer blocks on the GPU (``--gpu-layers``, where the user gave more or left the
+    experts' placement to a flag), else a smaller ``--ctx``, else a smaller ``--quant``, else an int8 KV cache (when
     ``kv_cache_flag``: the flag exists), else the smallest scheme at the smallest context."""
     avail = (plan.available, plan.available_source)
     kw: dict[str, Any] = dict(concurrency=plan.concurrency, kv_dtype=plan.kv_dtype)
     where = plan.placement
     if where is not None:
         kw["host_available"] = (plan.host_available, plan.available_source)
+        n_layers = len(where.expert_bytes)
         if where.chosen_by != "automatic":
             kw["experts"] = ExpertChoice(n_cpu_moe=where.n_cpu_moe)
             auto = plan_for(fp, plan.ctx, available=avail, **{**kw, "experts": ExpertChoice()})
-            if auto.fits and auto.placement is not None and auto.placement.n_cpu_moe > where.n_cpu_moe:
-                n_layers = len(where.expert_bytes)
+            if auto.fits and auto.placement is not None and auto.placement.n_cpu_moe > where.n_cpu_moe \
+                    and not auto.placement.cpu_layers:
                 return f"use {ExpertChoice().flag(auto.placement.n_cpu_moe, n_layers)}, or free memory"
+        gpu = where.n_gpu_layers if where.n_gpu_layers is not None else n_layers
+        kw["layers"] = LayerChoice(gpu)
+        for n in range(gpu - 1, -1, -1) if len(fp.layer_bytes) == n_layers else ():  # the most blocks that fit
+            if plan_for(fp, plan.ctx, available=avail, **{**kw, "layers": LayerChoice(n)}).fits:
+                return f"use --gpu-layers {n}, or free memory"
     ctx = largest_fitting_ctx(fp, plan.ctx, avail, **kw)
     if ctx is not None:
         return f"use --ctx {ctx} (or less), or free memory"
@@ -409,7 +468,7 @@ def check_memory(spec: LoadSpec, ctx: int | None = None, *, concurrency: int = 1
     fp = footprint(ckpt, spec)
     ctx = ctx if ctx is not None else min(fp.config.max_seq_len, RUN_DEFAULT_CTX)
     plan = plan_for(fp, ctx, concurrency=concurrency, kv_dtype=spec.kv_dtype,
-                    experts=ExpertChoice(spec.cpu_moe, spec.n_cpu_moe))
+                    experts=ExpertChoice(spec.cpu_moe, spec.n_cpu_moe), layers=LayerChoice(spec.gpu_layers))
     if plan.fits:
         return plan
     raise LocalLLMError(refusal(spec.ref, plan), cheapest_fix(ckpt, plan, fp, spec, kv_cache_flag=kv_cache_flag))
@@ -419,15 +478,15 @@ def refusal(ref: str, plan: MemoryPlan) -> str:
     """The line a plan that does not fit is refused with: what it needs, and what there is."""
     source = f" ({AVAILABLE_ENV})" if plan.available_source == AVAILABLE_ENV else ""
     text = f"{ref} needs {human_size(plan.total)} ({plan.breakdown()}), {human_size(plan.available)} available{source}"
-    if plan.host_weights and plan.host_total > plan.host_available:
+    if (plan.host_weights or plan.host_kv) and plan.host_total > plan.host_available:
         text += f"; in CPU RAM {human_size(plan.host_total)}, {human_size(plan.host_available)} available{source}"
     return text
 
 
 def show_plans(ckpt: Any, quant: str | None = None) -> list[dict[str, Any]]:
     """``show``'s plans: the checkpoint's own scheme on the CPU at a few context lengths and its own;
-    a MoE model's on the GPU where one is visible, with its experts placed (:mod:`loaders.placement`)."""
-    device = "cuda" if ckpt.config.is_moe and torch.cuda.is_available() else "cpu"
+    on the GPU where one is visible, with its experts and blocks placed (:mod:`loaders.placement`)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     fp = footprint(ckpt, LoadSpec(ckpt.describe(), device=device, quant=quant))
     top = fp.config.max_seq_len
     contexts = [c for c in SHOW_CONTEXTS if c < top] + [top]

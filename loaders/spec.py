@@ -43,6 +43,9 @@ class LoadSpec:
     #: the first N layers' (``--n-cpu-moe N``), or as the memory plan decides (neither given).
     cpu_moe: bool = False
     n_cpu_moe: int | None = None
+    #: On a GPU, the last N transformer blocks there and the first ones in CPU RAM (``--gpu-layers N``,
+    #: llama.cpp's ``-ngl``), or as the memory plan decides (None: all when the model fits).
+    gpu_layers: int | None = None
 
     @classmethod
     def of(cls, spec: LoadSpec | str, **options: Any) -> LoadSpec:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from localllm.loaders.memory_plan import RUNTIME_BYTES, Footprint, cheapest_fix, plan_for, refusal
-from localllm.loaders.placement import ExpertChoice, Placement, host_expert_modules
+from localllm.loaders.placement import ExpertChoice, LayerChoice, Placement, host_expert_modules
 from localllm.runtime.config import ModelConfig
 
 GPU, CPU = torch.device("cuda"), torch.device("cpu")
@@ -164,3 +164,136 @@ def test_run_on_a_gpu_is_refused_with_the_placement_that_fits(moe_folder, monkey
     assert e.value.hint == "use --cpu-moe, or free memory" and "experts of 1 layers" in e.value.one_line()
     plan = check_memory(spec)
     assert plan.fits and plan.placement.host_layers == (0, 2) and plan.placement.chosen_by == "automatic"
+
+
+# --------------------------------------------------------------------------- --gpu-layers: blocks in CPU RAM
+#: A dense model of 4 blocks of 20 MB, its own 10 MB embedding table (not tied to the head).
+DENSE = ModelConfig(vocab_size=384, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=192,
+                    max_seq_len=4096)
+
+
+def dense_footprint(device: torch.device = GPU, embed: int = 10 * MB) -> Footprint:
+    return Footprint(DENSE, "int4", 100 * MB, torch.bfloat16, device, (), False, (20 * MB,) * 4, embed)
+
+
+def dense_plan(available: int, device: torch.device = GPU, host: int = 10**12, embed: int = 10 * MB,
+               gpu_layers: int | None = None):
+    return plan_for(dense_footprint(device, embed), 1024, available=(available, "test"),
+                    host_available=(host, "test"), layers=LayerChoice(gpu_layers))
+
+
+def test_a_dense_model_that_fits_stays_whole_and_one_that_does_not_keeps_its_first_blocks_in_ram() -> None:
+    from localllm.runtime.kv_pool import sequence_bytes
+
+    whole = dense_plan(10**12)
+    assert whole.placement is None and whole.fits and whole.host_kv == 0  # placed whole: nothing to say
+    everything = whole.total
+    kv_block = sequence_bytes(DENSE, 1024, torch.bfloat16, batch=1, layers=[0])  # one block's KV cache
+    # short by 1 byte: block 0 and the embedding table go to CPU RAM (30 MB and block 0's KV cache)
+    for short, cpu in [(1, (0,)), (30 * MB + kv_block, (0,)), (30 * MB + kv_block + 1, (0, 1)),
+                       (70 * MB + 3 * kv_block, (0, 1, 2)), (90 * MB + 4 * kv_block, (0, 1, 2, 3))]:
+        p = dense_plan(everything - short)
+        assert p.placement.cpu_layers == cpu and p.fits, short
+        assert p.placement.n_gpu_layers == 4 - len(cpu) == p.n_gpu_layers and p.placement.layers_by == "automatic"
+        assert p.host_weights == 10 * MB + 20 * MB * len(cpu) and p.host_kv == kv_block * len(cpu)
+        assert p.total == everything - p.host_weights - p.host_kv
+        assert p.host_total == p.host_weights + p.host_kv + RUNTIME_BYTES["cpu"]
+    # not even the head alone: every block in CPU RAM, and it does not fit
+    p = dense_plan(everything - 90 * MB - 4 * kv_block - 1)
+    assert p.placement.cpu_layers == (0, 1, 2, 3) and not p.fits
+    # a table tied to the head stays with it on the GPU: only the blocks move
+    tied = dense_plan(everything - 20 * MB, embed=0)
+    assert tied.placement.cpu_layers == (0,) and not tied.placement.embed_on_host and tied.host_weights == 20 * MB
+    # the CPU's RAM must hold the blocks and their KV cache beside the process
+    need = 30 * MB + kv_block + RUNTIME_BYTES["cpu"]
+    assert dense_plan(everything - 1, host=need).fits and not dense_plan(everything - 1, host=need - 1).fits
+
+
+def test_gpu_layers_places_the_last_n_blocks_on_the_gpu() -> None:
+    p = dense_plan(10**12, gpu_layers=1)
+    assert p.placement.cpu_layers == (0, 1, 2) and p.placement.layers_by == "--gpu-layers 1" and p.fits
+    assert p.placement.host_modules() == {"layers.0", "layers.1", "layers.2", "embed"}
+    assert dense_plan(10**12, gpu_layers=0).placement.cpu_layers == (0, 1, 2, 3)
+    for n in (4, 99):  # all of them, or more than the model has: every block on the GPU
+        p = dense_plan(10**12, gpu_layers=n)
+        assert p.placement.cpu_layers == () and not p.placement.split and p.host_weights == 0 and p.n_gpu_layers is None
+    for n in (None, 1, 99):  # a CPU run: accepted, no effect
+        p = dense_plan(10**12, device=CPU, gpu_layers=n)
+        assert p.placement is None and p.host_weights == p.host_kv == 0
+
+
+def test_a_moe_model_moves_its_experts_first_then_its_blocks() -> None:
+    """Automatic: every expert in CPU RAM before any block; a CPU block's experts are in RAM with it."""
+    fp = Footprint(CONFIG, "int4", 80 * MB, torch.bfloat16, GPU, EXPERTS, False, (12 * MB,) * 6, 0)
+    everything = plan_for(fp, 1024, available=LOTS, host_available=LOTS).total
+    experts_only = plan_for(fp, 1024, available=(everything - 50 * MB, "t"), host_available=LOTS)
+    assert experts_only.placement.host_layers == (0, 1, 3, 4, 5) and experts_only.placement.cpu_layers == ()
+    p = plan_for(fp, 1024, available=(everything - 51 * MB, "t"), host_available=LOTS)
+    assert p.fits and p.placement.cpu_layers == (0,) and p.placement.host_layers == (0, 1, 3, 4, 5)
+    # block 0 (12 MB, its experts in it) + the other layers' experts
+    assert p.host_weights == 12 * MB + 40 * MB
+    p = plan_for(fp, 1024, available=LOTS, host_available=LOTS, layers=LayerChoice(4), experts=ExpertChoice(n_cpu_moe=0))
+    assert p.placement.cpu_layers == (0, 1) and p.placement.host_layers == (0, 1)
+    assert p.placement.host_modules() == {"layers.0", "layers.1"}
+
+
+def test_where_each_block_lives_is_said_with_the_reason() -> None:
+    everything = dense_plan(10**12).total
+    lines = dense_plan(everything - 1).placement.describe()
+    assert lines[0] == "blocks 1-3, final norm, head and the KV cache of those blocks on cuda"
+    assert lines[1].startswith("block 0 and embeddings and their KV cache in CPU RAM, run on the CPU (30 MB; "
+                               "automatic; cuda memory: ")
+    assert lines[1].endswith("free, 20 MB a block)")
+    assert dense_plan(10**12, gpu_layers=1).placement.describe()[0] == \
+        "block 3, final norm, head and the KV cache of those blocks on cuda"
+    assert dense_plan(10**12, gpu_layers=4).placement.describe() == ["all layers on cuda"]
+
+
+def test_a_gpu_layers_count_that_does_not_fit_is_refused_with_the_count_that_does() -> None:
+    everything = dense_plan(10**12).total
+    short = dense_plan(everything - 35 * MB, gpu_layers=3)  # block 0 alone is not enough
+    assert not short.fits
+    assert cheapest_fix(None, short, dense_footprint(), None) == "use --gpu-layers 2, or free memory"
+    message = refusal("llama", short)
+    assert message.startswith("llama needs ") and "block 0 30 MB + their KV cache" in message
+    # every block in CPU RAM and still short: the head, KV cache and activations need a shorter context
+    kv_blocks = dense_plan(10**12, gpu_layers=0).host_kv
+    tight = dense_plan(everything - 90 * MB - kv_blocks - 1, gpu_layers=0)
+    assert not tight.fits
+    assert cheapest_fix(None, tight, dense_footprint(), None).startswith("use --ctx ")
+    # the CPU's RAM too small for the blocks: said beside the GPU's numbers
+    ram = dense_plan(everything - 1, host=MB)
+    assert not ram.fits and "; in CPU RAM " in refusal("m", ram)
+
+
+def test_run_and_show_take_gpu_layers_and_a_cpu_run_ignores_it(moe_folder) -> None:
+    from click.testing import CliRunner
+
+    from localllm.cli import main
+
+    result = CliRunner().invoke(main, ["run", str(moe_folder), "hello", "--raw", "-n", "2", "--no-compile",
+                                       "--temperature", "0", "--device", "cpu", "--verbose", "--gpu-layers", "1"])
+    assert result.exit_code == 0, result.output
+    assert "placement:" not in result.output and "eval count" in result.output
+    result = CliRunner().invoke(main, ["run", str(moe_folder), "hello", "--gpu-layers", "-1"])
+    assert result.exit_code != 0 and "-1" in result.output
+
+
+def test_a_gpu_run_places_a_real_models_blocks_by_its_sizes(moe_folder, monkeypatch) -> None:
+    """``check_memory`` on a GPU target (the plan builds on ``meta``): with room for all but half of
+    block 0, the automatic plan (every expert in CPU RAM first) keeps block 0 in CPU RAM."""
+    from localllm.loaders.memory_plan import check_memory, footprint
+    from localllm.loaders.load import open_checkpoint
+    from localllm.loaders.spec import LoadSpec
+    from localllm.quant.target import Target
+
+    gpu = Target(GPU, (8, 9))
+    spec = LoadSpec(str(moe_folder), device=gpu, quant="int4")
+    fp = footprint(open_checkpoint(str(moe_folder)), spec)
+    assert len(fp.layer_bytes) == 3 and fp.layer_bytes[0] > fp.expert_bytes[0] > 0 and fp.embed_bytes > 0
+    experts = plan_for(fp, 256, available=LOTS, host_available=LOTS, experts=ExpertChoice(cpu_moe=True))
+    room = experts.total - (fp.layer_bytes[0] - fp.expert_bytes[0]) // 2
+    monkeypatch.setattr("localllm.loaders.memory_plan.available_memory",
+                        lambda device: (room, "test") if device.type == "cuda" else (10**12, "test"))
+    plan = check_memory(spec, 256)
+    assert plan.fits and plan.placement.cpu_layers == (0,) and plan.placement.host_layers == (0, 2)

@@ -45,7 +45,13 @@ def quant_head_option(default: str) -> Callable[[Any], Any]:
 
 
 def moe_placement_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--cpu-moe`` and ``--n-cpu-moe N`` (llama.cpp's names): a MoE model's experts in CPU RAM on a GPU."""
+    """``--cpu-moe`` and ``--n-cpu-moe N`` (llama.cpp's names): a MoE model's experts in CPU RAM on a GPU;
+    ``--gpu-layers N`` (llama.cpp's ``-ngl``): the last N blocks on the GPU, the first ones in CPU RAM."""
+    command = click.option(
+        "--gpu-layers", "gpu_layers", type=click.IntRange(0), metavar="N",
+        help="On a GPU: keep the last N transformer blocks (and the head) on the GPU and the first ones, with "
+             "their KV cache, in CPU RAM, run there (llama.cpp's -ngl; more than the model has: all). Default: "
+             "every block on the GPU when the model fits, else as many as fit. No effect on a CPU run.")(command)
     command = click.option(
         "--n-cpu-moe", "n_cpu_moe", type=click.IntRange(0), metavar="N",
         help="On a GPU: keep the experts of the first N layers of a Mixture-of-Experts model in CPU RAM and run "

@@ -230,6 +230,7 @@ def run(
     kv_cache: str,
     cpu_moe: bool,
     n_cpu_moe: int | None,
+    gpu_layers: int | None,
     speculate: str,
     format_: str | None,
     logprobs: int | None,
@@ -271,14 +272,19 @@ def run(
 
     model = pull_if_missing(model, quant, group_size, notify=note, calibration=calibration)  # a Hub repo id: pulled
     spec = LoadSpec(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache, calibration, cpu_moe,
-                    n_cpu_moe)
+                    n_cpu_moe, gpu_layers)
     # Before anything is loaded: does it fit? If not, the plan's numbers and the cheapest change that does.
     plan = check_memory(spec, ctx, kv_cache_flag=True)
-    # a MoE on a GPU: its experts placed as the plan for this context placed them
-    where = plan.placement if not (spec.cpu_moe or spec.n_cpu_moe is not None) else None
-    lm = load_model(replace(spec, n_cpu_moe=where.n_cpu_moe) if where is not None else spec)
+    # on a GPU: experts and blocks placed as the plan for this context placed them
+    where = plan.placement
     if where is not None:
-        lm.placement = where  # chosen automatically, for this context: said so by --verbose
+        auto_experts = not (spec.cpu_moe or spec.n_cpu_moe is not None)
+        spec = replace(spec, n_cpu_moe=where.n_cpu_moe if auto_experts else spec.n_cpu_moe,
+                       gpu_layers=(where.n_gpu_layers if where.n_gpu_layers is not None else len(where.expert_bytes))
+                       if spec.gpu_layers is None else spec.gpu_layers)
+    lm = load_model(spec)
+    if where is not None:
+        lm.placement = where  # chosen for this context (automatically, or by the flags): said so by --verbose
     if lm.calibration is not None:
         note(lm.calibration.summary())
     ctx = ctx if ctx is not None else min(lm.config.max_seq_len, 4096)
@@ -292,11 +298,14 @@ def run(
         click.echo(f"compiled in {engine.compile_s:.1f} s ({engine.step_kind})", err=True)
     if verbose:
         describe_model(lm, ctx, spec.kv_dtype)
-        if lm.placement is not None:  # a MoE on a GPU: where its experts live, and why
+        if lm.placement is not None:  # on a GPU: where the experts and blocks live, and why
             for line in lm.placement.describe():
                 click.echo(f"placement: {line}", err=True)
-            click.echo("placement: CUDA graphs off for MoE models (the routing reads back each expert's rows, and "
-                       "a step with experts in CPU RAM cannot be captured)", err=True)
+            if lm.config.is_moe:
+                click.echo("placement: CUDA graphs off for MoE models (the routing reads back each expert's rows, "
+                           "and a step with experts in CPU RAM cannot be captured)", err=True)
+        if engine.batch.runner.eager_reason:  # a split model: eager steps only
+            click.echo(f"placement: {engine.batch.runner.eager_reason}", err=True)
         click.echo(f"decode step: {engine.step_kind}", err=True)
         if engine.batch.compile_note:  # which steps run eagerly although compiled ones were asked for, and why
             click.echo(f"  {engine.batch.compile_note}", err=True)
