@@ -820,38 +820,45 @@ def test_moe_experts_placed_in_cpu_ram_cross_to_the_host_and_back(choice, moe_fo
 
 
 # --------------------------------------------------------------------------- --gpu-layers: blocks in CPU RAM
-@pytest.mark.parametrize("tied", [False, True])
-def test_gpu_layers_keep_the_first_blocks_and_their_kv_in_cpu_ram(tied, tiny_folder, fake, host_checkpoints,
+@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("gemma3", True)])
+def test_gpu_layers_keep_the_first_blocks_and_their_kv_in_cpu_ram(family, tied, tiny_folder, fake, host_checkpoints,
                                                                   monkeypatch):
     """A 3-block dense Llama in int4 with ``--gpu-layers 1``: blocks 0-1 (and, untied, the embedding
     table) in CPU RAM on the CPU's kernels, their KV pool tensors there too; block 2, the norm and the
     head on the GPU. The engine's runner refuses CUDA graphs for it (eager, with the reason), and a
     step builds its metadata on both devices: one upload of the step's indices and one of the hidden
     state at the boundary, both non-blocking; nothing read back. A table tied to the head stays on the
-    GPU with it, so its rows come down to the CPU blocks once (the one blocking copy)."""
+    GPU with it, so its rows come down to the CPU blocks once (the one blocking copy). Gemma 3's pool
+    of layer groups (one slot shared by the groups of both devices: a tensor on each) likewise, with
+    its first 2 of 4 blocks in CPU RAM."""
     from localllm.loaders.memory_plan import AVAILABLE_ENV
 
-    folder = str(tiny_folder("llama", **WIDE, num_hidden_layers=3, tie_word_embeddings=tied)[1])
+    extra = {**FAMILIES["gemma3"], "num_hidden_layers": 4} if family == "gemma3" else {"num_hidden_layers": 3}
+    folder = str(tiny_folder(family, **WIDE, **extra, tie_word_embeddings=tied)[1])
     monkeypatch.setenv(AVAILABLE_ENV, "1TB")  # the fake GPU's free memory (torch.cuda has none to give)
+    n_cpu = 2
+    gpu_layers = extra["num_hidden_layers"] - n_cpu
     with fake:
-        lm = load_model(folder, device=GPU, quant="int4", check_kernels=False, calibration="none", gpu_layers=1)
+        lm = load_model(folder, device=GPU, quant="int4", check_kernels=False, calibration="none",
+                        gpu_layers=gpu_layers)
     model, where = lm.model, lm.placement
-    assert where is not None and where.cpu_layers == (0, 1) and where.layers_by == "--gpu-layers 1"
+    assert where is not None and where.cpu_layers == (0, 1) and where.layers_by == f"--gpu-layers {gpu_layers}"
     assert where.embed_on_host == (not tied)
     on_host = ("layers.0.", "layers.1.") + (() if tied else ("embed.",))
     assert_on_device([(n, t) for n, t in model_tensors_of(model) if not n.startswith(on_host)])
     host = [(n, str(t.device)) for n, t in model_tensors_of(model) if n.startswith(on_host)]
     assert host and all(d == "cpu" for _, d in host), host
     for i, layer in enumerate(model.layers):  # each block's layers on its own device's kernel
-        want = "int4-triton-cuda" if i == 2 else "cpu"
+        want = "int4-triton-cuda" if i >= n_cpu else "cpu"
         assert all(want in m.kernel.name for m in layer.modules() if isinstance(m, QuantLinear)), (i, want)
-    assert model.split and model.layer_devices() == [torch.device("cpu")] * 2 + [torch.device("cuda", 0)]
+    devices = ["cpu"] * n_cpu + ["cuda:0"] * gpu_layers
+    assert model.split and [str(d) for d in model.layer_devices()] == devices
     with fake:
         engine = BatchEngine(model, kv_budget_bytes=cache_bytes(model.config, 128, torch.bfloat16), max_running=4)
-        assert [str(t.device) for t in engine.pool.k + engine.pool.v] == ["cpu", "cpu", "cuda:0"] * 2
+        assert [str(t.device) for t in engine.pool.k + engine.pool.v] == devices * 2
         assert engine.runner.graphs is None and "--gpu-layers" in engine.runner.eager_reason
         audit = Audit()
-        for phase, chunks in paged_steps(1).items():
+        for phase, chunks in paged_steps(len(engine.plan.windows)).items():
             with audit.during(phase):
                 logits = engine.runner.forward(chunks)
             assert logits.shape == (len([c for c in chunks if c.samples]), model.config.vocab_size), phase
@@ -866,8 +873,8 @@ def test_gpu_layers_keep_the_first_blocks_and_their_kv_in_cpu_ram(tied, tiny_fol
             # SDPA for bf16 prefill chunks (the chunk kernel takes fp32 queries)
             decode = host_ops.count("localllm.paged_decode_attention.default")
             sdpa = host_ops.count("aten.scaled_dot_product_attention.default")
-            assert (decode, sdpa) == ((0, 4) if phase == "prefill" else (2, 0)), (phase, decode, sdpa)
-            assert audit.of("op", phase).count(SPAN_OP) == 1  # block 2 on the GPU's span kernel
+            assert (decode, sdpa) == ((0, 2 * n_cpu) if phase == "prefill" else (n_cpu, 0)), (phase, decode, sdpa)
+            assert audit.of("op", phase).count(SPAN_OP) == gpu_layers  # the GPU blocks' span kernel
         # the token loop: a greedy request to its end
         handle = engine.submit(PROMPTS[0], SamplingParams(temperature=0), max_tokens=2)
         loops = Audit(token=3)
