@@ -884,3 +884,22 @@ def test_gpu_layers_keep_the_first_blocks_and_their_kv_in_cpu_ram(family, tied, 
                     break
     assert handle.stats.finish_reason == "length" and handle.stats.generated_tokens == 2
     assert loops.kinds("loop")["h2d"] == 0
+
+
+def test_gpu_layers_with_moe_experts_keep_a_cpu_blocks_experts_in_ram(moe_folder, fake, host_checkpoints, monkeypatch):
+    """``--gpu-layers 1`` on the tiny Qwen3-MoE (sparse layers 0 and 2): blocks 0-1 whole in CPU RAM,
+    layer 0's experts on the CPU's expert kernel with them; block 2 with its experts on the GPU (the
+    plan has room for them), as are its attention, the norm and the head."""
+    from localllm.loaders.memory_plan import AVAILABLE_ENV
+
+    monkeypatch.setenv(AVAILABLE_ENV, "1TB")
+    with fake:
+        lm = load_model(str(moe_folder), device=GPU, quant="int4", check_kernels=False, gpu_layers=1)
+    model, where = lm.model, lm.placement
+    assert where.cpu_layers == (0, 1) and where.host_layers == (0,) and where.n_cpu_moe == 0
+    assert _experts_devices(model) == {0: {"cpu"}, 2: {"cuda:0"}}
+    assert lm.kernels["experts-moe-blocks-cpu on cpu"] == 1
+    on_host = ("layers.0.", "layers.1.", "embed.")
+    assert_on_device([(n, t) for n, t in model_tensors_of(model) if not n.startswith(on_host)])
+    assert {str(t.device) for n, t in model_tensors_of(model) if n.startswith(on_host)} == {"cpu"}
+    assert [str(d) for d in model.layer_devices()] == ["cpu", "cpu", "cuda:0"]
