@@ -14,7 +14,9 @@
 // panel GEMM, which sums in another order: equal then up to fp32 rounding).
 //
 // The products are gguf_blocks.h's row kernel (the one gguf_mm runs): each block decoded once for up
-// to eight rows of an expert, the exact weights gguf.quants.dequantize gives, fp32 accumulation. An
+// to eight rows of an expert, the exact weights gguf.quants.dequantize gives, fp32 accumulation; on
+// AVX2 builds the common expert types (Q4_K, Q8_0, Q5_0, Q4_0, Q4_1) take this file's fused form of
+// it (fused:: below: codes widened straight from the blocks), the same weights and accumulation. An
 // expert with many rows (a long prefill) takes the fp32 panel GEMM of panel_gemm.h instead: its 16
 // output rows decoded once a panel for all its rows. localllm's canonical int4 and int8 come here as
 // Q4_1 and Q8_0 blocks holding the same values (quant/expert_kernels.py makes them).
@@ -60,16 +62,212 @@ struct Proj {
 
 // Output rows [n0, n1) of expert e for M rows of x (K apart; xsum their sub-block sums, K / sub apart)
 // -> y[m * ldy + n]: the row kernel, up to MAX_M rows sharing each decoded block.
+// The row kernel fused with the decoder, for the block types of common MoE files (Q4_K gate and up,
+// Q8_0 / Q5_0 / Q4_0 / Q4_1 down, canonical int4 as Q4_1), on AVX2: each 8 weights' codes are widened
+// straight from the block's bytes into fp32 lanes (vpmovzxbd / vpmovsxbd from memory, a mask or a
+// shift, vcvtdq2ps), with no pass through a decoded array; a K-quant's eight scales and mins are
+// unpacked together (ggml's 12-byte layout, as llama.cpp does) and converted as one vector; its offsets
+// go into a vector accumulator (one FMA a block). A one-row decode step is bound by these instructions,
+// not by memory: decoding each block into q[] and reading it back, the scales one by one, made a row
+// of Q4_K about twice as long. The values are those of gguf_blocks.h's decode (q * scale + offset, the
+// same fp32 scale and offset), accumulated in fp32; per row the operations and their order are fixed
+// (sub-block dot products scaled into two alternating chains, offsets apart), so a row's result does
+// not depend on the rows beside it.
+#if defined(CPU_CAPABILITY_AVX2) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOCALLLM_MOE_FUSED 1
+namespace fused {
+
+inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 low4(__m256i v) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))); }
+inline __m256 high4(__m256i v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// A block's view: NS sub-blocks of 32 weights; code(s, j): weights 8j .. 8j + 7 of sub-block s as fp32;
+// scale(s) broadcast; offsets added per row by offset(...) (VOFF: as a vector of the NS sub-blocks).
+template <int64_t TYPE> struct Block { static constexpr bool ok = false; };
+
+template <> struct Block<Q4_K> {  // d, dmin, scales[12], qs[128]: sub-block s = chunk s / 2's low or high nibbles
+  static constexpr bool ok = true, OFFSETS = true, VOFF = true, PAIRED = true;
+  static constexpr int64_t NS = 8, BYTES = 144;
+  const uint8_t* b;
+  alignas(32) float scl[8];  // d * scale of each sub-block
+  __m256 mins;               // dmin * min of each sub-block (offset = -mins)
+  explicit Block(const uint8_t* p) : b(p) {
+    // The 12 bytes as 32-bit lanes u0, u1, u2 (a 16-byte load: the block goes on past them), unpacked
+    // in lanes as ggml's utmp: [u0 & m1, (u2 & m2) | ((u0 >> 6) & m3) << 4, u1 & m1,
+    // ((u2 >> 4) & m2) | ((u1 >> 6) & m3) << 4]: the eight 6-bit scales, then the eight mins, a byte each.
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+    const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));  // u0 u0 u1 u1
+    const __m128i c = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 2, 2)), _mm_setr_epi32(0, 0, 0, 4));
+    const __m128i x = _mm_and_si128(a, _mm_set1_epi32(0x3f3f3f3f));
+    const __m128i y = _mm_or_si128(_mm_and_si128(c, _mm_set1_epi32(0x0f0f0f0f)),
+                                   _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(a, 6), _mm_set1_epi32(0x03030303)), 4));
+    const __m128i u = _mm_blend_epi32(x, y, 0b1010);
+    _mm256_store_ps(scl, _mm256_mul_ps(_mm256_set1_ps(f16(p)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u))));
+    mins = _mm256_mul_ps(_mm256_set1_ps(f16(p + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(u, 8))));
+  }
+  // sub-blocks 2c and 2c + 1: the low and high nibbles of the same 32 bytes
+  void codes2(int64_t c, __m256* lo, __m256* hi) const {
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < 4; ++j) {
+      const __m256i v = u8x8(b + 16 + c * 32 + 8 * j);
+      lo[j] = low4(v);
+      hi[j] = high4(v);
+    }
+  }
+  __m256 scale(int64_t s) const { return _mm256_broadcast_ss(scl + s); }
+  // xs: the row's sums of this block's 8 sub-blocks
+  void offset(const float* xs, __m256& acc, float&) const { acc = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(xs), acc); }
+};
+
+template <> struct Block<Q8_0> {  // d, 32 int8
+  static constexpr bool ok = true, OFFSETS = false, VOFF = false, PAIRED = false;
+  static constexpr int64_t NS = 1, BYTES = 34;
+  const uint8_t* b;
+  float d;
+  explicit Block(const uint8_t* p) : b(p), d(f16(p)) {}
+  __m256 code(int64_t, int64_t j) const {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j))));
+  }
+  __m256 scale(int64_t) const { return _mm256_set1_ps(d); }
+  void offset(const float*, __m256&, float&) const {}
+};
+
+// Q4_0 / Q4_1: d, (m), 16 bytes: weight j in byte j's low nibble, j + 16 in its high one.
+template <int64_t TYPE, int64_t HEAD, int BIAS, bool MIN>
+struct Nibbles32 {
+  static constexpr bool ok = true, OFFSETS = MIN, VOFF = false, PAIRED = false;
+  static constexpr int64_t NS = 1, BYTES = HEAD + 16;
+  const uint8_t* b;
+  float d, m;
+  explicit Nibbles32(const uint8_t* p) : b(p), d(f16(p)), m(MIN ? f16(p + 2) : 0.f) {}
+  __m256 code(int64_t, int64_t j) const {
+    const __m256i v = u8x8(b + HEAD + 8 * (j % 2));
+    const __m256i q = j < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(15)) : _mm256_srli_epi32(v, 4);
+    return _mm256_cvtepi32_ps(BIAS ? _mm256_sub_epi32(q, _mm256_set1_epi32(BIAS)) : q);
+  }
+  __m256 scale(int64_t) const { return _mm256_set1_ps(d); }
+  void offset(const float* xs, __m256&, float& off) const { off += m * xs[0]; }
+};
+template <> struct Block<Q4_0> : Nibbles32<Q4_0, 2, 8, false> { using Nibbles32::Nibbles32; };
+template <> struct Block<Q4_1> : Nibbles32<Q4_1, 4, 0, true> { using Nibbles32::Nibbles32; };
+
+template <> struct Block<Q5_0> {  // d, qh (bit j: weight j's fifth bit), 16 bytes as Q4_0's; q - 16
+  static constexpr bool ok = true, OFFSETS = false, VOFF = false, PAIRED = false;
+  static constexpr int64_t NS = 1, BYTES = 22;
+  const uint8_t* b;
+  float d;
+  explicit Block(const uint8_t* p) : b(p), d(f16(p)) {}
+  __m256 code(int64_t, int64_t j) const {
+    const __m256i v = u8x8(b + 6 + 8 * (j % 2));
+    const __m256i q = j < 2 ? _mm256_and_si256(v, _mm256_set1_epi32(15)) : _mm256_srli_epi32(v, 4);
+    // qh's byte j: the fifth bits of weights 8j .. 8j + 7, as 0 or 16 a byte (SPREAD), widened
+    const __m256i hi = u8x8(reinterpret_cast<const uint8_t*>(SPREAD.v + b[2 + j]));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(q, hi), _mm256_set1_epi32(16)));
+  }
+  __m256 scale(int64_t) const { return _mm256_set1_ps(d); }
+  void offset(const float*, __m256&, float&) const {}
+};
+
+// Output row wn (nb blocks) for R rows of x (K apart; xsum their sub-block sums, nsub apart) -> out[0..R).
+template <int64_t TYPE, int R>
+void rows(const float* x, int64_t K, const float* xsum, int64_t nsub, const uint8_t* wn, int64_t nb, float* out) {
+  using B = Block<TYPE>;
+  constexpr int64_t NS = B::NS, BLOCK = 32 * NS;
+  __m256 a0[R], a1[R], ov[R];
+  float off[R];
+  for (int r = 0; r < R; ++r) {
+    a0[r] = a1[r] = ov[r] = _mm256_setzero_ps();
+    off[r] = 0.f;
+  }
+  const auto add_block = [&](int64_t bi, auto odd) __attribute__((always_inline)) {
+    const uint8_t* p = wn + bi * B::BYTES;
+    prefetch_block<B::BYTES>(p);
+    const B blk(p);
+    // sub-block s's codes w[4] into each row's chain
+    const auto sub = [&](int64_t s, const __m256* w) __attribute__((always_inline)) {
+      const __m256 sc = blk.scale(s);
+      const bool second = ((NS == 1 && odd()) + s) % 2;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* xs = x + r * K + bi * BLOCK + s * 32;
+        __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xs));
+        t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xs + 8), t);
+        t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xs + 16), t);
+        t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xs + 24), t);
+        if (second) a1[r] = _mm256_fmadd_ps(t, sc, a1[r]);
+        else a0[r] = _mm256_fmadd_ps(t, sc, a0[r]);
+      }
+    };
+    if constexpr (B::PAIRED) {
+#pragma GCC unroll 4
+      for (int64_t c = 0; c < NS / 2; ++c) {
+        __m256 lo[4], hi[4];
+        blk.codes2(c, lo, hi);
+        sub(2 * c, lo);
+        sub(2 * c + 1, hi);
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int64_t s = 0; s < NS; ++s) {
+        __m256 w[4];
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < 4; ++j) w[j] = blk.code(s, j);
+        sub(s, w);
+      }
+    }
+    if constexpr (B::OFFSETS)
+      for (int r = 0; r < R; ++r) blk.offset(xsum + r * nsub + bi * NS, ov[r], off[r]);
+  };
+  int64_t bi = 0;
+  if constexpr (NS == 1) {
+    for (; bi + 1 < nb; bi += 2) {
+      add_block(bi, std::false_type{});
+      add_block(bi + 1, std::true_type{});
+    }
+  }
+  for (; bi < nb; ++bi) add_block(bi, std::false_type{});
+  for (int r = 0; r < R; ++r) {
+    float v = hsum8(_mm256_add_ps(a0[r], a1[r]));
+    if constexpr (B::VOFF) v += hsum8(ov[r]);
+    else v += off[r];
+    out[r] = v;
+  }
+}
+
+}  // namespace fused
+#endif
+
 template <int64_t TYPE, int64_t BLOCK, int64_t BYTES, int64_t SUB>
 void rows_t(const Proj& p, int64_t e, const float* x, const float* xsum, int64_t M, int64_t n0, int64_t n1,
             float* y, int64_t ldy) {
   const int64_t K = p.K, nb = K / BLOCK, nsub = K / SUB;
   float out[MAX_M];
+  // The task's first PREFETCH bytes: each block asks for those PREFETCH past it, so without this the
+  // start of every task (another thread's last one just before it in memory) waits on memory.
+#if defined(__SSE2__)
+  {
+    const uint8_t* first = p.row(e, n0);
+    const int64_t bytes = std::min<int64_t>(PREFETCH, (n1 - n0) * p.row_bytes);
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(first + o), _MM_HINT_T0);
+  }
+#endif
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wn = p.row(e, n);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
       const int64_t rows = std::min(MAX_M, M - m0);
       localllm::panel::with_rows<MAX_M>(rows, [&](auto r) {
+#ifdef LOCALLLM_MOE_FUSED
+        if constexpr (fused::Block<TYPE>::ok) {
+          fused::rows<TYPE, r>(x + m0 * K, K, xsum + m0 * nsub, nsub, wn, nb, out);
+          return;
+        }
+#endif
         row_blocks<TYPE, BLOCK, BYTES, SUB, r>(x + m0 * K, K, xsum + m0 * nsub, nsub, wn, nb, out);
       });
       for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * ldy + n] = out[r];
