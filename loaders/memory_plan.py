@@ -142,11 +142,14 @@ class MemoryPlan:
         """``int4 weights 97 MB + KV cache 191 MB for ctx 4096 + activations 139 MB + runtime 307 MB``."""
         seqs = f" x {self.concurrency} sequences" if self.concurrency > 1 else ""
         text = (f"{self.scheme} weights {human_size(self.weights - self.host_weights)} + KV cache "
-                f"{human_size(self.kv_cache - self.host_kv)} for ctx {self.ctx}{seqs} + activations {human_size(self.activations)} "
+                f"{human_size(self.kv_cache - self.host_kv)} for ctx {self.ctx}{seqs} + activations "
+                f"{human_size(self.activations)} "
                 f"+ runtime {human_size(self.runtime + self.overhead)}")
         where = self.placement
         if self.host_weights and where is not None and where.cpu_layers:
-            text += (f" on {self.device}; {blocks(where.cpu_layers)} {human_size(self.host_weights)} + their "
+            more = len([i for i in where.host_layers if i not in where.cpu_layers])  # experts of GPU blocks
+            experts = f" and experts of {more} more layer{'s' if more > 1 else ''}" if more else ""
+            text += (f" on {self.device}; {blocks(where.cpu_layers)}{experts} {human_size(self.host_weights)} + their "
                      f"KV cache {human_size(self.host_kv)} + runtime {human_size(RUNTIME_BYTES['cpu'])} in CPU RAM "
                      f"({human_size(self.host_available)} available)")
         elif self.host_weights:
@@ -420,8 +423,8 @@ def largest_fitting_ctx(fp: Footprint, ctx: int, available: tuple[int, str], **k
 
 def cheapest_fix(ckpt: Any, plan: MemoryPlan, fp: Footprint, spec: LoadSpec, *, kv_cache_flag: bool = False) -> str:
     """The cheapest change that fits: more layers' experts in CPU RAM (``--n-cpu-moe``, where the user
-    gave fewer), else fewer blocks on the GPU (``--gpu-layers``, where the user gave more or left the
-    experts' placement to a flag), else a smaller ``--ctx``, else a smaller ``--quant``, else an int8 KV cache (when
+    gave fewer), else fewer blocks on the GPU (``--gpu-layers``, where the user gave more or placed the
+    experts by a flag), else a smaller ``--ctx``, else a smaller ``--quant``, else an int8 KV cache (when
     ``kv_cache_flag``: the flag exists), else the smallest scheme at the smallest context."""
     avail = (plan.available, plan.available_source)
     kw: dict[str, Any] = dict(concurrency=plan.concurrency, kv_dtype=plan.kv_dtype)

@@ -70,7 +70,8 @@ class ModelRunner:
             if attention == "auto":
                 from localllm.runtime import cpu_attention
 
-                host_kernel, host_chunk = cpu_attention.paged_kernel(), cpu_attention.chunk_kernel(model.config.head_dim)
+                host_kernel = cpu_attention.paged_kernel()
+                host_chunk = cpu_attention.chunk_kernel(model.config.head_dim)
             self.host = (host_cos, host_sin, host_kernel, host_chunk)
             self.eager_reason = ("steps run eagerly: the first blocks live in CPU RAM (--gpu-layers), and neither "
                                  "CUDA graphs nor a compiled step take a model on two devices")

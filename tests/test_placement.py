@@ -232,7 +232,8 @@ def test_a_moe_model_moves_its_experts_first_then_its_blocks() -> None:
     assert p.fits and p.placement.cpu_layers == (0,) and p.placement.host_layers == (0, 1, 3, 4, 5)
     # block 0 (12 MB, its experts in it) + the other layers' experts
     assert p.host_weights == 12 * MB + 40 * MB
-    p = plan_for(fp, 1024, available=LOTS, host_available=LOTS, layers=LayerChoice(4), experts=ExpertChoice(n_cpu_moe=0))
+    p = plan_for(fp, 1024, available=LOTS, host_available=LOTS, layers=LayerChoice(4),
+                 experts=ExpertChoice(n_cpu_moe=0))
     assert p.placement.cpu_layers == (0, 1) and p.placement.host_layers == (0, 1)
     assert p.placement.host_modules() == {"layers.0", "layers.1"}
 
