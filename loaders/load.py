@@ -346,16 +346,17 @@ def load_model(
     # a MoE's experts, a layer at a time; those placed in CPU RAM run there
     used.update(prepare_moe(model, act, target=target, check=check_kernels, host=Target(torch.device("cpu"))))
     release_freed_memory()
-    if attention_kernel and dev.type == "cpu":
+    on_host = len(placement.cpu_layers) if placement is not None else 0  # blocks in CPU RAM attend there
+    if attention_kernel and (dev.type == "cpu" or on_host):
         from localllm.runtime import cpu_attention
 
         if cpu_attention.paged_kernel() is not None:  # built now (once), so the first step does not wait
-            used["attention-cpu"] = len(model.layers)
-    elif attention_kernel and dev.type == "cuda":
+            used["attention-cpu"] = len(model.layers) if dev.type == "cpu" else on_host
+    if attention_kernel and dev.type == "cuda" and on_host < len(model.layers):
         from localllm.runtime import cuda_attention
 
         if cuda_attention.span_kernel() is not None:  # compiled by Triton at the first step
-            used["attention-cuda"] = len(model.layers)
+            used["attention-cuda"] = len(model.layers) - on_host
     return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme or rows_scheme,
                        used, dequantized_from, imported, pooling, calibration if calibration.ran else None,
                        placement)

@@ -851,6 +851,7 @@ def test_gpu_layers_keep_the_first_blocks_and_their_kv_in_cpu_ram(family, tied, 
     for i, layer in enumerate(model.layers):  # each block's layers on its own device's kernel
         want = "int4-triton-cuda" if i >= n_cpu else "cpu"
         assert all(want in m.kernel.name for m in layer.modules() if isinstance(m, QuantLinear)), (i, want)
+    assert (lm.kernels["attention-cpu"], lm.kernels["attention-cuda"]) == (n_cpu, gpu_layers)  # what --verbose says
     devices = ["cpu"] * n_cpu + ["cuda:0"] * gpu_layers
     assert model.split and [str(d) for d in model.layer_devices()] == devices
     with fake:
