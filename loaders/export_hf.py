@@ -23,6 +23,7 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.build import empty_model
 from localllm.loaders.checkpoint import LAYER_MAP, TOP_MAP
 from localllm.loaders.safetensors_stream import write_safetensors
+from localllm.quant.formats import dequantize_weight
 from localllm.runtime.config import ModelConfig
 
 WEIGHTS = "model.safetensors"
@@ -178,19 +179,28 @@ def _ct_weights(scheme: Any) -> dict[str, Any]:
             "dynamic": False, "observer": "minmax", "actorder": None, "block_structure": None}
 
 
-def ct_quantization_config(scheme: Any, quantized_head: bool) -> dict[str, Any]:
-    """``config.json``'s ``quantization_config`` for weights of ``scheme`` in every Linear (the head too
-    only when ``quantized_head``), activations left in the model's dtype (W4A16 / W8A16)."""
+def ct_quantization_config(scheme: Any, head: Any = None) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` for weights of ``scheme`` in every Linear, and the head
+    (``lm_head``) in ``head``'s (None: left float), activations left in the model's dtype (W4A16 / W8A16).
+    A head of another scheme than the body's gets a config group of its own, which compressed-tensors
+    prefers to the class-wide one because it names the module."""
+    groups = {"group_0": _ct_group(["Linear"], scheme)}
+    if head is not None and head != scheme:
+        groups["group_1"] = _ct_group(["lm_head"], head)
+    formats = {g["format"] for g in groups.values()}
     return {
         "quant_method": "compressed-tensors",
-        "format": _CT_FORMATS[scheme.name],
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": _ct_weights(scheme),
-                                      "input_activations": None, "output_activations": None,
-                                      "format": _CT_FORMATS[scheme.name]}},
-        "ignore": [] if quantized_head else ["lm_head"],
+        "config_groups": groups,
+        "ignore": [] if head is not None else ["lm_head"],
         "kv_cache_scheme": None,
     }
+
+
+def _ct_group(targets: list[str], scheme: Any) -> dict[str, Any]:
+    return {"targets": targets, "weights": _ct_weights(scheme), "input_activations": None,
+            "output_activations": None, "format": _CT_FORMATS[scheme.name]}
 
 
 def _exact_scales(scales: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
@@ -239,11 +249,11 @@ def ct_tensors(module_hf: str, parts: dict[str, torch.Tensor], scheme: Any, dtyp
         yield f"{module_hf}.weight_scale", _exact_scales(s, dtype, module_hf)
 
 
-def _ct_layout(config: ModelConfig, plan: dict[str, Any], dtype: torch.dtype
+def _ct_layout(config: ModelConfig, plan: dict[str, Any], dtype: torch.dtype, untie: bool = False
                ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     layout: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for ours, t in empty_model(config).state_dict().items():
-        if config.tie_embeddings and ours == "output.weight":
+        if config.tie_embeddings and ours == "output.weight" and not untie:
             continue
         module, _, leaf = ours.rpartition(".")
         hf = hf_name(ours)
@@ -276,8 +286,9 @@ def export_quantized_folder(source: Union[str, Path, Any], folder: Path, dtype: 
     torch_dtype = EXPORT_DTYPES[dtype]
     ckpt = open_checkpoint(str(source)) if isinstance(source, (str, Path)) else source
     plan = ckpt.plan if isinstance(ckpt, ArtifactCheckpoint) else {}
-    schemes = {s for s in plan.values()}
-    if not plan or any(s.name not in _CT_FORMATS for s in schemes):
+    head = plan.get("output")
+    schemes = {s for m, s in plan.items() if m != "output"} or {s for s in plan.values()}
+    if not plan or any(s.name not in _CT_FORMATS for s in {*schemes, *([head] if head else [])}):
         what = ", ".join(sorted(s.label() for s in schemes)) or "float weights"
         raise LocalLLMError(f"{ckpt.describe()} holds {what}: --keep-quant exports stored int4 or int8 weights",
                             "pull the model with --quant int4 or int8 first, or export without --keep-quant")
@@ -289,14 +300,15 @@ def export_quantized_folder(source: Union[str, Path, Any], folder: Path, dtype: 
         raise LocalLLMError(f"{ckpt.describe()} mixes {', '.join(sorted(s.label() for s in schemes))}: one "
                             "quantization config cannot describe it exactly", "export without --keep-quant")
     scheme = next(iter(schemes))
-    if ckpt.config.tie_embeddings and "output" in plan:
-        raise LocalLLMError(f"{ckpt.describe()} stores its tied head quantized (it doubles as the embedding), "
-                            "which an HF folder cannot tie back", "pull it with --quant-head none, or export without --keep-quant")
+    # A tied head stored quantized doubles as the embedding; an HF folder cannot tie a float table to a
+    # quantized lm_head, so the export unties them: lm_head quantized, embed_tokens its float values.
+    untie = ckpt.config.tie_embeddings and head is not None
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = hf_config(ckpt.config, torch_dtype)
-    config["quantization_config"] = ct_quantization_config(scheme, "output" in plan)
-    layout = _ct_layout(ckpt.config, plan, torch_dtype)
+    config["tie_word_embeddings"] = ckpt.config.tie_embeddings and not untie
+    config["quantization_config"] = ct_quantization_config(scheme, head)
+    layout = _ct_layout(ckpt.config, plan, torch_dtype, untie)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -308,9 +320,12 @@ def export_quantized_folder(source: Union[str, Path, Any], folder: Path, dtype: 
                 continue
             parts = pending.setdefault(module, {})
             parts[leaf] = t
-            if {"qweight", "scales"} <= set(parts) and (scheme.name == "int8" or "offsets" in parts):
-                yield from ct_tensors(hf_name(module + ".weight").removesuffix(".weight"), pending.pop(module),
-                                      scheme, torch_dtype)
+            own = plan[module]
+            if {"qweight", "scales"} <= set(parts) and (own.name == "int8" or "offsets" in parts):
+                parts = pending.pop(module)
+                if untie and module == "output":
+                    yield hf_name("embed.weight"), dequantize_weight(parts, own).to(torch_dtype)
+                yield from ct_tensors(hf_name(module + ".weight").removesuffix(".weight"), parts, own, torch_dtype)
 
     path = folder / WEIGHTS
     metadata = {"format": "pt", "producer": f"localllm {localllm.__version__}"}

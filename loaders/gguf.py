@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.loaders.checkpoint import rename
+from localllm.loaders.checkpoint import float_head_scheme, rename
 from localllm.loaders.gguf_meta import read_metadata
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme, parse_scheme
@@ -385,7 +385,8 @@ class GGUFCheckpoint:
         A head of another quantized type (a Q4_K_M file's Q6_K ``output.weight``, or its tied Q6_K
         ``token_embd``) keeps its blocks; tied, the blocks serve as the embedding too
         (:class:`quant.linear.TiedHeadEmbedding`), so the table is held once, at the file's bytes.
-        A float head stays 16-bit unless asked otherwise (``--quant-head``)."""
+        A float head re-quantized with the rest becomes int8 as a float checkpoint's does
+        (:func:`loaders.checkpoint.float_head_scheme`); the file's own mix keeps it as stored."""
         if scheme is None:
             return None
         names = {ours: t for ours, t in self.raw_tensors() if ours in ("output.weight", "embed.weight")}
@@ -397,7 +398,7 @@ class GGUFCheckpoint:
             return parse_scheme("int8", 32) if self.config.dim % 32 == 0 else None
         if kind in GGUF_BLOCKS and kind not in ("F32", "F16", "BF16"):
             return gguf_scheme(kind)
-        return None
+        return float_head_scheme(self.config, scheme)
 
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors for a model whose modules hold the schemes of ``plan``: Q4_0/Q4_1/Q8_0 blocks that

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.loaders.artifact import WEIGHTS
+from localllm.loaders.artifact import WEIGHTS, plan_from_manifest
 from localllm.loaders.convert import convert_to_store
 from localllm.loaders.load import load_model, open_checkpoint
 from localllm.loaders.safetensors_stream import read_header
@@ -38,7 +38,9 @@ def test_stored_model_equals_quantizing_at_load(store, tiny_folder, scheme, grou
     if scheme == "bf16":
         assert manifest["quant"]["scheme"] is None and manifest["dtype"] == "bf16"
     else:
-        assert manifest["quant"]["scheme"]["name"] == scheme and len(manifest["quant"]["modules"]) == 14
+        assert manifest["quant"]["scheme"]["name"] == scheme and len(manifest["quant"]["modules"]) == 15
+        assert "output" in manifest["quant"]["modules"]  # the 14 linears and the head: int8, in groups of 32
+        assert plan_from_manifest(manifest["quant"])["output"] == parse_scheme("int8", None if scheme == "int8" else 32)
     stored = load_model(f"tiny:{scheme}", store=store)
     direct = load_model(str(folder), quant=scheme, group_size=group)
     ids = IDS % 384

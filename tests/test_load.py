@@ -141,12 +141,15 @@ def test_the_slow_reference_warning_says_what_runs(tiny_folder, monkeypatch):
         warnings.simplefilter("always")
         int4 = load_model(str(folder), quant="int4", dtype="fp32", attention_kernel=False)
         int8 = load_model(str(folder), quant="int8", dtype="fp32", attention_kernel=False)
-    said = [str(w.message) for w in caught if "reference" in str(w.message)]
+    said = sorted(str(w.message) for w in caught if "reference" in str(w.message))
     assert said == ["int4 (group 32, asymmetric) layers run on the slow reference kernel (it dequantizes the weight "
                     "at every call): int4-tinygemm-cpu needs bfloat16 activations, not float32; int4-group-cpu "
-                    "needs localllm's CPU kernels, which could not be built (no C++ compiler)"]
-    assert int4.kernels["reference"] == 8  # 2 blocks of qkv, o, gate_up, down
-    assert int8.kernels["int8-weight-only"] == 8 and "reference" not in int8.kernels
+                    "needs localllm's CPU kernels, which could not be built (no C++ compiler)",
+                    "int8 (group 32) layers run on the slow reference kernel (it dequantizes the weight at every "
+                    "call): int8-group-cpu needs localllm's CPU kernels, which could not be built (no C++ compiler); "
+                    "int8-weight-only needs one scale per output channel, not per group"]  # the int8 head
+    assert int4.kernels["reference"] == 9  # 2 blocks of qkv, o, gate_up, down; the head
+    assert int8.kernels["int8-weight-only"] == 9 and "reference" not in int8.kernels  # its head per channel too
 
 
 def test_fp32_activations_run_localllms_kernels_without_a_warning(tied_folder, tiny_folder):

@@ -180,7 +180,7 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
               help="Weight scheme; quantized at load when the model is stored in another. "
                    "Default: the model's own (int4 for Q4 GGUF files).")
 @click.option("--group-size", type=int, help="Quantization group size (int4: 32/64/128/256; int8: per channel).")
-@quant_head_option("Default: as stored; on the CPU a GGUF's Q8_0 head as it is; else 16-bit.")
+@quant_head_option("Default: as stored (a GGUF's as in the file); a float head quantized with the rest becomes int8.")
 @calibration_option
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)),
               help="Force a matmul kernel (default: the fastest that works here).")

@@ -36,7 +36,7 @@ from localllm.loaders.store import Store, StoredModel, check_length, check_local
               help=f"Weight scheme to store (default: {DEFAULT_PULL_SCHEME}; a quantized Hub repo (GPTQ, AWQ...) "
                    "keeps its own format, which naming a scheme re-quantizes).")
 @click.option("--group-size", type=int, help="Group size (int4: 32/64/128/256, default 32; a Q4 GGUF keeps its own).")
-@quant_head_option("Default: as stored, else 16-bit.")
+@quant_head_option("Default: as stored; a float head quantized with the rest becomes int8.")
 @calibration_option
 @click.option("--name", help="Store name (default: the repo's or file's base name, lower case).")
 @click.option("--revision", help="Branch, tag or commit of a Hub repo (same as REPO@REV).")
