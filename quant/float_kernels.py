@@ -9,6 +9,8 @@ as it is."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -23,11 +25,18 @@ FLOAT_PORTABLE, FLOAT_AVX2, FLOAT_AVX512 = range(3)
 PANEL_ELEMENTS = 1 << 20
 
 
+@functools.cache
+def torch_bf16_gemm() -> bool:
+    """Whether torch multiplies bf16 matrices through oneDNN on this CPU (AVX-512 and up); elsewhere
+    (AVX2) its bf16 GEMM is a slow generic loop, several times slower than widening to fp32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def panel_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x (M, in) @ weight (out, in)^T through torch's GEMM, in x's dtype: at once where the dtypes agree,
-    else in fp32 a slice of output rows at a time (so fp16 weights are never rounded to bf16, and a
-    vocabulary head's fp32 copy never exists whole)."""
-    if weight.dtype == x.dtype:
+    """x (M, in) @ weight (out, in)^T through torch's GEMM, in x's dtype: at once where the dtypes agree
+    (and torch has a fast GEMM for them), else in fp32 a slice of output rows at a time (so fp16 weights
+    are never rounded to bf16, and a vocabulary head's fp32 copy never exists whole)."""
+    if weight.dtype == x.dtype and (x.dtype != torch.bfloat16 or torch_bf16_gemm()):
         return F.linear(x, weight)
     out, inp = weight.shape
     rows = max(1, PANEL_ELEMENTS // inp)

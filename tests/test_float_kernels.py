@@ -91,6 +91,24 @@ def test_a_float_layer_takes_the_kernel_for_few_rows_and_torch_for_more(name):
         assert rel_err(layer(x), F.linear(x.double(), w.double())) < TOLERANCE[torch.bfloat16], rows
 
 
+@pytest.mark.parametrize("onednn", [False, True])
+def test_a_bf16_prefill_widens_to_fp32_where_torch_has_no_fast_bf16_gemm(onednn, monkeypatch):
+    """Where torch's bf16 GEMM is its generic loop (no AVX-512: several times slower than widening),
+    a bf16 layer's many-row product runs in fp32 panels and is rounded once to bf16; elsewhere
+    torch's bf16 GEMM. Either is the fp32 product within one bf16 rounding."""
+    from localllm.quant import float_kernels
+
+    monkeypatch.setattr(float_kernels, "torch_bf16_gemm", lambda: onednn)
+    calls = []
+    real = float_kernels.F.linear
+    monkeypatch.setattr(float_kernels.F, "linear", lambda x, w: calls.append(w.dtype) or real(x, w))
+    torch.manual_seed(0)
+    x, w = torch.randn(40, 96).bfloat16(), torch.randn(70, 96).bfloat16()
+    got = float_kernels.panel_linear(x, w)
+    assert got.dtype == torch.bfloat16 and calls == [torch.bfloat16 if onednn else torch.float32]
+    assert rel_err(got, F.linear(x.double(), w.double())) < TOLERANCE[torch.bfloat16]
+
+
 @pytest.fixture(scope="module")
 def tied_folder(tiny_folder):
     return tiny_folder("llama", tie_word_embeddings=True)[1]
