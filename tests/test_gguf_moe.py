@@ -268,3 +268,34 @@ def test_compiled_decode_steps_cover_moe_layers(models, tmp_path, monkeypatch):
         alone = eager.submit(p, GREEDY, 6 + 2 * i)
         eager.run_until_done()
         assert_same(lm, p, h.result(), alone.result())
+
+
+@pytest.mark.parametrize("gate_type,down_type", [("Q4_K", "Q8_0"), ("Q4_K", "Q5_0"), ("Q4_1", "Q4_0")])
+def test_expert_rows_of_several_blocks_equal_the_reference(gate_type, down_type):
+    """The types llama.cpp's MoE files give experts (Q4_K gate and up; Q8_0 or Q5_0 down, as for experts
+    384 wide), in rows of several blocks (3 K-quant super-blocks; an odd count of 32-blocks, so both of
+    the row kernel's chains and the last lone block are used; on AVX2 the fused form of the row kernel):
+    equal to the reference for one row and a few, and a row's result is the same bits alone."""
+    from localllm.quant.experts import QuantExperts, ReferenceExperts
+    from localllm.quant.formats import gguf_scheme
+    from tests.test_moe_kernels import native_ffn, relative_error
+
+    E, D, F = 6, 768, 96
+
+    def experts(type_name: str, out: int, inp: int, seed: int) -> QuantExperts:
+        p = QuantExperts(E, inp, out, gguf_scheme(type_name))
+        p.blocks = torch.from_numpy(np.stack([random_blocks(type_name, out, inp, seed * 10 + e) for e in range(E)]))
+        return p
+
+    gate, up, down = experts(gate_type, F, D, 1), experts(gate_type, F, D, 2), experts(down_type, D, F, 3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(5)])
+    weights = torch.softmax(torch.randn(5, 3, generator=g), -1)
+    batch = native_ffn((gate, up), down, x, ids, weights)
+    want = ReferenceExperts.ffn(x, ids, weights, (gate, up), down, "silu")
+    assert relative_error(batch, want) < 1e-5
+    for r in (0, 4):
+        alone = native_ffn((gate, up), down, x[r : r + 1], ids[r : r + 1], weights[r : r + 1])
+        assert relative_error(alone, want[r : r + 1]) < 1e-5
+        assert torch.equal(alone[0], batch[r])
