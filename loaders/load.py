@@ -233,7 +233,7 @@ class LoadedModel:
     #: The data-aware int4 calibration this load ran (None: none ran).
     calibration: Calibration | None = None
     #: Where a MoE model's experts and a split model's blocks live on a GPU run (None: a CPU run, or a
-    #: dense model whole on its GPU).
+    #: dense model on a device no GPU was asked about: the CUDA dry run's).
     placement: Placement | None = None
 
     @property
@@ -366,7 +366,7 @@ def place_parts(model: Transformer, spec: LoadSpec, target: Target, act: torch.d
     """Which blocks and which layers' experts of ``model`` (on ``meta``) load into CPU RAM on a GPU
     ``target``: as ``spec`` says (``--cpu-moe``, ``--n-cpu-moe``, ``--gpu-layers``), else as the memory
     plan places them for ``run``'s default context (:func:`loaders.memory_plan.plan_for`). None: a
-    dense model that fits whole."""
+    dense model on a target without a GPU to ask about its memory (the CUDA dry run's)."""
     from localllm.loaders.memory_plan import AVAILABLE_ENV, RUN_DEFAULT_CTX, Footprint, meta_weight_bytes, plan_for
     from localllm.loaders.placement import (ExpertChoice, LayerChoice, expert_layer_bytes, experts_run_on_host,
                                             layer_bytes, own_embed_bytes)

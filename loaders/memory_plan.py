@@ -106,7 +106,7 @@ class MemoryPlan:
     #: CPU's available memory they are checked against (0: nothing placed there).
     host_weights: int = 0
     host_available: int = 0
-    #: Where each part lives (None: a CPU run, or a dense model placed whole without a flag).
+    #: Where each part lives on a GPU run (None: a CPU run).
     placement: Placement | None = None
     #: Of ``kv_cache``, the CPU blocks' share, in CPU RAM (``--gpu-layers``: :mod:`loaders.placement`).
     host_kv: int = 0
@@ -343,8 +343,10 @@ def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = D
     )
     if dev != "cuda":
         return plan  # a CPU run: every part in RAM already
-    if not any(fp.expert_bytes) and layers.automatic and plan.fits:
-        return plan  # a dense model that fits: placed whole
+    if not any(fp.expert_bytes) and layers.automatic and plan.fits:  # a dense model that fits: placed whole
+        whole = Placement(str(fp.device), (0,) * config.n_layers, 0, "automatic", avail, None, fp.layer_bytes,
+                          fp.embed_bytes)
+        return replace(plan, placement=whole)
     host, _ = host_available if host_available is not None else available_memory(torch.device("cpu"))
     n_layers = config.n_layers
     experts_of = fp.expert_bytes or (0,) * n_layers

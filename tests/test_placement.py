@@ -82,7 +82,9 @@ def test_a_cpu_run_or_a_dense_model_is_placed_whole() -> None:
         p = plan(10**12, device=CPU, **choice)
         assert p.placement is None and p.host_weights == 0 and p.n_cpu_moe == 0
     dense = Footprint(CONFIG, "int4", 80 * MB, torch.bfloat16, GPU, ())
-    assert plan_for(dense, 1024, available=LOTS, experts=ExpertChoice(cpu_moe=True)).placement is None
+    for choice in (ExpertChoice(), ExpertChoice(cpu_moe=True)):
+        where = plan_for(dense, 1024, available=LOTS, host_available=LOTS, experts=choice).placement
+        assert not where.split and where.host_layers == () and where.describe() == ["all layers on cuda"]
 
 
 def test_where_each_part_lives_is_said_with_the_reason() -> None:
@@ -186,7 +188,8 @@ def test_a_dense_model_that_fits_stays_whole_and_one_that_does_not_keeps_its_fir
     from localllm.runtime.kv_pool import sequence_bytes
 
     whole = dense_plan(10**12)
-    assert whole.placement is None and whole.fits and whole.host_kv == 0  # placed whole: nothing to say
+    assert whole.fits and whole.host_kv == whole.host_weights == 0 and whole.placement.cpu_layers == ()
+    assert whole.placement.describe() == ["all layers on cuda"] and whole.n_gpu_layers is None
     everything = whole.total
     kv_block = sequence_bytes(DENSE, 1024, torch.bfloat16, batch=1, layers=[0])  # one block's KV cache
     # short by 1 byte: block 0 and the embedding table go to CPU RAM (30 MB and block 0's KV cache)
