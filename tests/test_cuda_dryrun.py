@@ -364,13 +364,14 @@ def model_tensors_of(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def assert_cuda_kernels(model, scheme: str, kernels_used: Counter | None = None, named: str | None = None) -> None:
-    """Every quantized layer runs the CUDA selection's kernel for its scheme (or the kernel ``named``),
-    never the reference."""
+    """Every quantized layer runs the CUDA selection's kernel for its scheme (or the kernel ``named``
+    for the layers of ``scheme``; the int8 head beside int4 or nf4 layers its own), never the reference."""
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     if scheme in CUDA_KERNEL:
         assert layers
-        want = named or CUDA_KERNEL[scheme]
-        wrong = [(n, m.kernel.name) for n, m in layers if m.kernel.name != want]
+        want = {n: named or CUDA_KERNEL[scheme] if m.scheme.name == scheme else CUDA_KERNEL[m.scheme.name]
+                for n, m in layers}
+        wrong = [(n, m.kernel.name) for n, m in layers if m.kernel.name != want[n]]
         assert not wrong, f"{scheme} layers on another kernel than {want}: {wrong[:4]}"
         assert all(m.kernel.device_type in (None, "cuda") for _, m in layers)
     else:
