@@ -39,7 +39,7 @@ TOP_MAP = {
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "output.weight",
 }
-#: Per-head q/k norms (Qwen3, Gemma 3).
+#: q/k norms (Qwen3, Gemma 3: per head; OLMoE: over the whole projection).
 _QK_NORM_MAP = {"self_attn.q_norm.weight": "attn.q_norm.weight", "self_attn.k_norm.weight": "attn.k_norm.weight"}
 #: Gemma 3's four norms: its ``post_attention_layernorm`` follows attention (Llama's precedes the MLP).
 _GEMMA3_MAP = {
@@ -51,6 +51,7 @@ _GEMMA3_MAP = {
 }
 #: Per-architecture layer tables (the others use LAYER_MAP).
 _ARCH_LAYER_MAPS = {"qwen3": {**LAYER_MAP, **_QK_NORM_MAP}, "qwen3_moe": {**LAYER_MAP, **_QK_NORM_MAP},
+                    "olmoe": {**LAYER_MAP, **_QK_NORM_MAP},  # its q/k norms span the whole projection
                     "gemma3": _GEMMA3_MAP,
                     # gpt-oss: attention sinks, a router with a bias
                     "gpt_oss": {**LAYER_MAP, "self_attn.sinks": "attn.sinks", "mlp.router.weight": "mlp.router.weight",

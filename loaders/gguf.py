@@ -36,7 +36,8 @@ _LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate.weight",
     "ffn_up.weight": "mlp.up.weight",
     "ffn_down.weight": "mlp.down.weight",
-    # Qwen3 and Gemma 3: per-head q/k norms; Gemma 3: norms after attention and after the MLP.
+    # Qwen3 and Gemma 3: per-head q/k norms (OLMoE's over the whole projection); Gemma 3: norms after
+    # attention and after the MLP.
     "attn_q_norm.weight": "attn.q_norm.weight",
     "attn_k_norm.weight": "attn.k_norm.weight",
     "post_attention_norm.weight": "post_attn_norm.weight",
@@ -74,7 +75,8 @@ def map_gguf_name(name: str) -> str | None:
     if name in _ROPE_TENSORS:
         return None
     raise LocalLLMError(f"unexpected tensor '{name}' in the GGUF file",
-                        "is this a Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, Gemma 3 or Phi-3 model?")
+                        "is this a Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, Gemma 3 or Phi-3 "
+                        "model?")
 
 
 def module_of(ours: str) -> str:

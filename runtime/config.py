@@ -15,12 +15,13 @@ from localllm.runtime.config_checks import (INT_RANGES, MAX_TOKEN_ID, FieldReade
 #: (Qwen3 and Gemma 3 add per-head q/k norms, Gemma 3 four norms per block, GeGLU, local layers;
 #: Phi-3 partial rotary and longrope).
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe", "qwen2_moe", "mixtral",
-                           "gpt_oss")
+                           "gpt_oss", "olmoe")
 
 #: The Mixture-of-Experts families among them: their sparse layers route each token to
 #: ``n_active`` of ``n_experts`` gated MLPs (:mod:`runtime.moe`); Qwen2-MoE adds a shared expert;
-#: gpt-oss biases its router and experts, clamps its SwiGLU and adds attention sinks.
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
+#: gpt-oss biases its router and experts, clamps its SwiGLU and adds attention sinks; OLMoE norms
+#: its whole q and k projections (:attr:`ModelConfig.qk_norm_full`).
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "olmoe")
 
 #: Architectures localllm knows it cannot run yet, and why (said in the one line that refuses them).
 _NOT_YET = {arch: "gpt-oss from a GGUF is not supported yet (its Hub safetensors are)" for arch in ("gptoss", "gpt-oss")}
@@ -66,7 +67,7 @@ def hf_keys(hf: dict[str, Any]) -> dict[str, str]:
         keys["head_dim"] = "hidden_size / num_attention_heads"
     if inner.get("model_type") == "mixtral" or "num_experts" not in inner:
         keys["n_experts"] = "num_local_experts"
-    if inner.get("model_type") in ("mixtral", "gpt_oss"):
+    if inner.get("model_type") in ("mixtral", "gpt_oss", "olmoe"):
         keys["expert_size"] = "intermediate_size"
     return keys
 
@@ -79,7 +80,7 @@ def gguf_keys(meta: dict[str, Any]) -> dict[str, str]:
         keys["head_dim"] = f"{arch}.embedding_length / {arch}.attention.head_count"
     if meta.get(keys["vocab_size"]) is None:
         keys["vocab_size"] = "the length of tokenizer.ggml.tokens"
-    if arch == "llama":  # Mixtral: its experts are its feed-forward size
+    if arch == "llama" or (arch == "olmoe" and meta.get(keys["expert_size"]) is None):  # Mixtral's, OLMoE's experts
         keys["expert_size"] = f"{arch}.feed_forward_length"
     return keys
 
@@ -128,6 +129,11 @@ class ModelConfig:
     partial_rotary: float = 1.0
     #: RMSNorm on each query and key head (over head_dim) before RoPE (Qwen3, Gemma 3).
     qk_norm: bool = False
+    #: With :attr:`qk_norm`: one RMSNorm over the whole projected q (n_heads x head_dim) and another over
+    #: k (n_kv_heads x head_dim), before the split into heads (OLMoE), not one per head.
+    qk_norm_full: bool = False
+    #: OLMoE's ``clip_qkv``: q, k and v (after the q/k norms) clamped to +-this; None: not clamped.
+    clip_qkv: float | None = None
     #: Gemma's RMSNorm: ``x * (1 + w)`` in fp32, then cast (0 = Llama's ``w * x``).
     norm_offset: float = 0.0
     #: Gemma 3's four norms per block: after attention and after the MLP too.
@@ -247,7 +253,8 @@ class ModelConfig:
             self.dim * (self.q_dim + 2 * self.kv_dim)
             + self.q_dim * self.dim
             + (4 if self.post_norms else 2) * self.dim
-            + (2 * self.head_dim if self.qk_norm else 0)  # type: ignore[operator]
+            + ((self.q_dim + self.kv_dim if self.qk_norm_full else 2 * self.head_dim)  # type: ignore[operator]
+               if self.qk_norm else 0)
             + (self.q_dim + 2 * self.kv_dim if self.attention_bias else 0)
             + (self.dim if self.o_bias else 0) + (self.n_heads if self.attn_sinks else 0)
         )
@@ -350,7 +357,9 @@ class ModelConfig:
             layer_types=layer_types,
             rope_local_theta=local_theta,
             partial_rotary=partial or 1.0,
-            qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
+            qk_norm_full=arch == "olmoe",
+            clip_qkv=read.float("clip_qkv", None, None) if arch == "olmoe" else None,
             norm_offset=1.0 if gemma else 0.0,
             post_norms=gemma,
             mlp_act={"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act, act),
@@ -454,7 +463,8 @@ class ModelConfig:
                                     (0, INT_RANGES["sliding_window"][1])) or None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=list(dict.fromkeys(eos)),
-            qk_norm=ours in ("qwen3", "gemma3", "qwen3_moe"),
+            qk_norm=ours in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
+            qk_norm_full=ours == "olmoe",
             **extra,
         )
 
@@ -463,14 +473,18 @@ def _gguf_moe(read: FieldReader, ns: str, arch: str) -> dict[str, Any]:
     """The MoE fields of a GGUF's metadata (``ns``: its ``{general.architecture}.``): experts, active
     ones, their size (Mixtral's, written as llama, is its ``feed_forward_length``), Qwen2-MoE's shared
     expert, and whether the top-k weights are renormalised (``expert_weights_norm`` where the converter
-    wrote it, else as the family does: Qwen3-MoE's released models and Mixtral yes, Qwen2-MoE no).
+    wrote it, else as the family does: Qwen3-MoE's released models and Mixtral yes, Qwen2-MoE and
+    OLMoE no).
     llama.cpp runs every layer of these families sparse."""
-    size_key = "feed_forward_length" if arch == "mixtral" else "expert_feed_forward_length"
+    # OLMoE's converter writes its experts' size as feed_forward_length (llama.cpp reads it there), a
+    # newer one may add expert_feed_forward_length
+    size_key = "feed_forward_length" if arch == "mixtral" or (
+        arch == "olmoe" and ns + "expert_feed_forward_length" not in read.values) else "expert_feed_forward_length"
     out: dict[str, Any] = {
         "n_experts": read.int(ns + "expert_count", "n_experts"),
         "n_active": read.int(ns + "expert_used_count", "n_active"),
         "expert_size": read.int(ns + size_key, "expert_size"),
-        "norm_topk_prob": bool(read.values.get(ns + "expert_weights_norm", arch != "qwen2_moe")),
+        "norm_topk_prob": bool(read.values.get(ns + "expert_weights_norm", arch not in ("qwen2_moe", "olmoe"))),
     }
     if arch == "qwen2_moe":
         out["shared_expert_size"] = read.int(ns + "expert_shared_feed_forward_length", "shared_expert_size")
@@ -481,19 +495,19 @@ def _hf_moe(read: FieldReader, hf: dict[str, Any], arch: str, n_layers: int) -> 
     """The MoE fields of a Qwen3-MoE, Qwen2-MoE or Mixtral ``config.json``: experts
     (``num_experts`` / ``num_local_experts``), active ones, their sizes, and which layers are sparse
     (``decoder_sparse_step``, ``mlp_only_layers``: as transformers places them)."""
+    own = arch in ("mixtral", "gpt_oss", "olmoe")  # their experts are their intermediate_size
     key = "num_local_experts" if arch in ("mixtral", "gpt_oss") or "num_experts" not in hf else "num_experts"
     out: dict[str, Any] = {
         "n_experts": read.int(key, "n_experts"),
         "n_active": read.int("num_experts_per_tok", "n_active"),
-        # Mixtral's experts are its intermediate_size; Qwen's have their own.
-        "expert_size": read.int("intermediate_size" if arch in ("mixtral", "gpt_oss") else "moe_intermediate_size",
-                                "expert_size"),
+        # Mixtral's, gpt-oss's and OLMoE's experts are their intermediate_size; Qwen's have their own.
+        "expert_size": read.int("intermediate_size" if own else "moe_intermediate_size", "expert_size"),
         # Mixtral renormalises the top-k (a softmax over the chosen logits); Qwen by its config.
         "norm_topk_prob": True if arch in ("mixtral", "gpt_oss") else bool(hf.get("norm_topk_prob", False)),
     }
     if arch == "qwen2_moe":
         out["shared_expert_size"] = read.int("shared_expert_intermediate_size", "shared_expert_size")
-    if arch not in ("mixtral", "gpt_oss"):
+    if not own:
         step = read.int("decoder_sparse_step", None, 1, (1, 1 << 20))
         dense = hf.get("mlp_only_layers") or []
         if not isinstance(dense, list):

@@ -207,7 +207,9 @@ def _expected(config: Any, keys: Mapping[str, str]) -> dict[str, list[tuple[int,
         "attn.q.weight": [q, dim], "attn.k.weight": [kv, dim], "attn.v.weight": [kv, dim],
         "attn.qkv.weight": [qkv, dim], "attn.o.weight": [dim, q],
         "attn.q.bias": [q], "attn.k.bias": [kv], "attn.v.bias": [kv],
-        "attn.q_norm.weight": [head_dim], "attn.k_norm.weight": [head_dim],
+        # per head, or OLMoE's over the whole projection
+        "attn.q_norm.weight": [q if config.qk_norm_full else head_dim],
+        "attn.k_norm.weight": [kv if config.qk_norm_full else head_dim],
         "mlp.gate.weight": [inter, dim], "mlp.up.weight": [inter, dim], "mlp.down.weight": [dim, inter],
         "mlp.gate_up.weight": [(2 * config.intermediate_size, f"2 x {k('intermediate_size')}"), dim],
     }

@@ -6,7 +6,7 @@ Parameter names (the checkpoint loaders map to these)::
     embed.weight
     layers.{i}.attn_norm.weight
     layers.{i}.attn.{q,k,v}.weight  (+ .bias when config.attention_bias)
-    layers.{i}.attn.{q,k}_norm.weight  (config.qk_norm: Qwen3, Gemma 3)
+    layers.{i}.attn.{q,k}_norm.weight  (config.qk_norm: Qwen3, Gemma 3; OLMoE's (q_dim,), (kv_dim,))
     layers.{i}.attn.o.weight  (+ .bias when config.o_bias: gpt-oss)
     layers.{i}.attn.sinks      (H,) config.attn_sinks (gpt-oss): each head's sink logit (activation dtype)
     layers.{i}.post_attn_norm.weight   (config.post_norms: Gemma 3)
@@ -201,8 +201,12 @@ class Attention(nn.Module):
         self.k = Linear(config.dim, config.kv_dim, bias=bias)
         self.v = Linear(config.dim, config.kv_dim, bias=bias)
         self.o = Linear(config.q_dim, config.dim, bias=config.o_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_offset) if config.qk_norm else None
+        full = config.qk_norm_full  # OLMoE: over the whole projection, not per head
+        self.q_norm = RMSNorm(config.q_dim if full else config.head_dim, config.norm_eps,
+                              config.norm_offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.kv_dim if full else config.head_dim, config.norm_eps,
+                              config.norm_offset) if config.qk_norm else None
+        self.qk_norm_full, self.clip_qkv = full, config.clip_qkv
         #: q, k and v as one matmul, set by loaders.build.fuse_projections (then q, k, v are removed).
         self.qkv: nn.Module | None = None
         self.q_dim, self.kv_dim = config.q_dim, config.kv_dim
@@ -231,15 +235,20 @@ class Attention(nn.Module):
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         if self.qkv is not None:
             qkv = self.qkv(x)  # (B, T, (H + 2 KV) hd)
-            if self.q_norm is None:  # q and k are adjacent: rotate them in one go.
+            if self.q_norm is None and self.clip_qkv is None:  # q and k are adjacent: rotate them in one go.
                 qk = pointwise.rope(qkv[..., : (H + KV) * hd].view(B, T, H + KV, hd).transpose(1, 2), cos, sin)
                 v = qkv[..., (H + KV) * hd :].view(B, T, KV, hd).transpose(1, 2)
                 return qk[:, :H], qk[:, H:], v
             q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.qk_norm_full and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # (B, T, H hd), (B, T, KV hd)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q, k = q.view(B, T, H, hd), k.view(B, T, KV, hd)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.qk_norm_full and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = pointwise.rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = pointwise.rope(k.transpose(1, 2), cos, sin)  # (B, KV, T, hd)
