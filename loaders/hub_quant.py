@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.loaders.checkpoint import FUSED, HFCheckpoint, map_hf_name, split_fused
+from localllm.loaders.checkpoint import FUSED, HFCheckpoint, float_head_scheme, map_hf_name, split_fused
 from localllm.loaders.safetensors_stream import iter_safetensors, read_header
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme, dequantize_weight, fp8_scheme, gguf_scheme, parse_scheme
@@ -354,8 +354,12 @@ class HubQuantCheckpoint(HFCheckpoint):
         return max(dict.fromkeys(schemes), key=schemes.count)  # a tie: the first seen, never the set's order
 
     def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
-        """A quantized head (GPTQ's ``lm_head: true``) keeps its grid; a float one stays float."""
-        return self.module_schemes().get("output") if scheme is not None else None
+        """A quantized head (GPTQ's ``lm_head: true``) keeps its grid; a float one stays float in the
+        repo's own scheme (:meth:`exact_plan`) and becomes int8 when re-quantized with the rest
+        (:func:`loaders.checkpoint.float_head_scheme`)."""
+        if scheme is None:
+            return None
+        return self.module_schemes().get("output") or float_head_scheme(self.config, scheme)
 
     def exact_plan(self, plan: Plan) -> Plan:
         """Each planned module in the scheme its own tensors import into exactly; a module the file
@@ -465,8 +469,9 @@ class MXFP4Checkpoint(HFCheckpoint):
         return self.scheme
 
     def default_head(self, scheme: QuantScheme | None) -> QuantScheme | None:
-        """gpt-oss's head is bf16: it stays float."""
-        return None
+        """gpt-oss's head is bf16: float in the experts' own MXFP4 (:meth:`exact_plan`), int8 when
+        re-quantized with the rest (:func:`loaders.checkpoint.float_head_scheme`)."""
+        return float_head_scheme(self.config, scheme)
 
     def exact_plan(self, plan: Plan) -> Plan:
         """The experts in MXFP4 blocks where the plan has them; every other module float."""
