@@ -84,9 +84,11 @@ def localllm_row(model: str, prompt: str, tokens: int, threads: int, flags: list
         return float(m.group(1))
 
     step = re.search(r"^decode step: (\S+)", out, re.M)
+    weights = re.search(r"^weights: .*?, ([\d.]+ [KMG]B) in memory; kernels: (.*)$", out, re.M)
     return {"prefill_tok_s": figure("prompt eval rate"), "decode_tok_s": figure("eval rate"),
             "prompt_tokens": figure("prompt eval count"), "tokens": figure("eval count"),
-            "step": step.group(1) if step else "?"}
+            "step": step.group(1) if step else "?", "weights": weights.group(1) if weights else "?",
+            "kernels": weights.group(2) if weights else "?"}
 
 
 #: What MKL and oneDNN are held to under each narrower ATEN_CPU_CAPABILITY (their own ISA names).
