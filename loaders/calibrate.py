@@ -38,9 +38,13 @@ from localllm.runtime.model import Block, rope_tables, round_to
 from localllm.runtime.tokenizer import Tokenizer
 
 #: The ``--calibration`` choices: ``awq`` (data-aware, for int4 from float weights) and
-#: ``none`` (round to nearest, the default while the calibration's peak memory is well above the
-#: stream's where one layer is a large part of the model: docs/quantization.md).
+#: ``none`` (round to nearest).
 CALIBRATIONS = ("awq", "none")
+#: A pull's default: the model is calibrated once, when it is stored (a minute or two for a small
+#: model on a laptop's CPU: docs/quantization.md).
+PULL_CALIBRATION = "awq"
+#: A load's default (``run FOLDER --quant int4``, ``load_model``): a load quantizes again every time,
+#: so it rounds to nearest unless asked.
 DEFAULT_CALIBRATION = "none"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Unquantized parameters are stored (and run) in bf16 beside int4 blocks (loaders.convert): the next
@@ -60,7 +64,7 @@ class Calibration:
     method: str = DEFAULT_CALIBRATION
     text: str | None = None  # None: the shipped calibration text
     seq_len: int = 512  # tokens a calibration sequence
-    max_tokens: int = 4096  # tokens used at most
+    max_tokens: int = 2048  # tokens used at most
     clip: bool = True  # also search each weight group's clipping
     # the outcome
     tokens: int = 0

@@ -25,7 +25,7 @@ from filelock import Timeout
 
 from localllm.errors import LocalLLMError, disk_errors
 from localllm.quant.formats import ALL_SCHEMES
-from localllm.loaders.calibrate import DEFAULT_CALIBRATION, calibrates_to
+from localllm.loaders.calibrate import PULL_CALIBRATION, calibrates_to
 from localllm.loaders.store import (
     Store,
     StoredModel,
@@ -87,7 +87,7 @@ class PullOptions:
     name: str | None = None
     prune: bool = False
     force: bool = False
-    calibration: str = DEFAULT_CALIBRATION  # int4 from float weights: data-aware (awq) or round to nearest (none)
+    calibration: str = PULL_CALIBRATION  # int4 from float weights: data-aware (awq) or round to nearest (none)
 
 
 @dataclass
@@ -386,7 +386,7 @@ def find_stored(store: Store, ref: str) -> StoredModel:
 
 
 def pull_if_missing(model: str, quant: str | None = None, group_size: int | None = None,
-                    notify: Notify = _silent, calibration: str = DEFAULT_CALIBRATION) -> str:
+                    notify: Notify = _silent, calibration: str = PULL_CALIBRATION) -> str:
     """What ``run`` should load for MODEL: MODEL itself, unless it is a Hub repo id (``owner/name``),
     which is then pulled first (in ``quant`` when it is a pull scheme, else int4) unless already stored.
     Returns the store reference (``name:scheme``)."""

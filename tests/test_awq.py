@@ -74,8 +74,9 @@ def test_statistics_arrive_a_sequence_at_a_time(tokens, width):
 
 
 def test_clip_search_by_row_blocks_is_the_whole_search():
-    """Clipping searches ROWS output rows at a time: each row's choice is its own, so the result is
-    the one a whole-matrix search gives; and its blocks of ``x / s`` are those of the scaled tokens."""
+    """Clipping searches a block of output rows at a time (``awq.BLOCK`` elements): each row's choice is
+    its own, so the result is the one a whole-matrix search gives; and its blocks of ``x / s`` are those
+    of the scaled tokens."""
     import localllm.quant.awq as awq
 
     torch.manual_seed(0)
@@ -86,14 +87,50 @@ def test_clip_search_by_row_blocks_is_the_whole_search():
     blocks = GroupBlocks.of(stats, s, 32)
     torch.testing.assert_close(blocks.diag, InputStats.of(x / s).blocks(32), rtol=1e-4, atol=1e-3)
     whole = search_clip(w, stats, SCHEME)
-    old, awq.ROWS = awq.ROWS, 7
+    old, awq.BLOCK = awq.BLOCK, 7 * 128
     try:
         by_rows = search_clip(w, stats, SCHEME)
     finally:
-        awq.ROWS = old
+        awq.BLOCK = old
     # the same choice for each weight group (a near-tie of two ratios may fall either way in fp32)
     assert (whole != by_rows).any(-1).float().mean() < 0.02
     assert not torch.equal(whole, w)  # something was clipped
+
+
+def _outlier_inputs(tokens: int = 300, width: int = 128) -> torch.Tensor:
+    """Activations with a few large channels, as a trained model's norms make them."""
+    x = torch.randn(tokens, width) * (torch.rand(width) + 0.2)
+    x[:, :4] *= 20
+    return x
+
+
+def test_coarse_to_fine_finds_the_exhaustive_minimum():
+    """The coarse-to-fine alpha search chooses what measuring every grid point chooses (the error is
+    unimodal in alpha), with fewer measurements."""
+    import localllm.quant.awq as awq
+
+    torch.manual_seed(0)
+    calls = []
+    measured = awq.InputStats.quant_error
+
+    def counting(self, *args):
+        calls.append(1)
+        return measured(self, *args)
+
+    for seed in range(3):
+        torch.manual_seed(seed)
+        stats = InputStats.of(_outlier_inputs())
+        weights = [torch.randn(64, 128), torch.randn(32, 128)]
+        s_all, all_ = awq.search_scale(weights, stats, SCHEME, step=1)
+        awq.InputStats.quant_error = counting
+        try:
+            calls.clear()
+            s_fast, fast = awq.search_scale(weights, stats, SCHEME)
+        finally:
+            awq.InputStats.quant_error = measured
+        assert (fast.alpha, fast.error) == (all_.alpha, all_.error) and torch.equal(s_fast, s_all)
+        assert fast.rtn_error == all_.rtn_error and all_.alpha > 0
+        assert len(calls) <= 2 * 12  # two weights, at most 12 alphas of the 20
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -217,7 +254,8 @@ def test_awq_artifact_runs_on_every_int4_kernel(tmp_path_factory, kernel, dtype,
 
 
 def test_pull_options_carry_calibration(tmp_path, monkeypatch):
-    """``pull --calibration none`` reaches the conversion as round-to-nearest; ``run`` takes the flag too."""
+    """``pull --calibration none`` reaches the conversion as round-to-nearest, awq by default; ``run``
+    takes the flag too, and loads a folder rounded to nearest unless asked."""
     from click.testing import CliRunner
 
     import localllm.commands.store as store_cmd
@@ -231,11 +269,26 @@ def test_pull_options_carry_calibration(tmp_path, monkeypatch):
 
     monkeypatch.setattr(store_cmd, "pull_model", fake_pull)
     folder = _folder(tmp_path, "llama")
-    for args in (["--calibration", "awq"], []):
+    for args in (["--calibration", "none"], []):
         result = CliRunner().invoke(main, ["pull", str(folder), "--quant", "int4", *args])
         assert result.exit_code == 0, result.output
-    assert seen == ["awq", "none"]  # round to nearest by default, until the calibration's memory is bounded
-    assert "--calibration" in CliRunner().invoke(main, ["run", "--help"]).output
+    assert seen == ["none", "awq"]  # a pull calibrates by default
+
+    import localllm.loaders.memory_plan as memory_plan
+    import localllm.loaders.pull as pull
+
+    def fake_check(spec, *args, **kwargs):
+        seen.append(spec.calibration)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(pull, "pull_if_missing", lambda model, *a, calibration, **k: seen.append(calibration) or model)
+    monkeypatch.setattr(memory_plan, "check_memory", fake_check)
+    seen.clear()
+    for args in ([], ["--calibration", "awq"]):
+        result = CliRunner().invoke(main, ["run", str(folder), "hi", "--quant", "int4", *args])
+        assert result.exit_code == 0, result.output
+    # run: a repo id would be pulled calibrated, a folder loads rounded to nearest unless asked
+    assert seen == ["awq", "none", "awq", "awq"]
 
 
 def test_pull_says_when_it_calibrates(tmp_path):

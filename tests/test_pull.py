@@ -149,7 +149,7 @@ def pulled(smol_hub: HubServer, warm_hf: Path, tmp_path_factory: pytest.TempPath
            ) -> tuple[dict[str, str], subprocess.CompletedProcess]:
     """``localllm pull REPO`` into a store shared by the read-only tests: (CLI env, the pull's result)."""
     env = hub_cli_env(smol_hub.url, warm_hf, tmp_path_factory.mktemp("home"))
-    return env, cli_ok(env, "pull", REPO)
+    return env, cli_ok(env, "pull", REPO, "--calibration", "none")  # round to nearest: seconds, not minutes
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +300,8 @@ def test_unknown_name_suggests_the_stored_one(pulled: tuple[dict[str, str], subp
 def test_run_repo_id_pulls_it_first_then_answers(smol_env: dict[str, str], home: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     # fp32 (the pulled int4 weights, dequantized): the answer's margins are checked in the end-to-end test.
-    proc = cli_ok(smol_env, "run", REPO, FRANCE, "--temperature", "0", "-n", "12", "--quant", "fp32")
+    proc = cli_ok(smol_env, "run", REPO, FRANCE, "--temperature", "0", "-n", "12", "--quant", "fp32",
+                  "--calibration", "none")
     assert "Paris" in proc.stdout and "not stored yet: pulling it (its own format, else int4)" in proc.stderr
     assert [e.ref for e in Store(home).list()] == [f"{NAME}:int4"]
     assert pull_if_missing(REPO) == f"{NAME}:int4"  # what the next `run REPO` loads: the stored copy...
@@ -309,7 +310,8 @@ def test_run_repo_id_pulls_it_first_then_answers(smol_env: dict[str, str], home:
 
 # =========================================================================== interrupted and concurrent pulls
 def _slow_pull(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", SLOW_QUANT_CLI, "pull", REPO], env=env, cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-c", SLOW_QUANT_CLI, "pull", REPO, "--calibration", "none"],
+                            env=env, cwd=ROOT,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -335,7 +337,7 @@ def test_pull_killed_mid_quantization_leaves_no_entry(smol_env: dict[str, str], 
 
     assert tmp.exists()  # what the killed process left: never listed
     assert json.loads(in_process("list", "--json").stdout) == []
-    assert in_process("pull", REPO).exit_code == 0
+    assert in_process("pull", REPO, "--calibration", "none").exit_code == 0
     [entry] = Store(home).list()
     assert entry.ref == f"{NAME}:int4" and leftovers(home) == []  # the stale folder was cleaned up
     Store(home).verify(entry)
@@ -356,7 +358,8 @@ def test_two_concurrent_pulls_end_with_one_good_copy(smol_env: dict[str, str], h
     # The HF cache is warm (concurrent downloads of one file are test_hub's): both race to convert.  One
     # thread each: two processes of two OpenMP threads on two cores spin-wait on each other for ages.
     env = {**smol_env, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-m", "localllm", "pull", REPO], env=env, cwd=ROOT, text=True,
+    procs = [subprocess.Popen([sys.executable, "-m", "localllm", "pull", REPO, "--calibration", "none"], env=env,
+                              cwd=ROOT, text=True,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for _ in range(2)]
     outputs = [p.communicate(timeout=300) for p in procs]
@@ -465,6 +468,9 @@ def test_pull_again_force_name_and_conflicts(tiny_repo: str, home: Path, monkeyp
     # the stored model, loaded as run loads it, with the rows of run's verify steps (speculation is on by default)
     assert builds == [(LoadSpec("tiny-llama:int4"), 1 + MAX_DRAFT)]
     assert "compiling its decode step in the background" in first.stderr
+    # int4 from float weights is calibrated by default (AWQ), and the manifest says so
+    assert "with data-aware scales (awq)" in first.stderr
+    assert Store(home).get("tiny-llama", "int4").manifest["calibration"]["method"] == "awq"  # type: ignore[union-attr]
     again = in_process("pull", tiny_repo)
     assert again.exit_code == 0 and "'tiny-llama:int4' is already stored" in again.stderr
     assert "quantizing" not in again.stderr and len(builds) == 1  # nothing new: its first pull started it

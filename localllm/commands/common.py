@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from localllm.quant.formats import QUANT_SCHEMES
-from localllm.loaders.calibrate import DEFAULT_CALIBRATION
+from localllm.loaders.calibrate import CALIBRATIONS
 from localllm.runtime.cache import DEFAULT_KV_DTYPE, KV_DTYPES
 
 def note(message: str) -> None:
@@ -29,11 +29,14 @@ kv_cache_option = click.option(
          "the bytes, so a batch's attention reads half as much) or int8 (codes with a scale per token and head: "
          "half the bytes of a 16-bit cache).")
 
-calibration_option = click.option(
-    "--calibration", type=click.Choice(["awq", "none"]), default=DEFAULT_CALIBRATION, show_default=True,
-    help="int4 from float weights (a safetensors model): awq scales each layer's inputs by statistics of a "
-         "calibration text shipped with localllm, searched to minimise the layer's output error (some seconds "
-         "a layer on the CPU); none rounds each weight to nearest. GGUF and quantized sources keep their values.")
+def calibration_option(default: str | None, said: str) -> Callable[[Any], Any]:
+    """``--calibration awq|none``; ``default`` None: the command decides (``said`` tells how)."""
+    return click.option(
+        "--calibration", type=click.Choice(list(CALIBRATIONS)), default=default,
+        help="int4 from float weights (a safetensors model): awq scales each layer's inputs by statistics of a "
+             "calibration text shipped with localllm, searched to minimise the layer's output error (a second "
+             "or two a layer on the CPU); none rounds each weight to nearest. GGUF and quantized sources keep "
+             "their values. " + said)
 
 
 def quant_head_option(default: str) -> Callable[[Any], Any]:

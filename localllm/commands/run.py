@@ -15,6 +15,7 @@ from localllm.commands.common import (calibration_option, kv_cache_option, moe_p
                                       quant_head_option, speculate_option, threads_option)
 from localllm.commands.compile_step import build_after
 from localllm.errors import LocalLLMError
+from localllm.loaders.calibrate import DEFAULT_CALIBRATION, PULL_CALIBRATION
 from localllm.loaders.spec import LoadSpec
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
@@ -181,7 +182,8 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
                    "Default: the model's own (int4 for Q4 GGUF files).")
 @click.option("--group-size", type=int, help="Quantization group size (int4: 32/64/128/256; int8: per channel).")
 @quant_head_option("Default: as stored (a GGUF's as in the file); a float head quantized with the rest becomes int8.")
-@calibration_option
+@calibration_option(None, "Default: awq where a Hub repo id is pulled first (stored once), none where a folder "
+                         "is quantized at every load (pull it to calibrate it once).")
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)),
               help="Force a matmul kernel (default: the fastest that works here).")
 @click.option("--compile/--no-compile", "compile_", default=None,
@@ -224,7 +226,7 @@ def run(
     quant: str | None,
     group_size: int | None,
     quant_head: str | None,
-    calibration: str,
+    calibration: str | None,
     kernel: str | None,
     compile_: bool | None,
     kv_cache: str,
@@ -270,9 +272,10 @@ def run(
     if piped_replaced or any(replaced for _, replaced in args):
         click.echo(NOT_UTF8, err=True)
 
-    model = pull_if_missing(model, quant, group_size, notify=note, calibration=calibration)  # a Hub repo id: pulled
-    spec = LoadSpec(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache, calibration, cpu_moe,
-                    n_cpu_moe, gpu_layers)
+    model = pull_if_missing(model, quant, group_size, notify=note,  # a Hub repo id: pulled
+                            calibration=calibration or PULL_CALIBRATION)
+    spec = LoadSpec(model, device, dtype, quant, group_size, quant_head, kernel, kv_cache,
+                    calibration or DEFAULT_CALIBRATION, cpu_moe, n_cpu_moe, gpu_layers)
     # Before anything is loaded: does it fit? If not, the plan's numbers and the cheapest change that does.
     plan = check_memory(spec, ctx, kv_cache_flag=True)
     # on a GPU: experts and blocks placed as the plan for this context placed them
