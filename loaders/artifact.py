@@ -92,13 +92,19 @@ class ArtifactCheckpoint:
     def _raw(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_safetensors(self.folder / WEIGHTS)
 
+    @property
+    def stores_embedding(self) -> bool:
+        """Whether the weights hold an ``embed.weight`` of their own: not where a tied int8 or GGUF-block
+        head serves as the embedding (older artifacts kept both)."""
+        header, _ = read_header(self.folder / WEIGHTS)
+        return "embed.weight" in header
+
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Float tensors (quantized modules dequantized one at a time), for a conversion to another scheme.
 
         A tied model stored with an int8 or GGUF-block head has no 16-bit embedding (the head serves as it): its
         ``embed.weight`` is the dequantized head, the same tensor."""
-        header, _ = read_header(self.folder / WEIGHTS)
-        embed_from_head = self.config.tie_embeddings and "output" in self.plan and "embed.weight" not in header
+        embed_from_head = self.config.tie_embeddings and "output" in self.plan and not self.stores_embedding
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in self._raw():
             module, _, leaf = key.rpartition(".")

@@ -23,7 +23,7 @@ from localllm.errors import LocalLLMError
 from localllm.loaders.build import empty_model
 from localllm.loaders.checkpoint import LAYER_MAP, TOP_MAP
 from localllm.loaders.safetensors_stream import write_safetensors
-from localllm.quant.formats import dequantize_weight
+from localllm.quant.formats import canonical_shapes, dequantize_weight
 from localllm.runtime.config import ModelConfig
 
 WEIGHTS = "model.safetensors"
@@ -179,28 +179,20 @@ def _ct_weights(scheme: Any) -> dict[str, Any]:
             "dynamic": False, "observer": "minmax", "actorder": None, "block_structure": None}
 
 
-def ct_quantization_config(scheme: Any, head: Any = None) -> dict[str, Any]:
-    """``config.json``'s ``quantization_config`` for weights of ``scheme`` in every Linear, and the head
-    (``lm_head``) in ``head``'s (None: left float), activations left in the model's dtype (W4A16 / W8A16).
-    A head of another scheme than the body's gets a config group of its own, which compressed-tensors
-    prefers to the class-wide one because it names the module."""
-    groups = {"group_0": _ct_group(["Linear"], scheme)}
-    if head is not None and head != scheme:
-        groups["group_1"] = _ct_group(["lm_head"], head)
-    formats = {g["format"] for g in groups.values()}
+def ct_quantization_config(scheme: Any) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` for weights of ``scheme`` in every Linear but the head
+    (``lm_head``, which leaves as float values: :func:`export_quantized_folder`), activations left in the
+    model's dtype (W4A16 / W8A16)."""
     return {
         "quant_method": "compressed-tensors",
-        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "format": _CT_FORMATS[scheme.name],
         "quantization_status": "compressed",
-        "config_groups": groups,
-        "ignore": [] if head is not None else ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": _ct_weights(scheme),
+                                      "input_activations": None, "output_activations": None,
+                                      "format": _CT_FORMATS[scheme.name]}},
+        "ignore": ["lm_head"],
         "kv_cache_scheme": None,
     }
-
-
-def _ct_group(targets: list[str], scheme: Any) -> dict[str, Any]:
-    return {"targets": targets, "weights": _ct_weights(scheme), "input_activations": None,
-            "output_activations": None, "format": _CT_FORMATS[scheme.name]}
 
 
 def _exact_scales(scales: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
@@ -257,7 +249,7 @@ def _ct_layout(config: ModelConfig, plan: dict[str, Any], dtype: torch.dtype, un
             continue
         module, _, leaf = ours.rpartition(".")
         hf = hf_name(ours)
-        if module in plan and leaf == "weight":
+        if module in plan and module != "output" and leaf == "weight":
             scheme = plan[module]
             out, inp = t.shape
             base = hf.removesuffix(".weight")
@@ -287,8 +279,8 @@ def export_quantized_folder(source: Union[str, Path, Any], folder: Path, dtype: 
     ckpt = open_checkpoint(str(source)) if isinstance(source, (str, Path)) else source
     plan = ckpt.plan if isinstance(ckpt, ArtifactCheckpoint) else {}
     head = plan.get("output")
-    schemes = {s for m, s in plan.items() if m != "output"} or {s for s in plan.values()}
-    if not plan or any(s.name not in _CT_FORMATS for s in {*schemes, *([head] if head else [])}):
+    schemes = {s for m, s in plan.items() if m != "output"}
+    if not schemes or any(s.name not in _CT_FORMATS for s in schemes):
         what = ", ".join(sorted(s.label() for s in schemes)) or "float weights"
         raise LocalLLMError(f"{ckpt.describe()} holds {what}: --keep-quant exports stored int4 or int8 weights",
                             "pull the model with --quant int4 or int8 first, or export without --keep-quant")
@@ -300,31 +292,36 @@ def export_quantized_folder(source: Union[str, Path, Any], folder: Path, dtype: 
         raise LocalLLMError(f"{ckpt.describe()} mixes {', '.join(sorted(s.label() for s in schemes))}: one "
                             "quantization config cannot describe it exactly", "export without --keep-quant")
     scheme = next(iter(schemes))
-    # A tied head stored quantized doubles as the embedding; an HF folder cannot tie a float table to a
-    # quantized lm_head, so the export unties them: lm_head quantized, embed_tokens its float values.
-    untie = ckpt.config.tie_embeddings and head is not None
+    # The head leaves as its float values (exact in fp32), whatever its stored scheme: a quantized lm_head is
+    # where servers that read compressed-tensors disagree most. A tied head that serves as the embedding
+    # is the tied table; one stored beside its own 16-bit table (older artifacts) is exported untied.
+    tied = ckpt.config.tie_embeddings
+    untie = tied and head is not None and ckpt.stores_embedding
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = hf_config(ckpt.config, torch_dtype)
-    config["tie_word_embeddings"] = ckpt.config.tie_embeddings and not untie
-    config["quantization_config"] = ct_quantization_config(scheme, head)
+    config["tie_word_embeddings"] = tied and not untie
+    config["quantization_config"] = ct_quantization_config(scheme)
     layout = _ct_layout(ckpt.config, plan, torch_dtype, untie)
+    head_name = hf_name("embed.weight" if tied and not untie else "output.weight")
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in ckpt.iter_canonical(plan, False):
             module, _, leaf = key.rpartition(".")
             if module not in plan or leaf == "bias":
-                if not (ckpt.config.tie_embeddings and key == "output.weight"):
+                if not (tied and key == "output.weight"):
                     yield hf_name(key), t
                 continue
             parts = pending.setdefault(module, {})
             parts[leaf] = t
             own = plan[module]
-            if {"qweight", "scales"} <= set(parts) and (own.name == "int8" or "offsets" in parts):
-                parts = pending.pop(module)
-                if untie and module == "output":
-                    yield hf_name("embed.weight"), dequantize_weight(parts, own).to(torch_dtype)
+            if set(parts) != set(canonical_shapes(own, 2, 64)):
+                continue
+            parts = pending.pop(module)
+            if module == "output":
+                yield head_name, dequantize_weight(parts, own).to(torch_dtype)
+            else:
                 yield from ct_tensors(hf_name(module + ".weight").removesuffix(".weight"), parts, own, torch_dtype)
 
     path = folder / WEIGHTS

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors import safe_open
 
 from localllm.cli import main
 from localllm.loaders.convert import convert_to_store
@@ -58,32 +57,20 @@ def test_keep_quant_reads_back_exactly_in_transformers(home: Path, tiny_folder, 
     config = json.loads((out / "config.json").read_text())
     q = config["quantization_config"]
     assert q["quant_method"] == "compressed-tensors"
-    # the head is int8 beside the body (int4's in groups of 32: a config group of its own), int8's as its body
-    mixed = quant == "int4"
-    assert q["format"] == ("mixed-precision" if quant == "int4" else "int-quantized")
-    assert len(q["config_groups"]) == (2 if mixed else 1) and q["ignore"] == []
-    assert config["tie_word_embeddings"] is False  # a quantized head cannot be tied to a float table
-    stored_weights = {k: w for k, w in open_checkpoint(ref).iter_tensors() if k.endswith(".weight")}
-    if mixed:
-        # transformers' run_compressed=False path reads every dense module with the first group: the
-        # head's own group is checked here on the file, the rest by the logits below
-        with safe_open(out / "model.safetensors", "pt") as f:
-            head = f.get_tensor("lm_head.weight").float()  # int8 codes
-            scale = f.get_tensor("lm_head.weight_scale").float()  # (out, in / 32)
-        assert torch.equal(head * scale.repeat_interleave(32, dim=1), stored_weights["output.weight"].float())
-    else:
-        decompress = transformers.CompressedTensorsConfig(run_compressed=False)  # float Linear weights to compare
-        params = transformers.AutoModelForCausalLM.from_pretrained(
-            str(out), dtype=torch.float32, quantization_config=decompress).state_dict()
-        # Every weight decompresses to the stored values (the store's own dequantization), bit for bit.
-        compared = 0
-        for ours, w in stored_weights.items():
-            if hf_name(ours) in params:
-                assert torch.equal(params[hf_name(ours)].detach(), w.float()), ours
-                compared += 1
-        assert compared == 21
-    # compressed-tensors' own loading gives the head's group precedence by name
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert q["format"] == ("pack-quantized" if quant == "int4" else "int-quantized")
+    # the int8 head (beside int4 in groups of 32) leaves as its float values, tied where the model is
+    assert q["ignore"] == ["lm_head"] and config["tie_word_embeddings"] is tied
+    decompress = transformers.CompressedTensorsConfig(run_compressed=False)  # float Linear weights to compare
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32,
+                                                           quantization_config=decompress).eval()
+    params = hf.state_dict()
+    # Every weight decompresses to the stored values (the store's own dequantization), bit for bit.
+    compared = 0
+    for ours, w in open_checkpoint(ref).iter_tensors():
+        if ours.endswith(".weight") and hf_name(ours) in params:
+            assert torch.equal(params[hf_name(ours)].detach(), w.float()), ours
+            compared += 1
+    assert compared == 21  # the 14 linears, the 5 norms, the embedding and the head (tied or not)
     ids = torch.tensor([[1, 5, 9, 20, 30, 40]])
     ours_lm = load_model(ref, device="cpu", dtype="fp32")
     with torch.no_grad():
