@@ -29,7 +29,7 @@ PANEL_ELEMENTS = 1 << 20
 def torch_bf16_gemm() -> bool:
     """Whether torch multiplies bf16 matrices through oneDNN on this CPU (AVX-512 and up); elsewhere
     (AVX2) its bf16 GEMM is a slow generic loop, several times slower than widening to fp32."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def panel_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
