@@ -37,12 +37,15 @@ from localllm.runtime.config import ModelConfig
 from localllm.runtime.model import Block, rope_tables, round_to
 from localllm.runtime.tokenizer import Tokenizer
 
-#: The ``--calibration`` choices: ``awq`` (data-aware, for int4 from float weights) and
-#: ``none`` (round to nearest).
-CALIBRATIONS = ("awq", "none")
-#: A pull's default: the model is calibrated once, when it is stored (a minute or two for a small
-#: model on a laptop's CPU: docs/quantization.md).
-PULL_CALIBRATION = "awq"
+#: The ``--calibration`` choices: ``awq`` (data-aware, for int4 from float weights), ``none`` (round
+#: to nearest) and ``auto`` (:func:`resolve_calibration`).
+CALIBRATIONS = ("auto", "awq", "none")
+#: A pull's default: the model is calibrated once, when it is stored, where that takes minutes.
+PULL_CALIBRATION = "auto"
+#: ``auto`` calibrates models up to this many parameters. The calibration runs on the CPU and its time
+#: grows with the weights: minutes for SmolLM2-135M on two cores, so about an hour at this size and
+#: hours for a 7B model, against seconds for round to nearest (docs/quantization.md).
+AUTO_AWQ_PARAMETERS = 1_000_000_000
 #: A load's default (``run FOLDER --quant int4``, ``load_model``): a load quantizes again every time,
 #: so it rounds to nearest unless asked.
 DEFAULT_CALIBRATION = "none"
@@ -99,6 +102,14 @@ def calibrates(ckpt: object, plan: Plan, calibration: Calibration | None) -> boo
     return (calibration is not None and calibration.method == "awq" and isinstance(ckpt, HFCheckpoint)
             and ckpt.default_scheme() is None and not ckpt.config.is_moe
             and any(s.name == "int4" for s in plan.values()))
+
+
+def resolve_calibration(method: str, config: ModelConfig) -> str:
+    """``auto`` made concrete for a model: ``awq`` up to :data:`AUTO_AWQ_PARAMETERS` parameters, else
+    ``none``; ``awq`` and ``none`` as they are."""
+    if method != "auto":
+        return method
+    return "awq" if config.num_parameters() <= AUTO_AWQ_PARAMETERS else "none"
 
 
 def calibrates_to(ckpt: object, scheme: QuantScheme, method: str) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from localllm.loaders.artifact import quant_manifest, write_artifact
-from localllm.loaders.calibrate import DEFAULT_CALIBRATION, Calibration
+from localllm.loaders.calibrate import DEFAULT_CALIBRATION, Calibration, resolve_calibration
 from localllm.loaders.load import Checkpoint, load_tokenizer, model_tensors
 from localllm.loaders.store import Store, StoredModel
 from localllm.quant.experts import split_expert_name
@@ -56,7 +56,7 @@ def convert_to_store(
     (``none``).
     """
     t0 = time.perf_counter()
-    cal = Calibration(calibration)
+    cal = Calibration(resolve_calibration(calibration, ckpt.config))
     model, tensors, plan = model_tensors(ckpt, None if scheme.is_float else scheme, quantize_head, cal)
     # Unquantized parameters of a quantized model are stored in bf16, the dtype quantized models run
     # in: loading then rounds nothing (fp16 storage would round twice on the way to bf16).

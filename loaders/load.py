@@ -17,7 +17,7 @@ from localllm.errors import LocalLLMError
 from localllm.heap import trim_heap
 from localllm.paths import DEFAULT_MODEL, default_model_gguf
 from localllm.loaders.artifact import ArtifactCheckpoint
-from localllm.loaders.calibrate import Calibration, calibrated_stream, calibrates
+from localllm.loaders.calibrate import Calibration, calibrated_stream, calibrates, resolve_calibration
 from localllm.loaders.build import empty_model, fuse_projections, load_weights
 from localllm.loaders.checkpoint import PICKLE_SUFFIXES, HFCheckpoint
 from localllm.loaders.gguf import GGUFCheckpoint
@@ -328,7 +328,7 @@ def load_model(
     if isinstance(ckpt, GGUFCheckpoint):
         ckpt.drop_metadata()  # made into the tokenizer and config: not held through the load
     config, source = ckpt.config, ckpt.describe()
-    calibration = Calibration(spec.calibration)
+    calibration = Calibration(resolve_calibration(spec.calibration, config))
     model, tensors, plan = model_tensors(ckpt, scheme, spec.quantize_head, calibration)
     if rows_scheme is not None:
         tensors = float_row_layers(model, tensors, rows_scheme)

@@ -25,7 +25,7 @@ from filelock import Timeout
 
 from localllm.errors import LocalLLMError, disk_errors
 from localllm.quant.formats import ALL_SCHEMES
-from localllm.loaders.calibrate import PULL_CALIBRATION, calibrates_to
+from localllm.loaders.calibrate import AUTO_AWQ_PARAMETERS, PULL_CALIBRATION, calibrates_to, resolve_calibration
 from localllm.loaders.store import (
     Store,
     StoredModel,
@@ -195,8 +195,12 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
         if kept is not None:
             return PullResult(kept, kept=True)
         hub_format = source_format(fetched.ckpt)  # a Hub-quantized repo's format, for the manifest
+        calibration = resolve_calibration(options.calibration, fetched.ckpt.config)
         if not hub_format:
-            awq = calibrates_to(fetched.ckpt, scheme, options.calibration)
+            awq = calibrates_to(fetched.ckpt, scheme, calibration)
+            if calibration != options.calibration and calibrates_to(fetched.ckpt, scheme, "awq"):
+                notify(f"rounding to nearest: data-aware scales (--calibration awq) take about an hour a billion "
+                       f"parameters on a CPU; auto computes them up to {AUTO_AWQ_PARAMETERS / 1e9:g}B")
             notify(f"quantizing to {scheme.label()}{' with data-aware scales (awq)' if awq else ''}...")
         elif scheme == fetched.ckpt.default_scheme():
             notify(f"storing its {hub_format['format']['label']} weights as {scheme.label()}, exactly...")
@@ -204,7 +208,7 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
             notify(f"re-quantizing its {hub_format['format']['label']} weights to {scheme.label()} from their "
                    "exact values...")
         entry, quantize_s = convert_to_store(fetched.ckpt, scheme, name, store, {**fetched.source, **hub_format},
-                                             options.quant_head, options.calibration)
+                                             options.quant_head, calibration)
     freed = None
     if options.prune:
         if fetched.snapshot is None:

@@ -272,7 +272,7 @@ def test_pull_options_carry_calibration(tmp_path, monkeypatch):
     for args in (["--calibration", "none"], []):
         result = CliRunner().invoke(main, ["pull", str(folder), "--quant", "int4", *args])
         assert result.exit_code == 0, result.output
-    assert seen == ["none", "awq"]  # a pull calibrates by default
+    assert seen == ["none", "auto"]  # a pull calibrates by default where the model is small enough
 
     import localllm.loaders.memory_plan as memory_plan
     import localllm.loaders.pull as pull
@@ -288,7 +288,22 @@ def test_pull_options_carry_calibration(tmp_path, monkeypatch):
         result = CliRunner().invoke(main, ["run", str(folder), "hi", "--quant", "int4", *args])
         assert result.exit_code == 0, result.output
     # run: a repo id would be pulled calibrated, a folder loads rounded to nearest unless asked
-    assert seen == ["awq", "none", "awq", "awq"]
+    assert seen == ["auto", "none", "awq", "awq"]
+
+
+def test_auto_calibrates_up_to_a_billion_parameters():
+    """``auto`` is awq for a model up to :data:`AUTO_AWQ_PARAMETERS` (minutes on a CPU), none above
+    (hours); awq and none stay as asked."""
+    from dataclasses import replace
+
+    from localllm.loaders.calibrate import AUTO_AWQ_PARAMETERS, resolve_calibration
+    from localllm.runtime.config import ModelConfig
+
+    small = ModelConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, intermediate_size=1536, vocab_size=49152)
+    large = replace(small, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_size=14336)
+    assert small.num_parameters() < AUTO_AWQ_PARAMETERS < large.num_parameters()
+    assert resolve_calibration("auto", small) == "awq" and resolve_calibration("auto", large) == "none"
+    assert resolve_calibration("awq", large) == "awq" and resolve_calibration("none", small) == "none"
 
 
 def test_pull_says_when_it_calibrates(tmp_path):

@@ -30,13 +30,13 @@ kv_cache_option = click.option(
          "half the bytes of a 16-bit cache).")
 
 def calibration_option(default: str | None, said: str) -> Callable[[Any], Any]:
-    """``--calibration awq|none``; ``default`` None: the command decides (``said`` tells how)."""
+    """``--calibration auto|awq|none``; ``default`` None: the command decides (``said`` tells how)."""
     return click.option(
         "--calibration", type=click.Choice(list(CALIBRATIONS)), default=default,
         help="int4 from float weights (a safetensors model): awq scales each layer's inputs by statistics of a "
-             "calibration text shipped with localllm, searched to minimise the layer's output error (a second "
-             "or two a layer on the CPU); none rounds each weight to nearest. GGUF and quantized sources keep "
-             "their values. " + said)
+             "calibration text shipped with localllm, searched to minimise the layer's output error (seconds "
+             "to minutes a layer on the CPU, by its size); none rounds each weight to nearest; auto is awq up to "
+             "1B parameters, none above. GGUF and quantized sources keep their values. " + said)
 
 
 def quant_head_option(default: str) -> Callable[[Any], Any]:

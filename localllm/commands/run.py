@@ -182,7 +182,7 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
                    "Default: the model's own (int4 for Q4 GGUF files).")
 @click.option("--group-size", type=int, help="Quantization group size (int4: 32/64/128/256; int8: per channel).")
 @quant_head_option("Default: as stored (a GGUF's as in the file); a float head quantized with the rest becomes int8.")
-@calibration_option(None, "Default: awq where a Hub repo id is pulled first (stored once), none where a folder "
+@calibration_option(None, "Default: auto where a Hub repo id is pulled first (stored once), none where a folder "
                          "is quantized at every load (pull it to calibrate it once).")
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)),
               help="Force a matmul kernel (default: the fastest that works here).")

@@ -38,7 +38,8 @@ from localllm.loaders.store import Store, StoredModel, check_length, check_local
                    "keeps its own format, which naming a scheme re-quantizes).")
 @click.option("--group-size", type=int, help="Group size (int4: 32/64/128/256, default 32; a Q4 GGUF keeps its own).")
 @quant_head_option("Default: as stored; a float head quantized with the rest becomes int8.")
-@calibration_option(PULL_CALIBRATION, "Default: awq (calibrated once, when the model is stored).")
+@calibration_option(PULL_CALIBRATION, "Default: auto: awq up to 1B parameters (calibrated once, when the model "
+                                      "is stored: minutes), none above (hours on a CPU).")
 @click.option("--name", help="Store name (default: the repo's or file's base name, lower case).")
 @click.option("--revision", help="Branch, tag or commit of a Hub repo (same as REPO@REV).")
 @click.option("--gguf", "gguf_file", metavar="FILE", help="Import this GGUF file of the Hub repo instead of its safetensors.")
