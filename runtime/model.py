@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 import struct
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -322,6 +323,8 @@ class Transformer(nn.Module):
         self.output = Linear(config.dim, config.vocab_size, bias=False)
         #: Whether any layer rotates with the local base (its tables sit beside the global ones).
         self._local_rope = any(layer.attn.local_rope for layer in self.layers)
+        #: :meth:`layer_devices` once the blocks are placed (None: not read yet, or moved since).
+        self._layer_devices: tuple[torch.device, ...] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -332,10 +335,21 @@ class Transformer(nn.Module):
         """The activation dtype (that of the norms, which are never quantized)."""
         return self.norm.weight.dtype
 
-    def layer_devices(self) -> list[torch.device]:
+    def layer_devices(self) -> tuple[torch.device, ...]:
         """Each block's device: the model's, but for the first blocks of a model split by
-        ``--gpu-layers`` (:mod:`loaders.placement`), which live and compute in CPU RAM."""
-        return [layer.attn_norm.weight.device for layer in self.layers]
+        ``--gpu-layers`` (:mod:`loaders.placement`), which live and compute in CPU RAM. Read once the
+        blocks are placed (off ``meta``) and kept, for every paged step asks; moving the model
+        (``.to()``, ``.cuda()``: :meth:`_apply`) reads it again."""
+        if self._layer_devices is not None:
+            return self._layer_devices
+        devices = tuple(layer.attn_norm.weight.device for layer in self.layers)
+        if all(d.type != "meta" for d in devices):
+            self._layer_devices = devices
+        return devices
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "Transformer":
+        self._layer_devices = None  # .to() and the like may move blocks
+        return super()._apply(fn, recurse)
 
     @property
     def split(self) -> bool:
