@@ -5,9 +5,10 @@ A plan has five parts (bytes):
 * ``weights``: the model as :func:`loaders.load.load_model` will hold it: built on ``meta`` by the same
   code that loads it (:func:`loaders.load.model_tensors`, per-module schemes, a GGUF's exact blocks,
   fused projections, a tied int8 head serving as the embedding), float tensors in the activation dtype;
-* ``kv_cache``: one sequence's cache of ``ctx`` positions times ``concurrency``, in the KV dtype, sliding
-  layers at their window (:func:`runtime.kv_pool.sequence_bytes`), and the RoPE tables
-  of ``ctx`` positions beside it;
+* ``kv_cache``: the paged KV pool that holds ``concurrency`` sequences of ``ctx`` positions, in the KV
+  dtype, as the engine allocates it (:func:`runtime.kv_pool.sequence_pool_plan`: a sliding layer group
+  holds its window behind a prefill chunk, a model's layer groups all take blocks of as many layers),
+  and the RoPE tables of ``ctx`` positions beside it;
 * ``activations``: the largest transient of one forward: a prompt of ``prefill_tokens`` (default: the
   whole context, which ``run``'s one-sequence engine prefills as one chunk: :func:`runtime.engine.sequence_engine`) through an attention
   block or an MLP block, plus each sequence's fp32 logits row (:func:`activation_bytes`);
@@ -27,7 +28,11 @@ CPU's available memory must hold beside the process (``host_available``).
 
 A model that does not fit the GPU whole keeps its first blocks in CPU RAM (``--gpu-layers N``, llama.cpp's
 ``-ngl``: :mod:`loaders.placement`): those blocks' weights (and the embedding table with them) count in
-``host_weights`` and their share of the KV cache in ``host_kv``, both beside the process in CPU RAM.
+``host_weights`` and the KV pool's tensors allocated in CPU RAM in ``host_kv``, both beside the process
+there. Both devices' shares come from :func:`runtime.kv_pool.device_bytes`, which sizes the pool's
+allocation too: a model of one layer group shares its pool out by layer, but a layer group's slot whose
+layers sit on both sides of the boundary (a split Gemma 3: nearly every slot) keeps a tensor of every
+block on each device, so such a split saves no GPU memory on the KV cache and costs as much again in RAM.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from localllm.loaders.spec import LoadSpec
 from localllm.quant.target import Target
 from localllm.runtime.cache import DEFAULT_KV_DTYPE, check_kv_dtype
 from localllm.runtime.config import ModelConfig
-from localllm.runtime.kv_pool import sequence_bytes
+from localllm.runtime.kv_pool import sequence_pool_device_bytes, sequence_pool_plan
 
 #: The environment variable that replaces the memory probe (bytes or a size such as ``2GB``).
 AVAILABLE_ENV = "LOCALLLM_AVAILABLE_MEMORY"
@@ -149,9 +154,10 @@ class MemoryPlan:
         if self.host_weights and where is not None and where.cpu_layers:
             more = len([i for i in where.host_layers if i not in where.cpu_layers])  # experts of GPU blocks
             experts = f" and experts of {more} more layer{'s' if more > 1 else ''}" if more else ""
-            text += (f" on {self.device}; {blocks(where.cpu_layers)}{experts} {human_size(self.host_weights)} + their "
-                     f"KV cache {human_size(self.host_kv)} + runtime {human_size(RUNTIME_BYTES['cpu'])} in CPU RAM "
-                     f"({human_size(self.host_available)} available)")
+            embed = f" (embedding table {human_size(where.embed_bytes)} of it)" if where.embed_on_host else ""
+            text += (f" on {self.device}; {blocks(where.cpu_layers)}{experts} {human_size(self.host_weights)}"
+                     f"{embed} + their KV cache {human_size(self.host_kv)} + runtime "
+                     f"{human_size(RUNTIME_BYTES['cpu'])} in CPU RAM ({human_size(self.host_available)} available)")
         elif self.host_weights:
             text += (f" on {self.device}; experts of {len(where.host_layers) if where else 0} "
                      f"layers {human_size(self.host_weights)} + runtime {human_size(RUNTIME_BYTES['cpu'])} in CPU RAM "
@@ -197,12 +203,17 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 # --------------------------------------------------------------------------- the parts
 def kv_cache_bytes(config: ModelConfig, ctx: int, concurrency: int, kv_dtype: str, act_dtype: torch.dtype) -> int:
-    """``concurrency`` sequences' caches of ``ctx`` positions (sliding layers at their window:
-    :func:`runtime.kv_pool.sequence_bytes`), and the RoPE tables (cos and sin, ``ctx`` x rotary dims,
-    local ones beside global ones when a model has both)."""
+    """The KV pool a run of ``concurrency`` sequences of ``ctx`` positions allocates
+    (:func:`runtime.kv_pool.sequence_pool_plan`: sliding layers' groups at their window behind a prefill
+    chunk), and the RoPE tables (:func:`rope_bytes`)."""
+    return sequence_pool_plan(config, act_dtype, ctx, kv_dtype, concurrency).bytes + rope_bytes(config, ctx, act_dtype)
+
+
+def rope_bytes(config: ModelConfig, ctx: int, act_dtype: torch.dtype) -> int:
+    """The RoPE tables beside the KV cache: cos and sin, ``ctx`` x rotary dims, local ones beside global
+    ones when a model has both."""
     tables = 2 if config.rope_local_theta is not None else 1
-    rope = tables * 2 * ctx * config.rotary_dim * act_dtype.itemsize
-    return sequence_bytes(config, ctx, act_dtype, kv_dtype, concurrency) + rope
+    return tables * 2 * ctx * config.rotary_dim * act_dtype.itemsize
 
 
 def activation_bytes(config: Any, tokens: int, concurrency: int, act_size: int) -> int:
@@ -356,8 +367,17 @@ def plan_for(fp: Footprint, ctx: int, *, concurrency: int = 1, kv_dtype: str = D
                           None if gpu_layers is None or gpu_layers >= n_layers else gpu_layers,
                           fp.layer_bytes, fp.embed_bytes, layers_by)
         cpu = set(where.cpu_layers)
-        host_kv = sequence_bytes(config, ctx, fp.act_dtype, kv_dtype, concurrency, cpu) if cpu else 0
-        return replace(plan, host_weights=where.host_bytes, host_available=host, placement=where, host_kv=host_kv)
+        if not cpu:
+            return replace(plan, host_weights=where.host_bytes, host_available=host, placement=where)
+        # the pool as allocate makes it on each device (a layer group's slot shared across the
+        # boundary has a full tensor on both: runtime.kv_pool.device_bytes)
+        host_dev = torch.device("cpu")
+        pool = sequence_pool_device_bytes(config, fp.act_dtype, ctx,
+                                          [host_dev if i in cpu else fp.device for i in range(n_layers)],
+                                          kv_dtype, concurrency)
+        kv = rope_bytes(config, ctx, fp.act_dtype) + sum(pool.values())
+        return replace(plan, host_weights=where.host_bytes, host_available=host, placement=where,
+                       kv_cache=kv, host_kv=pool.get(host_dev, 0))
 
     def fits_gpu(p: MemoryPlan) -> bool:
         return p.total <= p.available

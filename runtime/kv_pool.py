@@ -22,8 +22,9 @@ before anything runs: :meth:`KVPool.plan` gives the numbers, :meth:`KVPool.alloc
 
 This module is also where KV cache bytes are counted, for the pool and for anyone sizing one (the
 memory plan, ``show``, the benchmarks): :func:`row_bytes`, :func:`cache_bytes`, :func:`sequence_bytes`,
-:func:`block_bytes`, :func:`sequence_pool_bytes`, all over a KV type of :data:`runtime.cache.KV_DTYPES`
-and the activations' dtype.
+:func:`block_bytes`, :func:`sequence_pool_bytes`, :func:`sequence_pool_plan`, all over a KV type of
+:data:`runtime.cache.KV_DTYPES` and the activations' dtype; and :func:`device_bytes`, what
+:meth:`KVPool.allocate` puts on each device of a split model.
 """
 
 from __future__ import annotations
@@ -193,6 +194,62 @@ def plan_pool(config: ModelConfig, budget_bytes: int, dtype: torch.dtype,
     return PoolPlan(n_blocks, block_size, per_block, budget_bytes, dtype, kv_dtype, groups)
 
 
+def _slot_keys(config: ModelConfig, plan: PoolPlan, device: torch.device | Sequence[torch.device]
+               ) -> tuple[list[tuple[int, torch.device]], list[int]]:
+    """Each layer's (slot, device): the pool tensor pair it reads (:meth:`KVPool.allocate` makes one
+    per distinct key), and each layer's group."""
+    groups = plan.groups or (LayerGroup(tuple(range(config.n_layers)), None),)
+    devices = [device] * config.n_layers if isinstance(device, torch.device) else list(device)
+    if len(devices) != config.n_layers:
+        raise LocalLLMError(f"a KV pool placed on {len(devices)} devices for {config.n_layers} layers",
+                            "give one device, or one per layer")
+    slot_of, group_of = [0] * config.n_layers, [0] * config.n_layers
+    for g, group in enumerate(groups):
+        for j, layer in enumerate(group.layers):
+            slot_of[layer], group_of[layer] = j, g
+    return [(slot_of[i], devices[i]) for i in range(config.n_layers)], group_of
+
+
+def device_bytes(config: ModelConfig, plan: PoolPlan,
+                 device: torch.device | Sequence[torch.device]) -> dict[torch.device, int]:
+    """Bytes :meth:`KVPool.allocate` puts on each device for ``plan`` (``device``: as it takes it).
+
+    Every tensor holds all ``plan.n_blocks`` blocks, since the block ids come from one free list. A
+    slot whose layers (one per group) live on both devices of a split model therefore has a full
+    tensor on each: a split model of several layer groups (Gemma 3) keeps nearly its whole pool on
+    each device, and only a model of one group (every layer its own slot) shares it out by layer."""
+    keys, _ = _slot_keys(config, plan, device)
+    tensor = plan.n_blocks * plan.block_size * row_bytes(config, plan.dtype, plan.kv_dtype)  # keys or values
+    out: dict[torch.device, int] = {}
+    for _, dev in set(keys):
+        out[dev] = out.get(dev, 0) + 2 * tensor
+    return out
+
+
+def sequence_chunk(config: ModelConfig, ctx: int) -> int:
+    """Prompt tokens a one-sequence engine of ``ctx`` positions prefills per step
+    (:func:`runtime.engine.sequence_engine`): all of them, or a sliding window's worth at most."""
+    return min([ctx, *(g.window for g in layer_groups(config) if g.window is not None)])
+
+
+def sequence_pool_plan(config: ModelConfig, dtype: torch.dtype, ctx: int, kv_dtype: str = DEFAULT_KV_DTYPE,
+                       batch: int = 1) -> PoolPlan:
+    """The pool a run of ``batch`` sequences of ``ctx`` positions allocates: each sequence's
+    :func:`sequence_pool_bytes`, prefilled :func:`sequence_chunk` tokens a step (what the memory plan
+    counts: every group's blocks whole, a sliding group's window behind a chunk, a kind's shorter last
+    group in blocks of the full slot count)."""
+    budget = sequence_pool_bytes(config, dtype, ctx, kv_dtype, sequence_chunk(config, ctx)) * batch
+    return plan_pool(config, budget, dtype, DEFAULT_BLOCK_SIZE, kv_dtype)
+
+
+def sequence_pool_device_bytes(config: ModelConfig, dtype: torch.dtype, ctx: int,
+                               device: torch.device | Sequence[torch.device], kv_dtype: str = DEFAULT_KV_DTYPE,
+                               batch: int = 1) -> dict[torch.device, int]:
+    """Per device, the bytes of :func:`sequence_pool_plan`'s pool placed as ``device`` says: the memory
+    plan's count for a split model, from the same :func:`device_bytes` that sizes :meth:`KVPool.allocate`."""
+    return device_bytes(config, sequence_pool_plan(config, dtype, ctx, kv_dtype, batch), device)
+
+
 class KVPool:
     """The allocated pool: ``k[layer]`` and ``v[layer]``, ``(n_blocks, kv_heads, block_size, head_dim)``
     (tensors, or :class:`runtime.cache.QuantKV` for an int8 pool), indexed by the block ids of the
@@ -210,22 +267,15 @@ class KVPool:
         but stay finite should a kernel touch them). ``device`` may name each layer's device (a model
         whose first blocks live in CPU RAM: :meth:`runtime.model.Transformer.layer_devices`): each
         layer's keys and values are then on its own device, a slot that layers on both devices share
-        having a tensor on each."""
+        having a tensor on each (:func:`device_bytes` counts them)."""
         shape = (plan.n_blocks, config.n_kv_heads, plan.block_size, config.head_dim)
-        groups = plan.groups or (LayerGroup(tuple(range(config.n_layers)), None),)
-        devices = [device] * config.n_layers if isinstance(device, torch.device) else list(device)
-        slot_of, group_of = [0] * config.n_layers, [0] * config.n_layers
-        for g, group in enumerate(groups):
-            for j, layer in enumerate(group.layers):
-                slot_of[layer], group_of[layer] = j, g
+        keys, group_of = _slot_keys(config, plan, device)
         ks: dict[tuple[int, torch.device], torch.Tensor | QuantKV] = {}
         vs: dict[tuple[int, torch.device], torch.Tensor | QuantKV] = {}
-        for layer in range(config.n_layers):  # a slot's tensor on each device its layers live on
-            key = (slot_of[layer], devices[layer])
+        for key in keys:  # a slot's tensor on each device its layers live on
             if key not in ks:
-                ks[key] = empty_kv(shape, plan.kv_dtype, plan.dtype, devices[layer])
-                vs[key] = empty_kv(shape, plan.kv_dtype, plan.dtype, devices[layer])
-        keys = [(slot_of[i], devices[i]) for i in range(config.n_layers)]
+                ks[key] = empty_kv(shape, plan.kv_dtype, plan.dtype, key[1])
+                vs[key] = empty_kv(shape, plan.kv_dtype, plan.dtype, key[1])
         return cls(plan, [ks[k] for k in keys], [vs[k] for k in keys], group_of)
 
     @property

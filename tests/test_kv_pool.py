@@ -46,3 +46,25 @@ def test_a_pool_of_gemma_layers_groups_them_by_window():
     assert "6 layer groups (1 full-context, 5 holding only their 32-token window)" in plan.describe()
     pool = KVPool.allocate(config, plan, torch.device("cpu"))
     assert len({id(t) for t in pool.k}) == 1 and pool.group_of == [1, 2, 3, 4, 5, 0]
+
+
+def test_device_bytes_are_what_allocate_puts_on_each_device():
+    """A pool split between devices (meta standing in for the GPU): device_bytes equals the bytes of
+    allocate's tensors on each; a layer group's slot on both sides has a tensor on each."""
+    from localllm.runtime.kv_pool import device_bytes
+
+    config = ModelConfig(vocab_size=32, dim=64, n_layers=6, n_heads=4, n_kv_heads=1, intermediate_size=128,
+                         head_dim=16, sliding_window=32, layer_types=["sliding", "full"] * 3)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    for kv_dtype in ("16bit", "int8"):
+        plan = plan_pool(config, 10**5, torch.float32, block_size=16, kv_dtype=kv_dtype)
+        for devices in ([cpu] * 6, [cpu] * 3 + [meta] * 3, [cpu] + [meta] * 5):
+            pool = KVPool.allocate(config, plan, devices)
+            parts = {id(p): p for kv in pool.k + pool.v  # distinct tensors (an int8 pool's codes and scales)
+                     for p in ((kv,) if isinstance(kv, torch.Tensor) else (kv.codes, kv.scales))}
+            on = {d: sum(t.numel() * t.element_size() for t in parts.values() if t.device == d) for d in (cpu, meta)}
+            assert device_bytes(config, plan, devices) == {d: b for d, b in on.items() if b}, (kv_dtype, devices)
+        # groups full (1, 3, 5) and sliding (0, 2, 4): three slots; split after layer 2, slot 1 (layers
+        # 2 and 3) crosses it and has a full tensor on each side
+        two_slots = 2 * plan.bytes // 3
+        assert device_bytes(config, plan, [cpu] * 3 + [meta] * 3) == {cpu: two_slots, meta: two_slots}

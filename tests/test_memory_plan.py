@@ -48,7 +48,9 @@ def test_kv_cache_counts_sliding_layers_by_their_window_and_the_kv_dtype() -> No
     a, b = (plan_for(_footprint(c), 8192, available=avail) for c in (full, sliding))
     rope = 2 * 8192 * full.rotary_dim * 2
     assert a.kv_cache - rope == 2 * 6 * 8192 * full.kv_dim * 2
-    assert b.kv_cache - rope == 2 * (5 * 512 + 8192) * full.kv_dim * 2
+    # as the pool holds them: a sliding layer's window behind a 512-token prefill chunk, a partial block
+    # at each end: (512 + 512 - 2) // 16 + 2 = 65 blocks of 16 tokens
+    assert b.kv_cache - rope == 2 * (5 * 65 * 16 + 8192) * full.kv_dim * 2
     int8 = plan_for(_footprint(full), 8192, kv_dtype="int8", available=avail)
     assert int8.kv_cache - rope == 2 * 6 * 8192 * full.n_kv_heads * (full.head_dim + 4)  # codes + fp32 scales
     assert head_row_bytes("16bit", torch.float32, 64) == 4 * 64 and head_row_bytes("16bit", torch.bfloat16, 64) == 2 * 64

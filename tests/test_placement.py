@@ -259,7 +259,8 @@ def test_a_gpu_layers_count_that_does_not_fit_is_refused_with_the_count_that_doe
     assert not short.fits
     assert cheapest_fix(None, short, dense_footprint(), None) == "use --gpu-layers 2, or free memory"
     message = refusal("llama", short)
-    assert message.startswith("llama needs ") and "block 0 30 MB + their KV cache" in message
+    assert message.startswith("llama needs ")
+    assert "block 0 30 MB (embedding table 10 MB of it) + their KV cache" in message
     # every block in CPU RAM and still short: the head, KV cache and activations need a shorter context
     kv_blocks = dense_plan(10**12, gpu_layers=0).host_kv
     tight = dense_plan(everything - 90 * MB - kv_blocks - 1, gpu_layers=0)
@@ -301,3 +302,51 @@ def test_a_gpu_run_places_a_real_models_blocks_by_its_sizes(moe_folder, monkeypa
                         lambda device: (room, "test") if device.type == "cuda" else (10**12, "test"))
     plan = check_memory(spec, 256)
     assert plan.fits and plan.placement.cpu_layers == (0,) and plan.placement.host_layers == (0, 2)
+
+
+#: A Gemma-3-like model: five sliding layers to one full-context one, so its pool has layer groups
+#: whose slots span the --gpu-layers boundary.
+GROUPED = ModelConfig(vocab_size=384, dim=64, n_layers=12, n_heads=4, n_kv_heads=2, head_dim=16,
+                      intermediate_size=192, max_seq_len=4096, sliding_window=64,
+                      layer_types=(["sliding"] * 5 + ["full"]) * 2)
+
+
+@pytest.mark.parametrize("config", [DENSE, GROUPED], ids=["dense", "grouped"])
+def test_a_split_plans_kv_cache_is_what_the_pool_allocates_on_each_device(config: ModelConfig) -> None:
+    """The plan's CPU and GPU shares of the KV cache equal the bytes KVPool.allocate puts on each device
+    for the engine run makes (tensors on meta: nothing is allocated); a grouped pool's slots shared
+    across the boundary keep a full tensor on each device, which the plan counts."""
+    from localllm.runtime.kv_pool import KVPool, plan_pool, sequence_chunk, sequence_pool_bytes
+
+    n, ctx, act = config.n_layers, 1024, torch.bfloat16
+    fp = Footprint(config, "int4", 100 * MB, act, GPU, (), False, (20 * MB,) * n, 10 * MB)
+    p = plan_for(fp, ctx, available=(10**12, "test"), host_available=(10**12, "test"), layers=LayerChoice(n // 2))
+    assert p.placement.cpu_layers == tuple(range(n // 2))
+    pool_plan = plan_pool(config, sequence_pool_bytes(config, act, ctx, chunk_tokens=sequence_chunk(config, ctx)), act)
+    meta = torch.device("meta")  # the GPU's stand-in: shapes and bytes, nothing allocated
+    pool = KVPool.allocate(config, pool_plan, [CPU] * (n // 2) + [meta] * (n - n // 2))
+    tensors = {id(t): t for t in pool.k + pool.v}.values()  # allocate's distinct tensors
+    on = {d: sum(t.numel() * t.element_size() for t in tensors if t.device == d) for d in (CPU, meta)}
+    on[torch.device("cuda:0")] = on[meta]
+    rope = p.kv_cache - p.host_kv - on[torch.device("cuda:0")]
+    assert p.host_kv == on[CPU] > 0
+    assert rope == 2 * ctx * config.rotary_dim * act.itemsize * (2 if config.rope_local_theta else 1)
+    whole = plan_for(fp, ctx, available=(10**12, "test"))
+    if config is DENSE:  # one group: the split shares the pool out by layer
+        assert p.kv_cache == whole.kv_cache and p.host_kv == whole.kv_cache - rope - on[torch.device("cuda:0")]
+    else:  # every slot has layers on both sides: a full pool on each device
+        assert on[CPU] == on[meta] == pool_plan.bytes
+
+
+def test_layer_devices_are_read_once_placed_and_again_after_a_move() -> None:
+    """forward_paged asks every step: the blocks' devices are kept once off meta, forgotten by .to()."""
+    from localllm.runtime.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(DENSE)
+    assert model.layer_devices() == (torch.device("meta"),) * 4 and model._layer_devices is None  # not placed yet
+    model.to_empty(device=CPU)
+    first = model.layer_devices()
+    assert first == (CPU,) * 4 and model.layer_devices() is first
+    model.to(torch.float16)
+    assert model._layer_devices is None and model.layer_devices() == first
