@@ -47,7 +47,7 @@ import torch
 from localllm.errors import LocalLLMError
 from localllm.format import human_size
 from localllm.loaders.placement import (ExpertChoice, LayerChoice, Placement, blocks, expert_layer_bytes,
-                                        experts_run_on_host, layer_bytes, own_embed_bytes)
+                                        experts_run_on_host, layer_bytes, own_embed_bytes, weight_bytes)
 from localllm.loaders.spec import LoadSpec
 from localllm.quant.target import Target
 from localllm.runtime.cache import DEFAULT_KV_DTYPE, check_kv_dtype
@@ -285,12 +285,7 @@ class Footprint:
 def meta_weight_bytes(model: torch.nn.Module, act_dtype: torch.dtype) -> int:
     """Bytes of ``model`` (on ``meta``) once loaded: parameters in the activation dtype, buffers in their
     own (a quantized layer's packed tensors), a tied float head counted once with the embedding."""
-    total = 0
-    for name, p in model.named_parameters():
-        total += p.numel() * act_dtype.itemsize
-    for name, b in model.named_buffers():
-        if not name.startswith("rope_") and ".kv_cache." not in name:
-            total += b.numel() * b.element_size()
+    total = weight_bytes(model, act_dtype)
     config = getattr(model, "config", None)
     head, embed = getattr(model, "output", None), getattr(model, "embed", None)
     head_w, embed_w = getattr(head, "weight", None), getattr(embed, "weight", None)

@@ -193,6 +193,20 @@ def _ranges(layers: Sequence[int]) -> str:
     return ", ".join(out)
 
 
+def weight_bytes(module: nn.Module, act_dtype: torch.dtype) -> int:
+    """Bytes of ``module``'s weights once loaded (on ``meta`` or loaded): parameters in ``act_dtype`` (a
+    float weight loads in the activation dtype), buffers in their own (a quantized layer's packed codes
+    and scales), a tensor shared by two modules once. RoPE tables and KV cache buffers are not weights
+    (the plan counts them with the KV cache). The one rule behind every count of weights here and in
+    :mod:`loaders.memory_plan`: a block's, the experts', the embedding table's, the whole model's."""
+    total = sum(p.numel() * act_dtype.itemsize for p in module.parameters())
+    for name, b in module.named_buffers():
+        leaf = name.rsplit(".", 1)[-1]
+        if not leaf.startswith("rope_") and ".kv_cache." not in f".{name}":
+            total += b.numel() * b.element_size()
+    return total
+
+
 def expert_layer_bytes(model: nn.Module, act_dtype: torch.dtype) -> tuple[int, ...]:
     """Each block's experts' bytes in ``model`` (on ``meta`` or loaded): its stacked expert projections'
     tensors (parameters in ``act_dtype``, as :func:`loaders.memory_plan.meta_weight_bytes` counts them);
@@ -205,9 +219,7 @@ def expert_layer_bytes(model: nn.Module, act_dtype: torch.dtype) -> tuple[int, .
         if not isinstance(mlp, MoE):
             sizes.append(0)
             continue
-        n = sum(p.numel() * act_dtype.itemsize for p in mlp.experts.parameters())
-        n += sum(b.numel() * b.element_size() for b in mlp.experts.buffers())
-        sizes.append(n)
+        sizes.append(weight_bytes(mlp.experts, act_dtype))
     return tuple(sizes)
 
 
@@ -228,9 +240,7 @@ def host_expert_modules(n_cpu_moe: int, expert_bytes: tuple[int, ...]) -> frozen
 def layer_bytes(model: nn.Module, act_dtype: torch.dtype) -> tuple[int, ...]:
     """Each block's bytes in ``model`` (on ``meta`` or loaded): parameters in ``act_dtype``, buffers in
     their own dtype, as :func:`loaders.memory_plan.meta_weight_bytes` counts the whole model."""
-    return tuple(sum(p.numel() * act_dtype.itemsize for p in block.parameters())
-                 + sum(b.numel() * b.element_size() for b in block.buffers())
-                 for block in getattr(model, "layers", []))
+    return tuple(weight_bytes(block, act_dtype) for block in getattr(model, "layers", []))
 
 
 def own_embed_bytes(model: nn.Module, act_dtype: torch.dtype) -> int:
@@ -241,5 +251,4 @@ def own_embed_bytes(model: nn.Module, act_dtype: torch.dtype) -> int:
     weight = getattr(embed, "weight", None)
     if not isinstance(weight, torch.Tensor) or getattr(getattr(model, "config", None), "tie_embeddings", False):
         return 0
-    return sum(p.numel() * act_dtype.itemsize for p in embed.parameters()) \
-        + sum(b.numel() * b.element_size() for b in embed.buffers())
+    return weight_bytes(embed, act_dtype)

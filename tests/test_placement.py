@@ -350,3 +350,24 @@ def test_layer_devices_are_read_once_placed_and_again_after_a_move() -> None:
     assert first == (CPU,) * 4 and model.layer_devices() is first
     model.to(torch.float16)
     assert model._layer_devices is None and model.layer_devices() == first
+
+
+def test_every_weight_count_follows_one_rule() -> None:
+    """A block's, the embedding table's and the whole model's bytes add up (untied: the model is its
+    blocks, table, norm and head), and none counts a RoPE table or a KV cache buffer."""
+    from localllm.loaders.memory_plan import meta_weight_bytes
+    from localllm.loaders.placement import layer_bytes, own_embed_bytes, weight_bytes
+    from localllm.runtime.model import Transformer
+
+    act = torch.bfloat16
+    with torch.device("meta"):
+        model = Transformer(DENSE)
+        model.layers[0].attn.register_buffer("rope_cos", torch.empty(1000, 16))  # neither is a weight
+        model.layers[1].register_module("kv_cache", torch.nn.Module())
+        model.layers[1].kv_cache.register_buffer("k", torch.empty(1000, 64))
+    blocks_ = layer_bytes(model, act)
+    assert blocks_[0] == blocks_[1] == blocks_[3] == weight_bytes(model.layers[2], act) > 0
+    embed = own_embed_bytes(model, act)
+    assert embed == DENSE.vocab_size * DENSE.dim * act.itemsize
+    rest = weight_bytes(model.norm, act) + weight_bytes(model.output, act)
+    assert meta_weight_bytes(model, act) == sum(blocks_) + embed + rest
