@@ -16,6 +16,7 @@ from localllm.loaders.load import load_model
 from localllm.runtime.moe import MoE
 from tests import test_gguf_moe
 from tests.conftest import TINY, hf_folders
+from tests.test_moe import _reference, _widen, tokens
 
 ATOL = RTOL = 1e-4
 #: 8 experts of 64 (every int4 group divides it), 2 active; kv heads fewer than query heads.
@@ -27,13 +28,7 @@ def olmoe_model(**overrides) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**{**TINY, **OLMOE, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(0, 0.08 if p.dim() >= 2 else 0.1)
-            if p.dim() == 1 and "norm" in name:
-                p.add_(1.0)
-    return model
+    return _widen(transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**{**TINY, **OLMOE, **overrides})))
 
 
 #: The variants the tests load: plain (the released models' settings), renormalised top-k with a
@@ -44,15 +39,6 @@ MAKERS = {"olmoe": olmoe_model, "olmoe-clip": lambda: olmoe_model(norm_topk_prob
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
     return hf_folders(MAKERS, "olmoe", tmp_path_factory)
-
-
-def tokens(n: int, seed: int = 1) -> torch.Tensor:
-    return torch.randint(3, TINY["vocab_size"], (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _reference(ref, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return ref(ids).logits
 
 
 def test_config_reads_olmoe_fields(family):
