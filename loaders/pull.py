@@ -198,7 +198,8 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
         calibration = resolve_calibration(options.calibration, fetched.ckpt.config)
         if not hub_format:
             awq = calibrates_to(fetched.ckpt, scheme, calibration)
-            if calibration != options.calibration and calibrates_to(fetched.ckpt, scheme, "awq"):
+            too_large = options.calibration == "auto" and calibration == "none"
+            if too_large and calibrates_to(fetched.ckpt, scheme, "awq"):
                 notify(f"rounding to nearest: data-aware scales (--calibration awq) take about an hour a billion "
                        f"parameters on a CPU; auto computes them up to {AUTO_AWQ_PARAMETERS / 1e9:g}B")
             notify(f"quantizing to {scheme.label()}{' with data-aware scales (awq)' if awq else ''}...")

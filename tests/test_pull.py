@@ -468,8 +468,8 @@ def test_pull_again_force_name_and_conflicts(tiny_repo: str, home: Path, monkeyp
     # the stored model, loaded as run loads it, with the rows of run's verify steps (speculation is on by default)
     assert builds == [(LoadSpec("tiny-llama:int4"), 1 + MAX_DRAFT)]
     assert "compiling its decode step in the background" in first.stderr
-    # int4 from float weights is calibrated by default (AWQ), and the manifest says so
-    assert "with data-aware scales (awq)" in first.stderr
+    # int4 from float weights of a small model is calibrated by default (AWQ), and the manifest says so
+    assert "with data-aware scales (awq)" in first.stderr and "rounding to nearest" not in first.stderr
     assert Store(home).get("tiny-llama", "int4").manifest["calibration"]["method"] == "awq"  # type: ignore[union-attr]
     again = in_process("pull", tiny_repo)
     assert again.exit_code == 0 and "'tiny-llama:int4' is already stored" in again.stderr
@@ -486,6 +486,21 @@ def test_pull_again_force_name_and_conflicts(tiny_repo: str, home: Path, monkeyp
     assert "replacing 'tiny-llama:int4'" in in_process("pull", tiny_repo, "--quant-head", "none").stderr
     none_again = in_process("pull", tiny_repo, "--quant-head", "none")  # a 16-bit head is what is stored
     assert "is already stored" in none_again.stderr and "quantizing" not in none_again.stderr
+
+
+def test_auto_calibration_rounds_a_model_above_its_size_to_nearest(tiny_repo: str, home: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--calibration auto`` (pull's default) rounds a model above AUTO_AWQ_PARAMETERS to nearest and says
+    why, naming --calibration awq (the tiny model stands for a large one by lowering the bound)."""
+    import localllm.commands.compile_step as compile_step
+    import localllm.loaders.calibrate as calibrate
+
+    monkeypatch.setattr(compile_step, "build_in_background", lambda spec, batch=1: True)
+    monkeypatch.setattr(calibrate, "AUTO_AWQ_PARAMETERS", 0)
+    large = in_process("pull", tiny_repo)
+    assert large.exit_code == 0 and "rounding to nearest" in large.stderr and "--calibration awq" in large.stderr
+    assert "with data-aware scales" not in large.stderr
+    assert "calibration" not in Store(home).get("tiny-llama", "int4").manifest  # type: ignore[union-attr]
 
 
 def test_prune_deletes_the_float_weights_from_the_hf_cache(tiny_repo: str, home: Path, tmp_path: Path) -> None:
