@@ -56,3 +56,23 @@ def describe_model(lm, ctx: int, kv_dtype: str = "16bit") -> None:  # type: igno
         click.echo(f"tensors: {kind}: {became}", err=True)
     click.echo(f"kv cache: {human_size(kv)} for {ctx} tokens ({kv_kind}, "
                f"{human_size(cache_bytes(lm.config, 1, lm.model.dtype, kv_dtype))} per token)", err=True)
+
+
+#: Said with a MoE model's placement on a GPU: why its decode steps are not captured.
+MOE_GRAPHS_NOTE = ("CUDA graphs off for MoE models (the routing reads back each expert's rows, and a step with "
+                   "experts in CPU RAM cannot be captured)")
+
+
+def placement_lines(lm, eager_reason: str | None = None) -> list[str]:  # type: ignore[no-untyped-def]
+    """Where a GPU run's experts and blocks live, and why (:meth:`loaders.placement.Placement.describe`):
+    the lines ``run --verbose`` prints after "placement: ", and ``bench`` and ``serve`` report likewise.
+    No line on a CPU run (everything is in RAM there). ``eager_reason``: an engine's reason for eager
+    steps (a model split between devices), where there is an engine to ask."""
+    lines = []
+    if lm.placement is not None:
+        lines += lm.placement.describe()
+        if lm.config.is_moe:
+            lines.append(MOE_GRAPHS_NOTE)
+    if eager_reason:
+        lines.append(eager_reason)
+    return lines

@@ -29,7 +29,7 @@ MACHINE_KEYS = {"cpu_model", "cpu_count", "threads", "gpu_name", "gpu_capability
 BANDWIDTH_KEYS = {"method", "tensor_bytes", "repeats", "read_bytes_per_s", "copy_bytes_per_s", "bytes_per_s"}
 SCHEME_KEYS = {"label", "activation_dtype", "kernels", "weight_bytes", "read_bytes_per_token", "load_s", "memory",
                "kv_cache", "ttft_s", "prefill_tps", "decode_tps", "inter_token_s", "runs", "roofline", "quality",
-               "ratios", "decode_step"}
+               "ratios", "decode_step", "placement"}
 MEMORY_KEYS = {"method", "peak_bytes", "peak_reserved_bytes", "after_load_bytes", "weights_kv_bytes",
                "ratio_to_weights_kv", "bound_bytes", "within_bound", "process", "library_bytes"}
 KV_KEYS = {"kv_dtype", "bytes_per_token", "ctx", "ctx_bytes", "max_seq_len", "max_seq_len_bytes"}
@@ -148,6 +148,7 @@ def tiny_run(tiny_folder, tmp_path_factory):
 def test_tiny_bench_returns_every_field(tiny_run):
     _, data, _ = tiny_run
     assert_schema(data, quality=True, kv=True)
+    assert all(f["placement"] is None for f in data["schemes"].values())  # a CPU run places nothing
     assert data["settings"]["schemes"] == SCHEMES and data["settings"]["baseline"] == "fp32"
     assert data["settings"]["prompt_tokens"] == 32 and data["settings"]["ctx"] == 40
     assert data["settings"]["threads"] == 2 and data["machine"]["threads"] == 2

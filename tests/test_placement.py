@@ -371,3 +371,129 @@ def test_every_weight_count_follows_one_rule() -> None:
     assert embed == DENSE.vocab_size * DENSE.dim * act.itemsize
     rest = weight_bytes(model.norm, act) + weight_bytes(model.output, act)
     assert meta_weight_bytes(model, act) == sum(blocks_) + embed + rest
+
+
+# --------------------------------------------------------------------------- serve and bench take the flags
+class Loaded(Exception):
+    """Raised by a stubbed ``load_model`` once it has the LoadSpec: the test stops there."""
+
+
+@pytest.fixture
+def captured_specs(monkeypatch) -> list:
+    """``load_model`` stubbed: it records each LoadSpec it is given and stops the command."""
+    from localllm.errors import LocalLLMError
+    from localllm.loaders import load
+
+    specs: list = []
+
+    def stub(spec, **_):  # type: ignore[no-untyped-def]
+        specs.append(spec)
+        raise LocalLLMError("stubbed load", "none: a test")
+
+    monkeypatch.setattr(load, "load_model", stub)
+    return specs
+
+
+#: Flags, and the (cpu_moe, n_cpu_moe, gpu_layers) of the LoadSpec they give.
+PLACEMENT_CASES = [([], (False, None, None)), (["--cpu-moe"], (True, None, None)),
+                   (["--n-cpu-moe", "2", "--gpu-layers", "3"], (False, 2, 3)),
+                   (["--gpu-layers", "0"], (False, None, 0))]
+
+
+def _placement_of(spec) -> tuple:  # type: ignore[no-untyped-def]
+    return spec.cpu_moe, spec.n_cpu_moe, spec.gpu_layers
+
+
+@pytest.mark.parametrize("flags,want", PLACEMENT_CASES)
+def test_serve_passes_the_flags_to_every_model_it_loads(flags, want, moe_folder, captured_specs, monkeypatch) -> None:
+    """``serve``'s flags reach its ServerConfig, whose load spec every model the server loads is loaded
+    by: a preloaded one and one a request names alike (both load through ``_load_blocking``)."""
+    from click.testing import CliRunner
+
+    from localllm.cli import main
+    from localllm.server import app
+    from localllm.server.metrics import Metrics
+    from localllm.server.models import ModelManager
+    from localllm.server.names import operator_target
+
+    configs = []
+
+    def create_app(config):  # type: ignore[no-untyped-def]
+        configs.append(config)
+        raise Loaded
+
+    monkeypatch.setattr(app, "create_app", create_app)
+    result = CliRunner().invoke(main, ["serve", "--port", "0", "--device", "cpu", *flags])
+    assert isinstance(result.exception, Loaded), result.output
+    config = configs[0]
+    assert _placement_of(config.load_spec("m")) == want and config.load_spec("m").device == "cpu"
+    name = str(moe_folder)
+    with pytest.raises(Exception, match="stubbed load"):
+        ModelManager(config, Metrics())._load_blocking(name, operator_target(name))
+    assert captured_specs[0].ref == name and _placement_of(captured_specs[0]) == want
+
+
+@pytest.mark.parametrize("flags,want", PLACEMENT_CASES)
+def test_bench_passes_the_flags_to_each_scheme_and_the_serving_mode(flags, want, moe_folder, captured_specs,
+                                                                    monkeypatch) -> None:
+    from click.testing import CliRunner
+
+    from localllm.bench import measure
+    from localllm.cli import main
+
+    monkeypatch.setattr(measure, "run_bench", lambda load, *args, **kw: load("int4"))  # straight to the load
+    for mode in (["--quant", "int4"], ["--concurrency", "1"]):
+        result = CliRunner().invoke(main, ["bench", str(moe_folder), "--device", "cpu", *mode, *flags])
+        assert result.exit_code == 1 and "stubbed load" in result.output, result.output
+    assert len(captured_specs) == 2
+    for spec in captured_specs:
+        assert spec.ref == str(moe_folder) and _placement_of(spec) == want
+
+
+@pytest.mark.parametrize("command", ["serve", "bench"])
+def test_serve_and_bench_refuse_a_negative_count_as_run_does(command: str) -> None:
+    from click.testing import CliRunner
+
+    from localllm.cli import main
+
+    for flag in ("--n-cpu-moe", "--gpu-layers"):
+        result = CliRunner().invoke(main, [command, flag, "-1"])
+        assert result.exit_code == 2, result.output
+        assert f"Invalid value for '{flag}': -1 is not in the range x>=0" in result.output
+
+
+def test_bench_reports_where_the_parts_live_as_run_verbose_does(tiny_fp32, monkeypatch) -> None:
+    """A scheme's column and the serving mode's result name the placement with ``run --verbose``'s lines
+    (:func:`localllm.report.placement_lines`), on stderr and in the JSON; nothing on a CPU run. The
+    placement is set by hand (a CPU machine places nothing): the report, not the plan, is checked."""
+    from types import SimpleNamespace
+
+    from localllm.bench import serving
+    from localllm.bench.runs import measure_scheme
+    from localllm.bench.serving import ServingSettings, bench_serving
+    from localllm.bench.settings import Settings
+    from localllm.loaders import load
+    from localllm.report import MOE_GRAPHS_NOTE, placement_lines
+
+    n = tiny_fp32.config.n_layers
+    where = Placement("cuda:0", (0,) * n, 0, "automatic", 0, 1, (10 * MB,) * n, 5 * MB, "--gpu-layers 1")
+    s = Settings(["fp32"], CPU, prompt_tokens=8, gen_tokens=2, runs=1, quality=False)
+    for placement in (None, where):
+        monkeypatch.setattr(tiny_fp32, "placement", placement)
+        log: list[str] = []
+        figures, _ = measure_scheme(lambda name: tiny_fp32, "fp32", list(range(1, 9)), s, log.append)
+        lines = placement_lines(tiny_fp32)
+        assert lines == ([] if placement is None else where.describe())
+        assert figures["placement"] == (lines or None)
+        assert [line for line in log if "placement:" in line] == [f"  fp32: placement: {line}" for line in lines]
+    assert where.describe()[1].startswith("block 0 and embeddings and their KV cache in CPU RAM")
+    assert where.describe()[1].endswith("; --gpu-layers 1)")
+    # a MoE model on a GPU: the same lines and the CUDA graphs' note, in the serving mode's JSON too
+    moe = SimpleNamespace(placement=where, config=SimpleNamespace(is_moe=True), source="m", scheme_label="int4",
+                          kernels={}, model=None, tokenizer=SimpleNamespace(encode=lambda text: [1, 2, 3]))
+    monkeypatch.setattr(load, "load_model", lambda spec: moe)
+    monkeypatch.setattr(serving, "run_serving", lambda *args: {"concurrency": [], "comparison": {}})
+    log = []
+    data = bench_serving("m", ServingSettings("uniform", [1]), device="cpu", log=log.append)
+    assert data["placement"] == [*where.describe(), MOE_GRAPHS_NOTE]
+    assert [line for line in log if line.startswith("placement:")] == [f"placement: {x}" for x in data["placement"]]

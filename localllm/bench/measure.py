@@ -25,10 +25,10 @@ Quality runs after the speed runs, against the highest-precision scheme of the r
 model stays loaded while each other scheme is loaded next to it, compared over the whole text
 (:func:`runtime.quality.compare`) and freed, so at most two models are in memory at once.
 
-JSON schema (``SCHEMA`` = "localllm.bench/4"; keys are always present, a figure that was not
+JSON schema (``SCHEMA`` = "localllm.bench/5"; keys are always present, a figure that was not
 measured is ``null``; durations in seconds, sizes in bytes, rates per second)::
 
-    schema            "localllm.bench/4"
+    schema            "localllm.bench/5"
     model             what was benchmarked (path, stored name, or "random <shape>")
     device            "cpu" | "cuda" | "cuda:N"
     settings          schemes [str], baseline str, prompt_tokens, gen_tokens, ctx, runs,
@@ -44,6 +44,9 @@ measured is ``null``; durations in seconds, sizes in bytes, rates per second)::
     schemes           {scheme: {
         label, activation_dtype, kernels {kernel: layers},
         decode_step           {kind: compiled / cuda-graphs / eager, why: an eager step's reason}
+        placement             null (a CPU run), or [str]: where a GPU run's experts and blocks live and
+                              why, as ``run --verbose`` says it (``--cpu-moe``, ``--n-cpu-moe N``,
+                              ``--gpu-layers N``, or the memory plan)
         weight_bytes          parameters and buffers in memory (a tied tensor once)
         read_bytes_per_token  weight bytes a decode step reads: all weights, once each, except an
                               untied embedding table of which decode reads one row (KV cache reads
@@ -100,7 +103,7 @@ from localllm.bench.settings import (
 from localllm.format import human_size
 from localllm.threads import set_threads
 
-SCHEMA = "localllm.bench/4"
+SCHEMA = "localllm.bench/5"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -224,12 +227,16 @@ def bench_checkpoint(
     compile: bool = False,
     log: Log = log_stderr,
     kv_dtype: str = "16bit",
+    cpu_moe: bool = False,
+    n_cpu_moe: int | None = None,
+    gpu_layers: int | None = None,
 ) -> dict[str, Any]:
     """``localllm bench``: a model folder, .gguf file or stored name, in each scheme of ``schemes``.
 
     ``quant_head``: the output head's scheme for the quantized schemes (None: as ``run`` chooses,
     False: 16-bit); float schemes keep a float head. ``compile``: time the compiled decode step.
-    ``kv_dtype``: the generators' KV cache ("16bit" or "int8").
+    ``kv_dtype``: the generators' KV cache ("16bit" or "int8"). ``cpu_moe``, ``n_cpu_moe``,
+    ``gpu_layers``: where each scheme's parts live on a GPU (:class:`loaders.spec.LoadSpec`'s fields).
     """
     from localllm.bench.memprobe import probe_memory
     from localllm.loaders.load import load_model, load_tokenizer, open_checkpoint, resolve_device
@@ -254,7 +261,8 @@ def bench_checkpoint(
 
     def load(name: str) -> Any:
         head = quant_head if name in QUANT_SCHEMES else None
-        return load_model(LoadSpec(ref, str(dev), quant=name, quantize_head=head, kv_dtype=kv_dtype))
+        return load_model(LoadSpec(ref, str(dev), quant=name, quantize_head=head, kv_dtype=kv_dtype,
+                                   cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, gpu_layers=gpu_layers))
 
     probe = None
     if dev.type == "cpu":  # each scheme's memory in a fresh process: figures that do not depend on the order

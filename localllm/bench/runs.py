@@ -20,6 +20,7 @@ from localllm.bench.settings import (
     Settings,
 )
 from localllm.format import human_size
+from localllm.report import placement_lines
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -147,6 +148,9 @@ def measure_scheme(load: Callable[[str], Any], name: str, prompt_ids: Sequence[i
     after_load = meter.now()
     log(f"{name}: {lm.scheme_label}, {human_size(lm.weight_bytes)} of weights, loaded in {lm.load_s:.2f} s"
         + (f"; kernels: {', '.join(f'{k} x{n}' for k, n in sorted(lm.kernels.items()))}" if lm.kernels else ""))
+    placement = placement_lines(lm)  # on a GPU: where its experts and blocks live, as run --verbose says
+    for line in placement:
+        log(f"  {name}: placement: {line}")
     step: dict[str, str] = {}
     runs = timed_runs(lm.model, prompt_ids, s, log, name, step)
     log(f"  {name}: decode step {step['kind']}" + (f" ({step['why']})" if step["why"] else ""))
@@ -160,6 +164,7 @@ def measure_scheme(load: Callable[[str], Any], name: str, prompt_ids: Sequence[i
         "activation_dtype": str(lm.dtype).removeprefix("torch."),
         "kernels": dict(sorted(lm.kernels.items())),
         "decode_step": step,
+        "placement": placement or None,
         "weight_bytes": lm.weight_bytes,
         "read_bytes_per_token": decode_read_bytes(lm.model),
         "load_s": lm.load_s,

@@ -236,11 +236,14 @@ def run_serving(model: Transformer, tokenizer: Tokenizer | None, ids: Sequence[i
 
 def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device: str = "auto",
                   threads: int | None = None, text: str | None = None, log: Log = log_stderr,
-                  kernel: str | None = None) -> dict[str, Any]:
-    """``localllm bench MODEL --concurrency ... --workload ...``: the JSON-ready result."""
+                  kernel: str | None = None, cpu_moe: bool = False, n_cpu_moe: int | None = None,
+                  gpu_layers: int | None = None) -> dict[str, Any]:
+    """``localllm bench MODEL --concurrency ... --workload ...``: the JSON-ready result. ``cpu_moe``,
+    ``n_cpu_moe``, ``gpu_layers``: where the model's parts live on a GPU (:class:`loaders.spec.LoadSpec`'s)."""
     from localllm.bench.machine import busy_warning, describe_machine, machine_info
     from localllm.loaders.load import load_model, resolve_device
     from localllm.loaders.spec import LoadSpec
+    from localllm.report import placement_lines
     from localllm.threads import set_threads
 
     check_serving(s)
@@ -252,9 +255,13 @@ def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device
     if busy:
         log(f"warning: {busy}")
     source, body = read_text(text)
-    lm = load_model(LoadSpec(ref, str(dev), quant=quant, kernel=kernel))
+    lm = load_model(LoadSpec(ref, str(dev), quant=quant, kernel=kernel, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
+                             gpu_layers=gpu_layers))
     ids = lm.tokenizer.encode(body)
     log(f"{lm.source}: {lm.scheme_label} ({', '.join(sorted(lm.kernels))}); workload {s.workload}, concurrency {','.join(map(str, s.levels))}")
+    placement = placement_lines(lm)  # on a GPU: where its experts and blocks live, as run --verbose says
+    for line in placement:
+        log(f"placement: {line}")
     figures = run_serving(lm.model, lm.tokenizer, ids, s, log)
     import torch
 
@@ -264,6 +271,7 @@ def bench_serving(ref: str, s: ServingSettings, quant: str | None = None, device
         "scheme": lm.scheme_label,
         "kernels": dict(sorted(lm.kernels.items())),
         "device": str(dev),
+        "placement": placement or None,
         "workload": s.workload,
         "settings": {"levels": s.levels, "prompt_tokens": s.prompt_tokens, "gen_tokens": s.gen_tokens,
                      "long_prompt_tokens": s.long_prompt_tokens, "chunk_tokens": s.chunk_tokens,

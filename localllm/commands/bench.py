@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from localllm.bench.settings import DEFAULT_SCHEMES
-from localllm.commands.common import kv_cache_option, quant_head_option, threads_option
+from localllm.commands.common import kv_cache_option, placement_options, quant_head_option, threads_option
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
               help=f"Comma-separated schemes among {', '.join(ALL_SCHEMES)}. Default: "
                    f"{','.join(DEFAULT_SCHEMES['cpu'])} on the CPU, {','.join(DEFAULT_SCHEMES['cuda'])} on CUDA.")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA if available), cpu, cuda, cuda:N.")
+@placement_options
 @click.option("--prompt-tokens", type=int,
               help="Prompt length, cut from the evaluation text. Default: 512; 128 with --concurrency.")
 @click.option("--gen-tokens", type=int, default=128, show_default=True,
@@ -65,6 +66,9 @@ def bench(
     model: str,
     quant: str | None,
     device: str,
+    cpu_moe: bool,
+    n_cpu_moe: int | None,
+    gpu_layers: int | None,
     prompt_tokens: int,
     gen_tokens: int,
     ctx: int | None,
@@ -96,6 +100,7 @@ def bench(
     from localllm.loaders.store import check_local_path
 
     check_local_path(model)
+    placement = {"cpu_moe": cpu_moe, "n_cpu_moe": n_cpu_moe, "gpu_layers": gpu_layers}  # LoadSpec's fields
     if plot_path is not None:
         require_matplotlib()
     require_writable(json_path, plot_path)
@@ -106,7 +111,8 @@ def bench(
         s = ServingSettings(workload, parse_levels(concurrency, workload),
                             prompt_tokens=128 if prompt_tokens is None else prompt_tokens, gen_tokens=gen_tokens,
                             chunk_tokens=chunk_tokens, kv_dtype=kv_cache, speculate=speculate)
-        serving(model, quant, device, threads, json_path, plot_path, text_path, s, compile_ or kv_compare, kernel)
+        serving(model, quant, device, threads, json_path, plot_path, text_path, s, compile_ or kv_compare, kernel,
+                **placement)
         return
     if kernel is not None:
         from localllm.errors import LocalLLMError
@@ -115,13 +121,14 @@ def bench(
                             "add --concurrency or --workload, or time the kernel with `localllm run --kernel`")
     prompt_tokens = 512 if prompt_tokens is None else prompt_tokens
     result = bench_checkpoint(model, quant, device, prompt_tokens, gen_tokens, ctx, runs, threads, text_path,
-                              kv_compare, not no_quality, quant_head, compile_, kv_dtype=kv_cache)
+                              kv_compare, not no_quality, quant_head, compile_, kv_dtype=kv_cache, **placement)
     report(result, json_path, plot_path)
 
 
 def serving(model: str, quant: str | None, device: str, threads: int | None, json_path: str | None,
             plot_path: str | None, text_path: str | None, s: ServingSettings, single_stream_flags: bool,
-            kernel: str | None = None) -> None:
+            kernel: str | None = None, cpu_moe: bool = False, n_cpu_moe: int | None = None,
+            gpu_layers: int | None = None) -> None:
     """``bench --concurrency/--workload``: the serving figures of one scheme on the batch engine."""
     from localllm.bench.report import report
     from localllm.bench.serving import bench_serving
@@ -133,5 +140,6 @@ def serving(model: str, quant: str | None, device: str, threads: int | None, jso
                             "drop them, or drop --concurrency/--workload")
     if quant is not None and "," in quant:
         raise LocalLLMError(f"serving mode measures one scheme, not '{quant}'", "give one --quant SCHEME")
-    result = bench_serving(model, s, quant, device, threads, text_path, kernel=kernel)
+    result = bench_serving(model, s, quant, device, threads, text_path, kernel=kernel, cpu_moe=cpu_moe,
+                           n_cpu_moe=n_cpu_moe, gpu_layers=gpu_layers)
     report(result, json_path, plot_path, table_of=format_serving, plot=write_serving_plot)

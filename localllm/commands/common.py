@@ -47,9 +47,14 @@ def quant_head_option(default: str) -> Callable[[Any], Any]:
         help="Scheme of the output head (int8 also serves a tied embedding table); none = 16-bit. " + default)
 
 
-def moe_placement_options(command: Callable[..., Any]) -> Callable[..., Any]:
+def placement_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """``--cpu-moe`` and ``--n-cpu-moe N`` (llama.cpp's names): a MoE model's experts in CPU RAM on a GPU;
-    ``--gpu-layers N`` (llama.cpp's ``-ngl``): the last N blocks on the GPU, the first ones in CPU RAM."""
+    ``--gpu-layers N`` (llama.cpp's ``-ngl``): the last N blocks on the GPU, the first ones in CPU RAM.
+
+    One definition for ``run``, ``serve`` and ``bench``: each passes the values on as
+    :class:`loaders.spec.LoadSpec`'s ``cpu_moe``, ``n_cpu_moe`` and ``gpu_layers`` (a negative N is
+    click's usage error; ``--cpu-moe`` beside ``--n-cpu-moe`` means every layer's experts, as in
+    llama.cpp; on a CPU device the flags are accepted and change nothing)."""
     command = click.option(
         "--gpu-layers", "gpu_layers", type=click.IntRange(0), metavar="N",
         help="On a GPU: keep the last N transformer blocks (and the head) on the GPU and the first ones, with "

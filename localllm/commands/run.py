@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from localllm.commands.common import (calibration_option, kv_cache_option, moe_placement_options, note,
+from localllm.commands.common import (calibration_option, kv_cache_option, note, placement_options,
                                       quant_head_option, speculate_option, threads_option)
 from localllm.commands.compile_step import build_after
 from localllm.errors import LocalLLMError
@@ -20,7 +20,7 @@ from localllm.loaders.spec import LoadSpec
 from localllm.paths import DEFAULT_MODEL
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
-from localllm.report import describe_model, print_stats
+from localllm.report import describe_model, placement_lines, print_stats
 from localllm.runtime.batch import MAX_TOP_LOGPROBS, TokenLogprob
 from localllm.runtime.constrain import Grammar, any_json_object, json_schema
 from localllm.runtime.sampling import SamplingParams
@@ -192,7 +192,7 @@ def check_ctx(ctx: int, max_seq_len: int, overhead: int, raw: bool) -> None:
                    "`localllm compile`), else run eagerly. --compile builds it now if needed (about a minute once, "
                    "on the CPU); --no-compile always runs eagerly.")
 @kv_cache_option
-@moe_placement_options
+@placement_options
 @speculate_option
 @click.option("--format", "format_", metavar="json|SCHEMA",
               help="Hold the reply to JSON: 'json' (any object), or a JSON Schema (a file, or written inline) "
@@ -301,14 +301,9 @@ def run(
         click.echo(f"compiled in {engine.compile_s:.1f} s ({engine.step_kind})", err=True)
     if verbose:
         describe_model(lm, ctx, spec.kv_dtype)
-        if lm.placement is not None:  # on a GPU: where the experts and blocks live, and why
-            for line in lm.placement.describe():
-                click.echo(f"placement: {line}", err=True)
-            if lm.config.is_moe:
-                click.echo("placement: CUDA graphs off for MoE models (the routing reads back each expert's rows, "
-                           "and a step with experts in CPU RAM cannot be captured)", err=True)
-        if engine.batch.runner.eager_reason:  # a split model: eager steps only
-            click.echo(f"placement: {engine.batch.runner.eager_reason}", err=True)
+        # on a GPU: where the experts and blocks live, and why; a split model's steps run eagerly
+        for line in placement_lines(lm, engine.batch.runner.eager_reason):
+            click.echo(f"placement: {line}", err=True)
         click.echo(f"decode step: {engine.step_kind}", err=True)
         if engine.batch.compile_note:  # which steps run eagerly although compiled ones were asked for, and why
             click.echo(f"  {engine.batch.compile_note}", err=True)

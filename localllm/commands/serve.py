@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from localllm.commands.common import kv_cache_option, note, speculate_option, threads_option
+from localllm.commands.common import kv_cache_option, note, placement_options, speculate_option, threads_option
 from localllm.errors import LocalLLMError
 from localllm.quant.formats import ALL_SCHEMES
 from localllm.quant.kernels import BY_NAME as KERNELS_BY_NAME
@@ -87,6 +87,7 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 @click.option("--dtype", default="auto", show_default=True, help="Activations: auto, fp32, fp16, bf16.")
 @click.option("--kernel", type=click.Choice(list(KERNELS_BY_NAME)),
               help="Force a matmul kernel, as for run (int4-q8-cpu: int8 activations, faster batches, lossy).")
+@placement_options
 @threads_option
 @speculate_option
 @click.option("--allowed-hosts", default="", metavar="NAMES",
@@ -103,8 +104,9 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 @click.option("--preload", multiple=True, metavar="MODEL", help="Load MODEL before serving (repeatable).")
 def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, queue: int, keep_alive: str, api_key: str | None,
           models_memory: str | None, max_body: str, quant: str | None, device: str, dtype: str, kernel: str | None,
-          threads: int | None, speculate: str, allowed_hosts: str, allowed_origins: str,
-          allow_local_paths: bool, models_dir: Path | None, preload: tuple[str, ...]) -> None:
+          cpu_moe: bool, n_cpu_moe: int | None, gpu_layers: int | None, threads: int | None, speculate: str,
+          allowed_hosts: str, allowed_origins: str, allow_local_paths: bool, models_dir: Path | None,
+          preload: tuple[str, ...]) -> None:
     """Serve models over HTTP: OpenAI's API under /v1, Ollama's under /api, Prometheus /metrics.
 
     Models are named as `localllm run` takes them, loaded on first use and kept alive while used.
@@ -127,7 +129,8 @@ def serve(host: str, port: int, parallel: int, kv_memory: str, kv_cache: str, qu
                           keep_alive_s=keep, api_key=api_key or None,
                           models_memory=parse_size(models_memory) if models_memory else None,
                           max_body_bytes=parse_size(max_body), quant=quant, device=device, dtype=dtype,
-                          kernel=kernel, speculate=speculate == "on", build_in_background=build_in_background,
+                          kernel=kernel, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, gpu_layers=gpu_layers,
+                          speculate=speculate == "on", build_in_background=build_in_background,
                           allowed_hosts=split_list(allowed_hosts), allowed_origins=split_list(allowed_origins),
                           allow_local_paths=allow_local_paths, models_dir=models_dir)
     set_threads(threads)

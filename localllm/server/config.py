@@ -88,6 +88,11 @@ class ServerConfig:
     device: str = "auto"
     dtype: str = "auto"
     kernel: str | None = None
+    #: Where a model's parts live on a GPU (``run``'s --cpu-moe, --n-cpu-moe, --gpu-layers: LoadSpec's
+    #: fields of those names, :mod:`loaders.placement`); neither given: as the memory plan places them.
+    cpu_moe: bool = False
+    n_cpu_moe: int | None = None
+    gpu_layers: int | None = None
     #: Host names (besides addresses, localhost and the bound name) and browser origins (besides
     #: loopback ones) the server answers: :mod:`localllm.server.origins`; "*" for any.
     allowed_hosts: tuple[str, ...] = ()
@@ -117,7 +122,8 @@ class ServerConfig:
 
     def load_spec(self, ref: str) -> LoadSpec:
         """How the server loads ``ref``."""
-        return LoadSpec(ref, self.device, self.dtype, self.quant, kernel=self.kernel, kv_dtype=self.kv_dtype)
+        return LoadSpec(ref, self.device, self.dtype, self.quant, kernel=self.kernel, kv_dtype=self.kv_dtype,
+                        cpu_moe=self.cpu_moe, n_cpu_moe=self.n_cpu_moe, gpu_layers=self.gpu_layers)
 
 
 def is_loopback(host: str) -> bool:

@@ -32,6 +32,7 @@ import anyio
 
 from localllm.errors import LocalLLMError
 from localllm.loaders.load import LoadedModel, release_freed_memory
+from localllm.report import placement_lines
 from localllm.runtime.batch import DEFAULT_KV_BUDGET, BatchEngine
 from localllm.runtime.constrain import Constraint, Constraints, Grammar
 from localllm.runtime.sampling import SamplingParams
@@ -62,6 +63,9 @@ class ModelSlot:
     size_bytes: int
     load_s: float
     keep_alive_s: float | None
+    #: Of a GPU run's weights, those placed in CPU RAM (experts, first blocks: ``--n-cpu-moe``,
+    #: ``--gpu-layers``), not counted in ``size_bytes`` (the device's share).
+    host_bytes: int = 0
     loaded_at: float = field(default_factory=time.time)
     active: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -343,6 +347,8 @@ class ModelManager:
         await self._make_room(0, keep=slot)
         log.info("loaded %s in %.1f s (%d MB); %s", name, slot.load_s, slot.size_bytes // 10**6,
                  slot.engine.plan.describe())
+        for line in placement_lines(slot.lm, slot.engine.runner.eager_reason):  # on a GPU: where its parts live
+            log.info("%s placement: %s", name, line)
         return slot
 
     def target(self, name: str) -> Target:
@@ -397,7 +403,7 @@ class ModelManager:
         stop_ids = list(dict.fromkeys([*tk.eos_ids, *lm.config.eos_token_ids, *ends]))
         host = lm.placement.host_bytes if lm.placement is not None and lm.placement.split else 0  # experts in CPU RAM
         return ModelSlot(name, lm, engine, stop_ids, lm.weight_bytes - host + engine.plan.bytes,
-                         time.perf_counter() - t0, cfg.keep_alive_s)
+                         time.perf_counter() - t0, cfg.keep_alive_s, host_bytes=host)
 
     async def _make_room(self, need: int, keep: ModelSlot | None) -> None:
         """Unload idle models, least recently used first, until ``need`` more bytes fit the budget."""

@@ -343,7 +343,7 @@ async def ps(request: Request) -> Response:
     for name, slot in list(state(request).manager.slots.items()):
         level = slot.lm.scheme_label
         models.append({
-            "name": name, "model": name, "size": slot.size_bytes,
+            "name": name, "model": name, "size": slot.size_bytes + slot.host_bytes,  # size_vram: the GPU's share
             "digest": hashlib.sha256(name.encode()).hexdigest(),
             "details": _details(slot.lm.config, "gguf" if name.endswith(".gguf") else "safetensors", level),
             "expires_at": slot.expires_at_wall().isoformat(),
