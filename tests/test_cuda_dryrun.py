@@ -905,3 +905,24 @@ def test_gpu_layers_with_moe_experts_keep_a_cpu_blocks_experts_in_ram(moe_folder
     assert_on_device([(n, t) for n, t in model_tensors_of(model) if not n.startswith(on_host)])
     assert {str(t.device) for n, t in model_tensors_of(model) if n.startswith(on_host)} == {"cpu"}
     assert [str(d) for d in model.layer_devices()] == ["cpu", "cpu", "cuda:0"]
+
+
+def test_a_served_model_is_placed_as_serve_was_told(moe_folder, fake, host_checkpoints, monkeypatch):
+    """``serve --cpu-moe --gpu-layers 2``: the spec the server loads every model by
+    (``ServerConfig.load_spec``, its device made the fake GPU) keeps block 0 whole in CPU RAM and block
+    2's experts there too, while blocks 1-2's attention, the norm and the head are on the GPU."""
+    from dataclasses import replace
+
+    from localllm.loaders.memory_plan import AVAILABLE_ENV
+    from localllm.server.config import ServerConfig
+
+    monkeypatch.setenv(AVAILABLE_ENV, "1TB")  # room for everything: the flags alone move parts to CPU RAM
+    spec = ServerConfig(quant="int4", cpu_moe=True, gpu_layers=2).load_spec(str(moe_folder))
+    with fake:
+        lm = load_model(replace(spec, device=GPU), check_kernels=False)
+    where = lm.placement
+    assert (where.chosen_by, where.layers_by) == ("--cpu-moe", "--gpu-layers 2")
+    assert where.cpu_layers == (0,) and where.host_layers == (0, 2)
+    assert _experts_devices(lm.model) == {0: {"cpu"}, 2: {"cpu"}}
+    assert [str(d) for d in lm.model.layer_devices()] == ["cpu", "cuda:0", "cuda:0"]
+    assert_on_device([(n, t) for n, t in _gpu_parts(lm.model) if not n.startswith(("layers.0.", "embed."))])
