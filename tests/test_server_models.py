@@ -105,6 +105,25 @@ def test_empty_prompt_loads_and_keep_alive_zero_unloads(http: httpx.Client, tiny
     wait_for(lambda: model not in loaded(http), timeout=5, what="the keep-alive to run out")
 
 
+def test_ps_counts_the_weights_in_cpu_ram_in_size_not_size_vram(server: ServerThread, http: httpx.Client,
+                                                                tiny_folder) -> None:
+    """As Ollama's: ``size`` is the whole model, ``size_vram`` the GPU's share; weights a GPU run keeps in
+    CPU RAM (``--n-cpu-moe``, ``--gpu-layers``: ModelSlot.host_bytes, set here by hand on a CPU run) count
+    in the first alone."""
+    model = str(tiny_folder("llama")[1])
+    assert http.post("/api/generate", json={"model": model, "keep_alive": -1}).json()["done_reason"] == "load"
+    slot = server.manager.slots[model]
+    try:
+        ps = next(m for m in http.get("/api/ps").json()["models"] if m["name"] == model)
+        assert slot.host_bytes == 0 and ps["size"] == slot.size_bytes > 0 and ps["size_vram"] == 0
+        slot.host_bytes = 12345
+        ps = next(m for m in http.get("/api/ps").json()["models"] if m["name"] == model)
+        assert ps["size"] == slot.size_bytes + 12345 and ps["size_vram"] == 0
+    finally:
+        slot.host_bytes = 0
+        http.post("/api/generate", json={"model": model, "keep_alive": 0})
+
+
 def test_concurrent_first_requests_load_once(server: ServerThread, http: httpx.Client, tiny_folder) -> None:
     model = str(tiny_folder("qwen2")[1])
     before = server.app.state.server.metrics.models_loaded_total
