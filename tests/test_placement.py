@@ -375,7 +375,7 @@ def test_every_weight_count_follows_one_rule() -> None:
 
 # --------------------------------------------------------------------------- serve and bench take the flags
 class Loaded(Exception):
-    """Raised by a stubbed ``load_model`` once it has the LoadSpec: the test stops there."""
+    """Raised by a stubbed ``create_app`` once it has serve's ServerConfig: the command stops there."""
 
 
 @pytest.fixture
