@@ -48,7 +48,19 @@ _LAYER_MAP = {
     "ffn_up_shexp.weight": "mlp.shared.up.weight",
     "ffn_down_shexp.weight": "mlp.shared.down.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_gate.weight",
+    # gpt-oss: attention sinks (H,), the output projection's and the router's biases, and the experts'
+    # biases, stacked (E, F) / (E, D) as they are ours.
+    "attn_sinks.weight": "attn.sinks",
+    "attn_output.bias": "attn.o.bias",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    "ffn_gate_exps.bias": "mlp.experts.gate_bias",
+    "ffn_up_exps.bias": "mlp.experts.up_bias",
+    "ffn_down_exps.bias": "mlp.experts.down_bias",
 }
+#: Per-architecture names (ours, as :attr:`runtime.config.ModelConfig.arch`) over :data:`_LAYER_MAP`:
+#: gpt-oss's ``post_attention_norm`` (llama.cpp's ``attn_post_norm``) is the norm before its MLP,
+#: where Gemma 3's follows attention.
+_ARCH_LAYER_MAPS = {"gpt_oss": {**_LAYER_MAP, "post_attention_norm.weight": "mlp_norm.weight"}}
 #: llama.cpp's stacked experts, (E, out, in) with the experts on the slowest axis -> the projection of
 #: ``layers.{i}.mlp.experts`` they fill (read one expert at a time: ``layers.{i}.mlp.experts.{e}.gate.weight``).
 _EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up", "ffn_down_exps.weight": "down"}
@@ -61,10 +73,10 @@ _TOP_MAP = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.wei
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def map_gguf_name(name: str) -> str | None:
-    """Our parameter name for a GGUF tensor name; None for ``rope_freqs.weight``, which is no parameter
-    (:class:`GGUFCheckpoint` reads it into the config)."""
-    ours = rename(name, _TOP_MAP, _LAYER_RE, _LAYER_MAP)
+def map_gguf_name(name: str, arch: str = "") -> str | None:
+    """Our parameter name for a GGUF tensor name of an ``arch`` model (ours: ``gpt_oss``); None for
+    ``rope_freqs.weight``, which is no parameter (:class:`GGUFCheckpoint` reads it into the config)."""
+    ours = rename(name, _TOP_MAP, _LAYER_RE, _ARCH_LAYER_MAPS.get(arch, _LAYER_MAP))
     if ours is not None:
         return ours
     m = _LAYER_RE.match(name)
@@ -75,8 +87,8 @@ def map_gguf_name(name: str) -> str | None:
     if name in _ROPE_TENSORS:
         return None
     raise LocalLLMError(f"unexpected tensor '{name}' in the GGUF file",
-                        "is this a Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, Gemma 3 or Phi-3 "
-                        "model?")
+                        "is this a Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, gpt-oss, "
+                        "Gemma 3 or Phi-3 model?")
 
 
 def module_of(ours: str) -> str:
@@ -128,13 +140,13 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _shapes(tensors: list[gguf.ReaderTensor]) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+def _shapes(tensors: list[gguf.ReaderTensor], arch: str) -> Iterator[tuple[str, str, tuple[int, ...]]]:
     """(our name, the file's name, shape as rows first) of each tensor this runtime reads; Phi-3's
     fused tensors under the fused names the config check knows (``attn.qkv``, ``mlp.gate_up``)."""
     names = {t.name for t in tensors}
     for t in tensors:
         try:
-            ours = map_gguf_name(t.name)
+            ours = map_gguf_name(t.name, arch)
         except LocalLLMError:
             continue  # an unknown tensor: the load names it
         if ours is None:
@@ -252,7 +264,8 @@ class GGUFCheckpoint:
         self.config = ModelConfig.from_gguf(self.metadata, tie_embeddings="output.weight" not in tensors,
                                             rope_freq_factors=factors, longrope_factors=longrope)  # type: ignore[arg-type]
         # Before anything is built for it: the metadata against the tensors' shapes.
-        check_tensors(self.config, _shapes(self.reader.tensors), "GGUF metadata", gguf_keys(self.metadata))
+        check_tensors(self.config, _shapes(self.reader.tensors, self.config.arch), "GGUF metadata",
+                      gguf_keys(self.metadata))
         # llama.cpp permutes q/k only for its "llama" rope layout (Llama, Mistral, Mixtral); the others are
         # left as is.
         self._permuted = self.config.arch in ("llama", "mistral", "mixtral")
@@ -268,7 +281,7 @@ class GGUFCheckpoint:
         """(our name, reader tensor) pairs, for importers that keep the quantized blocks."""
         c = self.config
         for t in self.reader.tensors:
-            ours = map_gguf_name(t.name)
+            ours = map_gguf_name(t.name, c.arch)
             if ours is None:
                 continue
             if t.name.endswith(".attn_qkv.weight"):  # Phi-3: q, k, v as row ranges of their own
@@ -320,11 +333,18 @@ class GGUFCheckpoint:
         """The scheme that holds this file's most common block type as it is: int4 group 32 for Q4_0/Q4_1
         files, int8 group 32 for Q8_0 ones, the file's own blocks (the ``gguf`` scheme) for the other
         quantized types (Q5_0, K-quants, IQ4_NL...), and None (float) for F16/BF16/F32 files and types
-        localllm cannot keep, which are dequantized rather than put on a coarser grid.
+        localllm cannot keep, which are dequantized rather than put on a coarser grid. A MoE file whose
+        most common type is a float one but whose experts are blocks (gpt-oss's MXFP4 experts beside
+        16-bit attention, as its converter writes them) takes the experts' type: they are nearly all its
+        weights, and float would dequantize them.
         :meth:`exact_plan` keeps each module's own tensor type exact in a mixed file."""
-        types = Counter(t.tensor_type.name for t in self.reader.tensors if t.name.startswith("blk.") and
-                        t.name.endswith("weight") and len(t.shape) in (2, 3))  # 3: a MoE's stacked experts
+        blk = [t for t in self.reader.tensors if t.name.startswith("blk.") and t.name.endswith("weight")]
+        types = Counter(t.tensor_type.name for t in blk if len(t.shape) in (2, 3))  # 3: a MoE's stacked experts
         main = types.most_common(1)[0][0] if types else "F32"
+        floats = ("F32", "F16", "BF16")
+        experts = Counter(t.tensor_type.name for t in blk if len(t.shape) == 3).most_common(1)
+        if main in floats and experts and experts[0][0] not in floats:
+            main = experts[0][0]
         if main == "Q8_0":
             return parse_scheme("int8", 32)
         if main in ("Q4_0", "Q4_1"):

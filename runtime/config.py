@@ -23,14 +23,15 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3
 #: its whole q and k projections (:attr:`ModelConfig.qk_norm_full`).
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "olmoe")
 
-#: Architectures localllm knows it cannot run yet, and why (said in the one line that refuses them).
-_NOT_YET = {arch: "gpt-oss from a GGUF is not supported yet (its Hub safetensors are)" for arch in ("gptoss", "gpt-oss")}
-
 #: Expert activations besides a dense MLP's: gpt-oss's clamped SwiGLU (:attr:`ModelConfig.swiglu_limit`).
 CLAMPED_SWIGLU = "swiglu_clamped"
 
 #: llama.cpp's ``general.architecture`` for the MoE families (its Mixtral is ``llama`` with experts).
-_GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+_GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss"}
+
+#: gpt-oss's clamped SwiGLU as llama.cpp runs every gpt-oss GGUF: constants of its graph
+#: (``LLM_FFN_SWIGLU_OAI_MOE``), no metadata key, the released models' ``swiglu_limit`` and alpha.
+GGUF_SWIGLU_LIMIT, GGUF_SWIGLU_ALPHA = 7.0, 1.702
 
 #: Other spellings of the same architectures: HF's text-only Gemma 3 ``model_type``.
 _ALIASES = {"gemma3_text": "gemma3"}
@@ -85,10 +86,7 @@ def gguf_keys(meta: dict[str, Any]) -> dict[str, str]:
     return keys
 
 
-def _unsupported(what: str, arch: str = "") -> LocalLLMError:
-    if arch in _NOT_YET:
-        return LocalLLMError(f"unsupported architecture {what}: {_NOT_YET[arch]}",
-                             f"localllm runs {', '.join(SUPPORTED_ARCHITECTURES)} models")
+def _unsupported(what: str) -> LocalLLMError:
     return LocalLLMError(f"unsupported architecture {what}",
                          f"localllm runs {', '.join(SUPPORTED_ARCHITECTURES)} models")
 
@@ -178,7 +176,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         self.arch = _ALIASES.get(self.arch, self.arch)
         if self.arch not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(f"'{self.arch}'", self.arch)
+            raise _unsupported(f"'{self.arch}'")
         check_fields(self)  # before any size is used: a config from a dict or by hand is checked here
         types = self.layer_types
         if types is not None:
@@ -296,7 +294,7 @@ class ModelConfig:
         arch = _ALIASES.get(hf.get("model_type", ""), hf.get("model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
             archs = outer.get("architectures") or [arch or "unknown"]
-            raise _unsupported(f"'{archs[0]}' (model_type '{hf.get('model_type', '')}')", arch)
+            raise _unsupported(f"'{archs[0]}' (model_type '{hf.get('model_type', '')}')")
         read = FieldReader(hf, "config.json")
         dim = read.int("hidden_size", "dim")
         n_layers = read.int("num_hidden_layers", "n_layers")
@@ -385,7 +383,7 @@ class ModelConfig:
         arch = meta.get("general.architecture", "")  # the metadata's namespace; ``ours`` the family
         ours = "mixtral" if arch == "llama" and meta.get("llama.expert_count") else _GGUF_ARCHS.get(arch, arch)
         if ours not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(f"'{arch}' in the GGUF", arch)
+            raise _unsupported(f"'{arch}' in the GGUF")
 
         def key(name: str, default: Any = None) -> Any:
             return meta.get(f"{arch}.{name}", default)
@@ -407,10 +405,12 @@ class ModelConfig:
         kind = key("rope.scaling.type", "none")
         if kind == "linear":
             scaling = {"rope_type": "linear", "factor": read.float(ns + "rope.scaling.factor")}
+        elif kind == "yarn":
+            scaling = _gguf_yarn(read, ns)
         elif kind not in ("none", "longrope") or (kind == "longrope" and longrope_factors is None):
             raise LocalLLMError(
                 f"unsupported rope scaling '{kind}' in the GGUF",
-                "localllm supports linear rope scaling, llama3's frequency factors (rope_freqs) and "
+                "localllm supports linear and YaRN rope scaling, llama3's frequency factors (rope_freqs) and "
                 "Phi-3's longrope factors (rope_factors_short/long)",
             )
         if longrope_factors is not None:
@@ -424,12 +424,7 @@ class ModelConfig:
         gemma = arch == "gemma3"
         extra: dict[str, Any] = {}
         if gemma:
-            pattern = key("attention.sliding_window_pattern", 6)
-            if isinstance(pattern, list):  # newer converters: one flag per layer (true = sliding)
-                types = [SLIDING if p else FULL for p in pattern]
-            else:
-                pattern = read.int(ns + "attention.sliding_window_pattern", None, 6, (1, 1 << 20))
-                types = [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
+            types = _gguf_layer_types(read, ns, n_layers, 6)
             # llama.cpp's values for Gemma 3 (not in the file): local base 10000; the 27B model (62
             # layers) scales attention by (dim / heads) ** -0.5, the others by head_dim ** -0.5.
             pre_attn = dim / n_heads if n_layers == 62 else head_dim
@@ -443,6 +438,8 @@ class ModelConfig:
                for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
         if ours in MOE_ARCHITECTURES:
             extra.update(_gguf_moe(read, ns, ours))
+        if ours == "gpt_oss":
+            extra.update(_gguf_gpt_oss(read, ns, n_layers, scaling))
         return cls(
             arch=ours,
             vocab_size=vocab,
@@ -458,7 +455,7 @@ class ModelConfig:
             rope_freq_factors=rope_freq_factors,
             max_seq_len=read.int(ns + "context_length", "max_seq_len", 4096),
             tie_embeddings=tie_embeddings,
-            attention_bias=ours in ("qwen2", "qwen2_moe"),
+            attention_bias=ours in ("qwen2", "qwen2_moe", "gpt_oss"),
             sliding_window=read.int(ns + "attention.sliding_window", None, None,
                                     (0, INT_RANGES["sliding_window"][1])) or None,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
@@ -489,6 +486,60 @@ def _gguf_moe(read: FieldReader, ns: str, arch: str) -> dict[str, Any]:
     if arch == "qwen2_moe":
         out["shared_expert_size"] = read.int(ns + "expert_shared_feed_forward_length", "shared_expert_size")
     return out
+
+
+def _gguf_layer_types(read: FieldReader, ns: str, n_layers: int, every: int) -> list[str]:
+    """Gemma 3's and gpt-oss's per-layer kinds from ``attention.sliding_window_pattern``: one flag per
+    layer (newer converters; true = sliding), or a period whose last layer is global (llama.cpp's
+    default ``every``: Gemma 3's 6, gpt-oss's 2, its even layers sliding)."""
+    pattern = read.values.get(ns + "attention.sliding_window_pattern", every)
+    if isinstance(pattern, list):
+        return [SLIDING if p else FULL for p in pattern]
+    pattern = read.int(ns + "attention.sliding_window_pattern", None, every, (1, 1 << 20))
+    return [SLIDING if (i + 1) % pattern else FULL for i in range(n_layers)]
+
+
+def _gguf_yarn(read: FieldReader, ns: str) -> dict[str, Any]:
+    """llama.cpp's YaRN keys as transformers' ``rope_scaling``: the factor, the original context, the
+    ramp's betas (llama.cpp's defaults 32 and 1 where the converter wrote none), and the attention
+    factor where it wrote one (transformers' ``attention_factor``, which it copies). The ramp's ends are
+    rounded (``truncate``) as llama.cpp and transformers do by default; gpt-oss says otherwise
+    (:func:`_gguf_gpt_oss`). An extrapolation factor other than 1 or a log multiplier is refused."""
+    for name, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+        value = read.values.get(f"{ns}rope.scaling.{name}")
+        if value is not None and value != neutral:
+            raise LocalLLMError(f"unsupported YaRN setting {ns}rope.scaling.{name} = {value} in the GGUF",
+                                "localllm runs YaRN with its factor, original context, betas and attention factor")
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn", "factor": read.float(ns + "rope.scaling.factor"),
+        "original_max_position_embeddings": read.int(ns + "rope.scaling.original_context_length", "max_seq_len"),
+        "beta_fast": read.float(ns + "rope.scaling.yarn_beta_fast", None, 32.0),
+        "beta_slow": read.float(ns + "rope.scaling.yarn_beta_slow", None, 1.0)}
+    attention = read.float(ns + "rope.scaling.yarn_attn_factor", None, None)
+    if attention is not None:
+        scaling["attention_factor"] = attention
+    return scaling
+
+
+def _gguf_gpt_oss(read: FieldReader, ns: str, n_layers: int, scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """gpt-oss's fields that a GGUF implies rather than states (llama.cpp's ``gpt-oss`` graph):
+    alternating sliding (even) and full layers, a sliding window (required, as llama.cpp reads it),
+    q/k/v/o biases, sinks, the biased router's softmax over the top-k, expert biases and the clamped
+    SwiGLU at llama.cpp's constants. Every layer uses the one YaRN table (no ``freq_base_swa`` other than
+    the base), whose ramp is not rounded: gpt-oss's own (``truncate: false`` in its config, as OpenAI's
+    reference computes it); llama.cpp's ggml rounds it, a difference of llama.cpp's, not of the file."""
+    if read.values.get(ns + "attention.sliding_window") is None:
+        raise damaged("GGUF metadata", f"has no {ns}attention.sliding_window (gpt-oss's sliding layers' window)")
+    base, local = read.values.get(ns + "rope.freq_base"), read.values.get(ns + "rope.freq_base_swa")
+    if local is not None and local != base:
+        raise LocalLLMError(f"unsupported gpt-oss GGUF: its sliding layers' RoPE base {ns}rope.freq_base_swa "
+                            f"= {local} differs from {ns}rope.freq_base = {base}",
+                            "convert the model again with llama.cpp's convert_hf_to_gguf.py")
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        scaling["truncate"] = False
+    return dict(layer_types=_gguf_layer_types(read, ns, n_layers, 2), o_bias=True, attn_sinks=True,
+                router_bias=True, topk_softmax=True, expert_bias=True, mlp_act=CLAMPED_SWIGLU,
+                swiglu_limit=GGUF_SWIGLU_LIMIT, swiglu_alpha=GGUF_SWIGLU_ALPHA)
 
 
 def _hf_moe(read: FieldReader, hf: dict[str, Any], arch: str, n_layers: int) -> dict[str, Any]:

@@ -38,11 +38,18 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o; gpt-oss's o200k_harmony): case runs, contractions kept on their word, numbers of 1-3 digits.
+O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Families of `tokenizer.ggml.pre` values that share a pre-tokenizer.
 _PRE_GPT2 = ("default", "gpt2", "gpt-2")
 _PRE_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r")  # each digit alone, then GPT-2's regex
 _PRE_LLAMA3 = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3")
 _PRE_QWEN2 = ("qwen2", "deepseek-r1-qwen", "megrez")
+_PRE_O200K = ("gpt-4o", "llama4")
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -310,6 +317,9 @@ def _byte_level_bpe(tokens: list[str], types: list[int], meta: dict[str, Any]) -
     elif pre in _PRE_QWEN2:
         backend.normalizer = normalizers.NFC()
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), "isolated"), byte_level])
+    elif pre in _PRE_O200K:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(O200K_SPLIT), "isolated"),
+                                                         byte_level])
     else:
         warnings.warn(
             f"GGUF pre-tokenizer {pre!r} is not known to localllm; using GPT-2's split, "
