@@ -1,12 +1,13 @@
 """gpt-oss from GGUF files as llama.cpp's converter and llama-quantize write them (arch ``gpt-oss``):
 stacked ``ffn_{gate,up,down}_exps`` experts with their ``.bias``, ``attn_sinks``, the router's bias,
 q/k/v/o biases, ``post_attention_norm`` before the MLP, YaRN and sliding-window metadata, the o200k
-("gpt-4o") byte-level tokenizer and the harmony chat template. Files are written here from one tiny random
-transformers ``GptOssForCausalLM`` whose weights every layout holds exactly (fp16 values, experts on the
-MXFP4 grid): all F32; MXFP4 experts beside F16 (the converter's default from OpenAI's checkpoint); MXFP4
-experts beside Q8_0 (llama-quantize's MXFP4_MOE); all Q8_0. fp32 logits equal transformers' (prefill and
-cached decode), every expert imports bit for bit as ``gguf.quants.dequantize`` gives it, and the CLI
-runs, pulls and shows such a file."""
+("gpt-4o") byte-level tokenizer and the harmony chat template. Files are written here from one tiny
+random transformers ``GptOssForCausalLM`` (fp16 values, experts on the MXFP4 grid) in these layouts:
+all F32; MXFP4 experts beside F16 (the converter's default from OpenAI's checkpoint) or BF16; MXFP4
+experts beside Q8_0 (llama-quantize's MXFP4_MOE); all Q8_0. The F32 and MXFP4 + F16 files hold the
+model exactly: their fp32 logits equal transformers' (prefill and cached decode). In every quantized
+one each expert imports bit for bit as ``gguf.quants.dequantize`` gives it; the CLI runs, pulls and
+shows such a file."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from tests.test_harmony import SPECIALS, TEMPLATE
 ATOL = RTOL = 1e-4
 #: The file layouts: what the experts and the other matrices are stored in (norms, biases, sinks and
 #: the router stay F32 in every one, as the converter keeps them).
-LAYOUTS = {"f32": ("F32", "F32"), "mxfp4": ("MXFP4", "F16"), "mxfp4_moe": ("MXFP4", "Q8_0"), "q8_0": ("Q8_0", "Q8_0")}
+LAYOUTS = {"f32": ("F32", "F32"), "mxfp4": ("MXFP4", "F16"), "mxfp4_bf16": ("MXFP4", "BF16"),
+           "mxfp4_moe": ("MXFP4", "Q8_0"), "q8_0": ("Q8_0", "Q8_0")}
 
 
 def _mxfp4_grid(w: np.ndarray) -> np.ndarray:
@@ -43,7 +45,7 @@ def _mxfp4_grid(w: np.ndarray) -> np.ndarray:
 def oss_model() -> torch.nn.Module:
     """test_gpt_oss's tiny model at llama.cpp's clamp (its graph's constant limit 7, no metadata key),
     gate/up scaled twice more so that limit bites; every weight an fp16 value, the experts on the MXFP4
-    grid (then each layout below holds the same model exactly)."""
+    grid (the F32 and MXFP4 + F16 layouts then hold it exactly)."""
     model = gpt_oss_model(swiglu_limit=7.0)
     with torch.no_grad():
         for p in model.parameters():
@@ -241,7 +243,7 @@ def test_prefill_chunks_then_cached_decode_equal_transformers(ref, files):
     torch.testing.assert_close(got, want[18:], atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("layout", ["mxfp4", "mxfp4_moe", "q8_0"])
+@pytest.mark.parametrize("layout", ["mxfp4", "mxfp4_bf16", "mxfp4_moe", "q8_0"])
 def test_tensors_import_bit_for_bit(ref, files, layout):
     """Each expert of each layer holds its blocks as the file has them (dequantized, as
     ``gguf.quants.dequantize`` gives that expert's bytes); biases, sinks and the router equal the file's
@@ -250,7 +252,7 @@ def test_tensors_import_bit_for_bit(ref, files, layout):
     path = files(layout)
     experts_type, other_type = LAYOUTS[layout]
     # a float-majority file takes its experts' blocks; a Q8_0 one int8 (group 32), its experts their own
-    assert GGUFCheckpoint(path).default_scheme() == (gguf_scheme("MXFP4") if other_type == "F16"
+    assert GGUFCheckpoint(path).default_scheme() == (gguf_scheme("MXFP4") if other_type in ("F16", "BF16")
                                                      else parse_scheme("int8", 32))
     lm = load_model(str(path), dtype="fp32")
     files_ = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
