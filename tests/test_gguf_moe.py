@@ -299,3 +299,49 @@ def test_expert_rows_of_several_blocks_equal_the_reference(gate_type, down_type)
         alone = native_ffn((gate, up), down, x[r : r + 1], ids[r : r + 1], weights[r : r + 1])
         assert relative_error(alone, want[r : r + 1]) < 1e-5
         assert torch.equal(alone[0], batch[r])
+
+
+@pytest.mark.parametrize("gate_type", ["Q4_K", "Q6_K"])
+def test_q6_k_experts_equal_gguf_dequantize(gate_type):
+    """Q6_K experts (the down projections of Qwen3-30B-A3B's Q4_K_M, whose experts are 768 wide; on AVX2
+    the fused row kernel's byte-lane decoder): equal to the products of ``gguf.quants.dequantize``'s
+    weights, in float64, for a few rows (the row kernel) and many (an expert of 16 rows or more: the
+    panel GEMM); a row's result is the same bits alone as beside others."""
+    from localllm.quant.experts import QuantExperts
+    from localllm.quant.formats import gguf_scheme
+    from tests.test_moe_kernels import native_ffn
+
+    E, D, F, k = 6, 768, 256, 3
+    raw = {"gate": (gate_type, F, D, 1), "up": (gate_type, F, D, 2), "down": ("Q6_K", D, F, 3)}
+    projs, dense = {}, {}
+    for name, (type_name, out, inp, seed) in raw.items():
+        blocks = np.stack([random_blocks(type_name, out, inp, seed * 10 + e, scale=0.05) for e in range(E)])
+        p = QuantExperts(E, inp, out, gguf_scheme(type_name))
+        p.blocks = torch.from_numpy(blocks)
+        projs[name] = p
+        qtype = gguf.GGMLQuantizationType[type_name]  # (E, out, in) float64, as gguf-py decodes them
+        dense[name] = torch.from_numpy(np.stack([gguf.quants.dequantize(b, qtype) for b in blocks])).double()
+
+    def reference(x, ids, weights):  # type: ignore[no-untyped-def]
+        y = torch.zeros(x.shape, dtype=torch.float64)
+        for t in range(x.shape[0]):
+            for j in range(k):
+                e = int(ids[t, j])
+                h = torch.nn.functional.silu(dense["gate"][e] @ x[t]) * (dense["up"][e] @ x[t])
+                y[t] += float(weights[t, j]) * (dense["down"][e] @ h)
+        return y
+
+    g = torch.Generator().manual_seed(0)
+    for rows in (5, 40):  # 40 rows: 20 an expert on average, the panel GEMM
+        x = torch.randn(rows, D, generator=g)
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(rows)])
+        weights = torch.softmax(torch.randn(rows, k, generator=g), -1)
+        got = native_ffn((projs["gate"], projs["up"]), projs["down"], x, ids, weights)
+        want = reference(x.double(), ids, weights.double())
+        assert want.abs().max() > 0.1
+        assert float((got.double() - want).norm() / want.norm()) < 1e-5
+        if rows == 5:
+            for r in (0, 4):
+                alone = native_ffn((projs["gate"], projs["up"]), projs["down"], x[r : r + 1], ids[r : r + 1],
+                                   weights[r : r + 1])
+                assert torch.equal(alone[0], got[r])

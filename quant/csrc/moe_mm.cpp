@@ -14,9 +14,10 @@
 // panel GEMM, which sums in another order: equal then up to fp32 rounding).
 //
 // The products are gguf_blocks.h's row kernel (the one gguf_mm runs): each block decoded once for up
-// to eight rows of an expert, the exact weights gguf.quants.dequantize gives, fp32 accumulation; on
-// AVX2 builds the common expert types (Q4_K, Q8_0, Q5_0, Q4_0, Q4_1) take this file's fused form of
-// it (fused:: below: codes widened straight from the blocks), the same weights and accumulation. An
+// to eight rows of an expert (four in the fused form), the exact weights gguf.quants.dequantize gives,
+// fp32 accumulation; on
+// AVX2 builds the common expert types (Q4_K, Q6_K, Q8_0, Q5_0, Q4_0, Q4_1) take this file's fused form
+// of it (fused:: below: codes widened straight from the blocks), the same weights and accumulation. An
 // expert with many rows (a long prefill) takes the fp32 panel GEMM of panel_gemm.h instead: its 16
 // output rows decoded once a panel for all its rows. localllm's canonical int4 and int8 come here as
 // Q4_1 and Q8_0 blocks holding the same values (quant/expert_kernels.py makes them).
@@ -47,7 +48,15 @@ namespace {
 using namespace localllm::gguf_blocks;
 
 constexpr int64_t CHUNK = 16;       // output rows a task (a panel's width)
-constexpr int64_t PANEL_ROWS = 32;  // an expert's rows from which its products take the panel GEMM
+// An expert's rows from which its products take the panel GEMM. From 16 rows a panel (16 output rows
+// decoded once for all of them) beat the row kernel's passes of FUSED_M rows: a 128-token prefill's
+// experts (16 rows each on average) took 7-12% less time than from 32; below 16 a batch of 8 decode
+// streams (8 rows an expert at most) keeps the row kernel, whose rows do not depend on each other.
+constexpr int64_t PANEL_ROWS = 16;
+// Rows of x sharing each block the fused row kernel widens: 4, not gguf_blocks.h's MAX_M of 8 (eight
+// rows' two chains and offsets are 24 accumulators, more than AVX2's 16 registers: the spills cost
+// more than widening each block twice; 8 rows 6-8% faster, a prefill's experts 9%).
+constexpr int64_t FUSED_M = 4;
 
 enum Act : int64_t { SILU = 0, GELU_TANH = 1, SWIGLU_CLAMPED = 2 };
 
@@ -63,7 +72,7 @@ struct Proj {
 // Output rows [n0, n1) of expert e for M rows of x (K apart; xsum their sub-block sums, K / sub apart)
 // -> y[m * ldy + n]: the row kernel, up to MAX_M rows sharing each decoded block.
 // The row kernel fused with the decoder, for the block types of common MoE files (Q4_K gate and up,
-// Q8_0 / Q5_0 / Q4_0 / Q4_1 down, canonical int4 as Q4_1), on AVX2: each 8 weights' codes are widened
+// Q6_K / Q8_0 / Q5_0 / Q4_0 / Q4_1 down, canonical int4 as Q4_1), on AVX2: each 8 weights' codes are widened
 // straight from the block's bytes into fp32 lanes (vpmovzxbd / vpmovsxbd from memory, a mask or a
 // shift, vcvtdq2ps), with no pass through a decoded array; a K-quant's eight scales and mins are
 // unpacked together (ggml's 12-byte layout, as llama.cpp does) and converted as one vector; its offsets
@@ -92,8 +101,8 @@ inline float hsum8(__m256 v) {
 template <int64_t TYPE> struct Block { static constexpr bool ok = false; };
 
 template <> struct Block<Q4_K> {  // d, dmin, scales[12], qs[128]: sub-block s = chunk s / 2's low or high nibbles
-  static constexpr bool ok = true, OFFSETS = true, VOFF = true, PAIRED = true;
-  static constexpr int64_t NS = 8, BYTES = 144;
+  static constexpr bool ok = true, OFFSETS = true, VOFF = true, PAIRED = true, AS_BYTES = false;
+  static constexpr int64_t NS = 8, SUB = 32, BYTES = 144;
   const uint8_t* b;
   alignas(32) float scl[8];  // d * scale of each sub-block
   __m256 mins;               // dmin * min of each sub-block (offset = -mins)
@@ -126,8 +135,8 @@ template <> struct Block<Q4_K> {  // d, dmin, scales[12], qs[128]: sub-block s =
 };
 
 template <> struct Block<Q8_0> {  // d, 32 int8
-  static constexpr bool ok = true, OFFSETS = false, VOFF = false, PAIRED = false;
-  static constexpr int64_t NS = 1, BYTES = 34;
+  static constexpr bool ok = true, OFFSETS = false, VOFF = false, PAIRED = false, AS_BYTES = false;
+  static constexpr int64_t NS = 1, SUB = 32, BYTES = 34;
   const uint8_t* b;
   float d;
   explicit Block(const uint8_t* p) : b(p), d(f16(p)) {}
@@ -141,8 +150,8 @@ template <> struct Block<Q8_0> {  // d, 32 int8
 // Q4_0 / Q4_1: d, (m), 16 bytes: weight j in byte j's low nibble, j + 16 in its high one.
 template <int64_t TYPE, int64_t HEAD, int BIAS, bool MIN>
 struct Nibbles32 {
-  static constexpr bool ok = true, OFFSETS = MIN, VOFF = false, PAIRED = false;
-  static constexpr int64_t NS = 1, BYTES = HEAD + 16;
+  static constexpr bool ok = true, OFFSETS = MIN, VOFF = false, PAIRED = false, AS_BYTES = false;
+  static constexpr int64_t NS = 1, SUB = 32, BYTES = HEAD + 16;
   const uint8_t* b;
   float d, m;
   explicit Nibbles32(const uint8_t* p) : b(p), d(f16(p)), m(MIN ? f16(p + 2) : 0.f) {}
@@ -158,8 +167,8 @@ template <> struct Block<Q4_0> : Nibbles32<Q4_0, 2, 8, false> { using Nibbles32:
 template <> struct Block<Q4_1> : Nibbles32<Q4_1, 4, 0, true> { using Nibbles32::Nibbles32; };
 
 template <> struct Block<Q5_0> {  // d, qh (bit j: weight j's fifth bit), 16 bytes as Q4_0's; q - 16
-  static constexpr bool ok = true, OFFSETS = false, VOFF = false, PAIRED = false;
-  static constexpr int64_t NS = 1, BYTES = 22;
+  static constexpr bool ok = true, OFFSETS = false, VOFF = false, PAIRED = false, AS_BYTES = false;
+  static constexpr int64_t NS = 1, SUB = 32, BYTES = 22;
   const uint8_t* b;
   float d;
   explicit Block(const uint8_t* p) : b(p), d(f16(p)) {}
@@ -174,13 +183,54 @@ template <> struct Block<Q5_0> {  // d, qh (bit j: weight j's fifth bit), 16 byt
   void offset(const float*, __m256&, float&) const {}
 };
 
+// Q6_K: ql[128], qh[64], scales[16] int8, d. Weight h * 128 + s * 32 + l (h < 2, s < 4, l < 32) is
+// ((ql[h * 64 + (s % 2) * 32 + l] >> 4 * (s / 2)) & 15 | ((qh[h * 32 + l] >> 2 * s) & 3) << 4) - 32, in
+// sub-block (16 weights) 2 (h * 4 + s) + l / 16. Six bits from two places: widening each 8 codes
+// straight from the bytes (as the other types) took five vector operations for 8 weights, and was
+// slower than gguf_blocks.h's decode. Here the codes of 32 weights are made at once in byte lanes
+// (3 loads, 5 operations), stored into the caller's 256 bytes, and widened from there; the same
+// values as decode's, each sub-block into its chain in the same order, so the same bits as row_blocks.
+template <> struct Block<Q6_K> {
+  static constexpr bool ok = true, OFFSETS = false, VOFF = false, PAIRED = false, AS_BYTES = true;
+  static constexpr int64_t NS = 16, SUB = 16, BYTES = 210;
+  const uint8_t* b;
+  alignas(32) float scl[16];  // d * scale of each sub-block
+  explicit Block(const uint8_t* p) : b(p) {
+    const __m256 d = _mm256_set1_ps(f16(p + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+    _mm256_store_ps(scl, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d));
+    _mm256_store_ps(scl + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d));
+  }
+  // the 256 codes as int8 into q, in weight order (sub-block i at q + 16 i)
+  void codes(int8_t* q) const {
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(48), k32 = _mm256_set1_epi8(32);
+#pragma GCC unroll 2
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + h * 64));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + h * 64 + 32));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + h * 32));
+      const auto put = [&](int64_t s, __m256i low, __m256i high) __attribute__((always_inline)) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q + h * 128 + s * 32),
+                           _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(high, m2)), k32));
+      };
+      put(0, _mm256_and_si256(a, m4), _mm256_slli_epi16(hb, 4));
+      put(1, _mm256_and_si256(c, m4), _mm256_slli_epi16(hb, 2));
+      put(2, _mm256_and_si256(_mm256_srli_epi16(a, 4), m4), hb);
+      put(3, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_srli_epi16(hb, 2));
+    }
+  }
+  __m256 scale(int64_t s) const { return _mm256_broadcast_ss(scl + s); }
+  void offset(const float*, __m256&, float&) const {}
+};
+
 // Output row wn (nb blocks) for R rows of x (K apart; xsum their sub-block sums, nsub apart) -> out[0..R).
 template <int64_t TYPE, int R>
 void rows(const float* x, int64_t K, const float* xsum, int64_t nsub, const uint8_t* wn, int64_t nb, float* out) {
   using B = Block<TYPE>;
-  constexpr int64_t NS = B::NS, BLOCK = 32 * NS;
+  constexpr int64_t NS = B::NS, SUB = B::SUB, SV = SUB / 8, BLOCK = SUB * NS;
   __m256 a0[R], a1[R], ov[R];
   float off[R];
+  alignas(32) int8_t q[B::AS_BYTES ? 32 * NS : 32];  // AS_BYTES: a block's codes
   for (int r = 0; r < R; ++r) {
     a0[r] = a1[r] = ov[r] = _mm256_setzero_ps();
     off[r] = 0.f;
@@ -189,22 +239,32 @@ void rows(const float* x, int64_t K, const float* xsum, int64_t nsub, const uint
     const uint8_t* p = wn + bi * B::BYTES;
     prefetch_block<B::BYTES>(p);
     const B blk(p);
-    // sub-block s's codes w[4] into each row's chain
+    // sub-block s's codes w[SV] into each row's chain
     const auto sub = [&](int64_t s, const __m256* w) __attribute__((always_inline)) {
       const __m256 sc = blk.scale(s);
       const bool second = ((NS == 1 && odd()) + s) % 2;
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const float* xs = x + r * K + bi * BLOCK + s * 32;
+        const float* xs = x + r * K + bi * BLOCK + s * SUB;
         __m256 t = _mm256_mul_ps(w[0], _mm256_loadu_ps(xs));
-        t = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xs + 8), t);
-        t = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xs + 16), t);
-        t = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xs + 24), t);
+#pragma GCC unroll 4
+        for (int64_t j = 1; j < SV; ++j) t = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xs + 8 * j), t);
         if (second) a1[r] = _mm256_fmadd_ps(t, sc, a1[r]);
         else a0[r] = _mm256_fmadd_ps(t, sc, a0[r]);
       }
     };
-    if constexpr (B::PAIRED) {
+    if constexpr (B::AS_BYTES) {
+      blk.codes(q);
+      asm volatile("" ::: "memory");  // widened from memory, not kept in registers (codes_in_memory's why)
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < NS; ++i) {
+        __m256 w[SV];
+#pragma GCC unroll 2
+        for (int64_t v = 0; v < SV; ++v)
+          w[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + i * SUB + 8 * v))));
+        sub(i, w);
+      }
+    } else if constexpr (B::PAIRED) {
 #pragma GCC unroll 4
       for (int64_t c = 0; c < NS / 2; ++c) {
         __m256 lo[4], hi[4];
@@ -257,11 +317,16 @@ void rows_t(const Proj& p, int64_t e, const float* x, const float* xsum, int64_t
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(first + o), _MM_HINT_T0);
   }
 #endif
+#ifdef LOCALLLM_MOE_FUSED
+  constexpr int64_t STEP = fused::Block<TYPE>::ok ? FUSED_M : MAX_M;
+#else
+  constexpr int64_t STEP = MAX_M;
+#endif
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wn = p.row(e, n);
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
-      const int64_t rows = std::min(MAX_M, M - m0);
-      localllm::panel::with_rows<MAX_M>(rows, [&](auto r) {
+    for (int64_t m0 = 0; m0 < M; m0 += STEP) {
+      const int64_t rows = std::min(STEP, M - m0);
+      localllm::panel::with_rows<STEP>(rows, [&](auto r) {
 #ifdef LOCALLLM_MOE_FUSED
         if constexpr (fused::Block<TYPE>::ok) {
           fused::rows<TYPE, r>(x + m0 * K, K, xsum + m0 * nsub, nsub, wn, nb, out);
