@@ -21,7 +21,7 @@ import torch
 
 from localllm.errors import LocalLLMError
 from localllm.loaders import store as store_mod
-from localllm.loaders.safetensors_stream import iter_safetensors, read_header, write_safetensors
+from localllm.loaders.safetensors_stream import iter_safetensors, read_header, tensor_dtypes, write_safetensors
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.experts import expert_name, stacked_experts
 from localllm.quant.formats import QuantScheme, dequantize, dequantize_weight
@@ -88,6 +88,11 @@ class ArtifactCheckpoint:
 
             return parse_scheme(self.stored.manifest["dtype"])  # a float entry: its stored dtype
         return self.scheme
+
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype the entry holds the float tensor ``name`` in (None: quantized, or not stored)."""
+        dtype = tensor_dtypes(self.folder / WEIGHTS).get(name)
+        return dtype if dtype is not None and dtype.is_floating_point else None
 
     def _raw(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter_safetensors(self.folder / WEIGHTS)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from localllm.errors import LocalLLMError
-from localllm.loaders.safetensors_stream import iter_safetensors, read_header
+from localllm.loaders.safetensors_stream import iter_safetensors, read_header, tensor_dtypes
 from localllm.quant.convert import Plan, quantize_stream
 from localllm.quant.formats import QuantScheme, parse_scheme
 from localllm.runtime.config import MOE_ARCHITECTURES, ModelConfig, hf_keys
@@ -303,6 +303,16 @@ class HFCheckpoint:
                 ours = map_hf_name(key, arch)
                 if ours is not None:
                     yield ours, tensor
+
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype the files hold the tensor ``name`` (ours) in; None where they hold no float tensor
+        of that name (a packed one, or none at all). From the headers alone."""
+        dtypes: dict[str, torch.dtype] = {}
+        for path in self.files:
+            dtypes.update(tensor_dtypes(path))
+        key = next((key for ours, key, _ in self._shapes() if ours == name), None)
+        dtype = dtypes.get(key) if key is not None else None
+        return dtype if dtype is not None and dtype.is_floating_point else None
 
     def default_scheme(self) -> QuantScheme | None:
         """Float checkpoints run as they are unless a scheme is asked for."""

@@ -238,6 +238,10 @@ def open_reader(path: Path) -> FastGGUFReader:
     raise LocalLLMError(f"cannot read {path.name} as GGUF: {failure}", "the file is damaged: get it again") from failure
 
 
+#: A GGUF's float tensor types as torch dtypes.
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
 class GGUFCheckpoint:
     """A ``.gguf`` file: metadata, tokenizer and tensors."""
 
@@ -329,6 +333,12 @@ class GGUFCheckpoint:
                 yield ours, torch.from_numpy(np.ascontiguousarray(w))
                 del w
 
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        """The float dtype the file holds the tensor ``name`` (ours) in; None for a block type or a
+        tensor it does not have."""
+        kind = next((t.tensor_type.name for ours, t in self.raw_tensors() if ours == name), None)
+        return _FLOAT_TYPES.get(kind) if kind is not None else None
+
     def default_scheme(self) -> QuantScheme | None:
         """The scheme that holds this file's most common block type as it is: int4 group 32 for Q4_0/Q4_1
         files, int8 group 32 for Q8_0 ones, the file's own blocks (the ``gguf`` scheme) for the other
@@ -371,16 +381,19 @@ class GGUFCheckpoint:
                 exact[m] = own
         return exact
 
-    def tensor_import(self, plan: Plan, float_dtype: str) -> dict[str, str]:
+    def tensor_import(self, plan: Plan, float_dtype: str, held: dict[str, str] | None = None) -> dict[str, str]:
         """What each tensor type of the file became under ``plan``, for ``--verbose`` and ``show``:
         ``{"Q4_1": "210 tensors -> int4 (group 32, asymmetric), exact", "F32": "61 tensors -> fp32", ...}``.
-        ``float_dtype`` names what unplanned tensors are converted to."""
+        ``float_dtype`` names what unplanned tensors are converted to; ``held``, the dtype of those held
+        apart from the activations (an embedding table: ``{"embed.weight": "bf16"}``)."""
         from localllm.quant.linear import head_serves_embedding
 
+        dtype = float_dtype
         became: Counter[tuple[str, str]] = Counter()
         for ours, t in self.raw_tensors():
             kind = t.tensor_type.name
             module = module_of(ours)
+            float_dtype = (held or {}).get(ours, dtype)
             if ours == "embed.weight" and self.config.tie_embeddings and head_serves_embedding(plan.get("output")):
                 module = "output"  # the head's table (int8, or its blocks) serves as the embedding
             scheme = plan.get(module) if ours.endswith(".weight") else None

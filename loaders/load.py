@@ -32,7 +32,7 @@ from localllm.quant.experts import experts_plan, swap_experts
 from localllm.quant.linear import make_plan, prepare_model, share_tied_embedding, swap_linears
 from localllm.quant.target import Target
 from localllm.runtime.config import ModelConfig
-from localllm.runtime.model import Transformer
+from localllm.runtime.model import Embedding, Transformer
 from localllm.runtime.moe import prepare_moe
 from localllm.runtime.tokenizer import Tokenizer
 
@@ -62,9 +62,9 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False, floa
     and bf16 activations alone moved SmolLM2's predictions (KL 1e-3 from its own weights in fp32).
     The KV cache follows the activations (fp32: twice a 16-bit cache's bytes).
 
-    ``float_tables``: a quantized model that keeps a float embedding table or output head (a 2-D float
-    weight: :func:`keeps_float_tables`) stays on bf16 on the CPU, since those tables are held in the
-    activation dtype and fp32 would double their bytes (and the head's reads at every token)."""
+    ``float_tables``: a quantized model that keeps a float embedding table or output head as a
+    parameter (:func:`keeps_float_tables`: held in the activation dtype, where fp32 would double them)
+    stays on bf16 on the CPU; :func:`meta_model` holds such tables apart first where it can."""
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16
@@ -74,10 +74,11 @@ def resolve_dtype(name: str, device: torch.device, quantized: bool = False, floa
     return DTYPES[name]
 
 
-def keeps_float_tables(model: torch.nn.Module) -> bool:
-    """Whether a (meta) model keeps a 2-D float weight (an embedding table, an unquantized head) beside
-    its quantized layers, which hold theirs as buffers: norms and biases are 1-D."""
-    return any(p.dim() == 2 and p.is_floating_point() for p in model.parameters())
+def keeps_float_tables(model: Transformer) -> bool:
+    """Whether a (meta) model keeps its embedding table or output head as a float parameter, loaded in
+    the activations' dtype, beside its quantized layers (which hold theirs as buffers). A router's
+    small table does not count."""
+    return any(p.dim() == 2 and p.is_floating_point() for p in (*model.embed.parameters(), *model.output.parameters()))
 
 
 def open_checkpoint(ref: str, store: Store | None = None) -> Checkpoint:
@@ -197,18 +198,110 @@ def model_tensors(ckpt: Checkpoint, scheme: QuantScheme | None, quantize_head: s
     return model, ckpt.iter_canonical(plan, tied_head), plan
 
 
-def float_row_layers(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]], scheme: QuantScheme
+def float_row_layers(model: Transformer, tensors: Iterator[tuple[str, torch.Tensor]], plan: Plan
                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A (meta) float model in a 16-bit ``scheme`` on the CPU: its linear layers, head included, become
-    :class:`quant.linear.QuantLinear` of the scheme, whose kernels (:mod:`quant.float_kernels`) stream
-    the weights as stored through few-row products in a decode step (torch's GEMM in a prefill); a
-    tied head serves as the embedding, held once. Returns the stream with those weights converted to
-    the scheme's dtype as they arrive (the activations are the model's dtype, as for quantized ones)."""
-    plan = make_plan(model, scheme, scheme)
+    """Float linear layers of a (meta) model on the CPU, named in ``plan`` with a 16-bit scheme, become
+    :class:`quant.linear.QuantLinear` of it, whose kernels (:mod:`quant.float_kernels`) stream the
+    weights as stored through few-row products in a decode step (torch's GEMM in a prefill); a tied
+    head serves as the embedding, held once. Returns the stream with those weights converted to their
+    scheme's dtype as they arrive."""
     swap_linears(model, plan)
     tied_head = model.config.tie_embeddings and "output" in plan
     share_tied_embedding(model)
     return quantize_stream(tensors, plan, tied_head)
+
+
+def table_dtype(ckpt: Checkpoint, name: str) -> torch.dtype:
+    """The 16-bit dtype a float table ``name`` is held in apart from fp32 activations: float16 where
+    the checkpoint stores it so (its values exactly), else bfloat16 (an fp32 or block-quantized table
+    rounded once, as a 16-bit table of it always was)."""
+    return torch.float16 if ckpt.stored_dtype(name) == torch.float16 else torch.bfloat16
+
+
+def hold_float_tables(model: Transformer, ckpt: Checkpoint, tensors: Iterator[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The float tables a (meta) model keeps beside its quantized or 16-bit layers, held in 16 bits
+    apart from fp32 activations on the CPU: a head left float becomes a 16-bit layer of the float row
+    kernels (tied, it serves as the embedding), an untied embedding table stays 16-bit
+    (:meth:`runtime.model.Embedding.hold_table`), each in :func:`table_dtype`.
+
+    Held in the activations' dtype instead, such a table either doubled in fp32 (the model's largest
+    tensor, and the head is read whole at every token) or kept the activations in bf16, where every
+    quantized layer left its native kernel and each op rounded. Returns the stream that fills them."""
+    config = model.config
+    if isinstance(model.output, torch.nn.Linear):  # a head the checkpoint keeps float (a GPTQ repo's)
+        stored = "embed.weight" if config.tie_embeddings and ckpt.stored_dtype("output.weight") is None \
+            else "output.weight"
+        rows = table_dtype(ckpt, stored)
+        tensors = float_row_layers(model, tensors, {"output": parse_scheme(dtype_name(rows))})
+    if isinstance(model.embed, Embedding):
+        model.embed.hold_table(table_dtype(ckpt, "embed.weight"))
+    return tensors
+
+
+def held_tables(model: Transformer) -> dict[str, str]:
+    """The float tables of a model held in a dtype of their own (:func:`hold_float_tables`): name -> dtype."""
+    return {f"embed.{name}": dtype_name(t.dtype) for name, t in model.embed.named_buffers(recurse=False)
+            if isinstance(model.embed, Embedding)}
+
+
+@dataclass
+class MetaModel:
+    """A model on ``meta`` as a load will hold it and the stream of tensors that fills it: what
+    :func:`load_model` loads and what the memory plan counts (:func:`loaders.memory_plan.footprint`)."""
+
+    model: Transformer
+    tensors: Iterator[tuple[str, torch.Tensor]]
+    #: Quantized modules -> their schemes.
+    plan: Plan
+    #: The weights' scheme: quantized, or a 16-bit one on the CPU's row kernels (None: float parameters).
+    scheme: QuantScheme | None
+    #: The activations' dtype.
+    act: torch.dtype
+    #: The quantized scheme a float model's values come from (None: float weights, or quantized ones).
+    dequantized_from: str | None
+    calibration: Calibration
+
+
+def float_activations(config: ModelConfig, scheme: QuantScheme, asked: bool, dtype: str, device: torch.device) -> str:
+    """The activations' dtype for weights in the float ``scheme`` (``asked``: named by ``--quant``):
+    ``dtype`` where given; else the scheme's own, but fp32 for 16-bit weights on the CPU, where
+    the row kernels stream them as stored under fp32 activations and torch's 16-bit ops are slow (the
+    tables held apart: :func:`hold_float_tables`). A MoE's float experts are held in the activations'
+    dtype, so its activations stay 16-bit."""
+    rows = device.type == "cpu" and scheme.name in ROW_SCHEMES
+    if asked and dtype not in ("auto", scheme.name) and not (rows and DTYPES.get(dtype) == torch.float32):
+        also = " (or fp32 activations on the CPU)" if rows else ""
+        raise LocalLLMError(f"--quant {scheme.name} and --dtype {dtype} disagree", f"give one of them{also}")
+    if dtype != "auto":
+        return dtype
+    return "fp32" if rows and not config.is_moe else scheme.name
+
+
+def meta_model(ckpt: Checkpoint, spec: LoadSpec, device: torch.device) -> MetaModel:
+    """The (meta) model ``spec`` loads from ``ckpt`` on ``device``: its weight scheme, its activations'
+    dtype (:func:`resolve_dtype`, :func:`float_activations`) and where each float table is held."""
+    scheme = choose_scheme(ckpt, spec.quant, spec.group_size)
+    own = ckpt.default_scheme()
+    # A float model made from quantized weights (a Q4 GGUF or an int4 store entry run --quant fp32):
+    # its values are the quantized ones, and every label says so.
+    dequantized_from = own.label() if own is not None and not own.is_float and scheme is not None \
+        and scheme.is_float else None
+    dtype, rows_scheme = spec.dtype, None  # rows: 16-bit weights on the CPU, through the few-row kernels
+    if scheme is not None and scheme.is_float:
+        dtype = float_activations(ckpt.config, scheme, spec.quant is not None, dtype, device)
+        rows_scheme = scheme if device.type == "cpu" and scheme.name in ROW_SCHEMES else None
+        scheme = None
+    calibration = Calibration(resolve_calibration(spec.calibration, ckpt.config))
+    model, tensors, plan = model_tensors(ckpt, scheme, spec.quantize_head, calibration)
+    if rows_scheme is not None:
+        tensors = float_row_layers(model, tensors, make_plan(model, rows_scheme, rows_scheme))
+    # tables apart from the activations where their dtype was left to the load (--dtype fp32: all fp32)
+    if spec.dtype == "auto" and device.type == "cpu" and (scheme is not None or rows_scheme is not None and dtype == "fp32"):
+        tensors = hold_float_tables(model, ckpt, tensors)
+    act = resolve_dtype(dtype, device, quantized=scheme is not None,
+                        float_tables=scheme is not None and keeps_float_tables(model))
+    return MetaModel(model, tensors, plan, scheme or rows_scheme, act, dequantized_from, calibration)
 
 
 @dataclass
@@ -299,43 +392,20 @@ def load_model(
     """
     t0 = time.perf_counter()
     spec = LoadSpec.of(spec, **options)
-    quant, dtype, kernel = spec.quant, spec.dtype, spec.kernel
+    kernel = spec.kernel
     target = spec.device if isinstance(spec.device, Target) else Target.of(resolve_device(spec.device))
     dev = target.device
     ckpt = open_checkpoint(spec.ref, store)
-    scheme = choose_scheme(ckpt, quant, spec.group_size)
-    own = ckpt.default_scheme()
-    # A float model made from quantized weights (a Q4 GGUF or an int4 store entry run --quant fp32):
-    # its values are the quantized ones, and every label says so.
-    dequantized_from = own.label() if own is not None and not own.is_float and scheme is not None \
-        and scheme.is_float else None
-    rows_scheme = None  # 16-bit weights on the CPU: through the few-row kernels (:func:`float_row_layers`)
-    if scheme is not None and scheme.is_float:
-        if quant is not None and dtype not in ("auto", scheme.name):
-            raise LocalLLMError(f"--quant {scheme.name} and --dtype {dtype} disagree", "give one of them")
-        if dtype == "auto":  # a float checkpoint's own dtype, unless --dtype says otherwise
-            # but fp16 activations on the CPU, where torch's fp16 ops are slow: bf16 ones where every
-            # fp16 weight stays fp16 (the linears and a tied head serving as the embedding, each
-            # product summed in fp32). An untied embedding table or float experts would be held in
-            # the activations' dtype: bf16 would round their values, so those keep fp16.
-            config = ckpt.config
-            exact_in_bf16 = config.tie_embeddings and not config.is_moe
-            dtype = "bf16" if scheme.name == "fp16" and dev.type == "cpu" and exact_in_bf16 else scheme.name
-        rows_scheme = scheme if dev.type == "cpu" and scheme.name in ROW_SCHEMES else None
-        scheme = None
     tokenizer = load_tokenizer(ckpt)
     pooling = embedding_pooling(ckpt)
+    meta = meta_model(ckpt, spec, dev)
     if isinstance(ckpt, GGUFCheckpoint):
         ckpt.drop_metadata()  # made into the tokenizer and config: not held through the load
     config, source = ckpt.config, ckpt.describe()
-    calibration = Calibration(resolve_calibration(spec.calibration, config))
-    model, tensors, plan = model_tensors(ckpt, scheme, spec.quantize_head, calibration)
-    if rows_scheme is not None:
-        tensors = float_row_layers(model, tensors, rows_scheme)
-    act = resolve_dtype(dtype, dev, quantized=scheme is not None,
-                        float_tables=scheme is not None and keeps_float_tables(model))
+    model, tensors, plan, act, calibration = meta.model, meta.tensors, meta.plan, meta.act, meta.calibration
     # A GGUF's tensor types, and what each became.
-    imported = ckpt.tensor_import(plan, dtype_name(act)) if isinstance(ckpt, GGUFCheckpoint) else {}
+    imported = ckpt.tensor_import(plan, dtype_name(act), held_tables(model)) if isinstance(ckpt, GGUFCheckpoint) \
+        else {}
     if fuse:
         fuse_projections(model)  # on meta: the stream fills the fused tensors' row slices
     placement = place_parts(model, spec, target, act) if dev.type == "cuda" else None
@@ -357,9 +427,8 @@ def load_model(
 
         if cuda_attention.span_kernel() is not None:  # compiled by Triton at the first step
             used["attention-cuda"] = len(model.layers) - on_host
-    return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, scheme or rows_scheme,
-                       used, dequantized_from, imported, pooling, calibration if calibration.ran else None,
-                       placement)
+    return LoadedModel(model, tokenizer, config, source, dev, act, time.perf_counter() - t0, meta.scheme, used,
+                       meta.dequantized_from, imported, pooling, calibration if calibration.ran else None, placement)
 
 
 def place_parts(model: Transformer, spec: LoadSpec, target: Target, act: torch.dtype) -> Placement | None:

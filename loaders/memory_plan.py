@@ -299,21 +299,12 @@ def footprint(ckpt: Any, spec: LoadSpec) -> Footprint:
     """The weights of ``ckpt`` (``spec``'s checkpoint, opened) as :func:`loaders.load.load_model` would
     hold them loaded as ``spec`` says, from its meta model."""
     from localllm.loaders.build import fuse_projections
-    from localllm.loaders.load import (choose_scheme, dtype_name, keeps_float_tables, model_tensors, resolve_device,
-                                       resolve_dtype)
+    from localllm.loaders.load import dtype_name, meta_model, resolve_device
 
     dev = spec.device.device if isinstance(spec.device, Target) else resolve_device(spec.device)
-    scheme = choose_scheme(ckpt, spec.quant, spec.group_size)
-    float_dtype = None
-    if scheme is not None and scheme.is_float:
-        float_dtype = scheme.name if spec.dtype == "auto" else spec.dtype
-        scheme = None
-    model, _, _ = model_tensors(ckpt, scheme, spec.quantize_head)
-    if float_dtype is not None:
-        act = resolve_dtype(float_dtype, dev)
-    else:  # as load_model decides it: a quantized model keeping a float table stays on 16 bits
-        act = resolve_dtype(spec.dtype, dev, quantized=scheme is not None,
-                            float_tables=scheme is not None and keeps_float_tables(model))
+    meta = meta_model(ckpt, spec, dev)
+    model, act, scheme = meta.model, meta.act, meta.scheme
+    del meta  # its stream, unread
     fuse_projections(model)
     label = scheme.name if scheme is not None else dtype_name(act)
     return Footprint(ckpt.config, label, meta_weight_bytes(model, act), act, dev, expert_layer_bytes(model, act),

@@ -30,6 +30,12 @@ _DTYPES = {
 }
 
 
+def tensor_dtypes(path: Path) -> dict[str, torch.dtype]:
+    """Each tensor's dtype in the file ``path``, from its header alone."""
+    header, _ = read_header(path)
+    return {name: _DTYPES[info["dtype"]] for name, info in header.items() if info.get("dtype") in _DTYPES}
+
+
 def read_header(path: Path) -> tuple[dict, int]:
     """The JSON header (without ``__metadata__``) and the offset where tensor data begins."""
     size = path.stat().st_size

@@ -55,10 +55,20 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` without random initialisation (see :class:`Linear`)."""
+    """``nn.Embedding`` without random initialisation (see :class:`Linear`). Its table loads in the
+    activation dtype, like every float parameter, unless :meth:`hold_table` sets it apart."""
 
     def reset_parameters(self) -> None:
         pass
+
+    def hold_table(self, dtype: torch.dtype) -> None:
+        """Hold the table in ``dtype`` whatever the activations' dtype (a 16-bit table beside fp32
+        activations on the CPU, where widening a looked-up row costs nothing and a table in fp32 would
+        double the model's largest tensor). On ``meta``, before loading: the table becomes a buffer, as
+        a quantized layer's tensors are, which the loader fills and the weight counts take in its own
+        dtype. The rows it looks up come out in ``dtype``; the model casts them."""
+        weight = self._parameters.pop("weight")
+        self.register_buffer("weight", torch.empty(weight.shape, dtype=dtype, device=weight.device))
 
 
 class RMSNorm(nn.Module):
@@ -406,7 +416,7 @@ class Transformer(nn.Module):
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embeddings (B, T, D), times Gemma's sqrt(dim) rounded to the activation dtype first."""
-        x = self.embed(tokens)
+        x = self.embed(tokens).to(self.dtype)  # a table held apart (Embedding.hold_table) is widened here
         if self.config.embed_scale is None:
             return x
         # A Python scalar rounded to x's dtype: the product equals transformers' (a tensor of that dtype).

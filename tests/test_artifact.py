@@ -158,6 +158,6 @@ def test_int8_head_is_recorded_and_reloaded(store, tiny_folder):
     assert entry.manifest["quant"]["overrides"]["output"]["name"] == "int8"
     stored = load_model("tiny:int4", store=store)
     direct = load_model(str(folder), quant="int4", quantize_head="int8")
-    assert stored.kernels == direct.kernels and stored.kernels["int8-weight-only"] == 1
+    assert stored.kernels == direct.kernels and stored.kernels["int8-group-cpu"] == 1
     ids = IDS % 384
     assert torch.equal(stored.model(ids), direct.model(ids))

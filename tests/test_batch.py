@@ -52,7 +52,7 @@ def int4_fp32(tiny_folder):
 @pytest.fixture(scope="module")
 def int4(tiny_folder):
     _, folder = tiny_folder("llama")
-    return load_model(str(folder), quant="int4")
+    return load_model(str(folder), quant="int4", dtype="bf16")
 
 
 def alone(lm, p: list[int], n: int | None, stop_ids=(), ctx: int = 256, params=GREEDY, kv_dtype: str = "16bit"

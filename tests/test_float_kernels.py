@@ -120,10 +120,10 @@ def fp16_model(tied_folder):
 
 
 def test_a_16bit_model_on_the_cpu_runs_its_linears_through_the_kernels(tied_folder, fp16_model):
-    """--quant fp16 on the CPU: fp16 weights, bf16 activations, every linear (head included) on the
+    """--quant fp16 on the CPU: fp16 weights, fp32 activations, every linear (head included) on the
     kernel, the tied head's weight serving as the embedding (held once); logits near the fp32 model's."""
     lm = fp16_model
-    assert lm.scheme_label == "fp16" and lm.dtype == torch.bfloat16
+    assert lm.scheme_label == "fp16" and lm.dtype == torch.float32
     linears = sum(1 for m in lm.model.modules() if isinstance(m, QuantLinear))
     assert lm.kernels["fp16-rows-cpu"] == linears and linears > 0
     assert lm.model.output.weight.dtype == torch.float16 and isinstance(lm.model.embed, TiedHeadEmbedding)
@@ -134,6 +134,23 @@ def test_a_16bit_model_on_the_cpu_runs_its_linears_through_the_kernels(tied_fold
     assert rel_err(got, want) < 3e-2 and want.std() > 0.1
     bf16 = load_model(str(tied_folder), quant="bf16", device="cpu")
     assert bf16.kernels["bf16-rows-cpu"] == linears and bf16.scheme_label == "bf16"
+
+
+def test_an_untied_16bit_model_holds_its_embedding_in_16_bits(tiny_folder):
+    """Untied, the embedding table is not a linear: it is held in the scheme's dtype apart from the fp32
+    activations (a row widened as it is looked up), so every weight of the model takes two bytes."""
+    model, folder = tiny_folder("llama")
+    lm = load_model(str(folder), quant="bf16", device="cpu")
+    cfg = lm.config
+    assert lm.dtype == torch.float32 and lm.model.embed.weight.dtype == torch.bfloat16
+    assert torch.equal(lm.model.embed.weight, model.model.embed_tokens.weight.detach().bfloat16())
+    floats = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    norms = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    assert lm.weight_bytes == 2 * floats + 4 * norms
+    tokens = torch.tensor([[1, 17, 42, 99, 5, 7]])
+    with torch.no_grad():
+        got, want = lm.model(tokens), model(tokens).logits
+    assert got.dtype == torch.float32 and rel_err(got, want) < 3e-2 and want.std() > 0.1
 
 
 needs_compiler = pytest.mark.skipif(compiled_step.compile_unavailable_reason(torch.device("cpu")) is not None,

@@ -226,12 +226,16 @@ def test_stored_int4_loads_as_pulled_and_bf16_runs(oss, tmp_path):
     from localllm.loaders.store import Store
     from localllm.quant.formats import parse_scheme
 
+    from tests.conftest import save_hf_folder
+
     ref, folder = oss
+    # bf16, as gpt-oss is published: the store keeps unquantized tensors (biases, sinks, norms) in bf16
+    bf16 = save_hf_folder(gpt_oss_model().bfloat16(), tmp_path / "bf16")
     store = Store(tmp_path / "store")
-    entry, _ = convert_to_store(HFCheckpoint(folder), parse_scheme("int4"), "tiny-oss", store, {"path": str(folder)})
+    entry, _ = convert_to_store(HFCheckpoint(bf16), parse_scheme("int4"), "tiny-oss", store, {"path": str(bf16)})
     ids = tokens(20, seed=6)
     with torch.inference_mode():
-        want = load_model(str(folder), quant="int4").model(ids)
+        want = load_model(str(bf16), quant="int4").model(ids)
         torch.testing.assert_close(load_model(entry.ref, store=store).model(ids), want, atol=1e-5, rtol=1e-5)
         half = load_model(str(folder), quant="bf16").model(ids).float()
     fp32 = _reference(ref, ids)

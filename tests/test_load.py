@@ -19,6 +19,7 @@ from localllm.loaders.store import Store
 from localllm.quant import kernels
 from localllm.quant.formats import dequantize, parse_scheme
 from localllm.quant.linear import QuantLinear, TiedHeadEmbedding
+from tests.conftest import make_hf_model, save_hf_folder
 
 
 IDS = torch.tensor([[1, 200, 17, 300, 5, 99, 42, 7]])
@@ -152,21 +153,32 @@ def test_the_slow_reference_warning_says_what_runs(tiny_folder, monkeypatch):
     assert int8.kernels["int8-weight-only"] == 9 and "reference" not in int8.kernels  # its head per channel too
 
 
-def test_fp32_activations_run_localllms_kernels_without_a_warning(tied_folder, tiny_folder):
-    """A quantized model without a float table (tied, its int8 head serving as the embedding) runs
-    fp32 activations on the CPU: int4 and per-channel int8 on localllm's C++ kernels. One that keeps a
-    float head or embedding stays on bf16, which holds those tables at half fp32's bytes."""
-    _, untied = tiny_folder("llama")
+def test_fp32_activations_run_localllms_kernels_without_a_warning(tied_folder, tmp_path):
+    """A quantized model runs fp32 activations on the CPU: int4 and int8 on localllm's C++ kernels.
+    A float table it keeps is held in 16 bits apart from them: an untied embedding as the checkpoint
+    stores it (fp16 here), a head kept float on the 16-bit row kernel, never doubled to fp32 and never
+    holding the activations in bf16 (which put int4 on torch's bf16 kernel)."""
+    untied = save_hf_folder(make_hf_model("llama").half(), tmp_path / "fp16")  # untied, stored in float16
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         int4 = load_model(str(tied_folder), quant="int4", quantize_head="int8", device="cpu")
         int8 = load_model(str(tied_folder), quant="int8", quantize_head="int8", device="cpu")
-        float_head = load_model(str(untied), quant="int4", device="cpu")
+        float_head = load_model(str(untied), quant="int4", quantize_head=False, device="cpu")
     assert not [str(w.message) for w in caught if "reference" in str(w.message)]
-    assert int4.dtype == int8.dtype == torch.float32 and float_head.dtype == torch.bfloat16
+    assert int4.dtype == int8.dtype == float_head.dtype == torch.float32
     assert int4.kernels["int4-group-cpu"] == 8 and int4.kernels["int8-group-cpu"] == 1  # the head
     assert int8.kernels["int8-group-cpu"] == 9
-    assert float_head.kernels["int4-tinygemm-cpu"] == 8
+    assert float_head.kernels["int4-group-cpu"] == 8 and float_head.kernels["fp16-rows-cpu"] == 1
+    m, cfg = float_head.model, float_head.config
+    assert m.embed.weight.dtype == m.output.weight.dtype == torch.float16
+    quantized = sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n.startswith("layers."))
+    norms = sum(p.numel() * 4 for p in m.parameters())
+    assert float_head.weight_bytes == quantized + norms + 2 * 2 * cfg.vocab_size * cfg.dim  # two 16-bit tables
+    tokens = torch.tensor([[1, 17, 42, 99, 5, 7]])
+    as_before = load_model(str(untied), quant="int4", quantize_head=False, dtype="bf16", device="cpu")
+    with torch.no_grad():
+        got, want = m(tokens), as_before.model(tokens).float()
+    assert got.dtype == torch.float32 and (got - want).abs().max() < 0.05 * want.abs().max() and want.std() > 0.1
 
 
 def test_group_size_without_quant_on_a_grid_it_cannot_regroup_is_one_line():

@@ -85,22 +85,24 @@ def test_a_gpu_servers_kv_pool_takes_the_cards_free_memory() -> None:
     assert gpu_kv_budget(config, torch.bfloat16, "16bit", 8, 256, free=0) > 0
 
 
-@pytest.mark.parametrize("model,quant,head,want", [
-    ("smollm2", "int4", None, torch.float32),  # tied embedding, read from the int8 head: no float table
-    ("tiny", "int4", "int8", torch.bfloat16),  # its own float embedding table
-    ("tiny", "int4", False, torch.bfloat16),  # and a 16-bit head
-    ("tiny", "fp32", None, torch.float32),
+@pytest.mark.parametrize("model,quant,head", [
+    ("smollm2", "int4", None),  # tied embedding, read from the int8 head
+    ("tiny", "int4", "int8"),  # its own float embedding table, held in 16 bits
+    ("tiny", "int4", False),  # and a 16-bit head
+    ("tiny", "fp16", None),  # 16-bit weights
+    ("tiny", "fp32", None),
 ])
-def test_plan_takes_the_activation_dtype_load_model_takes(tiny_folder, model: str, quant: str, head,
-                                                          want: torch.dtype) -> None:
-    """On the CPU a quantized model runs fp32 activations, unless it keeps a float table (an embedding
-    table or a 16-bit head), which holds it to bf16: the plan sizes weights and KV cache with it."""
+def test_plan_takes_the_activation_dtype_load_model_takes(tiny_folder, model: str, quant: str, head) -> None:
+    """On the CPU every model runs fp32 activations, its float tables held in 16 bits apart from them
+    (a 16-bit or quantized model's): the plan sizes weights and KV cache as the load holds them."""
     from localllm.loaders.load import load_model
 
     ref = str(tiny_folder("llama")[1]) if model == "tiny" else model
     plan = plan_memory(ref, quant, 64, device="cpu", quantize_head=head)
     lm = load_model(ref, device="cpu", quant=quant, quantize_head=head)
+    want = torch.float32
     assert lm.model.dtype == want and plan.dtype == str(want).removeprefix("torch.")
+    assert plan.weights == lm.weight_bytes
     kv = cache_bytes(lm.config, 64, want)  # 64 positions of every layer's keys and values
     assert plan.kv_cache == kv + 2 * 64 * lm.config.head_dim * want.itemsize  # + RoPE
 
@@ -163,7 +165,7 @@ def test_run_refuses_what_does_not_fit_with_the_cheapest_fix(smollm2_path, monke
     suggested = int(m.group(4).split()[1])
     assert 256 <= suggested < 4096
     quant_fix = _run(monkeypatch, "800MB", "--quant", "fp32")
-    assert_one_line_error(quant_fix, "800 MB available", "use --quant bf16, or free memory")
+    assert_one_line_error(quant_fix, "800 MB available", "use --quant int8, or free memory")
     nothing = _run(monkeypatch, "300MB", "--quant", "fp32")
     assert_one_line_error(nothing, "300 MB available", "free memory, or run a smaller model")
     # The fix the first line gave fits: the run goes ahead and generates.
