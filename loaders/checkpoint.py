@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -306,13 +307,15 @@ class HFCheckpoint:
 
     def stored_dtype(self, name: str) -> torch.dtype | None:
         """The dtype the files hold the tensor ``name`` (ours) in; None where they hold no float tensor
-        of that name (a packed one, or none at all). From the headers alone."""
+        of that name (a packed one, or none at all). From the headers alone, read once."""
+        return self._float_dtypes.get(name)
+
+    @functools.cached_property
+    def _float_dtypes(self) -> dict[str, torch.dtype]:
         dtypes: dict[str, torch.dtype] = {}
         for path in self.files:
             dtypes.update(tensor_dtypes(path))
-        key = next((key for ours, key, _ in self._shapes() if ours == name), None)
-        dtype = dtypes.get(key) if key is not None else None
-        return dtype if dtype is not None and dtype.is_floating_point else None
+        return {ours: dtypes[key] for ours, key, _ in self._shapes() if key in dtypes and dtypes[key].is_floating_point}
 
     def default_scheme(self) -> QuantScheme | None:
         """Float checkpoints run as they are unless a scheme is asked for."""

@@ -55,30 +55,18 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device, quantized: bool = False, float_tables: bool = False) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The activation dtype. 'auto' is bf16 on CUDA; on the CPU fp32, for float weights and for
     quantized ones: the CPU's quantized kernels (int4-group-cpu, int8-group-cpu, gguf-blocks-cpu)
     multiply the exact weights by fp32 activations as fast as torch's int4 kernel does with bf16 ones,
     and bf16 activations alone moved SmolLM2's predictions (KL 1e-3 from its own weights in fp32).
-    The KV cache follows the activations (fp32: twice a 16-bit cache's bytes).
-
-    ``float_tables``: a quantized model that keeps a float embedding table or output head as a
-    parameter (:func:`keeps_float_tables`: held in the activation dtype, where fp32 would double them)
-    stays on bf16 on the CPU; :func:`meta_model` holds such tables apart first where it can."""
+    The KV cache follows the activations (fp32: twice a 16-bit cache's bytes). A model's float tables
+    are held in 16 bits apart from fp32 activations (:func:`hold_float_tables`)."""
     if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if quantized and float_tables else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in DTYPES:
         raise LocalLLMError(f"unknown dtype '{name}'", "use auto, fp32, fp16 or bf16")
     return DTYPES[name]
-
-
-def keeps_float_tables(model: Transformer) -> bool:
-    """Whether a (meta) model keeps its embedding table or output head as a float parameter, loaded in
-    the activations' dtype, beside its quantized layers (which hold theirs as buffers). A router's
-    small table does not count."""
-    return any(p.dim() == 2 and p.is_floating_point() for p in (*model.embed.parameters(), *model.output.parameters()))
 
 
 def open_checkpoint(ref: str, store: Store | None = None) -> Checkpoint:
@@ -218,31 +206,33 @@ def table_dtype(ckpt: Checkpoint, name: str) -> torch.dtype:
     return torch.float16 if ckpt.stored_dtype(name) == torch.float16 else torch.bfloat16
 
 
-def hold_float_tables(model: Transformer, ckpt: Checkpoint, tensors: Iterator[tuple[str, torch.Tensor]]
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def hold_float_tables(model: Transformer, ckpt: Checkpoint, tensors: Iterator[tuple[str, torch.Tensor]],
+                      scheme: QuantScheme | None = None) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, str]]:
     """The float tables a (meta) model keeps beside its quantized or 16-bit layers, held in 16 bits
-    apart from fp32 activations on the CPU: a head left float becomes a 16-bit layer of the float row
-    kernels (tied, it serves as the embedding), an untied embedding table stays 16-bit
-    (:meth:`runtime.model.Embedding.hold_table`), each in :func:`table_dtype`.
+    apart from fp32 activations on the CPU: each float linear layer left (a head left float, a GPTQ
+    repo's unconverted modules, gpt-oss's attention beside MXFP4 experts) becomes a 16-bit layer of the
+    float row kernels (a tied head serves as the embedding), an untied embedding table stays 16-bit
+    (:meth:`runtime.model.Embedding.hold_table`). Each in a 16-bit ``scheme``'s dtype where the model
+    is in one, else in :func:`table_dtype`. A MoE's router, small, stays in the activations' dtype.
 
     Held in the activations' dtype instead, such a table either doubled in fp32 (the model's largest
     tensor, and the head is read whole at every token) or kept the activations in bf16, where every
-    quantized layer left its native kernel and each op rounded. Returns the stream that fills them."""
-    config = model.config
-    if isinstance(model.output, torch.nn.Linear):  # a head the checkpoint keeps float (a GPTQ repo's)
-        stored = "embed.weight" if config.tie_embeddings and ckpt.stored_dtype("output.weight") is None \
-            else "output.weight"
-        rows = table_dtype(ckpt, stored)
-        tensors = float_row_layers(model, tensors, {"output": parse_scheme(dtype_name(rows))})
+    quantized layer left its native kernel and each op rounded. Returns the stream that fills them,
+    and what each held tensor is held in (name -> fp16 / bf16)."""
+
+    def dtype_of(name: str) -> torch.dtype:
+        return FLOAT_SCHEMES[scheme.name] if scheme is not None else table_dtype(ckpt, name)
+
+    tied = model.config.tie_embeddings and ckpt.stored_dtype("output.weight") is None  # the table is the head
+    rows = {name: parse_scheme(dtype_name(dtype_of("embed.weight" if name == "output" and tied else f"{name}.weight")))
+            for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    held = {f"{name}.weight": s.name for name, s in rows.items()}
+    if rows:
+        tensors = float_row_layers(model, tensors, rows)
     if isinstance(model.embed, Embedding):
-        model.embed.hold_table(table_dtype(ckpt, "embed.weight"))
-    return tensors
-
-
-def held_tables(model: Transformer) -> dict[str, str]:
-    """The float tables of a model held in a dtype of their own (:func:`hold_float_tables`): name -> dtype."""
-    return {f"embed.{name}": dtype_name(t.dtype) for name, t in model.embed.named_buffers(recurse=False)
-            if isinstance(model.embed, Embedding)}
+        model.embed.hold_table(dtype_of("embed.weight"))
+        held["embed.weight"] = dtype_name(model.embed.weight.dtype)
+    return tensors, held
 
 
 @dataclass
@@ -261,6 +251,8 @@ class MetaModel:
     #: The quantized scheme a float model's values come from (None: float weights, or quantized ones).
     dequantized_from: str | None
     calibration: Calibration
+    #: Float tensors held in 16 bits apart from the activations (:func:`hold_float_tables`): name -> dtype.
+    held: dict[str, str] = field(default_factory=dict)
 
 
 def float_activations(config: ModelConfig, scheme: QuantScheme, asked: bool, dtype: str, device: torch.device) -> str:
@@ -296,12 +288,12 @@ def meta_model(ckpt: Checkpoint, spec: LoadSpec, device: torch.device) -> MetaMo
     model, tensors, plan = model_tensors(ckpt, scheme, spec.quantize_head, calibration)
     if rows_scheme is not None:
         tensors = float_row_layers(model, tensors, make_plan(model, rows_scheme, rows_scheme))
+    held: dict[str, str] = {}
     # tables apart from the activations where their dtype was left to the load (--dtype fp32: all fp32)
     if spec.dtype == "auto" and device.type == "cpu" and (scheme is not None or rows_scheme is not None and dtype == "fp32"):
-        tensors = hold_float_tables(model, ckpt, tensors)
-    act = resolve_dtype(dtype, device, quantized=scheme is not None,
-                        float_tables=scheme is not None and keeps_float_tables(model))
-    return MetaModel(model, tensors, plan, scheme or rows_scheme, act, dequantized_from, calibration)
+        tensors, held = hold_float_tables(model, ckpt, tensors, rows_scheme)
+    act = resolve_dtype(dtype, device)
+    return MetaModel(model, tensors, plan, scheme or rows_scheme, act, dequantized_from, calibration, held)
 
 
 @dataclass
@@ -404,8 +396,7 @@ def load_model(
     config, source = ckpt.config, ckpt.describe()
     model, tensors, plan, act, calibration = meta.model, meta.tensors, meta.plan, meta.act, meta.calibration
     # A GGUF's tensor types, and what each became.
-    imported = ckpt.tensor_import(plan, dtype_name(act), held_tables(model)) if isinstance(ckpt, GGUFCheckpoint) \
-        else {}
+    imported = ckpt.tensor_import(plan, dtype_name(act), meta.held) if isinstance(ckpt, GGUFCheckpoint) else {}
     if fuse:
         fuse_projections(model)  # on meta: the stream fills the fused tensors' row slices
     placement = place_parts(model, spec, target, act) if dev.type == "cuda" else None

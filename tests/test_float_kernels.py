@@ -136,14 +136,15 @@ def test_a_16bit_model_on_the_cpu_runs_its_linears_through_the_kernels(tied_fold
     assert bf16.kernels["bf16-rows-cpu"] == linears and bf16.scheme_label == "bf16"
 
 
-def test_an_untied_16bit_model_holds_its_embedding_in_16_bits(tiny_folder):
+@pytest.mark.parametrize("scheme", ["bf16", "fp16"])
+def test_an_untied_16bit_model_holds_its_embedding_in_16_bits(tiny_folder, scheme):
     """Untied, the embedding table is not a linear: it is held in the scheme's dtype apart from the fp32
     activations (a row widened as it is looked up), so every weight of the model takes two bytes."""
     model, folder = tiny_folder("llama")
-    lm = load_model(str(folder), quant="bf16", device="cpu")
-    cfg = lm.config
-    assert lm.dtype == torch.float32 and lm.model.embed.weight.dtype == torch.bfloat16
-    assert torch.equal(lm.model.embed.weight, model.model.embed_tokens.weight.detach().bfloat16())
+    lm = load_model(str(folder), quant=scheme, device="cpu")
+    dtype = torch.bfloat16 if scheme == "bf16" else torch.float16
+    assert lm.dtype == torch.float32 and lm.model.embed.weight.dtype == lm.model.output.weight.dtype == dtype
+    assert torch.equal(lm.model.embed.weight, model.model.embed_tokens.weight.detach().to(dtype))
     floats = sum(p.numel() for p in model.parameters() if p.dim() == 2)
     norms = sum(p.numel() for p in model.parameters() if p.dim() == 1)
     assert lm.weight_bytes == 2 * floats + 4 * norms

@@ -240,6 +240,14 @@ def test_hf_mxfp4_checkpoint_loads_its_experts_exactly(tmp_path):
     with torch.inference_mode():
         got = lm.model(ids).float()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # By default on the CPU: fp32 activations, the float attention and tables held in bf16 apart from them
+    # (their values are bf16's: nothing rounds), never in fp32 beside 4-bit experts
+    auto = load_model(str(folder), device="cpu")
+    attn = sum(1 for layer in auto.model.layers for m in layer.attn.modules() if isinstance(m, QuantLinear))
+    assert auto.dtype == torch.float32 and attn > 0 and auto.kernels["bf16-rows-cpu"] == attn + 1  # and the head
+    assert auto.model.embed.weight.dtype == torch.bfloat16
+    with torch.inference_mode():
+        torch.testing.assert_close(auto.model(ids).float(), want, atol=1e-4, rtol=1e-4)
     # --quant int4: re-quantized from the exact values, as the float checkpoint of those values is
     dense = tmp_path / "oss-dense"
     ref.save_pretrained(dense)

@@ -27,7 +27,7 @@ def random_model(config: Any, scheme_name: str, device: torch.device, source: st
 
     t0 = time.perf_counter()
     scheme = parse_scheme(scheme_name)
-    act = FLOAT_SCHEMES[scheme.name] if scheme.is_float else resolve_dtype("auto", device, quantized=True)
+    act = FLOAT_SCHEMES[scheme.name] if scheme.is_float else resolve_dtype("auto", device)
     model = empty_model(config)
     quantized = set() if scheme.is_float else set(swap_linears(model, scheme))
     tensors = _random_tensors(model, quantized, scheme, device, act, seed, std)
