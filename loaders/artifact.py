@@ -137,8 +137,9 @@ class ArtifactCheckpoint:
         return self.plan.get("output") if scheme == self.scheme else None
 
     def exact_plan(self, plan: Plan) -> Plan:
-        """In the stored scheme, the modules stored quantized (a mixed GGUF keeps some 16-bit)."""
-        return {m: s for m, s in plan.items() if self.plan.get(m) == s}
+        """In the stored scheme, each module as stored: quantized in its own scheme (a mixed GGUF's
+        Q6_K or int8 tensors beside its Q4_K ones: the manifest's overrides), float where stored float."""
+        return {m: self.plan[m] for m in plan if m in self.plan}
 
     def iter_canonical(self, plan: Plan, tied_head: bool) -> Iterator[tuple[str, torch.Tensor]]:
         if plan == self.plan:

@@ -10,22 +10,34 @@ import torch
 
 from localllm.loaders.artifact import quant_manifest, write_artifact
 from localllm.loaders.calibrate import DEFAULT_CALIBRATION, Calibration, resolve_calibration
-from localllm.loaders.load import Checkpoint, load_tokenizer, model_tensors
+from localllm.loaders.gguf import GGUFCheckpoint
+from localllm.loaders.load import Checkpoint, load_tokenizer, model_tensors, table_dtype
 from localllm.loaders.store import Store, StoredModel
 from localllm.quant.experts import split_expert_name
 from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme
 from localllm.runtime.model import Transformer
 
 
-def storage_layout(model: Transformer, float_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def entry_scheme(scheme: QuantScheme) -> str:
+    """The store tag of an entry in ``scheme`` (``NAME:TAG``): the scheme's name, but for the ``gguf``
+    scheme its block type in lower case (``q4_k``, ``q6_k``, ``mxfp4``), so that a model's Q4_K_M and
+    Q6_K files are two entries, each named for what it holds. Loading reads the manifest, never the tag."""
+    return scheme.gguf_type.lower() if scheme.name == "gguf" and scheme.gguf_type else scheme.name
+
+
+def storage_layout(model: Transformer, float_dtype: torch.dtype, dtypes: dict[str, torch.dtype] | None = None
+                   ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of every tensor an artifact of ``model`` (built on meta) holds.
 
-    Parameters (embedding, norms, float linears, biases) are stored in ``float_dtype``; quantized
-    modules' buffers in their format's dtypes. A tied head is stored once: as the embedding when it is
-    float, as the head when it is int8 (which then serves as the embedding: no 16-bit table).
+    Parameters (embedding, norms, float linears, biases) are stored in ``float_dtype``, or in the dtype
+    ``dtypes`` names for them; quantized modules' buffers in their format's dtypes. A tied head is
+    stored once: as the embedding when it is float, as the head when it is int8 (which then serves as
+    the embedding: no 16-bit table).
     """
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    layout = {n: (tuple(t.shape), float_dtype if n in params else t.dtype) for n, t in model.state_dict().items()}
+    dtypes = dtypes or {}
+    layout = {n: (tuple(t.shape), dtypes.get(n, float_dtype) if n in params else t.dtype)
+              for n, t in model.state_dict().items()}
     if model.config.tie_embeddings and isinstance(model.output, torch.nn.Linear):
         del layout["output.weight"]
     return layout
@@ -38,6 +50,25 @@ def _skip_tied_head(tensors: Iterator[tuple[str, torch.Tensor]], layout: dict) -
             yield name, t
 
 
+def exact_float_dtypes(ckpt: Checkpoint, scheme: QuantScheme, model: Transformer) -> dict[str, torch.dtype]:
+    """The dtypes that store a GGUF file's float parameters as ``run FILE.gguf`` holds them, when it is
+    stored in its own scheme (every tensor on its own grid): those the file holds in a float type
+    (norms, biases, a router, attention sinks: small) in fp32, which holds F32, F16 and BF16 values,
+    and Gemma's norms less their offset, exactly; its embedding table and a float head in the 16-bit
+    dtype a load holds them in (:func:`loaders.load.table_dtype`). Empty for other checkpoints and
+    schemes: their float parameters are stored in bf16."""
+    if not isinstance(ckpt, GGUFCheckpoint) or scheme != ckpt.default_scheme():
+        return {}
+    types = {ours: t.tensor_type.name for ours, t in ckpt.raw_tensors()}
+    out: dict[str, torch.dtype] = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        if name in ("embed.weight", "output.weight"):
+            out[name] = table_dtype(ckpt, name)
+        elif types.get(name) in ("F32", "F16", "BF16"):
+            out[name] = torch.float32
+    return out
+
+
 def convert_to_store(
     ckpt: Checkpoint,
     scheme: QuantScheme,
@@ -47,7 +78,8 @@ def convert_to_store(
     quantize_head: str | bool | None = None,
     calibration: str = DEFAULT_CALIBRATION,
 ) -> tuple[StoredModel, float]:
-    """Write ``ckpt`` in ``scheme`` as store entry ``name:scheme``; returns it and the seconds taken.
+    """Write ``ckpt`` in ``scheme`` as store entry ``name:TAG`` (:func:`entry_scheme`); returns it and
+    the seconds taken.
 
     Tensors stream from the checkpoint one at a time through quantization into the output, so
     memory stays near the output's size plus the largest tensor. The entry appears atomically
@@ -59,18 +91,21 @@ def convert_to_store(
     cal = Calibration(resolve_calibration(calibration, ckpt.config))
     model, tensors, plan = model_tensors(ckpt, None if scheme.is_float else scheme, quantize_head, cal)
     # Unquantized parameters of a quantized model are stored in bf16, the dtype quantized models run
-    # in: loading then rounds nothing (fp16 storage would round twice on the way to bf16).
-    layout = storage_layout(model, FLOAT_SCHEMES.get(scheme.name, torch.bfloat16))
+    # in on a GPU (fp16 storage would round twice on the way to bf16); a GGUF file kept on its own grids
+    # stores them as a load of the file holds them (:func:`exact_float_dtypes`).
+    layout = storage_layout(model, FLOAT_SCHEMES.get(scheme.name, torch.bfloat16),
+                            exact_float_dtypes(ckpt, scheme, model))
     manifest = {
         "source": source,
         "config": ckpt.config.to_dict(),
         "quant": quant_manifest(None if scheme.is_float else scheme, plan),
         "dtype": scheme.name if scheme.is_float else None,
     }
-    with store.write(name, scheme.name, manifest) as tmp:
+    tag = entry_scheme(scheme)
+    with store.write(name, tag, manifest) as tmp:
         write_artifact(tmp, layout, _skip_tied_head(tensors, layout), load_tokenizer(ckpt))
         if cal.ran:
             manifest["calibration"] = cal.to_manifest()  # the manifest is written on the block's exit
-    entry = store.get(name, scheme.name)
+    entry = store.get(name, tag)
     assert entry is not None  # just published under the lock
     return entry, time.perf_counter() - t0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from localllm.loaders.store import (
 if TYPE_CHECKING:  # torch-heavy modules, imported only when a pull runs
     from localllm.loaders.hub import Snapshot
     from localllm.loaders.load import Checkpoint
+    from localllm.quant.formats import QuantScheme
 
 #: One line of text about what a pull is doing (the CLI prints it on stderr).
 Notify = Callable[[str], None]
@@ -81,7 +83,7 @@ class PullSource:
 
 @dataclass(frozen=True)
 class PullOptions:
-    quant: str | None = None  # None: a quantized Hub repo's own format, else DEFAULT_PULL_SCHEME
+    quant: str | None = None  # None: a quantized Hub repo's or GGUF file's own format, else DEFAULT_PULL_SCHEME
     group_size: int | None = None
     quant_head: str | bool | None = None  # None: as the source has it; False: a 16-bit head
     name: str | None = None
@@ -181,34 +183,40 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
     if kept is not None:
         return PullResult(kept, kept=True)
     fetched = fetch(source, notify)
-    from localllm.loaders.convert import convert_to_store
+    from localllm.loaders.convert import convert_to_store, entry_scheme
     from localllm.loaders.hub_quant import source_format
     from localllm.loaders.load import choose_scheme
     from localllm.quant.formats import parse_scheme
 
-    # The scheme asked for; with no group size, a Q4 GGUF's own grid (its blocks are then kept exactly);
-    # none asked for, a quantized Hub repo's own format (:mod:`loaders.hub_quant`), else int4.
-    quant = options.quant or (None if source_format(fetched.ckpt) else DEFAULT_PULL_SCHEME)
-    scheme = choose_scheme(fetched.ckpt, quant, options.group_size) or parse_scheme(quant or DEFAULT_PULL_SCHEME)
-    with _entry_lock(store, name, scheme.name, notify):
-        kept = _already_stored(store, name, source, options, notify)  # another pull may have finished meanwhile
+    # The scheme asked for, else the source's own: a quantized Hub repo's format (:mod:`loaders.hub_quant`),
+    # a quantized GGUF's blocks (every tensor on its own grid, as `run FILE.gguf` loads it); a float
+    # source is quantized to int4. With no group size, --quant int4 of a Q4 GGUF keeps its own grid.
+    own = fetched.ckpt.default_scheme()
+    scheme = choose_scheme(fetched.ckpt, options.quant, options.group_size) or parse_scheme(
+        options.quant or DEFAULT_PULL_SCHEME, options.group_size)
+    with _entry_lock(store, name, entry_scheme(scheme), notify):
+        # another pull may have finished meanwhile; the entry this one writes is now known exactly
+        kept = _already_stored(store, name, source, options, notify, entry_scheme(scheme))
         if kept is not None:
             return PullResult(kept, kept=True)
-        hub_format = source_format(fetched.ckpt)  # a Hub-quantized repo's format, for the manifest
+        # the source's format, for the manifest: a Hub-quantized repo's, a GGUF file's types
+        found = source_format(fetched.ckpt) or gguf_format(fetched.ckpt)
         calibration = resolve_calibration(options.calibration, fetched.ckpt.config)
-        if not hub_format:
+        if own is None:  # float weights: quantized here
             awq = calibrates_to(fetched.ckpt, scheme, calibration)
             too_large = options.calibration == "auto" and calibration == "none"
             if too_large and calibrates_to(fetched.ckpt, scheme, "awq"):
                 notify(f"rounding to nearest: data-aware scales (--calibration awq) take about an hour a billion "
                        f"parameters on a CPU; auto computes them up to {AUTO_AWQ_PARAMETERS / 1e9:g}B")
             notify(f"quantizing to {scheme.label()}{' with data-aware scales (awq)' if awq else ''}...")
-        elif scheme == fetched.ckpt.default_scheme():
-            notify(f"storing its {hub_format['format']['label']} weights as {scheme.label()}, exactly...")
+        elif scheme == own:
+            notify(_storing_exactly(found.get("format") or {}, scheme))
         else:
-            notify(f"re-quantizing its {hub_format['format']['label']} weights to {scheme.label()} from their "
-                   "exact values...")
-        entry, quantize_s = convert_to_store(fetched.ckpt, scheme, name, store, {**fetched.source, **hub_format},
+            fmt = found.get("format") or {}
+            gguf_file = fmt.get("method") == GGUF_METHOD
+            notify(f"re-quantizing its {fmt.get('type') if gguf_file else fmt.get('label', own.label())} weights to "
+                   f"{scheme.label()} from their {'dequantized' if gguf_file else 'exact'} values...")
+        entry, quantize_s = convert_to_store(fetched.ckpt, scheme, name, store, {**fetched.source, **found},
                                              options.quant_head, calibration)
     freed = None
     if options.prune:
@@ -221,28 +229,103 @@ def _pull(source: PullSource, options: PullOptions, store: Store, name: str, not
     return PullResult(entry, False, fetched, quantize_s, freed)
 
 
+# --------------------------------------------------------------------------- a GGUF file's format
+#: ``source.format.method`` of an entry pulled from a GGUF file.
+GGUF_METHOD = "gguf"
+
+
+def gguf_format(ckpt: Any) -> dict[str, Any]:
+    """``{"format": {...}}`` for a GGUF file (what a manifest's ``source`` records, beside a Hub
+    format's): ``type``, its main tensor type (the one its own scheme keeps: ``Q4_K``; for a float file
+    its most common one); ``file_type``, llama.cpp's name for the file's mix (``Q4_K_M``; None when the
+    metadata has none); ``tensor_types``, how many tensors of each type it holds; ``scheme``, the scheme
+    that keeps it on its own grids (None: a float file, which a pull quantizes); and a ``label``.
+    Nothing for other checkpoints."""
+    from localllm.loaders.gguf import GGUFCheckpoint
+    from localllm.quant.gguf_blocks import exact_scheme
+
+    if not isinstance(ckpt, GGUFCheckpoint):
+        return {}
+    own = ckpt.default_scheme()
+    counts = Counter(t.tensor_type.name for t in ckpt.reader.tensors)
+    weights = Counter(t.tensor_type.name for t in ckpt.reader.tensors if len(t.shape) >= 2) or counts
+    kept = [k for k in weights if own is not None and exact_scheme(k) == own]
+    main = max(kept or weights, key=lambda k: weights[k])
+    file_type = _file_type(ckpt.metadata.get("general.file_type"))
+    types = ", ".join(f"{n} {k}" for k, n in counts.most_common())
+    return {"format": {"method": GGUF_METHOD, "type": main, "file_type": file_type, "tensor_types": dict(counts),
+                       "scheme": own.to_dict() if own is not None else None,
+                       "label": f"GGUF {file_type or main} ({types} tensors)"}}
+
+
+def _file_type(value: Any) -> str | None:
+    """llama.cpp's ``general.file_type`` as its name (``15`` -> ``Q4_K_M``; ``ALL_F32`` -> ``F32``)."""
+    import gguf
+
+    try:
+        name = gguf.LlamaFileType(int(value)).name
+    except (TypeError, ValueError):
+        return None
+    return None if name == "GUESSED" else name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def _storing_exactly(fmt: dict[str, Any], scheme: QuantScheme) -> str:
+    """The progress line of a source stored in its own format: ``storing its Q4_K weights exactly,
+    its Q6_K and Q8_0 tensors in theirs...``."""
+    if fmt.get("method") != GGUF_METHOD:
+        return f"storing its {fmt.get('label', scheme.label())} weights as {scheme.label()}, exactly..."
+    floats = ("F32", "F16", "BF16")
+    others = [k for k in fmt["tensor_types"] if k not in floats and k != fmt["type"]]
+    grid = "" if scheme.name == "gguf" else f" as {scheme.label()}"
+    theirs = f", its {' and '.join(others)} tensors on their own grids" if others else ""
+    return f"storing its {fmt['type']} weights exactly{grid}{theirs}..."
+
+
+# --------------------------------------------------------------------------- already stored?
 def _kept_for(entry: StoredModel, quant: str | None) -> bool:
     """Whether ``entry`` is what a pull asking ``quant`` (None: nothing asked) writes: that scheme
-    (int4 by default), or the grid a quantized Hub repo keeps as its own (``int4z`` for int4; with
+    (int4 by default), or the source's own format: a GGUF file's grids (its manifest's
+    ``source.format.scheme``; a float file's int4), a quantized Hub repo's (``int4z`` for int4; with
     nothing asked, whichever it landed on)."""
-    own = bool((entry.manifest.get("source") or {}).get("format"))
+    fmt = _source_format(entry)
+    if fmt.get("method") == GGUF_METHOD:
+        if quant is not None:
+            return entry.scheme == quant
+        if fmt.get("scheme") is None:  # a float file: quantized to the default
+            return entry.scheme == DEFAULT_PULL_SCHEME
+        return (entry.manifest.get("quant") or {}).get("scheme") == fmt["scheme"]
+    own = bool(fmt)
     if quant is None:
         return entry.scheme == DEFAULT_PULL_SCHEME or own
     return entry.scheme == quant or (own and entry.scheme == f"{quant}z")
 
 
+def _source_format(entry: StoredModel) -> dict[str, Any]:
+    """An entry's ``source.format`` (empty: a float source, or a GGUF pulled before formats were recorded)."""
+    return (entry.manifest.get("source") or {}).get("format") or {}
+
+
 def _stored_for(store: Store, name: str, quant: str | None) -> StoredModel | None:
     """The entry named ``name`` that a pull asking ``quant`` would have written, if one is stored."""
-    exact = store.get(name, quant or DEFAULT_PULL_SCHEME)
-    if exact is not None:
-        return exact
-    return next((e for e in store.list() if e.name == name and _kept_for(e, quant)), None)
+    entries = [e for e in store.list() if e.name == name and _kept_for(e, quant)]
+    asked = quant or DEFAULT_PULL_SCHEME
+    return next((e for e in entries if e.scheme == asked), entries[0] if entries else None)
 
 
 def _already_stored(store: Store, name: str, source: PullSource, options: PullOptions,
-                    notify: Notify) -> StoredModel | None:
-    """The stored entry if this pull has nothing to do; None when it must run."""
-    existing = _stored_for(store, name, options.quant)
+                    notify: Notify, tag: str | None = None) -> StoredModel | None:
+    """The stored entry if this pull has nothing to do; None when it must run. ``tag``: the entry this
+    pull writes, once its source is open; before, the entry is found by what the pull asks. A GGUF file
+    pulled without ``--quant`` lands on a tag its types decide: before it is open, only an entry of the
+    same file holding its own format is looked for (another source's entry of that name is no conflict
+    yet; one stored before formats were recorded may be re-quantized)."""
+    if tag is not None:
+        existing = store.get(name, tag)
+    elif options.quant is None and source.kind in ("gguf", "hub-gguf"):
+        existing = next((e for e in store.list() if e.name == name and _source_format(e).get("method") == GGUF_METHOD
+                         and _kept_for(e, None) and same_source(e.manifest["source"], source)), None)
+    else:
+        existing = _stored_for(store, name, options.quant)
     if existing is None or options.force:
         return None
     theirs = existing.manifest.get("source") or {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,8 +33,9 @@ from localllm.loaders.gguf import GGUFCheckpoint
 from localllm.loaders.load import load_model, load_tokenizer, open_checkpoint
 from localllm.loaders.pull import gguf_name, pull_if_missing
 from localllm.loaders.store import Store
-from localllm.quant.formats import dequantize, parse_scheme
-from localllm.quant.gguf_blocks import to_canonical
+from localllm.loaders.artifact import plan_from_manifest
+from localllm.quant.formats import dequantize, gguf_scheme, parse_scheme
+from localllm.quant.gguf_blocks import exact_scheme, to_canonical
 from localllm.runtime.speculate import MAX_DRAFT
 from tests.answers import WIDE_MARGIN, fp32_greedy
 from tests.hub_server import HubServer, hub_env, hub_fixture, running_hub
@@ -401,7 +403,9 @@ def test_show_a_gguf_file_without_storing_it(smollm2_path: Path, home: Path) -> 
 def test_gguf_pull_into_int4_keeps_the_blocks_exactly(gguf_home: Path, smollm2_path: Path) -> None:
     [entry] = Store(gguf_home).list()
     assert entry.ref == f"{NAME}:int4"  # the file's stem without ".Q4_1"
-    assert entry.manifest["source"] == {"path": str(smollm2_path.resolve()), "sha256": sha256(smollm2_path)}
+    source = entry.manifest["source"]
+    assert {k: source[k] for k in ("path", "sha256")} == {"path": str(smollm2_path.resolve()), "sha256": sha256(smollm2_path)}
+    assert (source["format"]["type"], source["format"]["file_type"]) == ("Q4_1", "Q4_1")  # what `show` names
     assert entry.manifest["quant"]["scheme"] == {"name": "int4", "group_size": 32, "symmetric": False}
     stored = load_file(entry.path / "model.safetensors")
     ckpt = GGUFCheckpoint(smollm2_path)
@@ -437,13 +441,136 @@ def test_gguf_file_of_a_hub_repo(hub: HubServer, smollm2_path: Path, gguf_home: 
     assert result.exit_code == 0, result.output
     [entry] = Store(home).list()
     assert entry.ref == f"{NAME}:int4"
-    assert entry.manifest["source"] == {"repo": "bartowski/SmolLM2-GGUF", "revision": "main", "commit": sha,
-                                        "file": filename, "sha256": sha256(smollm2_path)}
+    source = {k: v for k, v in entry.manifest["source"].items() if k != "format"}
+    assert source == {"repo": "bartowski/SmolLM2-GGUF", "revision": "main", "commit": sha, "file": filename,
+                      "sha256": sha256(smollm2_path)}
     [local] = Store(gguf_home).list()  # the same file pulled from disk gives the same weights
     assert entry.manifest["files"]["model.safetensors"] == local.manifest["files"]["model.safetensors"]
 
     missing = in_process("pull", "bartowski/SmolLM2-GGUF", "--gguf", "nope.Q8_0.gguf")
     assert missing.exit_code == 1 and "'nope.Q8_0.gguf' not found in 'bartowski/SmolLM2-GGUF'" in missing.stderr
+
+
+# =========================================================================== a GGUF file's own weights
+#: A tiny Q4_K_M-like mix: Q4_K blocks, Q6_K for v and the head, Q8_0 for down (int8 group 32); F32
+#: norms and embedding (tests/test_gguf_cpu.py writes it).
+K_MIX = {"attn_q.weight": "Q4_K", "attn_k.weight": "Q4_K", "attn_output.weight": "Q4_K", "ffn_gate.weight": "Q4_K",
+         "ffn_up.weight": "Q4_K", "attn_v.weight": "Q6_K", "ffn_down.weight": "Q8_0", "output.weight": "Q6_K"}
+IDS = torch.tensor([[1, 5, 77, 300, 12, 9, 250, 3]])
+
+
+def write_k_mix_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """:data:`K_MIX` over a tiny Llama whose norms hold values no 16-bit type does (an entry that rounded
+    them would not give the file's logits)."""
+    import tests.conftest as conftest
+    from tests.test_gguf_cpu import write_k_quant_gguf
+
+    made = conftest.make_hf_model
+
+    def noisy_norms(*args, **kwargs):  # type: ignore[no-untyped-def]
+        model = made(*args, **kwargs)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+        return model
+
+    monkeypatch.setattr(conftest, "make_hf_model", noisy_norms)
+    return write_k_quant_gguf(tmp_path, monkeypatch, K_MIX)
+
+
+def test_a_k_quant_gguf_is_stored_with_its_own_blocks(home: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pull FILE.gguf`` without --quant stores every tensor as ``run FILE.gguf`` loads it: the Q4_K,
+    Q6_K and Q8_0 tensors bit for bit in their own grids (the entry ``NAME:q4_k``, the manifest naming the
+    file's format), logits equal to the file's own; pulled again it is already stored; ``--quant int4``
+    re-quantizes into an entry of its own and says so."""
+    path = write_k_mix_gguf(tmp_path, monkeypatch)
+    first = in_process("pull", str(path))
+    assert first.exit_code == 0, first.output
+    assert "storing its Q4_K weights exactly, its Q6_K and Q8_0 tensors on their own grids" in first.stderr
+    assert "quantizing" not in first.stderr
+    [entry] = Store(home).list()
+    assert entry.ref == "q4_k_m:q4_k" and Store(home).resolve("q4_k_m") == entry  # `run q4_k_m` loads it
+    fmt = entry.manifest["source"]["format"]
+    assert (fmt["method"], fmt["type"], fmt["tensor_types"]) == ("gguf", "Q4_K", {"Q4_K": 5, "Q6_K": 2, "Q8_0": 1,
+                                                                                  "F32": 4})
+    assert fmt["label"] == "GGUF Q4_K (5 Q4_K, 4 F32, 2 Q6_K, 1 Q8_0 tensors)"
+    shown = in_process("show", entry.ref)
+    assert re.search(r"format\s+GGUF Q4_K \(5 Q4_K", shown.stdout), shown.stdout
+    assert "Q4_K mix" in in_process("list").stdout
+
+    # Each quantized tensor: the file's values (its q/k rows unpermuted) in the file's bytes.
+    stored = load_file(entry.path / "model.safetensors")
+    plan = plan_from_manifest(entry.manifest["quant"])
+    ckpt = GGUFCheckpoint(path)
+    file_bytes = 0
+    for ours, t in ckpt.raw_tensors():
+        module = ours.removesuffix(".weight")
+        if t.tensor_type.name == "F32":
+            continue
+        scheme = plan[module]
+        assert scheme == exact_scheme(t.tensor_type.name), module
+        parts = {k.rpartition(".")[2]: v for k, v in stored.items() if k.rpartition(".")[0] == module}
+        want = torch.from_numpy(ckpt.fix_rows(ours, gguf.quants.dequantize(t.data, t.tensor_type)).copy())
+        assert torch.equal(dequantize(parts, scheme), want), module  # bit for bit
+        assert sum(v.numel() * v.element_size() for v in parts.values()) == t.n_bytes, module
+        file_bytes += int(t.n_bytes)
+    assert len(plan) == 8 and file_bytes > 0
+    # no 16-bit copy: the F32 embedding is held (and stored) as a 16-bit table, smaller than the file
+    assert (entry.path / "model.safetensors").stat().st_size < path.stat().st_size
+
+    direct, kept = load_model(str(path)), load_model(entry.ref)
+    assert kept.scheme == direct.scheme == gguf_scheme("Q4_K") and kept.kernels == direct.kernels
+    with torch.no_grad():
+        assert torch.equal(kept.model(IDS), direct.model(IDS))
+
+    again = in_process("pull", str(path))
+    assert again.exit_code == 0 and "'q4_k_m:q4_k' is already stored" in again.stderr, again.output
+    int4 = in_process("pull", str(path), "--quant", "int4", "--calibration", "none")
+    assert int4.exit_code == 0, int4.output
+    assert "re-quantizing its Q4_K weights to int4 (group 32, asymmetric) from their dequantized values" in int4.stderr
+    assert sorted(e.ref for e in Store(home).list()) == ["q4_k_m:int4", "q4_k_m:q4_k"]
+    assert Store(home).get("q4_k_m", "int4").manifest["quant"]["scheme"]["name"] == "int4"  # type: ignore[union-attr]
+    # the re-quantized entry is no answer to a pull of the file's own weights, nor the other way round
+    assert "'q4_k_m:q4_k' is already stored" in in_process("pull", str(path)).stderr
+    assert "'q4_k_m:int4' is already stored" in in_process("pull", str(path), "--quant", "int4").stderr
+    # another file of that name and type: the same entry, so a conflict once it is open
+    other = tmp_path / "other" / path.name
+    other.parent.mkdir()
+    data = path.read_bytes()
+    other.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    clash = in_process("pull", str(other))
+    assert clash.exit_code == 1 and f"'q4_k_m:q4_k' is already stored from {path.resolve()}" in clash.stderr, \
+        clash.output
+
+
+def test_a_float_gguf_is_quantized_to_int4(home: Path, tmp_path: Path) -> None:
+    """An F16 file has no grid of its own: pulled without --quant it becomes int4, as a float Hub repo does."""
+    from tests.conftest import make_hf_model
+    from tests.test_gguf import write_llama_gguf
+
+    path = write_llama_gguf(make_hf_model("llama"), tmp_path / "tiny-F16.gguf", types={"weight": "F16"})
+    first = in_process("pull", str(path), "--calibration", "none")
+    assert first.exit_code == 0 and "quantizing to int4 (group 32, asymmetric)" in first.stderr, first.output
+    [entry] = Store(home).list()
+    assert entry.ref == "tiny:int4" and entry.manifest["quant"]["scheme"] == parse_scheme("int4").to_dict()
+    fmt = entry.manifest["source"]["format"]
+    assert (fmt["type"], fmt["scheme"]) == ("F16", None)
+    assert "'tiny:int4' is already stored" in in_process("pull", str(path), "--calibration", "none").stderr
+
+
+def test_a_k_quant_gguf_of_a_hub_repo_is_stored_once(hub: HubServer, home: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pull REPO --gguf FILE``: the file's own blocks, as from disk; pulled again, already stored."""
+    path = write_k_mix_gguf(tmp_path, monkeypatch)
+    hub.add_repo("org/tiny-GGUF", {"tiny.Q4_K_M.gguf": path.read_bytes(), "README.md": b"#"})
+    first = in_process("pull", "org/tiny-GGUF", "--gguf", "tiny.Q4_K_M.gguf")
+    assert first.exit_code == 0 and "storing its Q4_K weights exactly" in first.stderr, first.output
+    [entry] = Store(home).list()
+    assert entry.ref == "tiny:q4_k" and entry.manifest["source"]["file"] == "tiny.Q4_K_M.gguf"
+    again = in_process("pull", "org/tiny-GGUF", "--gguf", "tiny.Q4_K_M.gguf")
+    assert "'tiny:q4_k' is already stored" in again.stderr and "pulling" not in again.stderr, again.output
 
 
 # =========================================================================== a tiny repo: fast checks of pull's options

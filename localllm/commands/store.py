@@ -35,7 +35,7 @@ from localllm.loaders.store import Store, StoredModel, check_length, check_local
 @click.argument("source")
 @click.option("--quant", "-q", default=None, metavar="|".join(PULL_SCHEMES),
               help=f"Weight scheme to store (default: {DEFAULT_PULL_SCHEME}; a quantized Hub repo (GPTQ, AWQ...) "
-                   "keeps its own format, which naming a scheme re-quantizes).")
+                   "or GGUF file (Q4_K_M...) keeps its own format, which naming a scheme re-quantizes).")
 @click.option("--group-size", type=int, help="Group size (int4: 32/64/128/256, default 32; a Q4 GGUF keeps its own).")
 @quant_head_option("Default: as stored; a float head quantized with the rest becomes int8.")
 @calibration_option(PULL_CALIBRATION, "Default: auto: awq up to 1B parameters (calibrated once, when the model "
@@ -89,11 +89,15 @@ def print_pull(result: PullResult) -> None:
 
 # =========================================================================== list
 def scheme_short(manifest: dict[str, Any]) -> str:
-    """A stored scheme in a few characters: ``int4 g32``, ``int4 g32 sym``, ``int8``, ``nf4 b64``, ``bf16``."""
-    q = (manifest.get("quant") or {}).get("scheme")
+    """A stored scheme in a few characters: ``int4 g32``, ``int4 g32 sym``, ``int8``, ``nf4 b64``, ``bf16``,
+    ``Q4_K`` (a GGUF file's blocks; ``Q4_K mix`` beside tensors of other types)."""
+    quant = manifest.get("quant") or {}
+    q = quant.get("scheme")
     if not q:
         return str(manifest.get("dtype") or manifest.get("scheme"))
     name, group = q["name"], q.get("group_size")
+    if name == "gguf":
+        return str(q.get("gguf_type")) + (" mix" if quant.get("overrides") else "")
     if name == "int4":
         return f"int4 g{group}" + (" sym" if q.get("symmetric") else "")
     if name == "nf4":
