@@ -277,7 +277,8 @@ def _storing_exactly(fmt: dict[str, Any], scheme: QuantScheme) -> str:
     floats = ("F32", "F16", "BF16")
     others = [k for k in fmt["tensor_types"] if k not in floats and k != fmt["type"]]
     grid = "" if scheme.name == "gguf" else f" as {scheme.label()}"
-    theirs = f", its {' and '.join(others)} tensors on their own grids" if others else ""
+    listed = ", ".join(others[:-1]) + f" and {others[-1]}" if len(others) > 1 else "".join(others)
+    theirs = f", its {listed} tensors on their own grids" if others else ""
     return f"storing its {fmt['type']} weights exactly{grid}{theirs}..."
 
 
