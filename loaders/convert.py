@@ -10,8 +10,7 @@ import torch
 
 from localllm.loaders.artifact import quant_manifest, write_artifact
 from localllm.loaders.calibrate import DEFAULT_CALIBRATION, Calibration, resolve_calibration
-from localllm.loaders.gguf import GGUFCheckpoint
-from localllm.loaders.load import Checkpoint, load_tokenizer, model_tensors, table_dtype
+from localllm.loaders.load import Checkpoint, load_tokenizer, model_tensors, table_dtypes
 from localllm.loaders.store import Store, StoredModel
 from localllm.quant.experts import split_expert_name
 from localllm.quant.formats import FLOAT_SCHEMES, QuantScheme
@@ -50,23 +49,17 @@ def _skip_tied_head(tensors: Iterator[tuple[str, torch.Tensor]], layout: dict) -
             yield name, t
 
 
-def exact_float_dtypes(ckpt: Checkpoint, scheme: QuantScheme, model: Transformer) -> dict[str, torch.dtype]:
-    """The dtypes that store a GGUF file's float parameters as ``run FILE.gguf`` holds them, when it is
-    stored in its own scheme (every tensor on its own grid): those the file holds in a float type
-    (norms, biases, a router, attention sinks: small) in fp32, which holds F32, F16 and BF16 values,
-    and Gemma's norms less their offset, exactly; its embedding table and a float head in the 16-bit
-    dtype a load holds them in (:func:`loaders.load.table_dtype`). Empty for other checkpoints and
-    schemes: their float parameters are stored in bf16."""
-    if not isinstance(ckpt, GGUFCheckpoint) or scheme != ckpt.default_scheme():
+def float_storage_dtypes(ckpt: Checkpoint, scheme: QuantScheme, model: Transformer) -> dict[str, torch.dtype]:
+    """The dtypes that store a quantized model's float parameters as a CPU load of ``ckpt`` holds them,
+    so that a pulled model is the model ``run`` loads from its source: its float tables (an untied
+    embedding, a float head, other float linears) in their 16-bit dtype (:func:`loaders.load.table_dtypes`),
+    the small ones (norms, biases, routers, attention sinks) in fp32, which holds any float source's
+    values exactly (and a GGUF's Gemma norms less their offset). Empty for a float scheme: its
+    parameters are stored in the scheme's dtype."""
+    if scheme.is_float:
         return {}
-    types = {ours: t.tensor_type.name for ours, t in ckpt.raw_tensors()}
-    out: dict[str, torch.dtype] = {}
-    for name, _ in model.named_parameters(remove_duplicate=False):
-        if name in ("embed.weight", "output.weight"):
-            out[name] = table_dtype(ckpt, name)
-        elif types.get(name) in ("F32", "F16", "BF16"):
-            out[name] = torch.float32
-    return out
+    tables = table_dtypes(model, ckpt)
+    return {name: tables.get(name, torch.float32) for name, _ in model.named_parameters(remove_duplicate=False)}
 
 
 def convert_to_store(
@@ -90,11 +83,10 @@ def convert_to_store(
     t0 = time.perf_counter()
     cal = Calibration(resolve_calibration(calibration, ckpt.config))
     model, tensors, plan = model_tensors(ckpt, None if scheme.is_float else scheme, quantize_head, cal)
-    # Unquantized parameters of a quantized model are stored in bf16, the dtype quantized models run
-    # in on a GPU (fp16 storage would round twice on the way to bf16); a GGUF file kept on its own grids
-    # stores them as a load of the file holds them (:func:`exact_float_dtypes`).
+    # A quantized model's unquantized parameters as a load of the source holds them
+    # (:func:`float_storage_dtypes`); a float scheme's in its dtype.
     layout = storage_layout(model, FLOAT_SCHEMES.get(scheme.name, torch.bfloat16),
-                            exact_float_dtypes(ckpt, scheme, model))
+                            float_storage_dtypes(ckpt, scheme, model))
     manifest = {
         "source": source,
         "config": ckpt.config.to_dict(),

@@ -213,26 +213,38 @@ def hold_float_tables(model: Transformer, ckpt: Checkpoint, tensors: Iterator[tu
     repo's unconverted modules, gpt-oss's attention beside MXFP4 experts) becomes a 16-bit layer of the
     float row kernels (a tied head serves as the embedding), an untied embedding table stays 16-bit
     (:meth:`runtime.model.Embedding.hold_table`). Each in a 16-bit ``scheme``'s dtype where the model
-    is in one, else in :func:`table_dtype`. A MoE's router, small, stays in the activations' dtype.
+    is in one, else as :func:`table_dtypes` says. A MoE's router, small, stays in the activations' dtype.
 
     Held in the activations' dtype instead, such a table either doubled in fp32 (the model's largest
     tensor, and the head is read whole at every token) or kept the activations in bf16, where every
     quantized layer left its native kernel and each op rounded. Returns the stream that fills them,
     and what each held tensor is held in (name -> fp16 / bf16)."""
 
-    def dtype_of(name: str) -> torch.dtype:
-        return FLOAT_SCHEMES[scheme.name] if scheme is not None else table_dtype(ckpt, name)
-
-    tied = model.config.tie_embeddings and ckpt.stored_dtype("output.weight") is None  # the table is the head
-    rows = {name: parse_scheme(dtype_name(dtype_of("embed.weight" if name == "output" and tied else f"{name}.weight")))
-            for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    held = {f"{name}.weight": s.name for name, s in rows.items()}
+    tables = table_dtypes(model, ckpt)
+    if scheme is not None:
+        tables = dict.fromkeys(tables, FLOAT_SCHEMES[scheme.name])
+    rows = {name.removesuffix(".weight"): parse_scheme(dtype_name(d)) for name, d in tables.items()
+            if name != "embed.weight"}
     if rows:
         tensors = float_row_layers(model, tensors, rows)
+    if isinstance(model.embed, Embedding):  # not served by a tied head made a 16-bit layer just now
+        model.embed.hold_table(tables["embed.weight"])
+    else:
+        tables.pop("embed.weight", None)
+    return tensors, {name: dtype_name(d) for name, d in tables.items()}
+
+
+def table_dtypes(model: Transformer, ckpt: Checkpoint) -> dict[str, torch.dtype]:
+    """The float tables of a (meta) model and the 16-bit dtype each is held in apart from fp32
+    activations (:func:`table_dtype`): its untied embedding and each float linear's weight (a tied
+    head's from the embedding the checkpoint stores). What :func:`hold_float_tables` holds, and what
+    the store keeps them in (:func:`loaders.convert.float_storage_dtypes`)."""
+    tied = model.config.tie_embeddings and ckpt.stored_dtype("output.weight") is None  # the table is the head
+    tables = {f"{name}.weight": table_dtype(ckpt, "embed.weight" if name == "output" and tied else f"{name}.weight")
+              for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     if isinstance(model.embed, Embedding):
-        model.embed.hold_table(dtype_of("embed.weight"))
-        held["embed.weight"] = dtype_name(model.embed.weight.dtype)
-    return tensors, held
+        tables["embed.weight"] = table_dtype(ckpt, "embed.weight")
+    return tables
 
 
 @dataclass

@@ -164,7 +164,11 @@ def test_fp32_activations_run_localllms_kernels_without_a_warning(tied_folder, t
         int4 = load_model(str(tied_folder), quant="int4", quantize_head="int8", device="cpu")
         int8 = load_model(str(tied_folder), quant="int8", quantize_head="int8", device="cpu")
         float_head = load_model(str(untied), quant="int4", quantize_head=False, device="cpu")
+        tied_float = load_model(str(tied_folder), quant="int4", quantize_head=False, device="cpu")
     assert not [str(w.message) for w in caught if "reference" in str(w.message)]
+    # tied, the 16-bit head (bf16: the folder stores fp32) serves as the embedding, held once
+    assert tied_float.dtype == torch.float32 and tied_float.kernels["bf16-rows-cpu"] == 1
+    assert isinstance(tied_float.model.embed, TiedHeadEmbedding)
     assert int4.dtype == int8.dtype == float_head.dtype == torch.float32
     assert int4.kernels["int4-group-cpu"] == 8 and int4.kernels["int8-group-cpu"] == 1  # the head
     assert int8.kernels["int8-group-cpu"] == 9
