@@ -283,7 +283,7 @@ def _storing_exactly(fmt: dict[str, Any], scheme: QuantScheme) -> str:
 
 
 # --------------------------------------------------------------------------- already stored?
-def _kept_for(entry: StoredModel, quant: str | None) -> bool:
+def kept_for(entry: StoredModel, quant: str | None) -> bool:
     """Whether ``entry`` is what a pull asking ``quant`` (None: nothing asked) writes: that scheme
     (int4 by default), or the source's own format: a GGUF file's grids (its manifest's
     ``source.format.scheme``; a float file's int4), a quantized Hub repo's (``int4z`` for int4; with
@@ -308,7 +308,7 @@ def _source_format(entry: StoredModel) -> dict[str, Any]:
 
 def _stored_for(store: Store, name: str, quant: str | None) -> StoredModel | None:
     """The entry named ``name`` that a pull asking ``quant`` would have written, if one is stored."""
-    entries = [e for e in store.list() if e.name == name and _kept_for(e, quant)]
+    entries = [e for e in store.list() if e.name == name and kept_for(e, quant)]
     asked = quant or DEFAULT_PULL_SCHEME
     return next((e for e in entries if e.scheme == asked), entries[0] if entries else None)
 
@@ -324,7 +324,7 @@ def _already_stored(store: Store, name: str, source: PullSource, options: PullOp
         existing = store.get(name, tag)
     elif options.quant is None and source.kind in ("gguf", "hub-gguf"):
         existing = next((e for e in store.list() if e.name == name and _source_format(e).get("method") == GGUF_METHOD
-                         and _kept_for(e, None) and same_source(e.manifest["source"], source)), None)
+                         and kept_for(e, None) and same_source(e.manifest["source"], source)), None)
     else:
         existing = _stored_for(store, name, options.quant)
     if existing is None or options.force:
@@ -486,7 +486,7 @@ def pull_if_missing(model: str, quant: str | None = None, group_size: int | None
     store = Store()
     asked = quant in PULL_SCHEMES  # else a quantized Hub repo keeps its own format (int4 for the others)
     for entry in entries_from_repo(store, source.ref):
-        if _kept_for(entry, scheme if asked else None) and same_source(entry.manifest["source"], source):
+        if kept_for(entry, scheme if asked else None) and same_source(entry.manifest["source"], source):
             return entry.ref
     notify(f"'{model}' is not stored yet: pulling it ({scheme if asked else 'its own format, else ' + scheme})")
     options = PullOptions(scheme if asked else None, group_size, calibration=calibration)

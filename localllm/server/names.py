@@ -161,16 +161,16 @@ def repo_source(repo: str) -> PullSource:
 
 
 def pull_repo(repo: str, quant: str | None) -> StoredModel:
-    """The store entry of Hub repo id ``repo`` in ``quant`` (when it is a pull scheme, else the pull
-    default), pulled first unless it is stored; a repo the Hub does not have is a 404."""
-    from localllm.loaders.pull import (DEFAULT_PULL_SCHEME, PULL_SCHEMES, PullOptions, entries_from_repo,
-                                       pull_model, same_source)
+    """The store entry of Hub repo id ``repo`` in ``quant`` (when it is a pull scheme, else what a pull
+    asking nothing stores: a quantized repo's own format, a float one's int4), pulled first unless it
+    is stored; a repo the Hub does not have is a 404."""
+    from localllm.loaders.pull import PULL_SCHEMES, PullOptions, entries_from_repo, kept_for, pull_model, same_source
 
-    scheme = quant if quant in PULL_SCHEMES else DEFAULT_PULL_SCHEME
+    scheme = quant if quant in PULL_SCHEMES else None
     source = repo_source(repo)
     store = Store()
     for entry in entries_from_repo(store, source.ref):
-        if entry.scheme == scheme and same_source(entry.manifest["source"], source):
+        if kept_for(entry, scheme) and same_source(entry.manifest["source"], source):
             return entry
     try:
         return pull_model(source, PullOptions(scheme), store).entry

@@ -388,7 +388,7 @@ async def delete(request: Request) -> Response:
 
 @endpoint(OLLAMA, "/api/pull")
 async def pull(request: Request) -> Response:
-    from localllm.loaders.pull import DEFAULT_PULL_SCHEME, PULL_SCHEMES, PullOptions, pull_model
+    from localllm.loaders.pull import PULL_SCHEMES, PullOptions, pull_model
 
     st = state(request)
     f = Fields(await read_json(request, st.config.max_body_bytes))
@@ -397,7 +397,9 @@ async def pull(request: Request) -> Response:
         raise ApiError(400, "'model' is required", param="model")
     stream = f.boolean("stream", True)
     f.boolean("insecure", False)
-    quant = st.config.quant if st.config.quant in PULL_SCHEMES else DEFAULT_PULL_SCHEME
+    # the server's --quant where it names a scheme to store; else the pull's own default (a quantized
+    # repo's or GGUF file's weights as they are, a float model as int4)
+    quant = st.config.quant if st.config.quant in PULL_SCHEMES else None
     # a name the server does not pull is a 400 before anything starts
     source = await anyio.to_thread.run_sync(pull_source, name, st.config)
     loop = asyncio.get_running_loop()
