@@ -2,9 +2,11 @@
 
 Writes SmolLM2-135M-Instruct (the embedded GGUF, exported to an fp32 HF folder) as a GPTQ repo
 (4-bit, symmetric, group 32; with and without act order) and an AWQ repo (group 32, zero points), with
-the packing of tests/test_hub_formats.py, then runs ``localllm bench --quant int4`` on each folder and
-on the float folder (localllm's own int4, group 32), in interleaved rounds, and prints each one's
-median decode and prefill rates. Outputs go to results/hub_formats_speed/.
+the packing of tests/test_hub_formats.py and their other tensors in float16 (as such repos hold them,
+``lm_head`` included), then runs ``localllm bench --quant int4`` on each folder and on the float folder
+(localllm's own int4, group 32: with its default int8 head, and with a 16-bit head as the repos keep
+theirs), in interleaved rounds, and prints each one's median decode and prefill rates. Outputs go to
+results/hub_formats_speed/.
 
     .venv/bin/python scripts/hub_formats_speed.py [--rounds 3] [--gen-tokens 32]
 """
@@ -58,9 +60,10 @@ def write_repo(float_folder: Path, folder: Path, fmt: str) -> Path:
                 t = awq_pack_fast(w.float(), 32) if fmt == "awq" else gptq_pack(w.float(), 4, 32, True, fmt == "gptq-act", True)
                 tensors.update({f"{module}.{k}": v for k, v in t.items()})
             else:
-                tensors[name] = w
+                tensors[name] = w.half()  # float16, as GPTQ and AWQ repos hold their other tensors
     save_file(tensors, str(folder / "model.safetensors"))
     config = json.loads((float_folder / "config.json").read_text())
+    config["torch_dtype"] = "float16"
     config["quantization_config"] = (
         {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"} if fmt == "awq"
         else {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": fmt == "gptq-act",
@@ -85,7 +88,7 @@ def main() -> None:
     float_folder = out / "smollm2-fp32"
     if not (float_folder / "config.json").is_file():
         export_hf_folder(default_model_gguf(), float_folder, "fp32")
-    models = {"own int4 (float -> int4 g32)": float_folder}
+    models = {"own int4 (float -> int4 g32)": float_folder, "own int4, 16-bit head": float_folder}
     for fmt in ("gptq", "gptq-act", "awq"):
         folder = out / f"smollm2-{fmt}"
         if not (folder / "config.json").is_file():
@@ -95,12 +98,14 @@ def main() -> None:
     kernels: dict[str, str] = {}
     for r in range(args.rounds):
         for label, folder in models.items():
-            report = out / f"{folder.name}-{r}.json"
+            report = out / f"{folder.name}{'-head16' if label.endswith('head') else ''}-{r}.json"
             cmd = [sys.executable, "-m", "localllm", "bench", str(folder), "--quant", "int4", "--device", "cpu",
                    "--no-quality", "--runs", "3", "--prompt-tokens", "64", "--gen-tokens", str(args.gen_tokens),
                    "--json", str(report)]
             if label.startswith("own"):
                 cmd += ["--calibration", "none"] if "--calibration" in _bench_help() else []
+            if label.endswith("16-bit head"):  # the bytes of the Hub repos, whose lm_head stays float
+                cmd += ["--quant-head", "none"]
             subprocess.run(cmd, check=True, capture_output=True, text=True)
             res = json.loads(report.read_text())["schemes"]["int4"]
             rates[label]["decode"].append(float(res["decode_tps"]["median"]))
