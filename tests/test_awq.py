@@ -12,7 +12,7 @@ import torch
 from localllm.loaders.build import fuse_projections, load_weights
 from localllm.loaders.calibrate import Calibration, calibration_text, scale_groups
 from localllm.loaders.checkpoint import HFCheckpoint
-from localllm.loaders.convert import convert_to_store, storage_layout
+from localllm.loaders.convert import convert_to_store, float_storage_dtypes, storage_layout
 from localllm.loaders.load import load_model, model_tensors
 from localllm.loaders.safetensors_stream import write_safetensors
 from localllm.loaders.store import Store
@@ -205,7 +205,7 @@ def test_calibration_none_writes_round_to_nearest_bytes(tmp_path):
     none, _ = convert_to_store(ckpt, SCHEME, "rtn", store, source, calibration="none")
     # round-to-nearest as it was: every tensor through quantize_stream, into the same layout
     model, _, plan = model_tensors(ckpt, SCHEME)
-    layout = storage_layout(model, torch.bfloat16)
+    layout = storage_layout(model, torch.bfloat16, float_storage_dtypes(ckpt, SCHEME, model))
     write_safetensors(tmp_path / "rtn.safetensors", layout, quantize_stream(ckpt.iter_tensors(), plan),
                       metadata={"format": "pt", "producer": "localllm"})
     assert (none.path / "model.safetensors").read_bytes() == (tmp_path / "rtn.safetensors").read_bytes()
