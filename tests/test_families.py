@@ -17,6 +17,7 @@ from localllm.loaders.checkpoint import HFCheckpoint
 from localllm.runtime.config import ModelConfig
 from tests.conftest import TINY, hf_folders
 from tests.engines import reference
+from tests.test_gguf import add_model_shape
 
 #: Logits tolerance against transformers (fp32): the tightest every family meets on any CPU.
 ATOL = RTOL = 1e-4
@@ -213,12 +214,7 @@ def write_gguf(ref, arch: str, path: Path) -> Path:
     sd = {k: v.detach().float().numpy() for k, v in ref.state_dict().items()}
     w = gguf.GGUFWriter(str(path), arch)
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_model_shape(w, c)
     w.add_key_length(hd)
     w.add_value_length(hd)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)

@@ -44,6 +44,16 @@ def converter_rope_factors(head_dim: int, theta: float, s: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
+def add_model_shape(w: gguf.GGUFWriter, c) -> None:  # type: ignore[no-untyped-def]
+    """The shape keys each test writer takes from a transformers config ``c``, as llama.cpp names them."""
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter q/k row permutation (HF half-split -> interleaved pairs)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -76,12 +86,7 @@ def write_llama_gguf(model, path: Path, rope_freqs: np.ndarray | None = None,
         w.add_token_types([1] * (len(byte_tokens) + 1) + [3] * (len(tokens) - len(byte_tokens) - 1))
         w.add_token_merges(["Ġ t"])
         w.add_eos_token_id(len(byte_tokens) + 1)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_model_shape(w, c)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(THETA)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)

@@ -19,7 +19,7 @@ from localllm.loaders.load import load_model
 from localllm.quant.expert_kernels import MoEBlocksCPU, block_type
 from localllm.runtime.moe import MoE
 from tests.conftest import TINY
-from tests.test_gguf import _permute
+from tests.test_gguf import _permute, add_model_shape
 from tests.test_gguf_cpu import random_blocks
 
 #: transformers' model_type -> the ``general.architecture`` llama.cpp's converter writes.
@@ -79,12 +79,7 @@ def write_moe_gguf(model, path: Path, types: dict[str, str] | None = None) -> Pa
     w.add_token_merges(["Ġ t"])
     w.add_eos_token_id(len(byte_tokens) + 1)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_model_shape(w, c)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)

@@ -28,6 +28,7 @@ from localllm.runtime.config import ModelConfig
 from localllm.runtime.moe import MoE
 from tests.test_gpt_oss import OSS, WINDOW, gpt_oss_model, tokens
 from tests.test_harmony import SPECIALS, TEMPLATE
+from tests.test_gguf import add_model_shape
 
 ATOL = RTOL = 1e-4
 #: The file layouts: what the experts and the other matrices are stored in (norms, biases, sinks and
@@ -110,12 +111,7 @@ def write_oss_gguf(model, path: Path, layout: str = "f32", **metadata) -> Path:
     w.add_pad_token_id(tokens_.index("<|endoftext|>"))
     w.add_chat_template(TEMPLATE)
     rope = c.rope_parameters
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_model_shape(w, c)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
