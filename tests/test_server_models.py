@@ -119,6 +119,9 @@ def test_ps_counts_the_weights_in_cpu_ram_in_size_not_size_vram(server: ServerTh
         slot.host_bytes = 12345
         ps = next(m for m in http.get("/api/ps").json()["models"] if m["name"] == model)
         assert ps["size"] == slot.size_bytes + 12345 and ps["size_vram"] == 0
+        ollama = pytest.importorskip("ollama")  # the real client reads the same two fields
+        (seen,) = [m for m in ollama.Client(host=server.url).ps().models if m.model == model]
+        assert seen.size == slot.size_bytes + 12345 and seen.size_vram == 0
     finally:
         slot.host_bytes = 0
         http.post("/api/generate", json={"model": model, "keep_alive": 0})
