@@ -92,10 +92,11 @@ def test_a_float_layer_takes_the_kernel_for_few_rows_and_torch_for_more(name):
 
 
 @pytest.mark.parametrize("onednn", [False, True])
-def test_a_bf16_prefill_widens_to_fp32_where_torch_has_no_fast_bf16_gemm(onednn, monkeypatch):
-    """Where torch's bf16 GEMM is its generic loop (no AVX-512: several times slower than widening),
-    a bf16 layer's many-row product runs in fp32 panels and is rounded once to bf16; elsewhere
-    torch's bf16 GEMM. Either is the fp32 product within one bf16 rounding."""
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+def test_many_rows_run_in_fp32_panels_unless_torch_multiplies_bf16_natively(onednn, wdtype, monkeypatch):
+    """A prefill's product: torch's bf16 GEMM where x and the weight are bf16 and torch has a native
+    bf16 GEMM (oneDNN on AVX-512); else the fp32 panels, which widen an fp16 weight exactly (never
+    to bf16). Either is the fp32 product within one rounding to x's dtype."""
     from localllm.quant import float_kernels
 
     monkeypatch.setattr(float_kernels, "torch_bf16_gemm", lambda: onednn)
@@ -103,10 +104,14 @@ def test_a_bf16_prefill_widens_to_fp32_where_torch_has_no_fast_bf16_gemm(onednn,
     real = float_kernels.F.linear
     monkeypatch.setattr(float_kernels.F, "linear", lambda x, w: calls.append(w.dtype) or real(x, w))
     torch.manual_seed(0)
-    x, w = torch.randn(40, 96).bfloat16(), torch.randn(70, 96).bfloat16()
-    got = float_kernels.panel_linear(x, w)
-    assert got.dtype == torch.bfloat16 and calls == [torch.bfloat16 if onednn else torch.float32]
+    x, w = torch.randn(40, 96).bfloat16(), torch.randn(70, 96).to(wdtype)
+    got = float_kernels.many_rows(x, w)
+    native = onednn and wdtype == torch.bfloat16
+    assert got.dtype == torch.bfloat16 and calls == ([torch.bfloat16] if native else [])
     assert rel_err(got, F.linear(x.double(), w.double())) < TOLERANCE[torch.bfloat16]
+    if not native:  # the panels sum in fp32: fp32 activations get the fp32 product
+        xf = x.float()
+        assert rel_err(float_kernels.many_rows(xf, w), F.linear(xf.double(), w.double())) < TOLERANCE[torch.float32]
 
 
 @pytest.fixture(scope="module")
