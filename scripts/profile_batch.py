@@ -29,7 +29,7 @@ from localllm.loaders.load import load_model
 from localllm.runtime.batch import BatchEngine
 from localllm.runtime.sampling import SamplingParams
 
-GROUPS = (("matmul (quantized linears)", ("_mm", "_gemm", "linear", "addmm", "matmul", "int4pack")),
+GROUPS = (("matmul (quantized linears)", ("_mm", "aten::mm", "_gemm", "linear", "addmm", "matmul", "int4pack")),
           ("attention", ("attention",)),
           ("KV writes", ("index_put", "index_copy")),
           ("sampling", ("argmax", "topk", "multinomial", "softmax", "sort")))
