@@ -25,7 +25,7 @@ gguf-q8-cpu            gguf    CPU, opt-in: Q5_0, Q4_K, Q6_K as the above    int
 gguf-blocks-cpu        gguf    CPU (``localllm::gguf_mm``): a GGUF's blocks  bf16 / fp16 / fp32
 gguf-blocks-cuda       gguf    CUDA, Triton (``quant.gguf_triton``)          bf16 / fp16 / fp32
 nf4-bitsandbytes       nf4     bitsandbytes ``matmul_4bit`` (CPU and CUDA)   bf16 / fp16 / fp32
-bf16-rows-cpu          bf16    CPU (``localllm::float_mm``; GEMM above 8)    fp32 / bf16 / fp16
+bf16-rows-cpu          bf16    CPU (``localllm::float_mm``; panels above 16) fp32 / bf16 / fp16
 fp16-rows-cpu          fp16    CPU, F16C / AVX-512 (as bf16-rows-cpu)        fp32 / bf16 / fp16
 reference              all     dequantize one layer, ``F.linear``            any
 =====================  ======  ============================================  =====================
