@@ -62,6 +62,9 @@ OPS: dict[str, Callable[..., torch.Tensor] | None] = {
     "int4_group_mm": product,
     "int4_group_gemm": product,
     "int4_group_dequant": tile_weights,
+    "int4z_group_mm": product,
+    "int4z_group_gemm": product,
+    "int4z_group_dequant": tile_weights,
     # csrc/q8_mm.cpp: int8 activations
     "int4_q8_mm": product,
     "int4_q8_mm_isa": None,

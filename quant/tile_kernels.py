@@ -132,12 +132,11 @@ class Int4GroupCPU(Kernel):
 
 class Int4ZerosCPU(Int4GroupCPU):
     """int4 with integer zero points (``int4z``: GPTQ, AWQ, compressed-tensors' asymmetric int4) on
-    :class:`Int4GroupCPU`'s C++ kernel, exactly: ``w = (q - z) * s`` is ``q * s + o`` with ``o = -z * s``,
-    exact in fp32 but not always in the kernel's fp16 offsets. The kernel takes ``o`` rounded to fp16, and
-    the remainder ``o - fp16(o)`` (exact in fp32; zero where fp16 held ``o``) multiplies each group's
-    sum of activations in fp32 beside it, as the kernel multiplies its offsets: the product with the
-    exact weights, up to summation order. ``residual`` fp32 (out, in/group) exists only when some
-    offset needed it."""
+    :class:`Int4GroupCPU`'s C++ kernel and layout, exactly: ``w = (q - z) * s`` is ``q * s + o`` with
+    ``o = -z * s``, exact in fp32 but not always in fp16. So the tiles hold ``-z`` (a small integer,
+    exact in fp16) where int4's hold the offsets, and the kernel (``int4z_group_mm`` / ``_gemm``) makes
+    each group's ``o`` in fp32 from it and the scale as it loads them: int4's bytes and speed, and the
+    product of the exact weights."""
 
     name = "int4z-group-cpu"
     scheme = "int4z"
@@ -148,34 +147,17 @@ class Int4ZerosCPU(Int4GroupCPU):
             return "runs int4 weights with zero points only"
         if layer.scheme.group_size % 8:
             return f"needs a group that is a multiple of 8, not {layer.scheme.group_size}"
-        zeros = getattr(layer, "zeros", None)  # None once prepared: checked then
-        if zeros is not None and zeros.device.type == "cpu" and not torch.isfinite(
-                Int4ZerosCPU._offsets({"zeros": zeros, "scales": layer.scales}).half()).all():
-            return "its offsets (-zero x scale) are beyond fp16's range"
         return native_cpu_unsupported(target, act_dtype)
-
-    @staticmethod
-    def _offsets(c: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``-z * s`` (out, groups), exact in fp32."""
-        return -c["zeros"].float() * c["scales"].float()
 
     @staticmethod
     def prepare(layer, rows: int | None = None):  # type: ignore[no-untyped-def]
         c = layer.canonical()
-        offsets = Int4ZerosCPU._offsets(c)
-        half = offsets.half()
-        tensors = Int4GroupCPU.pack({"qweight": c["qweight"], "scales": c["scales"], "offsets": half}, rows)
-        residual = offsets - half.float()
-        if residual.any():
-            tensors["residual"] = residual
-        return tensors
+        return Int4GroupCPU.pack({"qweight": c["qweight"], "scales": c["scales"], "offsets": -c["zeros"].float()},
+                                 rows)
 
     @staticmethod
     def matmul(layer, x):  # type: ignore[no-untyped-def]
-        residual = getattr(layer, "residual", None)
-        if residual is None:
-            return Int4GroupCPU.matmul(layer, x)
-        xf = x.float()  # the kernel's product and the remainder's summed in fp32, rounded once
-        y = Int4GroupCPU.matmul(layer, xf)
-        sums = xf.view(x.shape[0], residual.shape[1], -1).sum(-1)  # (M, groups)
-        return (y + sums @ residual.t()).to(x.dtype)
+        g, n = layer.scheme.group_size, layer.out_features
+        ops = torch.ops.localllm
+        op = ops.int4z_group_mm if x.shape[0] <= Int4GroupCPU.GEMV_ROWS else ops.int4z_group_gemm
+        return op(x, layer.packed, layer.tile_scales, layer.tile_offsets, g, n)

@@ -332,6 +332,7 @@ struct TileWeights {
   int64_t sstep;         // s's step a group: 16, or 0 for one scale a row
   const uint8_t* mins = nullptr;       // Int4K: (K/32, 32) sc, m; Int6K: (K/16, 16) int8 sc
   const c10::Half* supers = nullptr;   // Int4K: (K/256, 32) d, dmin; Int6K: (K/256, 16) d
+  bool zero_points = false;            // int4: o holds -z, an integer zero point, and the offset is -z * s
 };
 
 // A layer's weights (all tiles) and tile t's.
@@ -346,6 +347,7 @@ struct Weights {
   const uint8_t* mins = nullptr;
   const c10::Half* supers = nullptr;
   int64_t per = 2;       // values a row of mins a group and of supers a super-block: 2 (Int4K), 1 (Int6K)
+  bool zero_points = false;
   TileWeights tile(int64_t t) const {
     const int64_t ng = K / G, nsc = ns == 0 ? ng : ns;
     return {w + t * (K / cols) * OCTET_BYTES,
@@ -354,7 +356,8 @@ struct Weights {
             o ? o + t * ng * TILE : nullptr,
             nsc == 1 ? 0 : TILE,
             mins ? mins + t * ng * per * TILE : nullptr,
-            supers ? supers + t * (K / SUPER) * per * TILE : nullptr};
+            supers ? supers + t * (K / SUPER) * per * TILE : nullptr,
+            zero_points};
   }
 };
 
@@ -387,6 +390,8 @@ inline void scales_offsets(const TileWeights& t, int64_t g, Vec* sc, Vec* of) {
   halves(t.s + g * t.sstep, sc);
   if constexpr (KIND == Codes::Int4) {
     halves(t.o + g * TILE, of);
+    if (t.zero_points)  // -z * s: 4 + 11 significant bits, exact in fp32 (not always in fp16)
+      for (int v = 0; v < NV; ++v) of[v] = of[v] * sc[v];
   } else if constexpr (KIND == Codes::Int5) {
     for (int v = 0; v < NV; ++v) of[v] = sc[v] * Vec(-16.f);
   }
@@ -758,13 +763,17 @@ void check_per_group(const at::Tensor& t, int64_t T, int64_t groups, at::ScalarT
               op, ": ", what, " must be contiguous ", dtype, " (tiles, K/group, ", last, ")");
 }
 
+// offsets: each group's offset, or with zero_points its negated integer zero point -z (the offset -z * s
+// then made in fp32: GPTQ's and AWQ's grids, whose offsets fp16 does not always hold).
 Weights int4_weights(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets, int64_t group,
-                     int64_t N, const char* op) {
+                     int64_t N, const char* op, bool zero_points = false) {
   const auto [T, K] = check_packed(packed, group, N, op);
   check_per_group(scales, T, K / group, at::kHalf, TILE, "scales", op);
-  check_per_group(offsets, T, K / group, at::kHalf, TILE, "offsets", op);
-  return {packed.data_ptr<uint8_t>(), nullptr, scales.data_ptr<c10::Half>(), offsets.data_ptr<c10::Half>(), K,
-          group};
+  check_per_group(offsets, T, K / group, at::kHalf, TILE, zero_points ? "zeros" : "offsets", op);
+  Weights w{packed.data_ptr<uint8_t>(), nullptr, scales.data_ptr<c10::Half>(), offsets.data_ptr<c10::Half>(), K,
+            group};
+  w.zero_points = zero_points;
+  return w;
 }
 
 constexpr int64_t INT5_GROUP = 32;  // Q5_0's block
@@ -890,6 +899,7 @@ at::Tensor dequant(const Weights& w, int64_t N, const at::TensorOptions& options
           } else {
             sc = static_cast<float>(wt.s[g * TILE + j]);
             of = wt.o != nullptr ? static_cast<float>(wt.o[g * TILE + j]) : -16.f * sc;
+            if (wt.zero_points) of *= sc;
           }
           row[k] = static_cast<float>(q) * sc + of;
         }
@@ -915,6 +925,26 @@ at::Tensor int4_group_gemm(const at::Tensor& x, const at::Tensor& packed, const 
 at::Tensor int4_group_dequant(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
                               int64_t group, int64_t N) {
   return dequant<Codes::Int4>(int4_weights(packed, scales, offsets, group, N, "int4_group_dequant"), N, packed.options());
+}
+
+// int4 with integer zero points: as int4_group_mm / _gemm / _dequant, with zeros (fp16, -z) where
+// those take offsets; w = (q - z) * s exactly.
+at::Tensor int4z_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                          const at::Tensor& zeros, int64_t group, int64_t N) {
+  return product<Codes::Int4>(x, int4_weights(packed, scales, zeros, group, N, "int4z_group_mm", true), N, false,
+                              "int4z_group_mm");
+}
+
+at::Tensor int4z_group_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                            const at::Tensor& zeros, int64_t group, int64_t N) {
+  return product<Codes::Int4>(x, int4_weights(packed, scales, zeros, group, N, "int4z_group_gemm", true), N, true,
+                              "int4z_group_gemm");
+}
+
+at::Tensor int4z_group_dequant(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
+                               int64_t group, int64_t N) {
+  return dequant<Codes::Int4>(int4_weights(packed, scales, zeros, group, N, "int4z_group_dequant", true), N,
+                              packed.options());
 }
 
 at::Tensor int5_group_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& fifth,
@@ -987,6 +1017,9 @@ TORCH_LIBRARY_FRAGMENT(localllm, m) {
   m.def("int4_group_gemm(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
   m.def("int4_group_dequant(Tensor packed, Tensor scales, Tensor offsets, int group, int out_features) -> Tensor");
   m.def("int5_group_mm(Tensor x, Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
+  m.def("int4z_group_mm(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group, int out_features) -> Tensor");
+  m.def("int4z_group_gemm(Tensor x, Tensor packed, Tensor scales, Tensor zeros, int group, int out_features) -> Tensor");
+  m.def("int4z_group_dequant(Tensor packed, Tensor scales, Tensor zeros, int group, int out_features) -> Tensor");
   m.def("int5_group_gemm(Tensor x, Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
   m.def("int5_group_dequant(Tensor packed, Tensor fifth, Tensor scales, int out_features) -> Tensor");
   m.def("int4k_group_mm(Tensor x, Tensor packed, Tensor mins, Tensor supers, int out_features) -> Tensor");
@@ -1003,6 +1036,9 @@ TORCH_LIBRARY_IMPL(localllm, CPU, m) {
   m.impl("int4_group_mm", &int4_group_mm);
   m.impl("int4_group_gemm", &int4_group_gemm);
   m.impl("int4_group_dequant", &int4_group_dequant);
+  m.impl("int4z_group_mm", &int4z_group_mm);
+  m.impl("int4z_group_gemm", &int4z_group_gemm);
+  m.impl("int4z_group_dequant", &int4z_group_dequant);
   m.impl("int5_group_mm", &int5_group_mm);
   m.impl("int5_group_gemm", &int5_group_gemm);
   m.impl("int5_group_dequant", &int5_group_dequant);
