@@ -8,7 +8,10 @@ the packing of tests/test_hub_formats.py and their other tensors in float16 (as 
 theirs), in interleaved rounds, and prints each one's median decode and prefill rates. Outputs go to
 results/hub_formats_speed/.
 
-    .venv/bin/python scripts/hub_formats_speed.py [--rounds 3] [--gen-tokens 32]
+    .venv/bin/python scripts/hub_formats_speed.py [--rounds 3] [--gen-tokens 32] [--compile]
+
+--compile times each model's compiled decode step (what ``run`` uses once it is built; ``bench``
+builds it before it times), not the eager one.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gen-tokens", type=int, default=32)
+    ap.add_argument("--compile", action="store_true", help="time the compiled decode step")
     args = ap.parse_args()
     from localllm.loaders.export_hf import export_hf_folder
     from localllm.paths import default_model_gguf
@@ -106,6 +110,8 @@ def main() -> None:
                 cmd += ["--calibration", "none"] if "--calibration" in _bench_help() else []
             if label.endswith("16-bit head"):  # the bytes of the Hub repos, whose lm_head stays float
                 cmd += ["--quant-head", "none"]
+            if args.compile:
+                cmd += ["--compile"]
             subprocess.run(cmd, check=True, capture_output=True, text=True)
             res = json.loads(report.read_text())["schemes"]["int4"]
             rates[label]["decode"].append(float(res["decode_tps"]["median"]))
