@@ -12,9 +12,8 @@ fp16. Where each lands (:func:`to_canonical`):
 * any other 4-bit grid (AWQ, asymmetric GPTQ or compressed-tensors, per-channel groups): ``int4z``,
   the zeros kept as integers (``quant.formats``). Its offset ``-z * s`` has up to 4 + 11 significant
   bits, which fp16 offsets cannot hold and fp32 can: the CPU kernel (:class:`quant.tile_kernels.Int4ZerosCPU`)
-  takes the fp16 rounding of each offset plus, where that rounding is not exact, the fp32 remainder
-  times the group's sum of activations (a (M, groups) x (groups, out) product beside the main one).
-  On CUDA (:class:`quant.cuda_kernels.Int4ZerosTritonCUDA`) the int4 Triton kernel loads the offsets in
+  keeps ``-z`` (exact in fp16) where int4's tiles keep the offsets and forms each ``-z * s`` in fp32
+  as it loads the scales. On CUDA (:class:`quant.cuda_kernels.Int4ZerosTritonCUDA`) the int4 Triton kernel loads the offsets in
   fp32.
 * 8-bit: symmetric (every zero 128) as ``int8`` (codes ``q - 128`` in -128..127, exact), else ``int8z``
   (reference kernel).

@@ -17,7 +17,7 @@ int4-tinygemm-cuda     int4    CUDA sm80+ (``torch._weight_int4pack_mm``)    bf1
 int8-triton-cuda       int8    CUDA, Triton (``quant.int_triton``)           bf16 / fp16 / fp32
 int8-weight-only       int8    per-channel (``torch._weight_int8pack_mm``)   bf16 / fp16 / fp32
 int8-group-cpu         int8    grouped, CPU (``localllm::int8_group_mm``)    bf16 / fp16 / fp32
-int4z-group-cpu        int4z   CPU, as int4-group-cpu (+ fp32 remainders)    bf16 / fp16 / fp32
+int4z-group-cpu        int4z   CPU, as int4-group-cpu (-z, times s in fp32)  bf16 / fp16 / fp32
 int4z-triton-cuda      int4z   CUDA, as int4-triton-cuda (fp32 offsets)      bf16 / fp16 / fp32
 int4-q8-cpu            int4    CPU, AVX2 / VNNI, opt-in (``int4_q8_mm``)     int8 per 32 (from fp32)
 int8-q8-cpu            int8    CPU, AVX2 / VNNI, opt-in (``int8_q8_mm``)     int8 per 32 (from fp32)
