@@ -68,8 +68,9 @@ from localllm.runtime.model import Transformer, cache_rope_tables
 from localllm.runtime.paged import PagedDecodeAttention, PagedStep
 from localllm.runtime.speculate import MAX_DRAFT
 
-#: Bumped when the exported step's calling convention changes, so old packages are not picked up.
-FORMAT = 6
+#: Bumped when the exported step's calling convention changes, or what a kernel's tensors hold (7: an
+#: int4z layer's tile offsets hold -z), so old packages are not picked up.
+FORMAT = 7
 #: The largest batch and block-table width a package takes (the engine's limits are far below).
 MAX_BATCH = 1024
 MAX_TABLE = 1 << 16
