@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compil
 WEIGHTS = (torch.bfloat16, torch.float16)
 ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
 #: (M, K, N): one row and a decode batch; K with remainders past 16 and 8 columns; N past 4 rows.
-SHAPES = ((1, 576, 67), (3, 40, 19), (4, 7, 5), (5, 131, 33), (9, 64, 16))
+SHAPES = ((1, 576, 67), (2, 200, 21), (3, 40, 19), (4, 7, 5), (5, 131, 33), (9, 64, 16))
 #: Relative error (norm) against fp32 math: fp32 sums in another order, or one rounding of the output.
 TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
@@ -75,10 +75,10 @@ def test_the_paths_agree_and_a_path_beyond_the_cpu_is_refused():
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp16"])
-def test_a_float_layer_takes_the_kernel_for_few_rows_and_torch_for_more(name):
+def test_a_float_layer_takes_the_kernel_for_few_rows_and_the_panels_for_more(name):
     """prepare() picks the scheme's row kernel (checked against the reference), and the layer's product
-    is the fp32 product of its weights through the row kernel up to GEMV_ROWS rows and the GEMM above
-    (an fp16 layer under bf16 activations: its weights widened to fp32, never rounded to bf16)."""
+    is the fp32 product of its weights through the row kernel up to GEMV_ROWS rows and the panel GEMM
+    above (an fp16 layer under bf16 activations: its weights widened to fp32, never rounded to bf16)."""
     torch.manual_seed(0)
     scheme = QuantScheme(name)
     layer = QuantLinear(96, 50, scheme)
@@ -194,3 +194,16 @@ def test_an_int8_models_compiled_decode_step_gives_the_eager_logits(tied_folder,
     lm = load_model(str(tied_folder), quant="int8", device="cpu")
     assert "reference" not in lm.kernels and any(k.startswith("int8-") for k in lm.kernels)  # inside the step
     compiled_matches_eager(lm.model)
+
+
+@needs_compiler
+def test_an_fp16_models_step_for_many_sequences_exports_its_panel_products(fp16_model, home):
+    """Above GEMV_ROWS sequences a 16-bit layer takes the panel GEMM, its weight viewed as bytes (GGUF
+    F16 rows): the compiled step's package for those batches exports and compiles with that view."""
+    engine = BatchEngine(fp16_model.model, kv_budget_bytes=8 << 20, max_running=1, speculate=False)
+    ranges = compiled_step.batch_ranges(fp16_model.model)
+    assert (2, FloatRowsCPU.GEMV_ROWS) in ranges  # the row kernel's batches, then the panels'
+    lo, hi = next(r for r in ranges if r[0] > FloatRowsCPU.GEMV_ROWS)
+    path = home / "many.pt2"
+    compiled_step.build_package(fp16_model.model, engine.pool, engine.runner.kernel, path, (lo, min(hi, 32)))
+    assert compiled_step.load_runner(path) is not None

@@ -28,6 +28,8 @@ KERNEL_TESTS = (
     "tests/test_q8_kernels.py",
     "tests/test_q8_kernels_gguf.py::test_the_product_is_the_quantized_activations_by_the_grid",
     "tests/test_tile_kernels.py",
+    "tests/test_float_kernels.py::test_every_path_is_f_linear_in_fp32_math",
+    "tests/test_hub_formats.py::test_int4z_kernel_is_exact_where_fp16_offsets_are_not",
     "tests/test_kernels.py::test_cpu_kernels_match_the_reference",
     "tests/test_kernels.py::test_grouped_int8_kernel_computes_with_the_exact_weights",
     "tests/test_gguf_blocks.py",

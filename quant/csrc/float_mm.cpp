@@ -8,7 +8,8 @@
 // Here each weight is widened in registers as it is loaded (bf16: a 16-bit shift; fp16: F16C's
 // vcvtph2ps) and multiplied into fp32 sums at once, one output row after another (a thread's chunk of
 // rows is one sequential stream, with a software prefetch ahead of it). Threads claim chunks of output
-// rows in turn (parallel_rows.h). More activation rows (a prefill) take torch's GEMM (quant/float_kernels.py).
+// rows in turn (parallel_rows.h). More activation rows (a prefill) take the fp32 panel GEMM
+// (quant/float_kernels.py).
 //
 // Paths (chosen at run time, as q8_mm.cpp chooses its own, and capped by the build's capability):
 // portable C++, AVX2 + F16C + FMA (8 weights a vector), AVX-512F (16 weights a vector). Every path
